@@ -1,0 +1,1 @@
+"""Megatron-style tensor + sequence parallel GPT (hand-written collectives). Placeholder."""

@@ -1,0 +1,1 @@
+"""The mutant catalogue: realistic broken SP implementations the default suite must kill."""

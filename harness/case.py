@@ -1,0 +1,226 @@
+"""Stage: build reference + sharded. The public case API and the case registry.
+
+A case is a system under test: how to build the single-device reference, how to make one
+step's global input, and how to turn a copy of the reference into the sharded model on one rank.
+A DTensor plan needs nothing more (parameter mapping is read off the DTensor placements); hand
+written layers also say how their parameters map to the reference's names (`ParamSpec`).
+
+Verdict rules: a case that cannot handle a config raises `Unsupported` from `validate` (run in
+the driver, before any rank does anything): that is UNSUPPORTED, not a failure. Anything else
+that goes wrong, wrong numbers, a hang or a crash in the parallel code, is FAIL.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import sys
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from harness.config import CheckConfig
+
+
+class Unsupported(Exception):
+    """Raised by `Case.validate` for a config the case declares it cannot handle."""
+
+
+@dataclass(kw_only=True, frozen=True)
+class Layout:
+    """Where a tensor's sequence and batch dims are, and whether the sequence is sharded."""
+
+    seq_dim: int | None = None
+    """Dim holding the sequence; None if the tensor has none (a scalar loss, say)."""
+    batch_dim: int | None = None
+    """Dim split across DP replicas; None if the tensor has no batch dim (then dp must be 1)."""
+    seq_sharded: bool = True
+    """True: each TP rank holds its own slice of `seq_dim` (SP). False: replicated over TP."""
+
+
+@dataclass(kw_only=True, frozen=True)
+class ParamSpec:
+    """How one local (non-DTensor) parameter maps onto the reference's parameter."""
+
+    ref_name: str
+    """Name of the reference parameter this local one is (a piece of)."""
+    dim: int | None = None
+    """Dim the reference parameter is split on across the TP group; None means replicated."""
+    sizes: tuple[int, ...] | None = None
+    """Per-TP-rank sizes along `dim`; None means torch.chunk's split."""
+    index: Callable[[torch.Tensor], torch.Tensor] | None = None
+    """For layouts a plain split cannot express (fused or permuted weights): a function from the
+    full reference tensor to this rank's local piece. Overrides dim/sizes."""
+
+
+@dataclass
+class RankContext:
+    """What a sharded factory knows about the rank it runs on. Built by the engine."""
+
+    config: CheckConfig
+    rank: int
+    world_size: int
+    dp_rank: int
+    tp_rank: int
+    tp_group: dist.ProcessGroup
+    dp_group: dist.ProcessGroup
+    tp_ranks: tuple[int, ...]
+    dp_ranks: tuple[int, ...]
+    seq_shards: tuple[int, ...]
+    """Tokens per TP rank for this config (explicit or torch.chunk's)."""
+    device: torch.device
+    _mesh: Any = None
+
+    @property
+    def tp(self) -> int:
+        return len(self.tp_ranks)
+
+    @property
+    def dp(self) -> int:
+        return len(self.dp_ranks)
+
+    @property
+    def device_mesh(self):
+        """A DTensor DeviceMesh: 1-D ("tp",) when dp == 1, else 2-D ("dp", "tp")."""
+        if self._mesh is None:
+            from torch.distributed.device_mesh import init_device_mesh
+
+            if self.dp == 1:
+                self._mesh = init_device_mesh(self.device.type, (self.tp,), mesh_dim_names=("tp",))
+            else:
+                self._mesh = init_device_mesh(
+                    self.device.type, (self.dp, self.tp), mesh_dim_names=("dp", "tp")
+                )
+        return self._mesh
+
+    def group_label(self, ranks: tuple[int, ...]) -> str:
+        """Human name of a process group by its ranks, for collective accounting."""
+        if ranks == self.tp_ranks:
+            return "tp"
+        if ranks == self.dp_ranks:
+            return "dp"
+        if len(ranks) == self.world_size:
+            return "world"
+        return "ranks" + "-".join(map(str, ranks))
+
+
+@dataclass
+class Sharded:
+    """One rank's sharded model and how the engine reads it. Returned by `Case.shard`."""
+
+    module: nn.Module
+    """The sharded model; called on this rank's piece of the input."""
+    input_layout: Layout
+    """How the global input is cut for this rank."""
+    output_layout: Layout
+    """How this rank's output relates to the reference's output."""
+    params: Mapping[str, ParamSpec] = field(default_factory=dict)
+    """Local parameter name -> spec. DTensor params need no entry; a missing plain param is
+    taken as replicated under the same name."""
+    sync_grads: Callable[[], None] = lambda: None
+    """Called after backward, before the optimizer step: the grad all-reduces a hand-written
+    implementation owes (norm weights under SP, DP averaging). Part of the system under test."""
+    local_loss: Callable[[torch.Tensor, torch.Tensor, RankContext], torch.Tensor] | None = None
+    """This rank's share of the loss from its local output and target; None means the engine's
+    default (token-loss sum over local tokens / tokens per DP replica). Part of the system under
+    test: a wrong weighting here is a real bug."""
+    clip_grad_norm: Callable[[float], torch.Tensor] | None = None
+    """Optional: global grad-norm clipping as this implementation does it; returns the norm."""
+
+
+@dataclass(kw_only=True, frozen=True)
+class Case:
+    """A system under test: reference + sharded twin + data."""
+
+    name: str
+    """Registry name, e.g. 'megatron-gpt-sp'."""
+    description: str
+    """One line shown by `sp-harness list`."""
+    build_reference: Callable[[CheckConfig], nn.Module]
+    """Single-device model in float64, deterministic in config.seed (global RNG untouched)."""
+    make_batch: Callable[[CheckConfig, int, torch.Generator], tuple[torch.Tensor, torch.Tensor]]
+    """(config, step, generator) -> (global input, global target) for one step, float64 or int."""
+    loss_sum: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+    """Sum of per-token losses of an output and its target (any matching slices)."""
+    tokens: Callable[[torch.Tensor], int]
+    """Number of loss terms in a target tensor (the divisor of the mean loss)."""
+    shard: Callable[[nn.Module, RankContext], Sharded]
+    """Turn this rank's copy of the reference (already in the run dtype) into the sharded model."""
+    validate: Callable[[CheckConfig], None] = lambda config: None
+    """Raise `Unsupported` (clear message with the numbers) for configs the case cannot handle,
+    ValueError for configs that make no sense. Runs in the driver before any rank starts."""
+    defaults: Mapping[str, Any] = field(default_factory=dict)
+    """Values for the config fields left as None (seq_len, hidden, ...)."""
+    input_layout: Layout = Layout(seq_dim=0)
+    """Layout of the global input and target: where seq and batch dims are."""
+    replicated_hint: tuple[str, ...] = ()
+    """Reference names the case says must stay bit-identical across ranks (beyond those the
+    engine infers: every replicated parameter)."""
+    tags: tuple[str, ...] = ()
+    """Free labels: 'dtensor', 'megatron', 'mutant', 'upstream-bug', ..."""
+    models_bug: str = ""
+    """For mutants: the real bug this models, with its public reference."""
+
+    def resolve(self, config: CheckConfig) -> CheckConfig:
+        """Fill the config's None fields from the case defaults and check shard sizes."""
+        filled = {k: v for k, v in self.defaults.items() if getattr(config, k, None) is None}
+        config = config.replace(**filled) if filled else config
+        if config.seq_len is None and config.seq_shards is not None:
+            config = config.replace(seq_len=sum(config.seq_shards))
+        return config
+
+
+_REGISTRY: dict[str, Case] = {}
+
+
+def register(case: Case) -> Case:
+    if case.name in _REGISTRY and _REGISTRY[case.name] is not case:
+        raise ValueError(f"case {case.name!r} is registered twice")
+    _REGISTRY[case.name] = case
+    return case
+
+
+def _load_builtin() -> None:
+    importlib.import_module("cases")
+
+
+def all_cases() -> dict[str, Case]:
+    _load_builtin()
+    return dict(_REGISTRY)
+
+
+def get_case(name: str) -> Case:
+    """A registered case by name, or `path/to/file.py:NAME` for a case in a user's file."""
+    if ":" in name and name.split(":", 1)[0].endswith(".py"):
+        path, attr = name.split(":", 1)
+        file = Path(path).resolve()
+        if not file.is_file():
+            raise ValueError(f"case file {path!r} does not exist")
+        mod_name = "sp_harness_user_" + file.stem
+        module = sys.modules.get(mod_name)
+        if module is None:
+            spec = importlib.util.spec_from_file_location(mod_name, file)
+            module = importlib.util.module_from_spec(spec)
+            sys.modules[mod_name] = module
+            spec.loader.exec_module(module)
+        case = getattr(module, attr, None)
+        if not isinstance(case, Case):
+            found = sorted(k for k, v in vars(module).items() if isinstance(v, Case))
+            raise ValueError(f"{path} has no Case named {attr!r}; Cases there: {found}")
+        # keep the user's name (path:NAME) so ranks can load it the same way
+        return case if case.name == name else _rename(case, name)
+    cases = all_cases()
+    if name not in cases:
+        raise ValueError(f"unknown case {name!r}; known cases: {', '.join(sorted(cases))}")
+    return cases[name]
+
+
+def _rename(case: Case, name: str) -> Case:
+    import dataclasses
+
+    return dataclasses.replace(case, name=name)

@@ -1,0 +1,141 @@
+"""Stage: config. What one verification run is: the case, the mesh, the shapes, the numerics.
+
+`CheckConfig` is frozen and hashable; a case fills the fields left as `None` from its own
+defaults (`Case.resolve`). `repro()` turns a config back into the one-line command that reruns it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import shlex
+from dataclasses import dataclass
+
+import torch
+
+DTYPES: dict[str, torch.dtype] = {
+    "float64": torch.float64,
+    "float32": torch.float32,
+    "bfloat16": torch.bfloat16,
+}
+NORMS = ("layernorm", "rmsnorm")
+LAYOUTS = ("bsh", "sbh")
+OPTIMIZERS = ("adamw", "sgd")
+
+
+@dataclass(kw_only=True, frozen=True)
+class CheckConfig:
+    case: str
+    """Case name from the registry, or `path/to/file.py:NAME` for a user's own case."""
+    world_size: int = 2
+    """Ranks in the job; the mesh is dp x tp with tp = world_size // dp."""
+    dp: int = 1
+    """Data-parallel degree; each DP replica gets its own micro-batch."""
+    seq_len: int | None = None
+    """Global sequence length (tokens per sequence); None means the case's default."""
+    seq_shards: tuple[int, ...] | None = None
+    """Explicit tokens per TP rank (sums to seq_len); None means torch.chunk's split."""
+    batch: int = 2
+    """Sequences per DP replica; the reference sees dp * batch."""
+    hidden: int | None = None
+    """Model width; None means the case's default."""
+    ffn: int | None = None
+    """MLP inner width; None means the case's default."""
+    num_heads: int | None = None
+    """Attention heads; None means the case's default."""
+    num_layers: int | None = None
+    """Transformer blocks; None means the case's default."""
+    vocab: int | None = None
+    """Vocabulary size; None means the case's default."""
+    norm: str = "layernorm"
+    """'layernorm' or 'rmsnorm' for cases that have norms."""
+    layout: str = "bsh"
+    """Activation layout for cases that support both: 'bsh' (GPT-NeoX) or 'sbh' (Megatron)."""
+    dtype: str = "float64"
+    """Dtype of the sharded run and of the same-dtype reference; the judge is always float64."""
+    steps: int = 2
+    """Optimizer steps to run and compare."""
+    seed: int = 0
+    """Seeds the initial weights and the data."""
+    lr: float = 1e-2
+    """Learning rate of the optimizer."""
+    optimizer: str = "adamw"
+    """'adamw' or 'sgd'."""
+    timeout_s: float = 30.0
+    """Seconds before a job is declared hung; the error names case, config and rank."""
+
+    def __post_init__(self) -> None:
+        if self.world_size < 1:
+            raise ValueError(f"world_size must be >= 1, got {self.world_size}")
+        if self.dp < 1 or self.world_size % self.dp:
+            raise ValueError(f"dp({self.dp}) does not divide world_size({self.world_size})")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
+        if self.norm not in NORMS:
+            raise ValueError(f"norm must be one of {NORMS}, got {self.norm!r}")
+        if self.layout not in LAYOUTS:
+            raise ValueError(f"layout must be one of {LAYOUTS}, got {self.layout!r}")
+        if self.optimizer not in OPTIMIZERS:
+            raise ValueError(f"optimizer must be one of {OPTIMIZERS}, got {self.optimizer!r}")
+        if self.steps < 1:
+            raise ValueError(f"steps must be >= 1, got {self.steps}")
+        if self.batch < 1:
+            raise ValueError(f"batch must be >= 1, got {self.batch}")
+        if self.timeout_s <= 0:
+            raise ValueError(f"timeout_s must be > 0, got {self.timeout_s}")
+        for field in ("seq_len", "hidden", "ffn", "num_heads", "num_layers", "vocab"):
+            value = getattr(self, field)
+            if value is not None and value < 1:
+                raise ValueError(f"{field} must be >= 1, got {value}")
+        if self.seq_shards is not None:
+            if len(self.seq_shards) != self.tp:
+                raise ValueError(
+                    f"seq_shards has {len(self.seq_shards)} entries {list(self.seq_shards)}, "
+                    f"need one per TP rank (tp={self.tp})"
+                )
+            if any(n < 0 for n in self.seq_shards):
+                raise ValueError(f"seq_shards must be >= 0, got {list(self.seq_shards)}")
+            if self.seq_len is not None and sum(self.seq_shards) != self.seq_len:
+                raise ValueError(
+                    f"seq_shards {list(self.seq_shards)} sum to {sum(self.seq_shards)}, "
+                    f"not seq_len({self.seq_len})"
+                )
+
+    @property
+    def tp(self) -> int:
+        return self.world_size // self.dp
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return DTYPES[self.dtype]
+
+    def replace(self, **changes) -> "CheckConfig":
+        return dataclasses.replace(self, **changes)
+
+    def repro(self) -> str:
+        """The one-line command that reruns exactly this config."""
+        args = ["sp-harness", "check", "--case", self.case, "--world-size", str(self.world_size)]
+        default = CheckConfig(case=self.case)
+        for field in dataclasses.fields(self):
+            if field.name in ("case", "world_size"):
+                continue
+            value = getattr(self, field.name)
+            if value is None or value == getattr(default, field.name):
+                continue
+            if isinstance(value, tuple):
+                value = ",".join(map(str, value))
+            args += ["--" + field.name.replace("_", "-"), str(value)]
+        return shlex.join(args)
+
+    def short(self) -> str:
+        """Compact one-line description for tables and error messages."""
+        parts = [f"ws={self.world_size}"]
+        if self.dp > 1:
+            parts.append(f"dp={self.dp}")
+        for name in ("seq_len", "hidden", "ffn", "num_heads"):
+            value = getattr(self, name)
+            if value is not None:
+                parts.append(f"{name}={value}")
+        if self.seq_shards is not None:
+            parts.append("shards=" + "/".join(map(str, self.seq_shards)))
+        parts += [self.dtype, f"steps={self.steps}", f"seed={self.seed}"]
+        return " ".join(parts)

@@ -1,0 +1,1 @@
+"""Plain single-device models: the ground truth every sharded case is compared against."""

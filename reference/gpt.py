@@ -1,0 +1,152 @@
+"""A small GPT, nanoGPT style: the single-device reference for every GPT case.
+
+Stage: build reference. Token embedding + learned positions, pre-norm blocks (LayerNorm or
+RMSNorm, both with affine weights), causal multi-head attention, GELU MLP, final norm, LM head.
+Everything is deterministic given the seed, and dropout is off so a sharded twin can match it
+to machine precision. Parameter names here are the names every sharded case maps back to.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+
+@dataclass(kw_only=True, frozen=True)
+class GPTConfig:
+    vocab: int = 64
+    """Vocabulary size (tokens are 0..vocab-1)."""
+    max_seq_len: int = 64
+    """Length of the learned position table; inputs may be shorter."""
+    hidden: int = 32
+    """Model width h."""
+    num_heads: int = 4
+    """Attention heads a; hidden must be a multiple of num_heads."""
+    ffn: int = 64
+    """MLP inner width."""
+    num_layers: int = 2
+    """Transformer blocks."""
+    norm: str = "layernorm"
+    """'layernorm' or 'rmsnorm' (both with affine weights)."""
+    eps: float = 1e-5
+    """Norm epsilon."""
+
+    def __post_init__(self) -> None:
+        if self.hidden % self.num_heads:
+            raise ValueError(f"num_heads({self.num_heads}) does not divide hidden({self.hidden})")
+        if self.norm not in ("layernorm", "rmsnorm"):
+            raise ValueError(f"norm must be 'layernorm' or 'rmsnorm', got {self.norm!r}")
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight
+
+
+def make_norm(cfg: GPTConfig) -> nn.Module:
+    if cfg.norm == "layernorm":
+        return nn.LayerNorm(cfg.hidden, eps=cfg.eps)
+    return RMSNorm(cfg.hidden, cfg.eps)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: GPTConfig):
+        super().__init__()
+        self.num_heads = cfg.num_heads
+        self.head_dim = cfg.hidden // cfg.num_heads
+        self.q_proj = nn.Linear(cfg.hidden, cfg.hidden)
+        self.k_proj = nn.Linear(cfg.hidden, cfg.hidden)
+        self.v_proj = nn.Linear(cfg.hidden, cfg.hidden)
+        self.out_proj = nn.Linear(cfg.hidden, cfg.hidden)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, s, _ = x.shape  # (B, S, H)
+        # -1 instead of num_heads so a tensor-parallel subclass can reuse this with local heads
+        q = self.q_proj(x).view(b, s, -1, self.head_dim).transpose(1, 2)  # (B, a, S, d)
+        k = self.k_proj(x).view(b, s, -1, self.head_dim).transpose(1, 2)  # (B, a, S, d)
+        v = self.v_proj(x).view(b, s, -1, self.head_dim).transpose(1, 2)  # (B, a, S, d)
+        att = (q @ k.transpose(-2, -1)) / math.sqrt(self.head_dim)  # (B, a, S, S)
+        causal = torch.ones(s, s, dtype=torch.bool, device=x.device).tril()
+        att = att.masked_fill(~causal, float("-inf")).softmax(dim=-1)
+        y = (att @ v).transpose(1, 2).reshape(b, s, -1)  # (B, S, a*d)
+        return self.out_proj(y)  # (B, S, H)
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: GPTConfig):
+        super().__init__()
+        self.fc1 = nn.Linear(cfg.hidden, cfg.ffn)
+        self.fc2 = nn.Linear(cfg.ffn, cfg.hidden)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(F.gelu(self.fc1(x)))  # (B, S, H)
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: GPTConfig):
+        super().__init__()
+        self.norm1 = make_norm(cfg)
+        self.attn = Attention(cfg)
+        self.norm2 = make_norm(cfg)
+        self.mlp = MLP(cfg)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.norm1(x))  # (B, S, H)
+        return x + self.mlp(self.norm2(x))  # (B, S, H)
+
+
+class GPT(nn.Module):
+    def __init__(self, cfg: GPTConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.tok_emb = nn.Embedding(cfg.vocab, cfg.hidden)
+        self.pos_emb = nn.Embedding(cfg.max_seq_len, cfg.hidden)
+        self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.num_layers))
+        self.norm_f = make_norm(cfg)
+        self.lm_head = nn.Linear(cfg.hidden, cfg.vocab, bias=False)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        b, s = tokens.shape  # (B, S) int64
+        pos = torch.arange(s, device=tokens.device)
+        x = self.tok_emb(tokens) + self.pos_emb(pos)  # (B, S, H)
+        for block in self.blocks:
+            x = block(x)
+        return self.lm_head(self.norm_f(x))  # (B, S, V)
+
+
+def init_gpt_(model: GPT, seed: int) -> GPT:
+    """Deterministic init from a seed, independent of the global RNG state.
+
+    Norm weights and biases get random values near (1, 0) rather than exactly (1, 0): a sharded
+    twin whose norm weights never move would otherwise look right by accident.
+    """
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                base = 1.0 if name.endswith("weight") else 0.0
+                p.copy_(base + 0.1 * torch.randn(p.shape, generator=gen, dtype=torch.float64))
+            else:
+                # 1/sqrt(fan_in) keeps activations O(1); biases non-zero so bias bugs show
+                std = 1.0 / math.sqrt(p.shape[-1]) if p.dim() == 2 else 0.1
+                p.copy_(std * torch.randn(p.shape, generator=gen, dtype=torch.float64))
+    return model
+
+
+def build_gpt(cfg: GPTConfig, seed: int, dtype: torch.dtype = torch.float64) -> GPT:
+    return init_gpt_(GPT(cfg).to(dtype), seed)
+
+
+def token_loss_sum(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Sum of next-token cross-entropy over every position: (..., V), (...) -> scalar."""
+    flat = logits.reshape(-1, logits.shape[-1])  # (N, V)
+    return F.cross_entropy(flat, targets.reshape(-1), reduction="sum")
