@@ -1,3 +1,3 @@
 """Systems under test. Importing this package registers every built-in case."""
 
-from cases import megatron, mutants  # noqa: F401
+from cases import dtensor_plans, megatron, mutants  # noqa: F401

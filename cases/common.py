@@ -1,0 +1,50 @@
+"""Shared pieces of the built-in cases: GPT config from a CheckConfig, batches, losses."""
+
+from __future__ import annotations
+
+import torch
+from torch.nn import functional as F
+
+from harness.case import Unsupported
+from harness.config import CheckConfig
+from harness.shards import chunk_sizes
+from reference.gpt import GPTConfig, build_gpt, token_loss_sum
+
+GPT_DEFAULTS = dict(seq_len=12, hidden=32, ffn=64, num_heads=4, num_layers=2, vocab=64)
+
+
+def gpt_config(config: CheckConfig) -> GPTConfig:
+    return GPTConfig(vocab=config.vocab, max_seq_len=max(64, config.seq_len), hidden=config.hidden,
+                     num_heads=config.num_heads, ffn=config.ffn, num_layers=config.num_layers, norm=config.norm)
+
+
+def build_reference_gpt(config: CheckConfig):
+    return build_gpt(gpt_config(config), seed=config.seed)
+
+
+def gpt_batch(config: CheckConfig, step: int, gen: torch.Generator):
+    """Random tokens [dp*batch, seq_len] and their next-token targets."""
+    tokens = torch.randint(0, config.vocab, (config.dp * config.batch, config.seq_len + 1), generator=gen)
+    return tokens[:, :-1], tokens[:, 1:]
+
+
+def gpt_tokens(target: torch.Tensor) -> int:
+    return target.numel()
+
+
+def mse_sum(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    return F.mse_loss(output, target.to(output.dtype), reduction="sum")
+
+
+def require_chunk_split(config: CheckConfig, what: str) -> None:
+    """DTensor's Shard(dim) can only split by torch.chunk: reject other explicit splits."""
+    if config.seq_shards is not None and tuple(config.seq_shards) != chunk_sizes(config.seq_len, config.tp):
+        raise Unsupported(
+            f"{what} shards the sequence with DTensor Shard(dim), which splits by torch.chunk: "
+            f"seq_shards {list(config.seq_shards)} differ from chunk_sizes({config.seq_len}, {config.tp}) = "
+            f"{list(chunk_sizes(config.seq_len, config.tp))}"
+        )
+
+
+__all__ = ["GPT_DEFAULTS", "gpt_config", "build_reference_gpt", "gpt_batch", "gpt_tokens", "mse_sum",
+           "require_chunk_split", "token_loss_sum"]

@@ -1,0 +1,148 @@
+"""DTensor (torch.distributed.tensor.parallel) plans as systems under test.
+
+`seed-mlp` is the seed's exact plan on the seed's ToyModel; `dtensor-gpt` is a torchtitan-style
+Megatron SP plan for reference/gpt.py. Parallel plans are plain dicts of submodule -> style.
+Both split by torch.chunk (DTensor's Shard), so they run what the user would run; where PyTorch
+breaks on uneven splits the harness reports FAIL with PyTorch's own error, and our tests pin it.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    PrepareModuleInput,
+    RowwiseParallel,
+    SequenceParallel,
+    parallelize_module,
+)
+
+from cases.common import (GPT_DEFAULTS, build_reference_gpt, gpt_batch, gpt_tokens, mse_sum,
+                          require_chunk_split, token_loss_sum)
+from harness.case import Case, Layout, RankContext, Sharded, Unsupported, register
+from harness.config import CheckConfig
+from reference.toy_mlp import ToyModel
+
+SEED_IN, SEED_OUT = 10, 5
+
+
+def seed_plan() -> dict:
+    return {
+        "in_proj": ColwiseParallel(input_layouts=Shard(0)),
+        "out_proj": RowwiseParallel(output_layouts=Shard(0)),
+    }
+
+
+def _seed_reference(config: CheckConfig) -> ToyModel:
+    gen = torch.Generator().manual_seed(config.seed)
+    model = ToyModel(SEED_IN, config.hidden, SEED_OUT).to(torch.float64)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(torch.randn(p.shape, generator=gen, dtype=torch.float64) / p.shape[-1] ** 0.5)
+    return model
+
+
+def _seed_batch(config: CheckConfig, step: int, gen: torch.Generator):
+    # (S, in): the seed feeds a 2-D input whose dim 0 is the sharded sequence
+    x = torch.rand(config.seq_len, SEED_IN, generator=gen, dtype=torch.float64)
+    y = torch.randn(config.seq_len, SEED_OUT, generator=gen, dtype=torch.float64)
+    return x, y
+
+
+def _seed_validate(config: CheckConfig) -> None:
+    if config.dp != 1:
+        raise Unsupported(f"seed-mlp has no batch dim to split over data parallel ranks: dp({config.dp}) must be 1")
+    require_chunk_split(config, "seed-mlp")
+
+
+def _seed_shard(model: ToyModel, ctx: RankContext) -> Sharded:
+    module = parallelize_module(model, ctx.device_mesh, seed_plan())
+    layout = Layout(seq_dim=0)
+    return Sharded(module=module, input_layout=layout, output_layout=layout)
+
+
+SEED_MLP = register(Case(
+    name="seed-mlp",
+    description="the seed's DTensor plan: ColwiseParallel(input_layouts=Shard(0)) + RowwiseParallel(output_layouts=Shard(0)) on ToyModel 10->32->5",
+    build_reference=_seed_reference,
+    make_batch=_seed_batch,
+    loss_sum=mse_sum,
+    tokens=lambda target: target.shape[0],
+    shard=_seed_shard,
+    validate=_seed_validate,
+    defaults=dict(seq_len=12, hidden=32),
+    input_layout=Layout(seq_dim=0),
+    tags=("dtensor", "seed"),
+))
+
+
+def gpt_plan(num_layers: int) -> dict:
+    """torchtitan's Megatron-SP plan, adapted to reference/gpt.py's names.
+
+    Embeddings run replicated on the full sequence; the first block's input is cut to sequence
+    shards (Replicate -> Shard(1) is a local slice); norms run on shards (SequenceParallel);
+    q/k/v and fc1 all-gather the sequence (Colwise with Shard(1) input); out-proj and fc2
+    reduce-scatter back to sequence shards (Rowwise, output Shard(1)); the LM head gathers the
+    sequence and returns replicated logits, as torchtitan does without loss parallelism.
+    """
+    plan: dict = {
+        "blocks.0": PrepareModuleInput(input_layouts=(Replicate(),), desired_input_layouts=(Shard(1),),
+                                       use_local_output=True),
+        "norm_f": SequenceParallel(),
+        "lm_head": ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate()),
+    }
+    for i in range(num_layers):
+        b = f"blocks.{i}"
+        plan.update({
+            f"{b}.norm1": SequenceParallel(),
+            f"{b}.attn": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
+            f"{b}.attn.q_proj": ColwiseParallel(),
+            f"{b}.attn.k_proj": ColwiseParallel(),
+            f"{b}.attn.v_proj": ColwiseParallel(),
+            f"{b}.attn.out_proj": RowwiseParallel(output_layouts=Shard(1)),
+            f"{b}.norm2": SequenceParallel(),
+            f"{b}.mlp": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
+            f"{b}.mlp.fc1": ColwiseParallel(),
+            f"{b}.mlp.fc2": RowwiseParallel(output_layouts=Shard(1)),
+        })
+    return plan
+
+
+def _gpt_validate(config: CheckConfig) -> None:
+    if config.dp != 1:
+        raise Unsupported(f"dtensor-gpt runs on a 1-D tp mesh: dp({config.dp}) must be 1")
+    require_chunk_split(config, "dtensor-gpt")
+    if config.hidden % config.num_heads:
+        raise ValueError(f"num_heads({config.num_heads}) does not divide hidden({config.hidden})")
+    head_dim = config.hidden // config.num_heads
+    from harness.shards import chunk_sizes
+
+    cols = chunk_sizes(config.hidden, config.tp)
+    if any(c % head_dim for c in cols):
+        # Colwise splits q/k/v columns by torch.chunk, blind to head boundaries
+        raise Unsupported(
+            f"ColwiseParallel splits hidden({config.hidden}) over tp({config.tp}) as {list(cols)} columns, "
+            f"not whole heads of head_dim({head_dim}); the reference's view(b, s, -1, head_dim) cannot run"
+        )
+
+
+def _gpt_shard(model, ctx: RankContext) -> Sharded:
+    module = parallelize_module(model, ctx.device_mesh, gpt_plan(ctx.config.num_layers))
+    return Sharded(module=module, input_layout=Layout(seq_dim=1, batch_dim=0, seq_sharded=False),
+                   output_layout=Layout(seq_dim=1, batch_dim=0, seq_sharded=False))
+
+
+DTENSOR_GPT = register(Case(
+    name="dtensor-gpt",
+    description="torchtitan-style DTensor plan for the reference GPT (SequenceParallel norms, Colwise q/k/v/fc1, Rowwise out/fc2 -> Shard(1))",
+    build_reference=build_reference_gpt,
+    make_batch=gpt_batch,
+    loss_sum=token_loss_sum,
+    tokens=gpt_tokens,
+    shard=_gpt_shard,
+    validate=_gpt_validate,
+    defaults=GPT_DEFAULTS,
+    input_layout=Layout(seq_dim=1, batch_dim=0),
+    tags=("dtensor",),
+))

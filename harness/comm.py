@@ -1,0 +1,172 @@
+"""Stage: capture. Collective accounting: count and bytes per collective kind, group and phase.
+
+A TorchDispatchMode sees both the raw `torch.distributed` calls of hand-written layers (the
+`c10d.*` ops behind `dist.all_reduce` and friends) and DTensor's functional collectives
+(`_c10d_functional.*`). Like DTensor's CommDebugMode it steps aside for DTensor arguments, so
+DTensor desugars into local ops and collectives first and the mode sees those.
+
+Bytes are payload bytes of the full (unsharded) tensor: the all-reduce's input, the all-gather's
+output, the reduce-scatter's input. `ring_bytes` converts to what one rank sends on a ring:
+2(t-1)/t of the payload for an all-reduce and (t-1)/t for an all-gather or reduce-scatter, which
+is the accounting of Korthikanti et al. 2022 (arXiv 2205.05198, section 4.2.2): SP replaces each
+all-reduce by a reduce-scatter plus an all-gather of the same payload, so the volume is equal.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch.utils._python_dispatch import TorchDispatchMode
+
+# op name -> (kind, which argument carries the payload, how to size it)
+_RAW = {
+    "c10d.allreduce_.default": ("all_reduce", "list0"),
+    "c10d.allreduce_coalesced_.default": ("all_reduce", "list0"),
+    "c10d._allgather_base_.default": ("all_gather", "arg0"),
+    "c10d.allgather_.default": ("all_gather", "listlist0"),
+    "c10d.allgather_into_tensor_coalesced_.default": ("all_gather", "list0"),
+    "c10d._reduce_scatter_base_.default": ("reduce_scatter", "arg1"),
+    "c10d.reduce_scatter_.default": ("reduce_scatter", "listlist1"),
+    "c10d.reduce_scatter_tensor_coalesced_.default": ("reduce_scatter", "list1"),
+    "c10d.broadcast_.default": ("broadcast", "list0"),
+    "c10d.alltoall_base_.default": ("all_to_all", "arg1"),
+    "c10d.alltoall_.default": ("all_to_all", "list1"),
+    "c10d.gather_.default": ("gather", "list1"),
+    "c10d.scatter_.default": ("scatter", "list0"),
+    "c10d.reduce_.default": ("reduce", "list0"),
+    "c10d.send.default": ("send", "list0"),
+    "c10d.recv_.default": ("recv", "list0"),
+}
+_FUNCTIONAL = {
+    "_c10d_functional.all_reduce.default": "all_reduce",
+    "_c10d_functional.all_reduce_.default": "all_reduce",
+    "_c10d_functional.all_reduce_coalesced.default": "all_reduce",
+    "_c10d_functional.all_gather_into_tensor.default": "all_gather",
+    "_c10d_functional.all_gather_into_tensor_out.default": "all_gather",
+    "_c10d_functional.reduce_scatter_tensor.default": "reduce_scatter",
+    "_c10d_functional.all_to_all_single.default": "all_to_all",
+    "_c10d_functional.broadcast.default": "broadcast",
+}
+
+
+def _nbytes(t) -> int:
+    if isinstance(t, torch.Tensor):
+        return t.numel() * t.element_size()
+    if isinstance(t, (list, tuple)):
+        return sum(_nbytes(x) for x in t)
+    return 0
+
+
+def _group_ranks(group) -> tuple[int, ...]:
+    try:
+        if isinstance(group, str):
+            group = dist.distributed_c10d._resolve_process_group(group)
+        return tuple(dist.get_process_group_ranks(group))
+    except Exception:
+        return ()
+
+
+@dataclass
+class CommStat:
+    count: int = 0
+    bytes: int = 0
+
+
+class CommCounter(TorchDispatchMode):
+    """Counts collectives by (phase, kind, group label). Set `phase` between regions."""
+
+    def __init__(self, group_label=lambda ranks: "ranks" + "-".join(map(str, ranks))):
+        super().__init__()
+        self.group_label = group_label
+        self.phase = "forward"
+        self.stats: dict[tuple[str, str, str], CommStat] = defaultdict(CommStat)
+        self._labels: dict[tuple[int, ...], str] = {}
+
+    def _label(self, group) -> str:
+        ranks = _group_ranks(group)
+        if ranks not in self._labels:
+            self._labels[ranks] = self.group_label(ranks) if ranks else "unknown"
+        return self._labels[ranks]
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if any(getattr(t, "__name__", "") == "DTensor" for t in types):
+            return NotImplemented
+        name = str(func)
+        if name.startswith("c10d.") and name in _RAW:
+            kind, where = _RAW[name]
+            idx = int(where[-1])
+            payload = args[idx]
+            size = _nbytes(payload)
+            group = next((a for a in args if type(a).__name__ in ("ProcessGroup", "ScriptObject")), None)
+            self._add(kind, group, size)
+        elif name.startswith("_c10d_functional.") and name in _FUNCTIONAL:
+            kind = _FUNCTIONAL[name]
+            size = _nbytes(args[0])
+            group = args[-1]
+            if kind == "all_gather":
+                size *= args[1]  # group_size: payload is the gathered output
+            self._add(kind, group, size)
+        return func(*args, **kwargs)
+
+    def _add(self, kind: str, group, size: int) -> None:
+        stat = self.stats[(self.phase, kind, self._label(group))]
+        stat.count += 1
+        stat.bytes += size
+
+    def snapshot(self) -> list[dict]:
+        return [
+            {"phase": p, "kind": k, "group": g, "count": s.count, "bytes": s.bytes}
+            for (p, k, g), s in sorted(self.stats.items())
+        ]
+
+
+def ring_bytes(kind: str, payload: int, group_size: int) -> float:
+    """Bytes one rank sends for a ring implementation of the collective."""
+    if group_size <= 1:
+        return 0.0
+    frac = (group_size - 1) / group_size
+    if kind == "all_reduce":
+        return 2 * frac * payload
+    if kind in ("all_gather", "reduce_scatter", "all_to_all"):
+        return frac * payload
+    return float(payload)
+
+
+def activation_volume(rows: list[dict], *, group: str = "tp", group_size: int) -> dict:
+    """Forward+backward activation collectives over `group`: counts and ring bytes per kind."""
+    out: dict[str, dict] = {}
+    for row in rows:
+        if row["group"] != group or row["phase"] not in ("forward", "backward"):
+            continue
+        entry = out.setdefault(row["kind"], {"count": 0, "bytes": 0, "ring_bytes": 0.0})
+        entry["count"] += row["count"]
+        entry["bytes"] += row["bytes"]
+        entry["ring_bytes"] += ring_bytes(row["kind"], row["bytes"], group_size)
+    return out
+
+
+def paper_check(tp_rows: list[dict], sp_rows: list[dict], *, tp: int) -> dict:
+    """Korthikanti et al.: SP turns each TP all-reduce into a reduce-scatter + all-gather of the
+    same payload, so per-rank ring volume is equal. Returns the figures and whether they match."""
+    tp_vol = activation_volume(tp_rows, group_size=tp)
+    sp_vol = activation_volume(sp_rows, group_size=tp)
+    ar = tp_vol.get("all_reduce", {"count": 0, "bytes": 0, "ring_bytes": 0.0})
+    ag = sp_vol.get("all_gather", {"count": 0, "bytes": 0, "ring_bytes": 0.0})
+    rs = sp_vol.get("reduce_scatter", {"count": 0, "bytes": 0, "ring_bytes": 0.0})
+    tp_ring = sum(v["ring_bytes"] for v in tp_vol.values())
+    sp_ring = sum(v["ring_bytes"] for v in sp_vol.values())
+    matches = (
+        ar["count"] == ag["count"] == rs["count"]
+        and ar["bytes"] == ag["bytes"] == rs["bytes"]
+        and tp_ring == sp_ring
+    )
+    return {
+        "tp_all_reduce": ar, "sp_all_gather": ag, "sp_reduce_scatter": rs,
+        "tp_ring_bytes": tp_ring, "sp_ring_bytes": sp_ring,
+        "sp_other_kinds": sorted(set(sp_vol) - {"all_gather", "reduce_scatter"}),
+        "matches": matches,
+    }

@@ -1,0 +1,472 @@
+"""Stage: gate (record -> report -> gate). The PASS/FAIL decision on a set of convergence runs.
+
+Pure: step records in, a `GateResult` out; no torch, no files, no process groups. The report
+draws the same bands this module judges with, so `GateBands` is the single place they live.
+
+Rules, all applied to every run:
+
+  steps      every run records the same steps (a run that stopped early is a failure);
+  nonfinite  loss and grad_norm are finite;
+  lockstep   for each pair of runs (sp-tp, sp-ref, tp-ref by default) and each lockstep metric
+             (loss, grad_norm), |a - b| <= GateBands.tight(dtype, |ref value|, step);
+  drift      max_replica_drift <= drift_tolerance (0.0: replicated parameters must stay
+             bit-identical across ranks), naming the parameter that drifted;
+  golden     optionally, each run's curves stay inside a golden file's band (harness.golden).
+
+The lockstep band (why it looks the way it does). The runs start from identical weights and
+see identical batches; a correct parallel run differs from the reference only in the order of
+floating-point reductions (sequence-shard sums, tensor-parallel all-reduces). Such a reordering
+changes a mean loss of size L by a few ulps, i.e. ~eps(dtype) * L, so the band is
+
+    band(step) = k * eps(dtype) * max(1, |L_ref(step)|) * sqrt(1 + step / growth_steps)
+
+with k = 64 and growth_steps = 100. max(1, .) keeps the band from collapsing when the metric
+nears 0. The sqrt factor is there because the runs' trajectories do separate slowly: Adam turns
+a rounding-level gradient difference on a near-zero gradient entry into an O(lr) update
+difference, and those accumulate like a random walk. Measured on the reference GPT (h=32,
+2 layers, vocab 64, AdamW lr 1e-2, Markov data) against itself with its gradient accumulated
+from two half-batches (a pure reduction-order change): float32 loss differences of
+~1 eps*L at the first steps (matching correct SP vs reference, ~5e-7 at L~4), at most 4.3 eps*L
+over 200 steps, 10 over 400, 38 over 1000; grad-norm differences at most 17.5 eps*max(1,|g|) over
+400 steps; float64 at most 5.2 eps*L over 300 steps. The band is 64 at step 0, 111 at step 200,
+212 at step 1000: 5-15x headroom, and still a relative 2.5e-5 at L~4 in float32 (1.4e-14 in
+float64), far below what real SP bugs do (a missing norm-weight all-reduce moves the loss by
+1e-5 within two steps and 1e-3 later, and drifts the replicas at the first update). The
+constants depend on the dtype only, never on the case.
+
+bfloat16 / nondeterministic runs: the same formula gives a band of ~1/4 of L (eps = 2^-7);
+lockstep there is a smoke test and the golden band (spread of repeated runs) is the real check.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from harness.records import StepRecord, series
+
+EPS: dict[str, float] = {
+    "float64": 2.0**-52,
+    "float32": 2.0**-23,
+    "float16": 2.0**-10,
+    "bfloat16": 2.0**-7,
+}
+"""Machine epsilon per dtype name (= torch.finfo(dtype).eps), kept here so the gate needs no torch."""
+
+PASS = "PASS"
+FAIL = "FAIL"
+
+# rules evaluated on values measured before a step's update sort before those measured after it
+_BEFORE_UPDATE = {"loss", "grad_norm", "steps"}
+
+
+@dataclass(kw_only=True, frozen=True)
+class GateBands:
+    """Tolerances of the gate, as formulas of dtype and step (see the module docstring)."""
+
+    lockstep_k: float = 64.0
+    """Band in units of eps(dtype) * max(1, |reference value|) at step 0."""
+    growth_steps: float = 100.0
+    """The band grows as sqrt(1 + step / growth_steps): slow trajectory separation from
+    rounding. math.inf disables growth."""
+    lockstep_metrics: tuple[str, ...] = ("loss", "grad_norm")
+    """StepRecord fields compared between runs step by step."""
+    drift_tolerance: float = 0.0
+    """Largest allowed max_replica_drift. 0.0: replicas must be bit-identical."""
+    golden_spread_factor: float = 2.0
+    """Golden band = max(golden_spread_factor * spread, tight band): |x - golden mean| may be
+    twice the range of the repeats that made the golden. With 3 repeats the expected range is
+    ~1.7 sigma, so the band is ~3.4 sigma around the mean."""
+
+    def __post_init__(self) -> None:
+        if not (self.lockstep_k > 0 and math.isfinite(self.lockstep_k)):
+            raise ValueError(f"lockstep_k must be finite and > 0, got {self.lockstep_k}")
+        if not self.growth_steps > 0:
+            raise ValueError(f"growth_steps must be > 0 (math.inf for none), got {self.growth_steps}")
+        if not self.drift_tolerance >= 0:
+            raise ValueError(f"drift_tolerance must be >= 0, got {self.drift_tolerance}")
+        if not self.golden_spread_factor >= 0:
+            raise ValueError(f"golden_spread_factor must be >= 0, got {self.golden_spread_factor}")
+        known = {f.name for f in dataclasses.fields(StepRecord)}
+        bad = [m for m in self.lockstep_metrics if m not in known]
+        if bad:
+            raise ValueError(f"lockstep_metrics {bad} are not StepRecord fields {sorted(known)}")
+
+    @staticmethod
+    def eps(dtype: str) -> float:
+        if dtype not in EPS:
+            raise ValueError(f"dtype must be one of {sorted(EPS)}, got {dtype!r}")
+        return EPS[dtype]
+
+    def tight(self, dtype: str, scale: float, step: int) -> float:
+        """k * eps(dtype) * max(1, |scale|) * sqrt(1 + step / growth_steps)."""
+        if step < 0:
+            raise ValueError(f"step must be >= 0, got {step}")
+        mag = abs(scale)
+        # a NaN reference gets the smallest band: the nonfinite rule reports it anyway
+        mag = 1.0 if not math.isfinite(mag) else max(1.0, mag)
+        return self.lockstep_k * self.eps(dtype) * mag * math.sqrt(1.0 + step / self.growth_steps)
+
+    def golden(self, dtype: str, value: float, spread: float, step: int) -> float:
+        """max(golden_spread_factor * spread, tight(dtype, value, step))."""
+        return max(self.golden_spread_factor * spread, self.tight(dtype, value, step))
+
+    def describe(self, dtype: str) -> str:
+        """The lockstep formula with this dtype's numbers, for reasons and plot legends."""
+        growth = "" if math.isinf(self.growth_steps) else f"*sqrt(1+step/{self.growth_steps:g})"
+        return f"{self.lockstep_k:g}*eps({dtype})*max(1,|ref|){growth}"
+
+
+@dataclass(kw_only=True, frozen=True)
+class Failure:
+    """One violated rule for one run (or pair of runs): where it first failed and how badly."""
+
+    rule: str
+    """'steps', 'nonfinite', 'lockstep', 'drift' or 'golden'."""
+    metric: str
+    """StepRecord field: 'loss', 'grad_norm', 'max_replica_drift', or 'step' for 'steps'."""
+    run: str
+    """The run at fault (for lockstep, the first of the pair)."""
+    other: str | None = None
+    """Lockstep: the run compared against. Golden: the golden's label."""
+    step: int
+    """First step at which the rule is violated."""
+    value: float
+    """Violating value at `step` (|a - b| for lockstep and golden, the drift, the metric)."""
+    band: float
+    """Allowed value at `step`."""
+    param: str | None = None
+    """Drift: the parameter with the largest cross-rank difference at `step`."""
+    params: tuple[str, ...] = ()
+    """Drift: every parameter over tolerance at `step`, largest first."""
+    num_failing_steps: int = 1
+    """Steps at which this rule fails for this run or pair."""
+    worst_step: int | None = None
+    """Step with the largest value / band."""
+    worst_value: float | None = None
+    worst_band: float | None = None
+    detail: str = ""
+    """Extra words for the reason (missing steps, the band formula)."""
+
+    @property
+    def sort_key(self) -> tuple[int, int]:
+        # losses are measured before a step's update, drift after it: drift after step 1's
+        # update (2*1+1) happened before the loss of step 2 (2*2) went wrong
+        return (2 * self.step + (0 if self.metric in _BEFORE_UPDATE else 1), _RULE_ORDER[self.rule])
+
+    def reason(self) -> str:
+        who = f"{self.run} vs {self.other}" if self.rule == "lockstep" else self.run
+        if self.rule == "drift":
+            head = (
+                f"{who}: replicas diverged after the update of step {self.step}: "
+                f"{self.param or '(parameter not recorded)'} differs across ranks by "
+                f"{self.value:.6g} > tolerance {self.band:g}"
+            )
+            if len(self.params) > 1:
+                shown = ", ".join(self.params[:5]) + (", ..." if len(self.params) > 5 else "")
+                head += f"; {len(self.params)} parameters drifted ({shown})"
+        elif self.rule == "steps":
+            head = f"{who}: {self.detail}"
+        elif self.rule == "nonfinite":
+            head = f"{who}: {self.metric} is {self.value} at step {self.step}"
+        else:
+            what = f"|{self.metric} diff|" if self.rule == "lockstep" else f"|{self.metric} - golden|"
+            head = (
+                f"{who}: {what} = {self.value:.3e} at step {self.step} "
+                f"exceeds band {self.band:.3e}"
+            )
+            if self.detail:
+                head += f" ({self.detail})"
+        if self.num_failing_steps > 1 and self.worst_step is not None:
+            head += f"; fails at {self.num_failing_steps} steps"
+            if self.worst_step != self.step and self.worst_value is not None:
+                head += f", worst {self.worst_value:.3e} at step {self.worst_step}"
+                if self.worst_band:
+                    head += f" (band {self.worst_band:.3e})"
+        return head
+
+    def to_json(self) -> dict[str, Any]:
+        out = dataclasses.asdict(self)
+        out["params"] = list(self.params)
+        out["reason"] = self.reason()
+        return out
+
+
+_RULE_ORDER = {"steps": 0, "nonfinite": 1, "drift": 2, "lockstep": 3, "golden": 4}
+
+
+@dataclass(kw_only=True, frozen=True)
+class GateResult:
+    """The gate's decision and everything the report needs to explain it."""
+
+    verdict: str
+    """'PASS' or 'FAIL'."""
+    failures: tuple[Failure, ...]
+    """One entry per violated (rule, metric, run[, other]), earliest first."""
+    dtype: str
+    """Dtype the bands were computed for."""
+    bands: GateBands
+    reference: str | None
+    """Run whose values scale the lockstep band (None if no run had the reference's name)."""
+    pairs: tuple[tuple[str, str], ...]
+    """Run pairs compared in lockstep, in report order."""
+    checked: dict[str, int] = field(default_factory=dict)
+    """Comparisons made per rule (so a PASS with 0 comparisons is visible as such)."""
+
+    @property
+    def passed(self) -> bool:
+        return self.verdict == PASS
+
+    @property
+    def reasons(self) -> list[str]:
+        return [f.reason() for f in self.failures]
+
+    @property
+    def first_failure(self) -> Failure | None:
+        return self.failures[0] if self.failures else None
+
+    @property
+    def first_failing_step(self) -> int | None:
+        return self.failures[0].step if self.failures else None
+
+    @property
+    def first_failing_metric(self) -> str | None:
+        return self.failures[0].metric if self.failures else None
+
+    @property
+    def first_failing_param(self) -> str | None:
+        """The drifted parameter of the earliest drift failure, if any run drifted."""
+        drift = [f for f in self.failures if f.rule == "drift"]
+        return drift[0].param if drift else None
+
+    @property
+    def first_failing_run(self) -> str | None:
+        return self.failures[0].run if self.failures else None
+
+    def to_json(self) -> dict[str, Any]:
+        first = self.first_failure
+        return {
+            "verdict": self.verdict,
+            "reasons": self.reasons,
+            "first_failing_step": self.first_failing_step,
+            "first_failing_metric": self.first_failing_metric,
+            "first_failing_rule": first.rule if first else None,
+            "first_failing_run": self.first_failing_run,
+            "first_failing_param": self.first_failing_param,
+            "dtype": self.dtype,
+            "bands": {**dataclasses.asdict(self.bands), "lockstep": self.bands.describe(self.dtype)},
+            "reference": self.reference,
+            "pairs": [list(p) for p in self.pairs],
+            "checked": dict(self.checked),
+            "failures": [f.to_json() for f in self.failures],
+        }
+
+
+def default_pairs(names: Sequence[str], reference: str | None = "ref") -> tuple[tuple[str, str], ...]:
+    """Later runs against earlier ones, then each against the reference: for (ref, tp, sp)
+    that is (sp, tp), (sp, ref), (tp, ref)."""
+    others = [n for n in names if n != reference]
+    pairs = [(b, a) for a, b in itertools.combinations(others, 2)][::-1]
+    if reference in names:
+        pairs += [(n, reference) for n in reversed(others)]
+    return tuple(pairs)
+
+
+def evaluate(
+    runs: Mapping[str, Sequence[StepRecord]],
+    *,
+    dtype: str,
+    bands: GateBands = GateBands(),
+    reference: str | None = "ref",
+    pairs: Sequence[tuple[str, str]] | None = None,
+    golden: Mapping[str, Any] | None = None,
+    golden_runs: Sequence[str] | None = None,
+) -> GateResult:
+    """Judge runs by name. `golden` (a dict from harness.golden) is compared against
+    `golden_runs` (default: every run)."""
+    if not runs:
+        raise ValueError("no runs to judge")
+    GateBands.eps(dtype)  # validates the name before any work
+    names = list(runs)
+    pairs = default_pairs(names, reference) if pairs is None else tuple(tuple(p) for p in pairs)
+    for a, b in pairs:
+        if a not in runs or b not in runs:
+            raise ValueError(f"pair ({a!r}, {b!r}) names a run not in {names}")
+    ref_name = reference if reference in runs else None
+    checked = {"steps": 0, "nonfinite": 0, "lockstep": 0, "drift": 0, "golden": 0}
+    failures: list[Failure] = []
+
+    failures += _check_steps(runs, checked)
+    for name, records in runs.items():
+        failures += _check_nonfinite(name, records, bands, checked)
+        failures += _check_drift(name, records, bands, checked)
+    for a, b in pairs:
+        for metric in bands.lockstep_metrics:
+            failures += _check_lockstep(runs, a, b, ref_name, metric, dtype, bands, checked)
+    if golden is not None:
+        # harness.golden builds on GateBands/Failure from this module, so it is imported here
+        # rather than at the top to keep the import graph acyclic
+        from harness.golden import compare_to_golden
+
+        for name in golden_runs if golden_runs is not None else names:
+            if name not in runs:
+                raise ValueError(f"golden_runs names {name!r}, not one of {names}")
+            found = compare_to_golden(runs[name], golden, dtype=dtype, bands=bands)
+            checked["golden"] += 1
+            failures += found
+
+    failures.sort(key=lambda f: f.sort_key)
+    return GateResult(
+        verdict=FAIL if failures else PASS,
+        failures=tuple(failures),
+        dtype=dtype,
+        bands=bands,
+        reference=ref_name,
+        pairs=pairs,
+        checked=checked,
+    )
+
+
+def summarize(
+    *,
+    rule: str,
+    metric: str,
+    run: str,
+    other: str | None,
+    violations: Sequence[tuple[int, float, float]],
+    detail: str = "",
+) -> list[Failure]:
+    """One Failure from (step, value, band) violations in step order (empty -> none)."""
+    if not violations:
+        return []
+    step, value, band = violations[0]
+
+    def badness(v: tuple[int, float, float]) -> float:
+        ratio = v[1] / v[2] if v[2] > 0 else math.inf
+        return math.inf if math.isnan(ratio) else ratio
+
+    worst = max(violations, key=badness)
+    return [
+        Failure(
+            rule=rule,
+            metric=metric,
+            run=run,
+            other=other,
+            step=step,
+            value=value,
+            band=band,
+            num_failing_steps=len(violations),
+            worst_step=worst[0],
+            worst_value=worst[1],
+            worst_band=worst[2],
+            detail=detail,
+        )
+    ]
+
+
+def _check_steps(runs: Mapping[str, Sequence[StepRecord]], checked: dict[str, int]) -> list[Failure]:
+    steps = {name: sorted(series(recs, "loss")) for name, recs in runs.items()}
+    union = sorted(set().union(*map(set, steps.values())))
+    out = []
+    for name, have in steps.items():
+        checked["steps"] += 1
+        missing = sorted(set(union) - set(have))
+        if missing:
+            shown = ", ".join(map(str, missing[:8])) + (", ..." if len(missing) > 8 else "")
+            out.append(
+                Failure(
+                    rule="steps",
+                    metric="step",
+                    run=name,
+                    step=missing[0],
+                    value=float(len(have)),
+                    band=float(len(union)),
+                    num_failing_steps=len(missing),
+                    detail=(
+                        f"recorded {len(have)} of the {len(union)} steps the runs cover; "
+                        f"missing step {shown}"
+                    ),
+                )
+            )
+    return out
+
+
+def _check_nonfinite(
+    name: str, records: Sequence[StepRecord], bands: GateBands, checked: dict[str, int]
+) -> list[Failure]:
+    out = []
+    for metric in ("loss", *[m for m in bands.lockstep_metrics if m != "loss"]):
+        values = series(records, metric)
+        bad = [(s, v, math.inf) for s, v in sorted(values.items()) if not math.isfinite(v)]
+        checked["nonfinite"] += len(values)
+        out += summarize(rule="nonfinite", metric=metric, run=name, other=None, violations=bad)
+    return out
+
+
+def _check_drift(
+    name: str, records: Sequence[StepRecord], bands: GateBands, checked: dict[str, int]
+) -> list[Failure]:
+    bad = []
+    for r in sorted(records, key=lambda r: r.step):
+        checked["drift"] += 1
+        # written as "not <=" so a NaN drift (a rank that diverged to NaN) fails too
+        if not r.max_replica_drift <= bands.drift_tolerance:
+            bad.append(r)
+    if not bad:
+        return []
+    first = bad[0]
+    over = [
+        (p, d) for p, d in first.replica_drift.items() if not d <= bands.drift_tolerance
+    ]
+    over.sort(key=lambda pd: (-(math.inf if math.isnan(pd[1]) else pd[1]), pd[0]))
+    (failure,) = summarize(
+        rule="drift",
+        metric="max_replica_drift",
+        run=name,
+        other=None,
+        violations=[(r.step, r.max_replica_drift, bands.drift_tolerance) for r in bad],
+    )
+    return [
+        dataclasses.replace(
+            failure,
+            param=over[0][0] if over else None,
+            params=tuple(p for p, _ in over),
+        )
+    ]
+
+
+def _check_lockstep(
+    runs: Mapping[str, Sequence[StepRecord]],
+    a: str,
+    b: str,
+    ref_name: str | None,
+    metric: str,
+    dtype: str,
+    bands: GateBands,
+    checked: dict[str, int],
+) -> list[Failure]:
+    va, vb = series(runs[a], metric), series(runs[b], metric)
+    vref = series(runs[ref_name], metric) if ref_name else {}
+    bad = []
+    for step in sorted(set(va) & set(vb)):
+        x, y = va[step], vb[step]
+        if not (math.isfinite(x) and math.isfinite(y)):
+            continue  # reported once by the nonfinite rule, not again for every pair
+        scale = vref.get(step, max(abs(x), abs(y)))
+        band = bands.tight(dtype, scale, step)
+        diff = abs(x - y)
+        checked["lockstep"] += 1
+        if not diff <= band:
+            bad.append((step, diff, band))
+    return summarize(
+        rule="lockstep",
+        metric=metric,
+        run=a,
+        other=b,
+        violations=bad,
+        detail=bands.describe(dtype),
+    )

@@ -1,0 +1,498 @@
+"""Stage: report (record -> report -> gate). Plots and a self-contained HTML page for a run dir.
+
+Input: the runs' step records, the run metadata (harness.records) and the gate's decision
+(harness.gate). Output, all in one directory:
+
+  loss.png       loss curves of every run, the data's loss floor (entropy rate) dashed;
+  lockstep.png   |difference| between runs per step (log y) against the gate's band;
+  drift.png      max cross-rank difference of replicated parameters per step (log y);
+  gradnorm.png   grad-norm ratio between runs per step;
+  report.html    one file, PNGs embedded as base64 data URIs, verdict first;
+  summary.json   verdict, reasons, first failure, per-run figures (strict JSON);
+  summary.md     a few lines for a CI job summary.
+
+Plots use matplotlib's object API (Figure + savefig, rendered by Agg) and never import pyplot,
+so no global backend is set, no display is needed and nothing leaks between calls.
+
+Log axes cannot show 0, and 0 is the most important value here (bit-identical runs or
+replicas). Zeros are drawn at a floor below every non-zero value, on a dotted line labelled
+"0 (bit-identical)", with hollow markers, so "exactly equal" and "tiny" are never confused.
+"""
+
+from __future__ import annotations
+
+import base64
+import html
+import json
+import math
+import statistics
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from matplotlib.figure import Figure
+
+from harness.gate import GateBands, GateResult, evaluate
+from harness.records import StepRecord, json_safe, read_run_dir, series
+
+PLOTS = ("loss", "lockstep", "drift", "gradnorm")
+
+_COLORS = {"ref": "black", "tp": "tab:blue", "sp": "tab:orange"}
+_CYCLE = ("tab:green", "tab:purple", "tab:brown", "tab:pink", "tab:olive", "tab:cyan", "tab:gray")
+# overlapping curves are the normal case (lockstep runs); distinct widths/dashes keep each visible
+_STYLES = ({"lw": 3.5, "alpha": 0.35, "ls": "-"}, {"lw": 1.8, "ls": "--"}, {"lw": 1.4, "ls": ":"})
+_DPI = 110
+
+
+def write_report(
+    out_dir: str | Path,
+    runs: Mapping[str, Sequence[StepRecord]],
+    meta: Mapping[str, Any],
+    gate: GateResult,
+    *,
+    golden: Mapping[str, Any] | None = None,
+) -> Path:
+    """Write the PNGs, report.html, summary.json and summary.md; return the HTML path."""
+    out_dir = Path(out_dir)
+    pngs = write_plots(out_dir, runs, meta, gate, golden=golden)
+    figures = {name: run_figures(recs, meta.get("floor")) for name, recs in runs.items()}
+    summary = _summary(runs, meta, gate, figures, pngs)
+    (out_dir / "summary.json").write_text(
+        json.dumps(json_safe(summary), indent=2, allow_nan=False) + "\n", encoding="utf-8"
+    )
+    (out_dir / "summary.md").write_text(_markdown(meta, gate, figures), encoding="utf-8")
+    html_path = out_dir / "report.html"
+    html_path.write_text(_html(meta, gate, figures, pngs), encoding="utf-8")
+    return html_path
+
+
+def write_plots(
+    out_dir: str | Path,
+    runs: Mapping[str, Sequence[StepRecord]],
+    meta: Mapping[str, Any],
+    gate: GateResult,
+    *,
+    golden: Mapping[str, Any] | None = None,
+) -> dict[str, Path]:
+    """Only the four PNGs (no HTML): plot name -> path."""
+    if not runs:
+        raise ValueError("no runs to plot")
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    colors = _colors(runs)
+    makers = {
+        "loss": lambda: _plot_loss(runs, meta, gate, colors, golden),
+        "lockstep": lambda: _plot_lockstep(runs, meta, gate, colors),
+        "drift": lambda: _plot_drift(runs, meta, gate, colors),
+        "gradnorm": lambda: _plot_gradnorm(runs, meta, gate, colors),
+    }
+    out = {}
+    for name, make in makers.items():
+        fig = make()
+        path = out_dir / f"{name}.png"
+        fig.savefig(path, dpi=_DPI, bbox_inches="tight")
+        out[name] = path
+    return out
+
+
+def report_from_dir(
+    run_dir: str | Path,
+    *,
+    bands: GateBands = GateBands(),
+    golden: Mapping[str, Any] | None = None,
+    out_dir: str | Path | None = None,
+) -> tuple[GateResult, Path]:
+    """Read `<run>.jsonl` + meta.json from run_dir, gate them, write the report (default: into
+    run_dir). Returns (gate result, html path)."""
+    runs, meta = read_run_dir(run_dir)
+    gate = evaluate(runs, dtype=meta["dtype"], bands=bands, golden=golden)
+    return gate, write_report(out_dir or run_dir, runs, meta, gate, golden=golden)
+
+
+def run_figures(records: Sequence[StepRecord], floor: float | None) -> dict[str, Any]:
+    """Headline numbers of one run (the report's table and summary.json's per-run entry)."""
+    recs = sorted(records, key=lambda r: r.step)
+    if not recs:
+        return {"num_steps": 0}
+    finite = [r for r in recs if math.isfinite(r.loss)]
+    best = min(finite, key=lambda r: r.loss) if finite else None
+    drift = max(recs, key=lambda r: -1.0 if math.isnan(r.max_replica_drift) else r.max_replica_drift)
+    drift_nan = next((r for r in recs if math.isnan(r.max_replica_drift)), None)
+    drift = drift_nan or drift
+    errs = [r.param_err_vs_ref for r in recs if r.param_err_vs_ref is not None]
+    final = recs[-1]
+    has_floor = floor is not None and math.isfinite(floor)
+    return {
+        "num_steps": len(recs),
+        "final_step": final.step,
+        "final_loss": final.loss,
+        "min_loss": best.loss if best else math.nan,
+        "min_loss_step": best.step if best else None,
+        "floor": floor,
+        "final_distance_to_floor": final.loss - floor if has_floor else None,
+        "min_distance_to_floor": (best.loss - floor) if (has_floor and best) else None,
+        "final_grad_norm": final.grad_norm,
+        "max_replica_drift": drift.max_replica_drift,
+        "max_replica_drift_step": drift.step,
+        "max_replica_drift_param": _argmax(drift.replica_drift),
+        "max_param_err_vs_ref": max(errs) if errs else None,
+        "median_tokens_per_s": _median([r.tokens_per_s for r in recs]),
+        "median_step_time_s": _median([r.step_time_s for r in recs]),
+    }
+
+
+# ----------------------------------------------------------------------------------- plots
+
+
+def _plot_loss(runs, meta, gate: GateResult, colors, golden) -> Figure:
+    fig, ax = _figure()
+    for i, (name, recs) in enumerate(runs.items()):
+        xs, ys = _xy(series(recs, "loss"))
+        ax.plot(xs, ys, color=colors[name], label=name, **_style(i), **_markers(xs))
+    floor = meta.get("floor")
+    if floor is not None and math.isfinite(floor):
+        ax.axhline(floor, color="gray", ls="--", lw=1.2, label=f"floor (entropy rate) {floor:.4f} nats")
+    if golden is not None and "loss" in golden.get("metrics", {}):
+        from harness.golden import golden_band
+
+        gb = golden_band(golden, "loss", dtype=gate.dtype, bands=gate.bands)
+        gx = sorted(gb)
+        lo = [gb[s][0] - gb[s][1] for s in gx]
+        hi = [gb[s][0] + gb[s][1] for s in gx]
+        ax.fill_between(gx, lo, hi, color="tab:green", alpha=0.25, label="golden band")
+    ax.set_xlabel("step")
+    ax.set_ylabel("loss (nats / token)")
+    ax.set_title(f"Loss: {_title(meta)}")
+    _mark_failure(ax, gate)
+    ax.legend(loc="upper right")
+    return fig
+
+
+def _plot_lockstep(runs, meta, gate: GateResult, colors) -> Figure:
+    metrics = [m for m in ("loss", "grad_norm") if m in gate.bands.lockstep_metrics] or ["loss"]
+    fig = Figure(figsize=(9, 3.6 * len(metrics) + 0.6))
+    axes = fig.subplots(len(metrics), 1, sharex=True, squeeze=False)[:, 0]
+    for ax, metric in zip(axes, metrics):
+        curves, band_curve = [], None
+        for a, b in gate.pairs:
+            va, vb = series(runs[a], metric), series(runs[b], metric)
+            steps = sorted(set(va) & set(vb))
+            curves.append((a, b, steps, [abs(va[s] - vb[s]) for s in steps]))
+        scale = series(runs[gate.reference], metric) if gate.reference else {}
+        all_steps = sorted({s for _, _, st, _ in curves for s in st})
+        if all_steps:
+            band_curve = (
+                all_steps,
+                [gate.bands.tight(gate.dtype, scale.get(s, 1.0), s) for s in all_steps],
+            )
+        values = [v for *_, ys in curves for v in ys] + (band_curve[1] if band_curve else [])
+        zero = _zero_floor(values)
+        for i, (a, b, steps, ys) in enumerate(curves):
+            _log_series(ax, steps, ys, zero, color=colors[a] if b == gate.reference else _pair_color(i),
+                        label=f"|{metric}[{a}] - {metric}[{b}]|", style=_style(i))
+        if band_curve:
+            ax.plot(*band_curve, color="red", lw=1.2, ls="-.",
+                    label=f"gate band {gate.bands.describe(gate.dtype)}")
+            ax.fill_between(band_curve[0], zero, band_curve[1], color="green", alpha=0.07)
+        _zero_line(ax, zero)
+        ax.set_yscale("log")
+        ax.set_ylabel(f"|{metric} difference|")
+        ax.set_title(f"Lockstep {metric}: runs vs each other ({gate.dtype})")
+        _mark_failure(ax, gate)
+        ax.legend(loc="upper left", fontsize=8)
+    axes[-1].set_xlabel("step")
+    fig.suptitle(_title(meta), fontsize=9, y=0.995)
+    return fig
+
+
+def _plot_drift(runs, meta, gate: GateResult, colors) -> Figure:
+    fig, ax = _figure()
+    tol = gate.bands.drift_tolerance
+    drifting = {n: r for n, r in runs.items() if any(rec.replica_drift for rec in r)}
+    if not drifting:
+        ax.text(0.5, 0.5, "no run recorded replicated parameters\n(single-device runs only)",
+                ha="center", va="center", transform=ax.transAxes)
+        ax.set_title(f"Replica drift: {_title(meta)}")
+        return fig
+    curves = []
+    for name, recs in drifting.items():
+        recs = sorted(recs, key=lambda r: r.step)
+        curves.append((name, [r.step for r in recs], [r.max_replica_drift for r in recs]))
+    # the worst few parameters of the first drifting run say *which* reduction is missing
+    params: list[tuple[str, list[int], list[float]]] = []
+    first_drift = next((f for f in gate.failures if f.rule == "drift"), None)
+    if first_drift is not None:
+        recs = sorted(runs[first_drift.run], key=lambda r: r.step)
+        for p in first_drift.params[:3]:
+            params.append((f"{first_drift.run}: {p}", [r.step for r in recs],
+                           [r.replica_drift.get(p, 0.0) for r in recs]))
+    values = [v for *_, ys in curves + params for v in ys] + ([tol] if tol > 0 else [])
+    zero = _zero_floor(values)
+    for i, (name, xs, ys) in enumerate(curves):
+        _log_series(ax, xs, ys, zero, color=colors[name], label=f"{name}: max over parameters",
+                    style=_style(1 + i % 2))
+    for i, (label, xs, ys) in enumerate(params):
+        _log_series(ax, xs, ys, zero, color=_CYCLE[i % len(_CYCLE)], label=label,
+                    style={"lw": 1.0, "ls": "-", "alpha": 0.8})
+    if tol > 0:
+        ax.axhline(tol, color="red", ls="-.", lw=1.2, label=f"tolerance {tol:g}")
+    _zero_line(ax, zero, extra="  tolerance: 0, replicas must stay bit-identical" if tol == 0 else "")
+    ax.set_yscale("log")
+    ax.set_xlabel("step (drift measured after the step's update)")
+    ax.set_ylabel("max |param(rank i) - param(rank j)|")
+    ax.set_title(f"Replica drift of replicated parameters: {_title(meta)}")
+    _mark_failure(ax, gate)
+    ax.legend(loc="upper left", fontsize=8)
+    return fig
+
+
+def _plot_gradnorm(runs, meta, gate: GateResult, colors) -> Figure:
+    fig, ax = _figure()
+    pairs = gate.pairs or ()
+    if not pairs:
+        ax.text(0.5, 0.5, "one run only: no ratio to draw", ha="center", va="center",
+                transform=ax.transAxes)
+    ref = series(runs[gate.reference], "grad_norm") if gate.reference else {}
+    for i, (a, b) in enumerate(pairs):
+        ga, gb = series(runs[a], "grad_norm"), series(runs[b], "grad_norm")
+        steps = [s for s in sorted(set(ga) & set(gb)) if gb[s] != 0]
+        xs = steps
+        ys = [ga[s] / gb[s] for s in steps]
+        ax.plot(xs, ys, color=colors[a] if b == gate.reference else _pair_color(i),
+                label=f"grad_norm[{a}] / grad_norm[{b}]", **_style(i), **_markers(xs))
+        if i == 0 and "grad_norm" in gate.bands.lockstep_metrics and steps:
+            # the gate bounds |ga - gb|, which is this band on the ratio
+            half = [gate.bands.tight(gate.dtype, ref.get(s, gb[s]), s) / abs(gb[s]) for s in steps]
+            ax.fill_between(steps, [1 - h for h in half], [1 + h for h in half], color="green",
+                            alpha=0.15, label=f"gate band for {a}/{b}")
+    ax.axhline(1.0, color="gray", lw=0.8, ls="--")
+    ax.ticklabel_format(axis="y", useOffset=False, style="plain")
+    ax.set_xlabel("step")
+    ax.set_ylabel("grad-norm ratio (1 = identical)")
+    ax.set_title(f"Gradient norm ratio: {_title(meta)}")
+    _mark_failure(ax, gate)
+    if pairs:
+        ax.legend(loc="upper left", fontsize=8)
+    return fig
+
+
+def _figure() -> tuple[Figure, Any]:
+    fig = Figure(figsize=(9, 5))
+    return fig, fig.subplots()
+
+
+def _colors(runs: Mapping[str, Any]) -> dict[str, str]:
+    out, extra = {}, iter(_CYCLE * (1 + len(runs) // len(_CYCLE)))
+    for name in runs:
+        out[name] = _COLORS.get(name) or next(extra)
+    return out
+
+
+def _pair_color(i: int) -> str:
+    return ("tab:red", "tab:purple", "tab:green", "tab:brown")[i % 4]
+
+
+def _style(i: int) -> dict[str, Any]:
+    return dict(_STYLES[i % len(_STYLES)])
+
+
+def _markers(xs: Sequence[int]) -> dict[str, Any]:
+    return {"marker": "o", "ms": 3} if len(xs) <= 60 else {}
+
+
+def _xy(values: Mapping[int, float]) -> tuple[list[int], list[float]]:
+    steps = sorted(values)
+    return steps, [values[s] for s in steps]
+
+
+def _zero_floor(values: Sequence[float]) -> float:
+    positive = [v for v in values if v > 0 and math.isfinite(v)]
+    if not positive:
+        return 1e-16
+    # two decades under the smallest real value: clearly apart, without squashing the rest
+    return 10 ** (math.floor(math.log10(min(positive))) - 2)
+
+
+def _log_series(ax, xs, ys, zero, *, color, label, style) -> None:
+    shown = [y if y > 0 else zero for y in ys]  # NaN stays NaN: a gap in the line
+    ax.plot(xs, shown, color=color, label=label, **style)
+    zx = [x for x, y in zip(xs, ys) if y == 0]
+    if zx:
+        ax.plot(zx, [zero] * len(zx), ls="none", marker="o", ms=5, mfc="none", color=color)
+    nx = [x for x, y in zip(xs, ys) if not math.isfinite(y)]
+    for x in nx:
+        ax.axvline(x, color=color, ls=":", lw=1)
+
+
+def _zero_line(ax, zero: float, extra: str = "") -> None:
+    ax.axhline(zero, color="gray", ls=":", lw=1)
+    ax.annotate("0 (bit-identical)" + extra, xy=(0.01, zero), xycoords=("axes fraction", "data"),
+                xytext=(0, 4), textcoords="offset points", fontsize=8, color="dimgray")
+
+
+def _mark_failure(ax, gate: GateResult) -> None:
+    first = gate.first_failure
+    if first is None:
+        return
+    ax.axvline(first.step, color="red", lw=1.5)
+    what = f"{first.rule} {first.metric}, {first.run}" + (f" vs {first.other}" if first.other else "")
+    if first.param:
+        what += f"\n{first.param}"
+    ax.annotate(f"first failure: step {first.step}\n{what}", xy=(first.step, 0.5),
+                xycoords=("data", "axes fraction"), xytext=(6, 0), textcoords="offset points",
+                color="red", fontsize=8, va="center",
+                bbox={"boxstyle": "round", "fc": "white", "ec": "red", "alpha": 0.85})
+
+
+def _title(meta: Mapping[str, Any]) -> str:
+    parts = [str(meta.get("case", "?")), str(meta.get("dtype", "?"))]
+    if "world_size" in meta:
+        parts.append(f"ws={meta['world_size']} (dp={meta.get('dp', '?')} tp={meta.get('tp', '?')})")
+    if meta.get("optimizer"):
+        parts.append(str(meta["optimizer"]))
+    return ", ".join(parts)
+
+
+# --------------------------------------------------------------------------------- outputs
+
+
+def _summary(runs, meta, gate: GateResult, figures, pngs) -> dict[str, Any]:
+    g = gate.to_json()
+    return {
+        "verdict": gate.verdict,
+        "reasons": gate.reasons,
+        "first_failing_step": gate.first_failing_step,
+        "first_failing_metric": gate.first_failing_metric,
+        "first_failing_rule": g["first_failing_rule"],
+        "first_failing_run": gate.first_failing_run,
+        "first_failing_param": gate.first_failing_param,
+        "case": meta.get("case"),
+        "dtype": meta.get("dtype"),
+        "floor": meta.get("floor"),
+        "runs": figures,
+        "gate": g,
+        "meta": dict(meta),
+        "files": sorted([p.name for p in pngs.values()] + ["report.html", "summary.json", "summary.md"]),
+    }
+
+
+def _markdown(meta, gate: GateResult, figures) -> str:
+    mark = "PASS :white_check_mark:" if gate.passed else "FAIL :x:"
+    lines = [f"### sp-harness convergence: **{mark}**", "", f"{_title(meta)}; {_floor_text(meta)}", ""]
+    lines += ["| run | steps | final loss | min loss | final - floor | max drift | tokens/s |",
+              "|---|---:|---:|---:|---:|---:|---:|"]
+    for name, f in figures.items():
+        lines.append(
+            f"| {name} | {f.get('num_steps', 0)} | {_num(f.get('final_loss'))} | {_num(f.get('min_loss'))} | "
+            f"{_num(f.get('final_distance_to_floor'))} | {_drift_text(f)} | {_num(f.get('median_tokens_per_s'), '.0f')} |"
+        )
+    if not gate.passed:
+        first = gate.first_failure
+        lines += ["", f"**First failure:** step {first.step}, {first.rule} `{first.metric}` ({first.run}"
+                  + (f" vs {first.other}" if first.other else "")
+                  + (f", parameter `{first.param}`" if first.param else "") + ")", ""]
+        lines += [f"- {r}" for r in gate.reasons]
+    return "\n".join(lines) + "\n"
+
+
+_CSS = """
+body{font-family:system-ui,-apple-system,Segoe UI,Helvetica,Arial,sans-serif;margin:24px;max-width:1100px;color:#222}
+.verdict{font-size:44px;font-weight:800;padding:14px 22px;border-radius:8px;color:#fff;display:inline-block}
+.PASS{background:#1a7f37}.FAIL{background:#cf222e}
+table{border-collapse:collapse;margin:10px 0 18px}td,th{border:1px solid #ccc;padding:4px 9px;font-size:14px}
+th{background:#f3f3f3}td.n{text-align:right;font-family:ui-monospace,Menlo,monospace}
+ol.reasons li{margin:4px 0;font-family:ui-monospace,Menlo,monospace;font-size:13px}
+figure{margin:18px 0}figcaption{color:#555;font-size:13px}img{max-width:100%;border:1px solid #ddd}
+pre{background:#f6f8fa;padding:8px;font-size:12px;overflow:auto}.muted{color:#666;font-size:13px}
+"""
+
+_CAPTIONS = {
+    "loss": "Loss per step for every run; dashed: the data's loss floor (entropy rate of the Markov chain).",
+    "lockstep": "Absolute difference between runs per step (log scale) against the gate's band; "
+    "points on the dotted line are exactly 0.",
+    "drift": "Largest cross-rank difference of any replicated parameter after each step's update "
+    "(log scale); points on the dotted line are exactly 0 (bit-identical).",
+    "gradnorm": "Ratio of gradient norms between runs per step; 1 means identical.",
+}
+
+
+def _html(meta, gate: GateResult, figures, pngs) -> str:
+    e = html.escape
+    out = ["<!doctype html><html><head><meta charset='utf-8'>",
+           f"<title>sp-harness {e(gate.verdict)}: {e(str(meta.get('case', '')))}</title>",
+           f"<style>{_CSS}</style></head><body>",
+           f"<div class='verdict {gate.verdict}'>{gate.verdict}</div>",
+           f"<p><b>{e(_title(meta))}</b>; {e(_floor_text(meta))}</p>"]
+    if gate.passed:
+        checked = ", ".join(f"{k}: {v}" for k, v in gate.checked.items())
+        out.append(f"<p>All gate rules hold. Comparisons made: {e(checked)}.</p>")
+    else:
+        first = gate.first_failure
+        out.append(f"<p><b>First failure:</b> step {first.step}, {e(first.rule)} <code>{e(first.metric)}</code>, "
+                   f"run {e(first.run)}" + (f" vs {e(first.other)}" if first.other else "")
+                   + (f", parameter <code>{e(first.param)}</code>" if first.param else "") + "</p>")
+        out.append("<h2>Reasons</h2><ol class='reasons'>")
+        out += [f"<li>{e(r)}</li>" for r in gate.reasons]
+        out.append("</ol>")
+    out.append("<h2>Runs</h2><table><tr><th>run</th><th>steps</th><th>final loss</th><th>min loss (step)</th>"
+               "<th>final &minus; floor</th><th>final grad norm</th><th>max replica drift (step, parameter)</th>"
+               "<th>max |param &minus; ref|</th><th>tokens/s (median)</th><th>step time s (median)</th></tr>")
+    for name, f in figures.items():
+        min_loss = f"{_num(f.get('min_loss'))} ({f.get('min_loss_step')})"
+        out.append(
+            f"<tr><td>{e(name)}</td><td class='n'>{f.get('num_steps', 0)}</td>"
+            f"<td class='n'>{_num(f.get('final_loss'))}</td><td class='n'>{e(min_loss)}</td>"
+            f"<td class='n'>{_num(f.get('final_distance_to_floor'))}</td>"
+            f"<td class='n'>{_num(f.get('final_grad_norm'))}</td><td class='n'>{e(_drift_text(f, True))}</td>"
+            f"<td class='n'>{_num(f.get('max_param_err_vs_ref'))}</td>"
+            f"<td class='n'>{_num(f.get('median_tokens_per_s'), '.0f')}</td>"
+            f"<td class='n'>{_num(f.get('median_step_time_s'), '.4g')}</td></tr>"
+        )
+    out.append("</table>")
+    out.append(f"<p class='muted'>Lockstep band: {e(gate.bands.describe(gate.dtype))}; drift tolerance "
+               f"{gate.bands.drift_tolerance:g}; eps({e(gate.dtype)}) = {GateBands.eps(gate.dtype):.3e}.</p>")
+    for name in PLOTS:
+        if name not in pngs:
+            continue
+        data = base64.b64encode(pngs[name].read_bytes()).decode("ascii")
+        out.append(f"<figure><img alt='{name}' src='data:image/png;base64,{data}'>"
+                   f"<figcaption>{e(_CAPTIONS[name])}</figcaption></figure>")
+    out.append("<h2>Metadata</h2><pre>" + e(json.dumps(json_safe(dict(meta)), indent=2)) + "</pre>")
+    out.append("</body></html>\n")
+    return "\n".join(out)
+
+
+def _floor_text(meta) -> str:
+    floor = meta.get("floor")
+    if floor is None or not math.isfinite(floor):
+        return "no known loss floor"
+    return f"loss floor (entropy rate) {floor:.6f} nats"
+
+
+def _drift_text(f: Mapping[str, Any], long: bool = False) -> str:
+    d = f.get("max_replica_drift")
+    if d is None:
+        return "n/a"
+    if d == 0:
+        return "0 (bit-identical)"
+    text = _num(d)
+    if long and f.get("max_replica_drift_param"):
+        text += f" ({f.get('max_replica_drift_step')}, {f['max_replica_drift_param']})"
+    return text
+
+
+def _num(x: Any, fmt: str = ".6g") -> str:
+    if x is None or (isinstance(x, float) and math.isnan(x)):
+        return "n/a"
+    return format(x, fmt)
+
+
+def _median(xs: Sequence[float]) -> float:
+    finite = [x for x in xs if math.isfinite(x)]
+    return statistics.median(finite) if finite else math.nan
+
+
+def _argmax(d: Mapping[str, float]) -> str | None:
+    if not d:
+        return None
+    return max(d, key=lambda k: math.inf if math.isnan(d[k]) else d[k])

@@ -1,0 +1,334 @@
+"""Stage: build reference + sharded -> step -> capture -> compare (runs on every rank).
+
+`run_rank(config)` is the job the pool runs. Every rank builds the float64 reference and a
+same-precision reference (deterministic CPU code: identical on every rank), hands a copy of the
+reference in the run dtype to the case's sharded factory (so sharded weights come from the
+reference's state dict), then for K steps: forward on the rank's piece of the global batch,
+loss, backward, the case's grad sync, optimizer step. Each rank judges its own pieces (outputs,
+input grads, param grads, params after the update) against the matching slices of the
+reference, so every mismatch names its rank. Parameters that must stay replicated are compared
+bit for bit across the ranks that hold them. Collectives of the sharded model are counted per
+phase; the engine's own bookkeeping collectives run outside the counter.
+"""
+
+from __future__ import annotations
+
+import copy
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from harness import shards as sh
+from harness.case import Case, Layout, ParamSpec, RankContext, Sharded, get_case
+from harness.comm import CommCounter
+from harness.compare import TensorCheck, check_tensor, lp_dtype
+from harness.config import CheckConfig
+
+MAX_FAILURES_KEPT = 64
+
+
+@dataclass(kw_only=True)
+class Drift:
+    step: int
+    name: str
+    """Reference name of the parameter that should be replicated."""
+    group: str
+    """'tp' or 'dp': across which ranks it differs."""
+    max_abs: float
+    ranks: tuple[int, ...]
+
+    def describe(self) -> str:
+        return (f"step {self.step} replica drift of {self.name} across {self.group} ranks "
+                f"{list(self.ranks)}: max |diff| {self.max_abs:.3g} (must be 0, bit-identical)")
+
+
+@dataclass(kw_only=True)
+class RankResult:
+    rank: int
+    failures: list[TensorCheck] = field(default_factory=list)
+    worst: dict[str, TensorCheck] = field(default_factory=dict)
+    """Largest ratio per kind, passing or not."""
+    drift: list[Drift] = field(default_factory=list)
+    losses: list[float] = field(default_factory=list)
+    comm: list[list[dict]] = field(default_factory=list)
+    """Per step, the collective counter's rows."""
+    num_checks: int = 0
+    timings: dict[str, float] = field(default_factory=dict)
+
+
+_GROUPS: dict[tuple[int, int], Any] = {}
+
+
+def _groups(world_size: int, dp: int):
+    """TP and DP groups of a dp x tp mesh, created once per pool (new_group is collective)."""
+    key = (world_size, dp)
+    if key not in _GROUPS:
+        tp = world_size // dp
+        rank = dist.get_rank()
+        mine = {}
+        for d in range(dp):
+            ranks = tuple(range(d * tp, (d + 1) * tp))
+            g = dist.new_group(list(ranks)) if tp < world_size else dist.group.WORLD
+            if rank in ranks:
+                mine["tp"] = (g, ranks)
+        for t in range(tp):
+            ranks = tuple(range(t, world_size, tp))
+            g = dist.new_group(list(ranks)) if dp < world_size else dist.group.WORLD
+            if rank in ranks:
+                mine["dp"] = (g, ranks)
+        _GROUPS[key] = mine
+    return _GROUPS[key]
+
+
+_MESHES: dict[tuple[int, int, str], Any] = {}
+
+
+def make_context(config: CheckConfig, device: torch.device) -> RankContext:
+    world_size = dist.get_world_size()
+    if world_size != config.world_size:
+        raise RuntimeError(f"job for world_size {config.world_size} sent to a world of {world_size}")
+    groups = _groups(world_size, config.dp)
+    rank = dist.get_rank()
+    tp = config.tp
+    seq_shards = config.seq_shards or sh.chunk_sizes(config.seq_len or 0, tp)
+    ctx = RankContext(config=config, rank=rank, world_size=world_size, dp_rank=rank // tp, tp_rank=rank % tp,
+                      tp_group=groups["tp"][0], dp_group=groups["dp"][0], tp_ranks=groups["tp"][1],
+                      dp_ranks=groups["dp"][1], seq_shards=tuple(seq_shards), device=device)
+    key = (world_size, config.dp, device.type)
+    if key in _MESHES:
+        ctx._mesh = _MESHES[key]
+    else:
+        _MESHES[key] = ctx.device_mesh
+    return ctx
+
+
+def _make_optimizer(config: CheckConfig, params) -> torch.optim.Optimizer:
+    params = list(params)
+    if config.optimizer == "sgd":
+        return torch.optim.SGD(params, lr=config.lr, momentum=0.9)
+    return torch.optim.AdamW(params, lr=config.lr, weight_decay=0.01, foreach=False)
+
+
+def _cut(tensor: torch.Tensor, layout: Layout, ctx: RankContext) -> tuple[torch.Tensor, tuple[int, ...]]:
+    """This rank's piece of a global tensor, and the piece's offset in it."""
+    offset = [0] * tensor.dim()
+    if layout.batch_dim is not None and ctx.dp > 1:
+        sizes = sh.chunk_sizes(tensor.shape[layout.batch_dim], ctx.dp)
+        offset[layout.batch_dim] = sh.offsets(sizes)[ctx.dp_rank]
+        tensor = sh.shard(tensor, layout.batch_dim, sizes, ctx.dp_rank)
+    if layout.seq_dim is not None and layout.seq_sharded:
+        offset[layout.seq_dim] = sh.offsets(ctx.seq_shards)[ctx.tp_rank]
+        tensor = sh.shard(tensor, layout.seq_dim, ctx.seq_shards, ctx.tp_rank)
+    return tensor, tuple(offset)
+
+
+def _replica_slice(tensor: torch.Tensor, layout: Layout, ctx: RankContext) -> torch.Tensor:
+    """The DP replica's part of a global tensor (no sequence cut)."""
+    if layout.batch_dim is not None and ctx.dp > 1:
+        sizes = sh.chunk_sizes(tensor.shape[layout.batch_dim], ctx.dp)
+        return sh.shard(tensor, layout.batch_dim, sizes, ctx.dp_rank)
+    return tensor
+
+
+def _is_dtensor(t) -> bool:
+    return type(t).__name__ == "DTensor"
+
+
+def _param_piece(ref: torch.Tensor, spec: ParamSpec, ctx: RankContext) -> tuple[torch.Tensor, tuple[int, ...]]:
+    if spec.index is not None:
+        return spec.index(ref), ()
+    if spec.dim is None:
+        return ref, ()
+    sizes = spec.sizes or sh.chunk_sizes(ref.shape[spec.dim], ctx.tp)
+    offset = [0] * ref.dim()
+    offset[spec.dim] = sh.offsets(sizes)[ctx.tp_rank]
+    return sh.shard(ref, spec.dim, sizes, ctx.tp_rank), tuple(offset)
+
+
+class _Param:
+    """One local parameter and where it lives in the reference."""
+
+    def __init__(self, local_name: str, param: nn.Parameter, spec: ParamSpec | None):
+        self.local_name = local_name
+        self.param = param
+        self.dtensor = _is_dtensor(param)
+        self.spec = spec or ParamSpec(ref_name=local_name)
+        if self.dtensor:
+            from torch.distributed.tensor import Replicate
+
+            self.replicated_tp = all(isinstance(p, Replicate) for p in param.placements)
+        else:
+            self.replicated_tp = self.spec.dim is None and self.spec.index is None
+
+    def local(self, t: torch.Tensor | None) -> torch.Tensor | None:
+        if t is None:
+            return None
+        return t.to_local() if _is_dtensor(t) else t
+
+    def full_or_piece(self, t: torch.Tensor | None, ref64: torch.Tensor, ref_lp: torch.Tensor, ctx: RankContext):
+        """(value to judge, matching ref64 piece, ref_lp piece, offset)."""
+        if self.dtensor:
+            value = None if t is None else t.full_tensor()
+            return value, ref64, ref_lp, ()
+        piece64, offset = _param_piece(ref64, self.spec, ctx)
+        piece_lp, _ = _param_piece(ref_lp, self.spec, ctx)
+        return t, piece64, piece_lp, offset
+
+
+def _reference_step(model: nn.Module, case: Case, inp: torch.Tensor, tgt: torch.Tensor, dtype: torch.dtype):
+    x = inp.to(dtype) if inp.is_floating_point() else inp
+    if x.is_floating_point():
+        x = x.detach().requires_grad_(True)
+    out = model(x)
+    loss = case.loss_sum(out, tgt) / case.tokens(tgt)
+    loss.backward()
+    return out.detach(), loss.detach(), (x.grad if x.is_floating_point() else None)
+
+
+def run_rank(config: CheckConfig) -> RankResult:
+    """The job: one side-by-side run of `config` on this rank."""
+    t_start = time.perf_counter()
+    case = get_case(config.case)
+    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
+    ctx = make_context(config, device)
+    dtype = config.torch_dtype
+    lp = lp_dtype(dtype)
+    result = RankResult(rank=ctx.rank)
+
+    ref64 = case.build_reference(config).to(device=device, dtype=torch.float64)
+    ref_lp = copy.deepcopy(ref64).to(lp)
+    sharded: Sharded = case.shard(copy.deepcopy(ref64).to(dtype), ctx)
+    module = sharded.module
+    spec_of = dict(sharded.params)
+    params = [_Param(n, p, spec_of.get(n)) for n, p in module.named_parameters()]
+    ref_params64 = dict(ref64.named_parameters())
+    ref_params_lp = dict(ref_lp.named_parameters())
+    unknown = sorted({p.spec.ref_name for p in params} - set(ref_params64))
+    if unknown:
+        raise RuntimeError(f"case {case.name} maps local params to names the reference lacks: {unknown}")
+    covered = {p.spec.ref_name for p in params}
+    missing = sorted(set(ref_params64) - covered)
+    if missing:
+        raise RuntimeError(f"case {case.name}: reference params with no sharded counterpart: {missing}")
+    hint = set(case.replicated_hint)
+
+    opt64 = _make_optimizer(config, ref64.parameters())
+    opt_lp = _make_optimizer(config, ref_lp.parameters())
+    opt = _make_optimizer(config, module.parameters())
+    counter = CommCounter(ctx.group_label)
+    gen = torch.Generator().manual_seed(config.seed + 7919)
+    result.timings["setup_s"] = time.perf_counter() - t_start
+    t_compute = 0.0
+
+    def judge(kind, name, step, got, want64, want_lp, offset=()):
+        chk = check_tensor(kind=kind, name=name, step=step, rank=ctx.rank, got=got, ref64=want64,
+                           ref_lp=want_lp, dtype=dtype, offset=offset)
+        result.num_checks += 1
+        best = result.worst.get(kind)
+        if best is None or chk.ratio > best.ratio:
+            result.worst[kind] = chk
+        if not chk.ok and len(result.failures) < MAX_FAILURES_KEPT:
+            result.failures.append(chk)
+
+    for step in range(config.steps):
+        inp, tgt = case.make_batch(config, step, gen)
+        inp, tgt = inp.to(device), tgt.to(device)
+        out64, loss64, ig64 = _reference_step(ref64, case, inp, tgt, torch.float64)
+        out_lp, loss_lp, ig_lp = _reference_step(ref_lp, case, inp, tgt, lp)
+
+        local_in, in_offset = _cut(inp, sharded.input_layout, ctx)
+        local_in = local_in.to(dtype) if local_in.is_floating_point() else local_in
+        if local_in.is_floating_point():
+            local_in = local_in.detach().clone().requires_grad_(True)
+        local_tgt, _ = _cut(tgt, sharded.output_layout, ctx)
+
+        t0 = time.perf_counter()
+        with counter:
+            counter.phase = "forward"
+            out = module(local_in)
+            if _is_dtensor(out):
+                out = out.to_local()
+            if sharded.local_loss is not None:
+                loss = sharded.local_loss(out, local_tgt, ctx)
+            else:
+                loss = case.loss_sum(out, local_tgt) / case.tokens(_replica_slice(tgt, sharded.output_layout, ctx))
+            counter.phase = "backward"
+            loss.backward()
+            counter.phase = "grad_sync"
+            sharded.sync_grads()
+        t_compute += time.perf_counter() - t0
+
+        # --- compare forward, loss, input grad, param grads (what the optimizer will see)
+        want_out64, out_offset = _cut(out64, sharded.output_layout, ctx)
+        want_out_lp, _ = _cut(out_lp, sharded.output_layout, ctx)
+        judge("forward", "output", step, out, want_out64, want_out_lp, out_offset)
+        total = loss.detach().to(torch.float64).clone()
+        if sharded.output_layout.seq_sharded and ctx.tp > 1:
+            dist.all_reduce(total, group=ctx.tp_group)
+        if ctx.dp > 1:
+            dist.all_reduce(total, group=ctx.dp_group)
+            total /= ctx.dp
+        judge("loss", "loss", step, total, loss64, loss_lp)
+        result.losses.append(float(total))
+        if ig64 is not None:
+            want64, in_off = _cut(ig64, sharded.input_layout, ctx)
+            want_lp, _ = _cut(ig_lp, sharded.input_layout, ctx)
+            judge("input_grad", "input", step, local_in.grad, want64, want_lp, in_off)
+        for p in params:
+            ref = p.spec.ref_name
+            got, w64, wlp, off = p.full_or_piece(p.param.grad, ref_params64[ref].grad, ref_params_lp[ref].grad, ctx)
+            judge("grad", ref, step, got, w64, wlp, off)
+
+        # --- optimizer step on all three models
+        t0 = time.perf_counter()
+        with counter:
+            counter.phase = "optimizer"
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        t_compute += time.perf_counter() - t0
+        for o in (opt64, opt_lp):
+            o.step()
+            o.zero_grad(set_to_none=True)
+        result.comm.append(counter.snapshot())
+        counter.stats.clear()
+
+        for p in params:
+            ref = p.spec.ref_name
+            got, w64, wlp, off = p.full_or_piece(p.param.detach(), ref_params64[ref].detach(),
+                                                 ref_params_lp[ref].detach(), ctx)
+            judge("param", ref, step, got, w64, wlp, off)
+        result.drift.extend(_replica_drift(step, params, ctx, hint))
+
+    result.timings["compute_s"] = t_compute
+    result.timings["total_s"] = time.perf_counter() - t_start
+    return result
+
+
+def _replica_drift(step: int, params: list[_Param], ctx: RankContext, hint: set[str]) -> list[Drift]:
+    """Bit-for-bit comparison of replicated params across TP ranks, and of all params across DP."""
+    drifts = []
+    checks = []
+    if ctx.tp > 1:
+        checks.append(("tp", ctx.tp_group, ctx.tp_ranks, [p for p in params if p.replicated_tp or p.spec.ref_name in hint]))
+    if ctx.dp > 1:
+        checks.append(("dp", ctx.dp_group, ctx.dp_ranks, params))
+    for label, group, ranks, plist in checks:
+        if not plist:
+            continue
+        # one flat buffer, one collective: bookkeeping cost independent of the parameter count
+        flat = torch.cat([p.local(p.param.detach()).reshape(-1).to(torch.float64) for p in plist])
+        gathered = [torch.empty_like(flat) for _ in ranks]
+        dist.all_gather(gathered, flat, group=group)
+        diffs = torch.stack([(g - flat).abs() for g in gathered]).amax(0)
+        at = 0
+        for p in plist:
+            n = p.local(p.param).numel()
+            d = float(diffs[at:at + n].max()) if n else 0.0
+            at += n
+            if d > 0 or not torch.isfinite(torch.tensor(d)):
+                drifts.append(Drift(step=step, name=p.spec.ref_name, group=label, max_abs=d, ranks=ranks))
+    return drifts

@@ -1,0 +1,203 @@
+"""Stage: compare -> record. The driver side of one check: run the job, merge ranks, give a verdict.
+
+Verdicts: PASS (every judged tensor within tolerance, no replica drift), UNSUPPORTED (the case
+declared the config out of scope before any rank ran), FAIL (wrong numbers, drift, a crash or a
+hang inside the parallel code). A FAIL carries the first failure (earliest step, then forward <
+loss < input grad < grad < param), the worst ones, and the one-line repro.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from harness.case import Unsupported, get_case
+from harness.compare import KIND_ORDER, TensorCheck
+from harness.config import CheckConfig
+from harness.pool import PoolManager, RankFailure
+from harness.sidebyside import Drift, RankResult
+
+PASS, FAIL, UNSUPPORTED = "PASS", "FAIL", "UNSUPPORTED"
+
+
+@dataclass(kw_only=True)
+class CheckResult:
+    config: CheckConfig
+    verdict: str
+    reason: str = ""
+    failures: list[TensorCheck] = field(default_factory=list)
+    worst: dict[str, TensorCheck] = field(default_factory=dict)
+    drift: list[Drift] = field(default_factory=list)
+    losses: list[float] = field(default_factory=list)
+    comm: list[dict] = field(default_factory=list)
+    """Collective rows of step 0 on rank 0 (every step and rank count the same in a correct run)."""
+    error: str = ""
+    """For a crash or hang: the ranks' tracebacks."""
+    wall_s: float = 0.0
+    num_checks: int = 0
+
+    @property
+    def ok(self) -> bool:
+        return self.verdict != FAIL
+
+    @property
+    def first_failure(self) -> str:
+        items = []
+        if self.failures:
+            items.append((self.failures[0].sort_key()[:2], self.failures[0].describe()))
+        if self.drift:
+            d = self.drift[0]
+            items.append(((d.step, len(KIND_ORDER)), d.describe()))
+        return min(items)[1] if items else self.reason
+
+    @property
+    def failing_names(self) -> list[str]:
+        """Tensor names failing at the first failing step, in order."""
+        if not self.failures:
+            return [d.name for d in self.drift if d.step == self.drift[0].step] if self.drift else []
+        step = self.failures[0].step
+        seen: dict[str, None] = {}
+        for f in self.failures:
+            if f.step == step:
+                seen.setdefault(f"{f.kind}:{f.name}")
+        return list(seen)
+
+    def to_json(self) -> dict[str, Any]:
+        def conv(x):
+            if dataclasses.is_dataclass(x):
+                return {k: conv(v) for k, v in dataclasses.asdict(x).items()}
+            if isinstance(x, dict):
+                return {k: conv(v) for k, v in x.items()}
+            if isinstance(x, (list, tuple)):
+                return [conv(v) for v in x]
+            return x
+
+        return {
+            "verdict": self.verdict, "reason": self.reason, "first_failure": self.first_failure if self.verdict == FAIL else "",
+            "config": conv(self.config), "repro": self.config.repro(), "failures": conv(self.failures),
+            "worst": conv(self.worst), "drift": conv(self.drift), "losses": self.losses, "comm": self.comm,
+            "error": self.error, "wall_s": self.wall_s, "num_checks": self.num_checks,
+        }
+
+
+_DEFAULT_MANAGER: PoolManager | None = None
+
+
+def default_manager() -> PoolManager:
+    global _DEFAULT_MANAGER
+    if _DEFAULT_MANAGER is None:
+        _DEFAULT_MANAGER = PoolManager()
+    return _DEFAULT_MANAGER
+
+
+def resolve(config: CheckConfig) -> CheckConfig:
+    return get_case(config.case).resolve(config)
+
+
+def check(config: CheckConfig, runner=None) -> CheckResult:
+    """Run one side-by-side check of `config` and return its verdict. Never raises on FAIL."""
+    t0 = time.perf_counter()
+    case = get_case(config.case)
+    config = case.resolve(config)
+    try:
+        case.validate(config)
+    except Unsupported as exc:
+        return CheckResult(config=config, verdict=UNSUPPORTED, reason=str(exc), wall_s=time.perf_counter() - t0)
+    runner = runner or default_manager()
+    label = f"case {config.case} [{config.short()}]"
+    try:
+        results: list[RankResult] = runner.run(config.world_size, "harness.sidebyside:run_rank", config,
+                                               timeout_s=config.timeout_s, label=label)
+    except RankFailure as exc:
+        if exc.kind == "raised" and len(exc.failures) == config.world_size and all(
+                "Unsupported" in t for t in exc.failures.values()):
+            return CheckResult(config=config, verdict=UNSUPPORTED, reason=exc.summary_line(),
+                               wall_s=time.perf_counter() - t0)
+        return CheckResult(config=config, verdict=FAIL, reason=exc.describe(with_traces=False) + ": " + exc.summary_line(),
+                           error=exc.describe(), wall_s=time.perf_counter() - t0)
+    return merge(config, results, wall_s=time.perf_counter() - t0)
+
+
+def merge(config: CheckConfig, results: list[RankResult], *, wall_s: float = 0.0) -> CheckResult:
+    failures = sorted((f for r in results for f in r.failures), key=TensorCheck.sort_key)
+    worst: dict[str, TensorCheck] = {}
+    for r in results:
+        for kind, chk in r.worst.items():
+            if kind not in worst or chk.ratio > worst[kind].ratio:
+                worst[kind] = chk
+    drift: dict[tuple[int, str, str], Drift] = {}
+    for r in results:
+        for d in r.drift:
+            key = (d.step, d.group, d.name)
+            if key not in drift or d.max_abs > drift[key].max_abs:
+                drift[key] = d
+    drifts = sorted(drift.values(), key=lambda d: (d.step, d.group, d.name))
+    verdict = FAIL if failures or drifts else PASS
+    res = CheckResult(config=config, verdict=verdict, failures=failures, worst=worst, drift=drifts,
+                      losses=results[0].losses, comm=results[0].comm[0] if results[0].comm else [],
+                      wall_s=wall_s, num_checks=sum(r.num_checks for r in results))
+    if verdict == FAIL:
+        n = len({(f.step, f.kind, f.name) for f in failures})
+        res.reason = f"{n} tensor mismatch(es), {len(drifts)} replica drift(s); first: {res.first_failure}"
+    return res
+
+
+def format_result(res: CheckResult, *, verbose: bool = False) -> str:
+    """The human verdict table for one check."""
+    cfg = res.config
+    lines = [f"case {cfg.case}  [{cfg.short()}]  tp={cfg.tp} dp={cfg.dp}  {res.wall_s:.2f}s"]
+    if res.verdict == UNSUPPORTED:
+        lines.append(f"UNSUPPORTED: {res.reason}")
+        return "\n".join(lines)
+    if res.error:
+        lines.append("FAIL: " + res.reason)
+        lines.append(res.error if verbose else _tail(res.error, 25))
+        lines.append(f"repro: {cfg.repro()}")
+        return "\n".join(lines)
+    lines.append(f"{'check':<11} {'worst tensor':<34} {'max abs err':>12} {'allowed':>11} {'ratio':>9}  result")
+    for kind in KIND_ORDER:
+        chk = res.worst.get(kind)
+        if chk is None:
+            continue
+        bad = [f for f in res.failures if f.kind == kind]
+        status = "ok" if not bad else f"FAIL ({len({(f.step, f.name) for f in bad})} tensor-steps)"
+        lines.append(f"{kind:<11} {chk.name[:34]:<34} {chk.max_abs:>12.3g} {chk.allowed:>11.3g} {chk.ratio:>9.3g}  {status}")
+    drift_status = "ok (bit-identical)" if not res.drift else f"FAIL ({len(res.drift)})"
+    lines.append(f"{'replicas':<11} {'replicated params across ranks':<34} {max((d.max_abs for d in res.drift), default=0.0):>12.3g} {0.0:>11.3g} {'':>9}  {drift_status}")
+    if res.losses:
+        lines.append("loss per step: " + " ".join(f"{x:.6f}" for x in res.losses))
+    if res.verdict == FAIL:
+        lines.append(f"FAIL: first failure: {res.first_failure}")
+        names = res.failing_names
+        lines.append(f"failing at that step: {', '.join(names[:12])}{' ...' if len(names) > 12 else ''}")
+        shown = res.failures[: (50 if verbose else 8)]
+        for f in shown:
+            lines.append("  " + f.describe())
+        for d in res.drift[: (50 if verbose else 4)]:
+            lines.append("  " + d.describe())
+        lines.append(f"repro: {cfg.repro()}")
+    else:
+        lines.append(f"PASS ({res.num_checks} tensor checks over {cfg.steps} step(s), all ranks)")
+    return "\n".join(lines)
+
+
+def _tail(text: str, n: int) -> str:
+    rows = text.splitlines()
+    return "\n".join(rows if len(rows) <= n else ["  ..."] + rows[-n:])
+
+
+def format_comm(rows: list[dict]) -> str:
+    if not rows:
+        return "collectives per step (rank 0): none"
+    lines = ["collectives per step (rank 0):", f"  {'phase':<10} {'kind':<15} {'group':<7} {'count':>5} {'bytes':>10}"]
+    for r in rows:
+        lines.append(f"  {r['phase']:<10} {r['kind']:<15} {r['group']:<7} {r['count']:>5} {r['bytes']:>10}")
+    return "\n".join(lines)
+
+
+def dump_json(results: list[CheckResult], path: str) -> None:
+    with open(path, "w") as f:
+        json.dump([r.to_json() for r in results], f, indent=1, default=str)
