@@ -25,10 +25,15 @@ torch.Generator passed to `sample`; the global RNG state is left as it was.
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
 import torch
+
+
+MAX_VOCAB = 4096
+"""Largest vocabulary: the transition matrix is vocab^2 float64 (128 MiB at 4096)."""
 
 
 @dataclass(kw_only=True, frozen=True, eq=False)
@@ -53,6 +58,10 @@ class MarkovChain:
         """Draw the chain's rows from Dirichlet(concentration) seeded by `seed`."""
         if vocab < 2:
             raise ValueError(f"vocab must be >= 2, got {vocab}")
+        if vocab > MAX_VOCAB:
+            raise ValueError(
+                f"vocab must be <= {MAX_VOCAB} (the chain stores a vocab x vocab matrix), got {vocab}"
+            )
         if not (concentration > 0 and math.isfinite(concentration)):
             raise ValueError(f"concentration must be finite and > 0, got {concentration}")
         with torch.random.fork_rng(devices=[]):
@@ -94,29 +103,39 @@ class MarkovChain:
         """(inputs, targets), both (batch, seq_len) int64 on CPU, targets = inputs shifted by one.
 
         Uses exactly one torch.rand draw of (batch, seq_len + 1) from `generator`, so the same
-        generator state gives the same batch on every machine and rank. (u is added to the
-        previous token id before the CDF lookup, which rounds u to ~46 bits for vocab <= 128:
-        a bias below 1e-13 in any transition probability.)
+        generator state gives the same batch on every machine and rank. (The alias method
+        spends log2(vocab) of u's 53 bits on the column, so probabilities are resolved to
+        ~2^-(53 - log2 vocab): a bias below 1e-13 for any vocab this class can hold.)
         """
         if batch < 1 or seq_len < 1:
             raise ValueError(f"batch and seq_len must be >= 1, got batch={batch} seq_len={seq_len}")
         u = torch.rand((batch, seq_len + 1), generator=generator, dtype=torch.float64)
+        prob, alias = self._alias_tables
         v = self.vocab
-        # Inverse-CDF sampling against one flat, increasing table: row i's CDF shifted by +i.
-        # Looking up prev + u in it touches O(batch) elements per position instead of gathering
-        # (batch, vocab) rows, which keeps each op under torch's threading grain size: the
-        # sequential loop then costs the same on an idle or an oversubscribed machine.
-        table = (self.transition.cumsum(dim=1) + torch.arange(v, dtype=torch.float64)[:, None])
-        table = table.reshape(-1)
+        # one uniform per token: its top bits pick an alias-table column, the rest decide
+        # between the column and its alias (Walker/Vose: O(1) per token, exact up to rounding)
+        scaled = u * v
+        col = scaled.floor().to(torch.int64).clamp_max(v - 1)
+        frac = scaled - col
         tokens = torch.empty((batch, seq_len + 1), dtype=torch.int64)
-        first = torch.searchsorted(self.stationary.cumsum(0), u[:, 0].contiguous(), right=True)
-        # clamps absorb a CDF that rounds to just under its row's end
-        tokens[:, 0] = first.clamp_max(v - 1)
-        for t in range(1, seq_len + 1):
-            prev = tokens[:, t - 1]
-            flat = torch.searchsorted(table, prev + u[:, t], right=True)
-            tokens[:, t] = (flat - prev * v).clamp(0, v - 1)
+        prev = torch.full((batch,), v, dtype=torch.int64)  # row v holds the stationary pi
+        # the loop is sequential in t but every op touches O(batch) elements, below torch's
+        # threading grain size, so it runs as fast on a busy machine as on an idle one
+        for t in range(seq_len + 1):
+            idx = prev * v + col[:, t]
+            prev = torch.where(frac[:, t] < prob[idx], col[:, t], alias[idx])
+            tokens[:, t] = prev
         return tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
+
+    @functools.cached_property
+    def _alias_tables(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Vose alias tables, flattened (vocab + 1) x vocab: rows 0..V-1 for P, row V for pi."""
+        probs, aliases = [], []
+        for row in [*self.transition.tolist(), self.stationary.tolist()]:
+            p, a = _alias_row(row)
+            probs += p
+            aliases += a
+        return torch.tensor(probs, dtype=torch.float64), torch.tensor(aliases, dtype=torch.int64)
 
     def cross_entropy(self, inputs: torch.Tensor, targets: torch.Tensor) -> float:
         """Mean -log P[input, target] over all positions: the ideal model's loss on this batch."""
@@ -135,6 +154,24 @@ class MarkovChain:
             "unigram_entropy": self.unigram_entropy,
             "uniform_entropy": self.uniform_entropy,
         }
+
+
+def _alias_row(p: list[float]) -> tuple[list[float], list[int]]:
+    """Vose's alias method for one distribution: column k is returned with probability
+    prob[k], else alias[k]; a uniform column choice then reproduces p."""
+    n = len(p)
+    total = math.fsum(p)
+    scaled = [x * n / total for x in p]
+    small = [i for i, x in enumerate(scaled) if x < 1.0]
+    large = [i for i, x in enumerate(scaled) if x >= 1.0]
+    prob, alias = [1.0] * n, list(range(n))
+    while small and large:
+        s, big = small.pop(), large.pop()
+        prob[s], alias[s] = scaled[s], big
+        scaled[big] = (scaled[big] + scaled[s]) - 1.0
+        (small if scaled[big] < 1.0 else large).append(big)
+    # what is left is 1.0 up to rounding: always take the column itself
+    return prob, alias
 
 
 def _stationary(transition: torch.Tensor) -> torch.Tensor:

@@ -60,10 +60,24 @@ class RankFailure(Exception):
     def first_rank(self) -> int:
         return next(iter(self.failures))
 
+    @property
+    def waiting(self) -> list[int]:
+        """Hung ranks that are only blocked in a collective, waiting for the culprits."""
+        return [r for r, text in self.failures.items() if _in_collective(text)]
+
+    @property
+    def culprits(self) -> list[int]:
+        blocked = set(self.waiting)
+        return [r for r in self.failures if r not in blocked] or list(self.failures)
+
     def describe(self, *, with_traces: bool = True) -> str:
         ranks = ", ".join(map(str, self.failures))
         if self.kind == "timeout":
-            head = f"{self.label}: timed out after {self.timeout_s:g}s; rank(s) {ranks} did not finish"
+            culprits = self.culprits
+            head = f"{self.label}: timed out after {self.timeout_s:g}s; rank(s) {', '.join(map(str, culprits))} did not finish"
+            waiting = [r for r in self.failures if r not in culprits]
+            if waiting:
+                head += f" (rank(s) {', '.join(map(str, waiting))} blocked in a collective, waiting for them)"
         elif self.kind == "died":
             head = f"{self.label}: rank process(es) {ranks} died"
         else:
@@ -76,9 +90,19 @@ class RankFailure(Exception):
         return "\n".join(parts)
 
     def summary_line(self) -> str:
-        """The last line of the first failing rank's traceback: usually the exception itself."""
+        """The exception (last traceback line), or for a hang the culprit's innermost frame."""
+        if self.kind == "timeout":
+            text = self.failures[self.culprits[0]]
+            frames = [ln.strip() for ln in text.splitlines() if ln.strip().startswith("File ")]
+            return f"rank {self.culprits[0]} at {frames[0]}" if frames else "no stack available"
         text = self.failures[self.first_rank].strip().splitlines()
         return text[-1] if text else self.kind
+
+
+def _in_collective(stack: str) -> bool:
+    """Whether a faulthandler dump's innermost frames (listed first) are inside a collective."""
+    frames = [ln for ln in stack.splitlines() if ln.strip().startswith("File ")][:4]
+    return any("torch/distributed" in ln or "c10d" in ln for ln in frames)
 
 
 class JobError(Exception):

@@ -30,9 +30,10 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from matplotlib import ticker
 from matplotlib.figure import Figure
 
-from harness.gate import GateBands, GateResult, evaluate
+from harness.gate import GateBands, GateResult, evaluate, lockstep_scale
 from harness.records import StepRecord, json_safe, read_run_dir, series
 
 PLOTS = ("loss", "lockstep", "drift", "gradnorm")
@@ -90,7 +91,7 @@ def write_plots(
     for name, make in makers.items():
         fig = make()
         path = out_dir / f"{name}.png"
-        fig.savefig(path, dpi=_DPI, bbox_inches="tight")
+        fig.savefig(path, dpi=_DPI)
         out[name] = path
     return out
 
@@ -163,14 +164,20 @@ def _plot_loss(runs, meta, gate: GateResult, colors, golden) -> Figure:
     ax.set_xlabel("step")
     ax.set_ylabel("loss (nats / token)")
     ax.set_title(f"Loss: {_title(meta)}")
-    _mark_failure(ax, gate)
+    _mark_failure(ax, gate, lambda f: f.metric == "loss")
     ax.legend(loc="upper right")
     return fig
 
 
 def _plot_lockstep(runs, meta, gate: GateResult, colors) -> Figure:
+    if not gate.pairs:
+        fig, ax = _figure()
+        ax.text(0.5, 0.5, "one run only: nothing to compare in lockstep", ha="center", va="center",
+                transform=ax.transAxes)
+        ax.set_title(f"Lockstep: {_title(meta)}")
+        return fig
     metrics = [m for m in ("loss", "grad_norm") if m in gate.bands.lockstep_metrics] or ["loss"]
-    fig = Figure(figsize=(9, 3.6 * len(metrics) + 0.6))
+    fig = Figure(figsize=(11, 3.6 * len(metrics) + 0.6), layout="constrained")
     axes = fig.subplots(len(metrics), 1, sharex=True, squeeze=False)[:, 0]
     for ax, metric in zip(axes, metrics):
         curves, band_curve = [], None
@@ -178,7 +185,7 @@ def _plot_lockstep(runs, meta, gate: GateResult, colors) -> Figure:
             va, vb = series(runs[a], metric), series(runs[b], metric)
             steps = sorted(set(va) & set(vb))
             curves.append((a, b, steps, [abs(va[s] - vb[s]) for s in steps]))
-        scale = series(runs[gate.reference], metric) if gate.reference else {}
+        scale = lockstep_scale(runs, metric, gate.reference)
         all_steps = sorted({s for _, _, st, _ in curves for s in st})
         if all_steps:
             band_curve = (
@@ -195,13 +202,13 @@ def _plot_lockstep(runs, meta, gate: GateResult, colors) -> Figure:
                     label=f"gate band {gate.bands.describe(gate.dtype)}")
             ax.fill_between(band_curve[0], zero, band_curve[1], color="green", alpha=0.07)
         _zero_line(ax, zero)
-        ax.set_yscale("log")
+        _log_axis(ax, zero)
         ax.set_ylabel(f"|{metric} difference|")
         ax.set_title(f"Lockstep {metric}: runs vs each other ({gate.dtype})")
-        _mark_failure(ax, gate)
-        ax.legend(loc="upper left", fontsize=8)
+        _mark_failure(ax, gate, lambda f, m=metric: f.rule == "lockstep" and f.metric == m)
+        _legend_outside(ax)
     axes[-1].set_xlabel("step")
-    fig.suptitle(_title(meta), fontsize=9, y=0.995)
+    fig.suptitle(_title(meta), fontsize=10)
     return fig
 
 
@@ -236,13 +243,19 @@ def _plot_drift(runs, meta, gate: GateResult, colors) -> Figure:
                     style={"lw": 1.0, "ls": "-", "alpha": 0.8})
     if tol > 0:
         ax.axhline(tol, color="red", ls="-.", lw=1.2, label=f"tolerance {tol:g}")
-    _zero_line(ax, zero, extra="  tolerance: 0, replicas must stay bit-identical" if tol == 0 else "")
-    ax.set_yscale("log")
+    _zero_line(ax, zero, extra="; tolerance 0: replicas must stay bit-identical" if tol == 0 else "")
+    if not any(v > 0 for v in values):
+        # only zeros: give the log axis a range around the zero line instead of a singular one
+        ax.set_ylim(zero / 3, zero * 1e3)
+    _log_axis(ax, zero)
+    if not any(v > 0 for v in values):
+        ax.yaxis.set_major_locator(ticker.FixedLocator([zero]))  # a decade scale of nothing misleads
+        ax.yaxis.set_minor_locator(ticker.NullLocator())
     ax.set_xlabel("step (drift measured after the step's update)")
     ax.set_ylabel("max |param(rank i) - param(rank j)|")
     ax.set_title(f"Replica drift of replicated parameters: {_title(meta)}")
-    _mark_failure(ax, gate)
-    ax.legend(loc="upper left", fontsize=8)
+    _mark_failure(ax, gate, lambda f: f.rule == "drift")
+    _legend_outside(ax)
     return fig
 
 
@@ -252,33 +265,46 @@ def _plot_gradnorm(runs, meta, gate: GateResult, colors) -> Figure:
     if not pairs:
         ax.text(0.5, 0.5, "one run only: no ratio to draw", ha="center", va="center",
                 transform=ax.transAxes)
-    ref = series(runs[gate.reference], "grad_norm") if gate.reference else {}
+    ref = lockstep_scale(runs, "grad_norm", gate.reference)
+    spans = []  # half-widths the y range must show: the ratios' and the first band's
     for i, (a, b) in enumerate(pairs):
         ga, gb = series(runs[a], "grad_norm"), series(runs[b], "grad_norm")
         steps = [s for s in sorted(set(ga) & set(gb)) if gb[s] != 0]
         xs = steps
         ys = [ga[s] / gb[s] for s in steps]
+        spans += [abs(y - 1) for y in ys if math.isfinite(y)]
         ax.plot(xs, ys, color=colors[a] if b == gate.reference else _pair_color(i),
                 label=f"grad_norm[{a}] / grad_norm[{b}]", **_style(i), **_markers(xs))
         if i == 0 and "grad_norm" in gate.bands.lockstep_metrics and steps:
             # the gate bounds |ga - gb|, which is this band on the ratio
             half = [gate.bands.tight(gate.dtype, ref.get(s, gb[s]), s) / abs(gb[s]) for s in steps]
+            spans.append(half[0])
             ax.fill_between(steps, [1 - h for h in half], [1 + h for h in half], color="green",
                             alpha=0.15, label=f"gate band for {a}/{b}")
     ax.axhline(1.0, color="gray", lw=0.8, ls="--")
+    # the band widens as the grad norm falls below 1; scale to the data, not to the band's end
+    width = 1.4 * max(spans, default=0.0) or 1e-6
+    ax.set_ylim(1 - width, 1 + width)
     ax.ticklabel_format(axis="y", useOffset=False, style="plain")
     ax.set_xlabel("step")
     ax.set_ylabel("grad-norm ratio (1 = identical)")
     ax.set_title(f"Gradient norm ratio: {_title(meta)}")
-    _mark_failure(ax, gate)
+    _mark_failure(ax, gate, lambda f: f.metric == "grad_norm")
     if pairs:
-        ax.legend(loc="upper left", fontsize=8)
+        _legend_outside(ax)
     return fig
 
 
 def _figure() -> tuple[Figure, Any]:
-    fig = Figure(figsize=(9, 5))
+    fig = Figure(figsize=(11, 5), layout="constrained")
     return fig, fig.subplots()
+
+
+def _legend_outside(ax) -> None:
+    # curves fill the whole log range; a legend inside would hide some of them
+    if not ax.get_legend_handles_labels()[0]:
+        return
+    ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=8, borderaxespad=0)
 
 
 def _colors(runs: Mapping[str, Any]) -> dict[str, str]:
@@ -325,20 +351,48 @@ def _log_series(ax, xs, ys, zero, *, color, label, style) -> None:
 
 
 def _zero_line(ax, zero: float, extra: str = "") -> None:
+    """Dotted line at the stand-in for 0; its tick reads "0" so it is never taken for 10^-k.
+    The tick formatter that makes it read "0" is installed by `_log_axis`."""
     ax.axhline(zero, color="gray", ls=":", lw=1)
-    ax.annotate("0 (bit-identical)" + extra, xy=(0.01, zero), xycoords=("axes fraction", "data"),
-                xytext=(0, 4), textcoords="offset points", fontsize=8, color="dimgray")
+    ax.annotate("0 (bit-identical)" + extra, xy=(0.99, zero), xycoords=("axes fraction", "data"),
+                xytext=(0, 5), textcoords="offset points", fontsize=8, color="dimgray", ha="right",
+                bbox={"boxstyle": "round,pad=0.2", "fc": "white", "ec": "none", "alpha": 0.8})
 
 
-def _mark_failure(ax, gate: GateResult) -> None:
+def _log_axis(ax, zero: float) -> None:
+    ax.set_yscale("log")
+    base = ticker.LogFormatterSciNotation()
+
+    def fmt(y, pos=None):
+        # nothing real is plotted below the zero line, so neither are ticks
+        if y < zero * 0.999:
+            return ""
+        return "0" if abs(math.log10(y) - math.log10(zero)) < 1e-6 else base(y, pos)
+
+    ax.yaxis.set_major_formatter(ticker.FuncFormatter(fmt))
+    ax.yaxis.set_minor_formatter(ticker.NullFormatter())
+    if ax.get_ylim()[0] < zero / 10:
+        ax.set_ylim(bottom=zero / 3)
+
+
+def _mark_failure(ax, gate: GateResult, mine=None) -> None:
+    """Solid red line at the run's first failure; dashed at this plot's own first failure
+    (`mine` selects the failures the plot shows) when that comes later."""
     first = gate.first_failure
     if first is None:
         return
-    ax.axvline(first.step, color="red", lw=1.5)
-    what = f"{first.rule} {first.metric}, {first.run}" + (f" vs {first.other}" if first.other else "")
-    if first.param:
-        what += f"\n{first.param}"
-    ax.annotate(f"first failure: step {first.step}\n{what}", xy=(first.step, 0.5),
+    _failure_line(ax, first, "first failure", "-", 0.5)
+    own = next((f for f in gate.failures if mine is not None and mine(f)), None)
+    if own is not None and own.step != first.step:
+        _failure_line(ax, own, f"first {own.metric} failure here", "--", 0.2)
+
+
+def _failure_line(ax, f, label: str, ls: str, y: float) -> None:
+    ax.axvline(f.step, color="red", lw=1.5, ls=ls)
+    what = f"{f.rule} {f.metric}, {f.run}" + (f" vs {f.other}" if f.other else "")
+    if f.param:
+        what += f"\n{f.param}"
+    ax.annotate(f"{label}: step {f.step}\n{what}", xy=(f.step, y),
                 xycoords=("data", "axes fraction"), xytext=(6, 0), textcoords="offset points",
                 color="red", fontsize=8, va="center",
                 bbox={"boxstyle": "round", "fc": "white", "ec": "red", "alpha": 0.85})

@@ -1,0 +1,145 @@
+"""The Megatron-style GPT cases: megatron-gpt-ref, megatron-gpt-tp, megatron-gpt-sp.
+
+Stage: build reference + build sharded. `megatron_case(name, mode, impl, ...)` makes a Case
+from an `Impl`; mutants use it with one piece of `CORRECT` swapped.
+
+Supported: any dp x tp mesh with tp <= num_heads; uneven heads, ffn and sequence shards
+(torch.chunk's split or explicit seq_shards), including ranks with no sequence tokens, no heads
+(4 heads over tp=3 are 2/2/0) or no ffn columns; both layouts ("bsh", "sbh"); both norms.
+Unsupported: tp > num_heads (most ranks would hold no heads); megatron-gpt-ref with tp > 1.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from harness.case import Case, Layout, RankContext, Sharded, Unsupported, register
+from harness.config import CheckConfig
+from cases.common import GPT_DEFAULTS, build_reference_gpt, gpt_batch, gpt_tokens, token_loss_sum
+from cases.megatron.impl import CORRECT, Impl, all_reduce_coalesced
+from cases.megatron.model import build_sharded
+
+DEFAULTS = dict(GPT_DEFAULTS)
+INPUT_LAYOUT = Layout(seq_dim=1, batch_dim=0)
+
+
+def _filled(config: CheckConfig) -> CheckConfig:
+    filled = {k: v for k, v in DEFAULTS.items() if getattr(config, k, None) is None}
+    config = config.replace(**filled) if filled else config
+    if config.seq_shards is not None and sum(config.seq_shards) != config.seq_len:
+        raise ValueError(
+            f"seq_shards {list(config.seq_shards)} sum to {sum(config.seq_shards)}, "
+            f"not seq_len({config.seq_len})"
+        )
+    return config
+
+
+def build_reference(config: CheckConfig) -> nn.Module:
+    """reference.gpt.build_gpt in float64 from the config (max_seq_len >= seq_len)."""
+    return build_reference_gpt(_filled(config))
+
+
+def make_batch(config: CheckConfig, step: int, gen: torch.Generator):
+    """int64 tokens [dp*batch, seq_len] and their next tokens as targets."""
+    return gpt_batch(_filled(config), step, gen)
+
+
+def _validate_model(config: CheckConfig) -> CheckConfig:
+    config = _filled(config)
+    if config.hidden % config.num_heads:
+        raise ValueError(f"num_heads({config.num_heads}) does not divide hidden({config.hidden})")
+    return config
+
+
+def validate_parallel(config: CheckConfig) -> None:
+    config = _validate_model(config)
+    if config.tp > config.num_heads:
+        raise Unsupported(
+            f"tp({config.tp}) > num_heads({config.num_heads}): "
+            f"{config.tp - config.num_heads} rank(s) would hold no heads"
+        )
+
+
+def validate_single(config: CheckConfig) -> None:
+    config = _validate_model(config)
+    if config.tp != 1:
+        raise Unsupported(
+            f"the reference mode runs unsharded: needs tp == 1, got world_size({config.world_size})"
+            f" / dp({config.dp}) = tp({config.tp})"
+        )
+
+
+def _shard_single(ref: nn.Module, ctx: RankContext) -> Sharded:
+    """The reference itself on each DP replica; grads averaged over DP."""
+
+    def sync() -> None:
+        if ctx.dp > 1:
+            grads = [p.grad for p in ref.parameters() if p.grad is not None]
+            all_reduce_coalesced(grads, ctx.dp_group, divide_by=ctx.dp)
+
+    io = Layout(seq_dim=1, batch_dim=0, seq_sharded=False)
+    return Sharded(module=ref, input_layout=io, output_layout=io, sync_grads=sync)
+
+
+def megatron_case(
+    name: str,
+    mode: str,
+    impl: Impl = CORRECT,
+    *,
+    description: str,
+    tags: tuple[str, ...] = ("megatron",),
+    models_bug: str = "",
+) -> Case:
+    """A Case for the Megatron GPT in `mode` "tp" (tensor parallel) or "sp" (TP + sequence
+    parallel) built from `impl`; not registered (call `register`)."""
+    if mode not in ("tp", "sp"):
+        raise ValueError(f"mode must be 'tp' or 'sp', got {mode!r}")
+    sp = mode == "sp"
+    return Case(
+        name=name,
+        description=description,
+        build_reference=build_reference,
+        make_batch=make_batch,
+        loss_sum=token_loss_sum,
+        tokens=gpt_tokens,
+        shard=lambda ref, ctx: build_sharded(ref, ctx, impl, sequence_parallel=sp),
+        validate=validate_parallel,
+        defaults=DEFAULTS,
+        input_layout=INPUT_LAYOUT,
+        tags=tags,
+        models_bug=models_bug,
+    )
+
+
+REF = register(
+    Case(
+        name="megatron-gpt-ref",
+        description="nanoGPT reference on one device per DP replica (tp must be 1)",
+        build_reference=build_reference,
+        make_batch=make_batch,
+        loss_sum=token_loss_sum,
+        tokens=gpt_tokens,
+        shard=_shard_single,
+        validate=validate_single,
+        defaults=DEFAULTS,
+        input_layout=INPUT_LAYOUT,
+        tags=("megatron", "reference"),
+    )
+)
+TP = register(
+    megatron_case(
+        "megatron-gpt-tp",
+        "tp",
+        description="Megatron-style tensor parallel GPT (heads/ffn split, no SP)",
+    )
+)
+SP = register(
+    megatron_case(
+        "megatron-gpt-sp",
+        "sp",
+        description="Megatron-style TP + sequence parallel GPT (all-gather/reduce-scatter)",
+    )
+)
+
+__all__ = ["megatron_case", "REF", "TP", "SP", "CORRECT", "Impl"]

@@ -1,0 +1,114 @@
+"""Stage: launch ranks (for pytest). The sp-harness pytest plugin, loaded by entry point.
+
+- options (group "sp-harness", each with an ini key and an env mirror):
+  --sp-timeout / sp_timeout / SP_HARNESS_TIMEOUT: seconds per job before it counts as hung;
+  --sp-max-world-size / sp_max_world_size / SP_HARNESS_MAX_WORLD_SIZE: largest pool to start;
+  --sp-max-pools / sp_max_pools / SP_HARNESS_MAX_POOLS: pools kept warm per xdist worker.
+- hypothesis profiles `dev`, `ci` (default when CI=true) and `nightly`, registered here and only
+  here; pick one with hypothesis' own `--hypothesis-profile` or SP_HARNESS_PROFILE.
+- fixtures: `sp_pool` (the worker's PoolManager, in the session stash), `sp_check(config)`, and
+  `sp_result` for tests marked `@pytest.mark.sp_case("case-or-file.py:NAME", **config_fields)`.
+Each xdist worker owns its pools (own processes, OS-chosen ports); with GPUs, workers split the
+visible devices between them.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from harness import profiles  # noqa: F401  (registers the hypothesis profiles on import)
+from harness.pool import PoolManager, PoolOptions
+
+POOL_KEY = pytest.StashKey[PoolManager]()
+OPTIONS = {
+    # name: (type, default, help)
+    "sp_timeout": (float, 60.0, "seconds per job before it counts as hung"),
+    "sp_max_world_size": (int, 4, "largest world size the tests may start"),
+    "sp_max_pools": (int, 4, "pools (one per world size) kept warm per xdist worker"),
+}
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    group = parser.getgroup("sp-harness", "sequence-parallel verification harness")
+    for name, (typ, default, help_text) in OPTIONS.items():
+        env = "SP_HARNESS_" + name[3:].upper()
+        group.addoption("--" + name.replace("_", "-"), type=typ, default=None, dest=name,
+                        help=f"{help_text} (ini {name}, env {env}, default {default})")
+        parser.addini(name, help=help_text, default=None)
+
+
+def option(config: pytest.Config, name: str):
+    typ, default, _ = OPTIONS[name]
+    value = config.getoption(name)
+    if value is None:
+        value = os.environ.get("SP_HARNESS_" + name[3:].upper()) or config.getini(name) or default
+    try:
+        return typ(value)
+    except ValueError:
+        raise pytest.UsageError(f"{name} must be a {typ.__name__}, got {value!r}") from None
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line("markers", "sp_case(case, **fields): run this sp-harness case; the test gets `sp_result`")
+
+
+def _pool_options(config: pytest.Config) -> PoolOptions:
+    import torch
+
+    if os.environ.get("SP_HARNESS_BACKEND", "") != "gloo" and torch.cuda.is_available():
+        count = torch.cuda.device_count()
+        num_workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+        worker = os.environ.get("PYTEST_XDIST_WORKER", "gw0")
+        index = int(worker[2:]) if worker.startswith("gw") else 0
+        mine = tuple(range(count))[index::num_workers]
+        if mine:
+            return PoolOptions(backend="nccl", devices=mine)
+    return PoolOptions()
+
+
+@pytest.fixture(scope="session")
+def sp_pool(request: pytest.FixtureRequest) -> PoolManager:
+    config = request.config
+    if POOL_KEY not in config.stash:
+        config.stash[POOL_KEY] = PoolManager(_pool_options(config), max_pools=option(config, "sp_max_pools"))
+    return config.stash[POOL_KEY]
+
+
+@pytest.fixture(scope="session")
+def sp_max_world_size(request: pytest.FixtureRequest) -> int:
+    limit = option(request.config, "sp_max_world_size")
+    devices = _pool_options(request.config).devices
+    return min(limit, len(devices)) if devices else limit
+
+
+@pytest.fixture
+def sp_check(sp_pool, request: pytest.FixtureRequest):
+    """sp_check(config) -> CheckResult, run on this worker's warm pool with the suite's timeout."""
+    from harness.verify import check
+
+    timeout = option(request.config, "sp_timeout")
+
+    def run(config):
+        if config.timeout_s == 30.0:  # the CheckConfig default: use the suite's setting
+            config = config.replace(timeout_s=timeout)
+        return check(config, sp_pool)
+
+    return run
+
+
+@pytest.fixture
+def sp_result(request: pytest.FixtureRequest, sp_check):
+    from harness.config import CheckConfig
+
+    marker = request.node.get_closest_marker("sp_case")
+    if marker is None or not marker.args:
+        raise pytest.UsageError("sp_result needs @pytest.mark.sp_case('case-name', **config_fields)")
+    return sp_check(CheckConfig(case=marker.args[0], **marker.kwargs))
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    manager = config.stash.get(POOL_KEY, None)
+    if manager is not None:
+        manager.close()

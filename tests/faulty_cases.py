@@ -1,0 +1,59 @@
+"""User-style case file for the pool's failure paths: a rank that raises, hangs, or desyncs.
+
+Loaded as `tests/faulty_cases.py:NAME`, the way a user verifies their own implementation.
+"""
+
+import time
+
+import torch
+import torch.distributed as dist
+
+from cases.dtensor_plans import SEED_MLP
+from harness.case import Case, Layout, Sharded, Unsupported
+
+
+def _shard_raising(model, ctx):
+    if ctx.rank == 1:
+        raise RuntimeError("boom on purpose in rank 1")
+    dist.barrier()  # the others block, as real ranks would
+    return Sharded(module=model, input_layout=Layout(seq_dim=0), output_layout=Layout(seq_dim=0))
+
+
+def _shard_hanging(model, ctx):
+    if ctx.rank == 1:
+        time.sleep(3600)
+    return Sharded(module=model, input_layout=Layout(seq_dim=0, seq_sharded=False),
+                   output_layout=Layout(seq_dim=0, seq_sharded=False))
+
+
+def _shard_desync(model, ctx):
+    # rank 0 all-reduces 4 floats while rank 1 all-gathers 8: a collective mismatch
+    if ctx.rank == 0:
+        dist.all_reduce(torch.ones(4))
+    else:
+        out = [torch.empty(8) for _ in range(ctx.world_size)]
+        dist.all_gather(out, torch.ones(8))
+    return Sharded(module=model, input_layout=Layout(seq_dim=0), output_layout=Layout(seq_dim=0))
+
+
+def _shard_unsupported_late(model, ctx):
+    raise Unsupported("found out on the rank, before any collective")
+
+
+def _replicated(model, ctx):
+    # no sharding at all: every rank runs the whole model on the whole input
+    return Sharded(module=model, input_layout=Layout(seq_dim=0, seq_sharded=False),
+                   output_layout=Layout(seq_dim=0, seq_sharded=False))
+
+
+def _variant(name, shard):
+    return Case(name=name, description=name, build_reference=SEED_MLP.build_reference, make_batch=SEED_MLP.make_batch,
+                loss_sum=SEED_MLP.loss_sum, tokens=SEED_MLP.tokens, shard=shard, defaults=SEED_MLP.defaults,
+                input_layout=SEED_MLP.input_layout)
+
+
+RAISING = _variant("raising", _shard_raising)
+HANGING = _variant("hanging", _shard_hanging)
+DESYNC = _variant("desync", _shard_desync)
+UNSUPPORTED_LATE = _variant("unsupported-late", _shard_unsupported_late)
+REPLICATED = _variant("replicated", _replicated)

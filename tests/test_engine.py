@@ -1,0 +1,170 @@
+"""The engine end to end on real gloo ranks: verdicts for the DTensor cases at world sizes 1-4,
+the public case API, and the pool's failure paths (raise, hang, desync, death)."""
+
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+
+from harness.config import CheckConfig
+from harness.verify import FAIL, PASS, UNSUPPORTED
+
+FAULTY = os.path.join(os.path.dirname(__file__), "faulty_cases.py")
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 4])
+def test_seed_mlp_passes_on_even_splits(sp_check, world_size):
+    # 32 hidden columns and 12 tokens split evenly over 1, 2, 4 ranks
+    res = sp_check(CheckConfig(case="seed-mlp", world_size=world_size, steps=2))
+    assert res.verdict == PASS, res.reason
+    assert res.num_checks > 0 and not res.drift
+
+
+def test_seed_mlp_uneven_hidden_is_the_upstream_sharding_propagation_failure(sp_check):
+    # pinned upstream behaviour of torch 2.13: 32 columns over 3 ranks (11/11/10)
+    res = sp_check(CheckConfig(case="seed-mlp", world_size=3))
+    assert res.verdict == FAIL
+    assert "a and b must have same reduction dim" in res.error
+    assert "Sharding propagation failed" in res.error
+
+
+def test_seed_mlp_uneven_sequence_kills_the_process_group(sp_check):
+    # pinned upstream behaviour: 10 tokens over 3 ranks (4/4/2) with hidden 33 (even 11/11/11);
+    # DTensor.from_local assumes even shards, gloo aborts a rank on the size mismatch
+    t0 = time.monotonic()
+    res = sp_check(CheckConfig(case="seed-mlp", world_size=3, seq_len=10, hidden=33))
+    assert res.verdict == FAIL
+    assert "Received data size doesn't match expected size" in res.error or "Connection reset" in res.error
+    assert time.monotonic() - t0 < 30
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 4])
+def test_dtensor_gpt_passes(sp_check, world_size):
+    res = sp_check(CheckConfig(case="dtensor-gpt", world_size=world_size, steps=2))
+    assert res.verdict == PASS, res.reason
+
+
+def test_dtensor_gpt_uneven_heads_declared_unsupported(sp_check):
+    res = sp_check(CheckConfig(case="dtensor-gpt", world_size=3))
+    assert res.verdict == UNSUPPORTED
+    assert "[11, 11, 10]" in res.reason and "head_dim(8)" in res.reason
+
+
+def test_dtensor_gpt_uneven_sequence_fails_upstream(sp_check):
+    # whole heads per rank (3 heads of 8 over 3 ranks) but 10 tokens: DTensor's Shard(1) cut
+    # assumes even local shapes in from_local
+    res = sp_check(CheckConfig(case="dtensor-gpt", world_size=3, hidden=24, num_heads=3, seq_len=10))
+    assert res.verdict == FAIL
+
+
+def test_float32_and_bfloat16_runs_judged_against_float64(sp_check):
+    for dtype in ("float32", "bfloat16"):
+        res = sp_check(CheckConfig(case="seed-mlp", world_size=2, dtype=dtype))
+        assert res.verdict == PASS, (dtype, res.reason)
+        assert res.worst["forward"].allowed > 0
+
+
+def test_user_case_file_by_path(sp_check):
+    res = sp_check(CheckConfig(case=f"{FAULTY}:REPLICATED", world_size=2))
+    assert res.verdict == PASS, res.reason
+
+
+def test_rank_that_raises_is_named_with_its_traceback(sp_check):
+    res = sp_check(CheckConfig(case=f"{FAULTY}:RAISING", world_size=2, timeout_s=20))
+    assert res.verdict == FAIL
+    assert "rank(s) 1 raised" in res.reason
+    assert "boom on purpose in rank 1" in res.error and "faulty_cases.py" in res.error
+    assert f"{FAULTY}:RAISING" in res.reason and "ws=2" in res.reason
+    # the pool is rebuilt: the next job on the same world size works
+    assert sp_check(CheckConfig(case="seed-mlp", world_size=2)).verdict == PASS
+
+
+def test_hanging_rank_becomes_a_timeout_naming_case_config_and_rank(sp_check):
+    t0 = time.monotonic()
+    res = sp_check(CheckConfig(case=f"{FAULTY}:HANGING", world_size=2, timeout_s=3))
+    assert time.monotonic() - t0 < 15
+    assert res.verdict == FAIL
+    assert "timed out after 3s" in res.reason and "rank(s) 1 did not finish" in res.reason
+    assert "HANGING" in res.reason and "ws=2" in res.reason
+    assert "_shard_hanging" in res.error  # the hung rank's Python stack, from faulthandler
+    assert sp_check(CheckConfig(case="seed-mlp", world_size=2)).verdict == PASS
+
+
+def test_desync_is_a_failure_not_a_hang(sp_check):
+    t0 = time.monotonic()
+    res = sp_check(CheckConfig(case=f"{FAULTY}:DESYNC", world_size=2, timeout_s=10))
+    assert res.verdict == FAIL
+    assert time.monotonic() - t0 < 20
+    assert sp_check(CheckConfig(case="seed-mlp", world_size=2)).verdict == PASS
+
+
+def test_unsupported_raised_on_every_rank_is_unsupported(sp_check):
+    res = sp_check(CheckConfig(case=f"{FAULTY}:UNSUPPORTED_LATE", world_size=2))
+    assert res.verdict == UNSUPPORTED and "before any collective" in res.reason
+
+
+def test_unsupported_declared_up_front_never_starts_ranks(sp_check):
+    res = sp_check(CheckConfig(case="seed-mlp", world_size=2, dp=2))
+    assert res.verdict == UNSUPPORTED and "dp(2) must be 1" in res.reason
+
+
+def _children(pid: int) -> list[int]:
+    out = subprocess.run(["ps", "-o", "pid=", "--ppid", str(pid)], capture_output=True, text=True).stdout
+    return [int(x) for x in out.split()]
+
+
+def _tagged_processes(tag: str) -> list[int]:
+    """Live processes whose environment carries `tag` (rank processes inherit the driver's env)."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/environ", "rb") as f:
+                if tag.encode() in f.read():
+                    with open(f"/proc/{entry}/stat") as st:
+                        if st.read().split()[2] != "Z":
+                            found.append(int(entry))
+        except OSError:
+            continue
+    return found
+
+
+def test_cli_leaves_no_process_behind_and_exit_codes(tmp_path):
+    tag = f"SP_HARNESS_TEST_TAG=cli-{os.getpid()}-{time.time_ns()}"
+    env = dict(os.environ, PYTHONPATH=os.path.dirname(os.path.dirname(__file__)), SP_HARNESS_TEST_TAG=tag.split("=")[1])
+    ok = subprocess.run([sys.executable, "-m", "harness.cli", "check", "--case", "seed-mlp", "--world-size", "2",
+                         "--json", str(tmp_path / "v.json")], capture_output=True, text=True, env=env, timeout=120)
+    assert ok.returncode == 0, ok.stdout + ok.stderr
+    assert "PASS" in ok.stdout and (tmp_path / "v.json").exists()
+    bad = subprocess.run([sys.executable, "-m", "harness.cli", "check", "--case", "seed-mlp", "--world-size", "3"],
+                         capture_output=True, text=True, env=env, timeout=120)
+    assert bad.returncode == 1 and "a and b must have same reduction dim" in bad.stdout
+    usage = subprocess.run([sys.executable, "-m", "harness.cli", "check", "--case", "seed-mlp", "--world-size", "0"],
+                           capture_output=True, text=True, env=env, timeout=60)
+    assert usage.returncode == 2 and "must be >= 1, got 0" in usage.stderr
+    time.sleep(0.5)
+    assert _tagged_processes(tag) == [], "rank processes outlived the CLI"
+
+
+def test_ctrl_c_leaves_no_rank_behind(tmp_path):
+    import signal
+
+    env = dict(os.environ, PYTHONPATH=os.path.dirname(os.path.dirname(__file__)))
+    proc = subprocess.Popen([sys.executable, "-m", "harness.cli", "check", "--case", f"{FAULTY}:HANGING",
+                             "--world-size", "2", "--timeout", "60"], env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline and len(_children(proc.pid)) < 2:
+        time.sleep(0.2)
+    ranks = _children(proc.pid)
+    assert len(ranks) == 2
+    time.sleep(1.0)
+    proc.send_signal(signal.SIGINT)
+    proc.wait(timeout=30)
+    time.sleep(0.5)
+    alive = [pid for pid in ranks if os.path.exists(f"/proc/{pid}") and
+             open(f"/proc/{pid}/stat").read().split()[2] != "Z"]
+    assert not alive, f"rank processes {alive} outlived the driver"
