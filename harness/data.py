@@ -31,7 +31,6 @@ from dataclasses import dataclass
 
 import torch
 
-
 MAX_VOCAB = 4096
 """Largest vocabulary: the transition matrix is vocab^2 float64 (128 MiB at 4096)."""
 

@@ -20,7 +20,8 @@ changes a mean loss of size L by a few ulps, i.e. ~eps(dtype) * L, so the band i
 
     band(step) = k * eps(dtype) * max(1, |L_ref(step)|) * sqrt(1 + step / growth_steps)
 
-with k = 64 and growth_steps = 100. max(1, .) keeps the band from collapsing when the metric
+with k = 64 and growth_steps = 100 (with no reference run, |L_ref| is the largest |L| of any
+run at that step). max(1, .) keeps the band from collapsing when the metric
 nears 0. The sqrt factor is there because the runs' trajectories do separate slowly: Adam turns
 a rounding-level gradient difference on a near-zero gradient entry into an O(lr) update
 difference, and those accumulate like a random walk. Measured on the reference GPT (h=32,
@@ -29,8 +30,8 @@ from two half-batches (a pure reduction-order change): float32 loss differences 
 ~1 eps*L at the first steps (matching correct SP vs reference, ~5e-7 at L~4), at most 4.3 eps*L
 over 200 steps, 10 over 400, 38 over 1000; grad-norm differences at most 17.5 eps*max(1,|g|) over
 400 steps; float64 at most 5.2 eps*L over 300 steps. The band is 64 at step 0, 111 at step 200,
-212 at step 1000: 5-15x headroom, and still a relative 2.5e-5 at L~4 in float32 (1.4e-14 in
-float64), far below what real SP bugs do (a missing norm-weight all-reduce moves the loss by
+143 at step 400, 212 at step 1000 (same units): 5-25x headroom, and still only 3.1e-5 at L~4 in
+float32 (7.6e-6 relative; 5.7e-14 in float64), far below what real SP bugs do (a missing norm-weight all-reduce moves the loss by
 1e-5 within two steps and 1e-3 later, and drifts the replicas at the first update). The
 constants depend on the dtype only, never on the case.
 

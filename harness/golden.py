@@ -107,7 +107,7 @@ def golden_band(
     eff = _effective_dtype(golden, dtype)
     return {
         s: (v, bands.golden(eff, v, sp, s))
-        for s, v, sp in zip(golden_steps(entry), entry["values"], entry["spread"])
+        for s, v, sp in zip(golden_steps(entry), entry["values"], entry["spread"], strict=True)
     }
 
 

@@ -57,7 +57,7 @@ def write_report(
     out_dir = Path(out_dir)
     pngs = write_plots(out_dir, runs, meta, gate, golden=golden)
     figures = {name: run_figures(recs, meta.get("floor")) for name, recs in runs.items()}
-    summary = _summary(runs, meta, gate, figures, pngs)
+    summary = _summary(meta, gate, figures, pngs)
     (out_dir / "summary.json").write_text(
         json.dumps(json_safe(summary), indent=2, allow_nan=False) + "\n", encoding="utf-8"
     )
@@ -117,9 +117,8 @@ def run_figures(records: Sequence[StepRecord], floor: float | None) -> dict[str,
         return {"num_steps": 0}
     finite = [r for r in recs if math.isfinite(r.loss)]
     best = min(finite, key=lambda r: r.loss) if finite else None
-    drift = max(recs, key=lambda r: -1.0 if math.isnan(r.max_replica_drift) else r.max_replica_drift)
-    drift_nan = next((r for r in recs if math.isnan(r.max_replica_drift)), None)
-    drift = drift_nan or drift
+    # a NaN drift is the worst drift there is; max() keeps the earliest of equal values
+    drift = max(recs, key=lambda r: math.inf if math.isnan(r.max_replica_drift) else r.max_replica_drift)
     errs = [r.param_err_vs_ref for r in recs if r.param_err_vs_ref is not None]
     final = recs[-1]
     has_floor = floor is not None and math.isfinite(floor)
@@ -179,7 +178,7 @@ def _plot_lockstep(runs, meta, gate: GateResult, colors) -> Figure:
     metrics = [m for m in ("loss", "grad_norm") if m in gate.bands.lockstep_metrics] or ["loss"]
     fig = Figure(figsize=(11, 3.6 * len(metrics) + 0.6), layout="constrained")
     axes = fig.subplots(len(metrics), 1, sharex=True, squeeze=False)[:, 0]
-    for ax, metric in zip(axes, metrics):
+    for ax, metric in zip(axes, metrics, strict=True):
         curves, band_curve = [], None
         for a, b in gate.pairs:
             va, vb = series(runs[a], metric), series(runs[b], metric)
@@ -342,10 +341,10 @@ def _zero_floor(values: Sequence[float]) -> float:
 def _log_series(ax, xs, ys, zero, *, color, label, style) -> None:
     shown = [y if y > 0 else zero for y in ys]  # NaN stays NaN: a gap in the line
     ax.plot(xs, shown, color=color, label=label, **style)
-    zx = [x for x, y in zip(xs, ys) if y == 0]
+    zx = [x for x, y in zip(xs, ys, strict=True) if y == 0]
     if zx:
         ax.plot(zx, [zero] * len(zx), ls="none", marker="o", ms=5, mfc="none", color=color)
-    nx = [x for x, y in zip(xs, ys) if not math.isfinite(y)]
+    nx = [x for x, y in zip(xs, ys, strict=True) if not math.isfinite(y)]
     for x in nx:
         ax.axvline(x, color=color, ls=":", lw=1)
 
@@ -410,7 +409,7 @@ def _title(meta: Mapping[str, Any]) -> str:
 # --------------------------------------------------------------------------------- outputs
 
 
-def _summary(runs, meta, gate: GateResult, figures, pngs) -> dict[str, Any]:
+def _summary(meta, gate: GateResult, figures, pngs) -> dict[str, Any]:
     g = gate.to_json()
     return {
         "verdict": gate.verdict,

@@ -204,6 +204,18 @@ def test_tighter_band_catches_the_loss_at_step_2():
     assert min(f.step for f in lock) == 2
 
 
+def test_without_a_reference_run_every_pair_is_compared():
+    import dataclasses
+
+    runs = {n: [dataclasses.replace(r, run=n) for r in recs] for n, recs in zip("abc", make_runs().values(), strict=True)}
+    gate = evaluate(runs, dtype="float32", reference=None)
+    assert gate.passed and gate.reference is None
+    assert gate.pairs == (("c", "b"), ("c", "a"), ("b", "a"))
+    runs["c"][5].loss += 1e-4
+    gate = evaluate(runs, dtype="float32", reference=None)
+    assert {(f.run, f.other, f.step) for f in gate.failures} == {("c", "b", 5), ("c", "a", 5)}
+
+
 def test_nan_drift_nan_loss_and_missing_steps_fail():
     runs = make_runs()
     runs["tp"][4].max_replica_drift = math.nan
@@ -293,7 +305,10 @@ def _check_common(out_dir, runs, verdict):
 
 def test_report_of_correct_runs(tmp_path):
     runs = make_runs()
-    html_path = write_report(tmp_path, runs, meta(), evaluate(runs, dtype="float32"))
+    golden = make_golden([runs["ref"]], meta={"dtype": "float32"})
+    gate = evaluate(runs, dtype="float32", golden=golden)
+    assert gate.passed and gate.checked["golden"] == 3
+    html_path = write_report(tmp_path, runs, meta(), gate, golden=golden)
     assert html_path == tmp_path / "report.html"
     text, summary, _ = _check_common(tmp_path, runs, "PASS")
     assert summary["reasons"] == [] and summary["first_failing_step"] is None
