@@ -166,7 +166,7 @@ def _extra_commands():
     import importlib
 
     out = []
-    for mod in ("harness.converge", "harness.mutants", "harness.bench"):
+    for mod in ("harness.converge", "harness.nightly", "harness.mutants", "harness.bench"):
         try:
             module = importlib.import_module(mod)
         except ModuleNotFoundError as exc:

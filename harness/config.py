@@ -137,5 +137,8 @@ class CheckConfig:
                 parts.append(f"{name}={value}")
         if self.seq_shards is not None:
             parts.append("shards=" + "/".join(map(str, self.seq_shards)))
+        for name, default in (("layout", "bsh"), ("norm", "layernorm"), ("optimizer", "adamw")):
+            if getattr(self, name) != default:
+                parts.append(getattr(self, name))
         parts += [self.dtype, f"steps={self.steps}", f"seed={self.seed}"]
         return " ".join(parts)
