@@ -1,0 +1,18 @@
+"""sp-harness: prove a sequence-parallel model agrees with its single-device reference.
+
+Flow: config -> launch ranks (pool) -> build reference + sharded (case) -> step -> capture ->
+compare -> record -> report -> gate. The public API for users' own cases is re-exported here.
+"""
+
+from harness.case import Case, Layout, ParamSpec, RankContext, Sharded, Unsupported, register
+from harness.config import CheckConfig
+
+
+def check(config: CheckConfig, runner=None):
+    """Run one side-by-side check; returns a CheckResult (verdict PASS / FAIL / UNSUPPORTED)."""
+    from harness.verify import check as _check
+
+    return _check(config, runner)
+
+
+__all__ = ["Case", "CheckConfig", "Layout", "ParamSpec", "RankContext", "Sharded", "Unsupported", "check", "register"]

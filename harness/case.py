@@ -165,6 +165,9 @@ class Case:
     """Free labels: 'dtensor', 'megatron', 'mutant', 'upstream-bug', ..."""
     models_bug: str = ""
     """For mutants: the real bug this models, with its public reference."""
+    base: str = ""
+    """For mutants: the correct case this one is a variation of (its twin in the mutant battery:
+    a check only counts as a kill if the twin passes it)."""
 
     def resolve(self, config: CheckConfig) -> CheckConfig:
         """Fill the config's None fields from the case defaults and check shard sizes."""

@@ -140,8 +140,21 @@ def _comm_baseline(result, runner) -> str | None:
         f"  TP+SP: {ag['count']} all-gather + {rs['count']} reduce-scatter, payload {ag['bytes']} + {rs['bytes']} B, "
         f"ring bytes/rank {fig['sp_ring_bytes']:.0f}",
         f"  each all-reduce replaced by reduce-scatter + all-gather of the same payload: "
-        f"{'yes' if fig['matches'] else 'NO'}" + (f" (SP also uses {fig['sp_other_kinds']})" if fig["sp_other_kinds"] else ""),
+        f"{'yes' if fig['matches'] else 'NO'}" + (f" (SP also uses {fig['sp_other_kinds']})" if fig["sp_other_kinds"] else "")
+        + _padding_note(result.config, fig),
     ])
+
+
+def _padding_note(config, fig) -> str:
+    from harness.shards import chunk_sizes, is_even
+
+    if fig["matches"] or not fig["tp_ring_bytes"]:
+        return ""
+    sizes = config.seq_shards or chunk_sizes(config.seq_len, config.tp)
+    ratio = fig["sp_ring_bytes"] / fig["tp_ring_bytes"]
+    why = (f": uneven shards {'/'.join(map(str, sizes))} are padded to {max(sizes)} tokens per rank "
+           f"({config.tp} x {max(sizes)} = {config.tp * max(sizes)} vs {sum(sizes)})") if not is_even(sizes) else ""
+    return f"; SP moves {ratio:.3f}x the TP volume{why}"
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -64,6 +64,9 @@ def _group_ranks(group) -> tuple[int, ...]:
     try:
         if isinstance(group, str):
             group = dist.distributed_c10d._resolve_process_group(group)
+        elif isinstance(group, torch.ScriptObject):
+            # raw c10d ops carry the group boxed as a TorchBind object
+            group = dist.ProcessGroup.unbox(group)
         return tuple(dist.get_process_group_ranks(group))
     except Exception:
         return ()
@@ -101,7 +104,7 @@ class CommCounter(TorchDispatchMode):
             idx = int(where[-1])
             payload = args[idx]
             size = _nbytes(payload)
-            group = next((a for a in args if type(a).__name__ in ("ProcessGroup", "ScriptObject")), None)
+            group = next((a for a in args if isinstance(a, (torch.ScriptObject, dist.ProcessGroup))), None)
             self._add(kind, group, size)
         elif name.startswith("_c10d_functional.") and name in _FUNCTIONAL:
             kind = _FUNCTIONAL[name]

@@ -1,0 +1,82 @@
+"""Broken DTensor plans: slips in `parallelize_module` plans that run without an error.
+
+Stage: build sharded. Each is the correct plan (cases/dtensor_plans.py) with one entry changed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+from torch.distributed.tensor import Shard
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+from cases.dtensor_plans import DTENSOR_GPT, SEED_MLP, gpt_plan
+from harness.case import Layout, RankContext, Sharded, register
+
+TAGS = ("mutant", "dtensor")
+
+
+def _gpt_shard(plan_edit=None, before=None):
+    def shard(model, ctx: RankContext) -> Sharded:
+        if before is not None:
+            before(model, ctx)
+        plan = gpt_plan(ctx.config.num_layers)
+        if plan_edit is not None:
+            plan_edit(plan)
+        module = parallelize_module(model, ctx.device_mesh, plan)
+        io = Layout(seq_dim=1, batch_dim=0, seq_sharded=False)
+        return Sharded(module=module, input_layout=io, output_layout=io)
+
+    return shard
+
+
+def _drop_norm2_sp(plan: dict) -> None:
+    del plan["blocks.0.norm2"]
+
+
+def _init_norms_per_rank(model, ctx: RankContext) -> None:
+    # each rank "initialises" its own norm weights (a per-rank seed), as a model built before
+    # the plan on ranks with different RNG states would
+    gen = torch.Generator().manual_seed(1000 + ctx.rank)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.add_(1e-3 * torch.randn(p.shape, generator=gen, dtype=torch.float64).to(p.dtype))
+
+
+NORM_MISSING_SP = register(dataclasses.replace(
+    DTENSOR_GPT, name="mutant-dtensor-norm-missing-sp", base="dtensor-gpt", tags=TAGS,
+    description="MUTANT dtensor-gpt: blocks.0.norm2 left out of the plan",
+    models_bug="a norm missing SequenceParallel in the plan: it runs as a plain module on the local sequence "
+               "shard, so its weight grads are partial sums never reduced over TP (the DTensor form of "
+               "GPT-NeoX #1257; torchtitan's plans list every norm for this reason)",
+    shard=_gpt_shard(plan_edit=_drop_norm2_sp),
+))
+
+NORM_INIT_PER_RANK = register(dataclasses.replace(
+    DTENSOR_GPT, name="mutant-dtensor-norm-init-per-rank", base="dtensor-gpt", tags=TAGS,
+    description="MUTANT dtensor-gpt: norm weights differ per rank before parallelize_module",
+    models_bug="norm weights initialised differently per rank: SequenceParallel wraps them with "
+               "DTensor.from_local(..., Replicate(), run_check=False) and never broadcasts, so replicas "
+               "silently start (and stay) different (PyTorch's SequenceParallel docstring: the weights "
+               "are assumed to be initialised identically)",
+    shard=_gpt_shard(before=_init_norms_per_rank),
+))
+
+
+def _seed_wrong_output_dim(model, ctx: RankContext) -> Sharded:
+    plan = {"in_proj": ColwiseParallel(input_layouts=Shard(0)),
+            "out_proj": RowwiseParallel(output_layouts=Shard(1))}
+    module = parallelize_module(model, ctx.device_mesh, plan)
+    return Sharded(module=module, input_layout=Layout(seq_dim=0), output_layout=Layout(seq_dim=0))
+
+
+SEED_WRONG_DIM = register(dataclasses.replace(
+    SEED_MLP, name="mutant-dtensor-output-wrong-dim", base="seed-mlp", tags=TAGS,
+    description="MUTANT seed-mlp: RowwiseParallel(output_layouts=Shard(1))",
+    models_bug="output sharded on the wrong dim: the reduce-scatter splits features instead of the "
+               "sequence (Shard(1) for Shard(0)), so every rank holds a feature slice of all tokens; "
+               "shapes still line up for a loss that sums everything",
+    shard=_seed_wrong_output_dim,
+))
