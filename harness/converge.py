@@ -237,16 +237,22 @@ class Progress:
         self.stream.flush()
 
 
-def train(spec: TrainSpec, runner, *, chunk: int = 25, progress: bool = True) -> tuple[list[StepRecord], list[StepRecord]]:
-    """Run one lockstep training; returns (records of the run, records of its reference copy)."""
+def train(spec: TrainSpec, runner, *, chunk: int = 25, progress: bool = True,
+          crashes: dict | None = None) -> tuple[list[StepRecord], list[StepRecord]]:
+    """Run one lockstep training; returns (records of the run, records of its reference copy).
+
+    A run that crashes or hangs stops there: its records so far are returned and, if `crashes`
+    is given, crashes[run] = (step reached, the failure) -- the gate reports it as a FAIL."""
+    from harness.pool import RankFailure
+
     cfg = spec.config
     label = f"converge {spec.run}: case {cfg.case} [{cfg.short()}]"
-    runner.run(cfg.world_size, "harness.converge:train_start", spec, timeout_s=cfg.timeout_s, label=label)
     bar = Progress(spec.run, spec.steps) if progress else None
     run_records: list[StepRecord] = []
     ref_records: list[StepRecord] = []
+    done = 0
     try:
-        done = 0
+        runner.run(cfg.world_size, "harness.converge:train_start", spec, timeout_s=cfg.timeout_s, label=label)
         while done < spec.steps:
             n = min(chunk, spec.steps - done)
             rows = runner.run(cfg.world_size, "harness.converge:train_steps", n,
@@ -257,6 +263,10 @@ def train(spec: TrainSpec, runner, *, chunk: int = 25, progress: bool = True) ->
             done += n
             if bar:
                 bar.update(done, run_records[-1].loss)
+    except RankFailure as exc:
+        if crashes is None:
+            raise
+        crashes[spec.run] = (len(run_records), exc)
     finally:
         try:
             runner.run(cfg.world_size, "harness.converge:train_end", None, timeout_s=cfg.timeout_s, label=label)
@@ -317,12 +327,18 @@ def converge(opts: ConvergeOptions, runner, out_dir: str | os.PathLike, *, golde
     common = dict(steps=opts.steps, warmup_steps=opts.warmup_steps, clip_grad_norm=opts.clip_grad_norm,
                   vocab=base.vocab, data_seed=opts.data_seed)
     runs: dict[str, list[StepRecord]] = {}
+    crashes: dict = {}
     t0 = time.perf_counter()
-    sp_records, ref_records = train(TrainSpec(run="sp", config=base, **common), runner, progress=progress)
+    sp_records, ref_records = train(TrainSpec(run="sp", config=base, **common), runner, progress=progress,
+                                    crashes=crashes)
+    if "sp" in crashes:
+        # the reference copy trained inside the crashed job: train it alone for a full curve
+        _, ref_records = train(TrainSpec(run="ref", config=base.replace(case=DEFAULT_REFERENCE, world_size=opts.dp),
+                                         **common), runner, progress=progress, crashes=crashes)
     runs["ref"] = ref_records
     if opts.baseline:
         runs["tp"], _ = train(TrainSpec(run="tp", config=base.replace(case=opts.baseline), **common), runner,
-                              progress=progress)
+                              progress=progress, crashes=crashes)
     runs["sp"] = sp_records
     chain = MarkovChain.from_seed(vocab=base.vocab, seed=opts.data_seed, concentration=0.1)
     meta = make_meta(case=opts.case, config=_plain(base), world_size=opts.world_size, dp=opts.dp, tp=base.tp,
@@ -333,8 +349,22 @@ def converge(opts: ConvergeOptions, runner, out_dir: str | os.PathLike, *, golde
     write_run_dir(out, runs, meta)
     golden_doc = load_golden(golden) if golden else None
     result = evaluate(runs, dtype=opts.dtype, golden=golden_doc)
+    if crashes:
+        result = _with_crashes(result, crashes)
     html = write_report(out, runs, meta, result, golden=golden_doc)
     return result, html, runs
+
+
+def _with_crashes(result, crashes: dict):
+    import dataclasses
+
+    from harness.gate import Failure
+
+    extra = tuple(Failure(rule="crash", metric="step", run=run, step=step, value=float("nan"), band=0.0,
+                          detail=f"{exc.describe(with_traces=False)}: {exc.summary_line()}")
+                  for run, (step, exc) in sorted(crashes.items()))
+    failures = tuple(sorted(extra + tuple(result.failures), key=lambda f: f.sort_key))
+    return dataclasses.replace(result, verdict="FAIL", failures=failures)
 
 
 def _plain(config: CheckConfig) -> dict:

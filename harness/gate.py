@@ -129,7 +129,7 @@ class Failure:
     """One violated rule for one run (or pair of runs): where it first failed and how badly."""
 
     rule: str
-    """'steps', 'nonfinite', 'lockstep', 'drift' or 'golden'."""
+    """'crash', 'steps', 'nonfinite', 'lockstep', 'drift' or 'golden'."""
     metric: str
     """StepRecord field: 'loss', 'grad_norm', 'max_replica_drift', or 'step' for 'steps'."""
     run: str
@@ -172,6 +172,8 @@ class Failure:
             if len(self.params) > 1:
                 shown = ", ".join(self.params[:5]) + (", ..." if len(self.params) > 5 else "")
                 head += f"; {len(self.params)} parameters drifted ({shown})"
+        elif self.rule == "crash":
+            head = f"{who}: crashed at step {self.step}: {self.detail}"
         elif self.rule == "steps":
             head = f"{who}: {self.detail}"
         elif self.rule == "nonfinite":
@@ -199,7 +201,7 @@ class Failure:
         return out
 
 
-_RULE_ORDER = {"steps": 0, "nonfinite": 1, "drift": 2, "lockstep": 3, "golden": 4}
+_RULE_ORDER = {"crash": -1, "steps": 0, "nonfinite": 1, "drift": 2, "lockstep": 3, "golden": 4}
 
 
 @dataclass(kw_only=True, frozen=True)

@@ -179,6 +179,15 @@ def _worker_main(spec: dict) -> None:
         pass
 
 
+def health_check(_: object = None) -> int:
+    import torch
+    import torch.distributed as dist
+
+    t = torch.ones(1)
+    dist.all_reduce(t)
+    return int(t.item())
+
+
 class RankPool:
     """`world_size` rank processes with a live default process group, serving jobs."""
 
@@ -295,7 +304,9 @@ class RankPool:
         if not pending and not errors:
             return [results[r] for r in range(self.world_size)]
         hung = {r: self._dump_stack(r) for r in pending}
-        self.close()  # the process group's state is unknown after a failure: rebuild on next use
+        every_rank_raised = not pending and len(errors) == self.world_size and self.alive
+        if not (every_rank_raised and self._healthy()):
+            self.close()  # the process group's state is unknown: rebuild on next use
         if errors:
             kind = "died" if all("without a result" in e for e in errors.values()) else "raised"
             # a rank that died explains the others' 'connection reset': list it first
@@ -303,6 +314,23 @@ class RankPool:
             # a hang on the others is a consequence of the raise: report the root cause only
             raise RankFailure(label, kind, errors)
         raise RankFailure(label, "timeout", dict(sorted(hung.items())), timeout_s=timeout_s)
+
+    def _healthy(self) -> bool:
+        """After every rank raised (none hung, none died) no rank can be inside a collective; a
+        barrier confirms the group still pairs up, which saves a restart (seconds)."""
+        self._job_id += 1
+        try:
+            for conn in self._conns:
+                conn.send((self._job_id, "harness.pool:health_check", None))
+            for conn in self._conns:
+                if not conn.poll(5.0):
+                    return False
+                msg = conn.recv()
+                if msg[0] != self._job_id or msg[1] != "ok":
+                    return False
+        except (OSError, EOFError):
+            return False
+        return True
 
     def _log_tail(self, rank: int, num_lines: int = 12) -> str:
         try:

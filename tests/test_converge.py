@@ -1,0 +1,67 @@
+"""Convergence runs end to end on real ranks: the gate passes correct SP, fails a copy with unsynced
+norm grads by step 2 naming the parameter, and fails a reduce-scatter over the wrong group on a
+DP x TP mesh; the report files are produced and parse; golden curves round-trip."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+from harness.converge import ConvergeOptions, converge
+from harness.records import read_run_dir
+
+SHORT = dict(steps=6, seq_len=12, batch=2, warmup_steps=2)
+
+
+def test_correct_sp_passes_and_report_parses(sp_pool, tmp_path):
+    result, html, runs = converge(ConvergeOptions(**SHORT), sp_pool, tmp_path, progress=False)
+    assert result.passed, result.reasons
+    assert set(runs) == {"ref", "tp", "sp"}
+    text = html.read_text()
+    assert "PASS" in text and text.count("data:image/png;base64,") >= 4
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["verdict"] == "PASS"
+    records, meta = read_run_dir(tmp_path)
+    assert len(records["sp"]) == 6 and meta["floor"] > 0
+    # lockstep: correct SP and TP agree with the reference far inside the float32 band
+    assert max(abs(a.loss - b.loss) for a, b in zip(records["sp"], records["ref"])) < 1e-5
+    assert all(r.max_replica_drift == 0.0 for r in records["sp"])
+
+
+def test_unsynced_norm_grads_fail_by_step_two_naming_the_norm(sp_pool, tmp_path):
+    opts = ConvergeOptions(case="mutant-sp-no-norm-grad-sync", **SHORT)
+    result, html, runs = converge(opts, sp_pool, tmp_path, progress=False)
+    assert not result.passed
+    assert result.first_failing_step <= 2
+    assert "norm" in (result.first_failing_param or "")
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["verdict"] == "FAIL"
+
+
+def test_reduce_scatter_over_world_fails_on_dp_x_tp(sp_pool, tmp_path):
+    opts = ConvergeOptions(case="mutant-sp-reduce-scatter-world", world_size=4, dp=2, **SHORT)
+    result, _, _ = converge(opts, sp_pool, tmp_path, progress=False)
+    assert not result.passed
+    assert result.first_failing_step is not None and result.first_failing_step <= 2
+
+
+def test_golden_round_trip_through_the_cli(tmp_path):
+    root = Path(__file__).resolve().parent.parent
+    common = ["--steps", "4", "--seq-len", "12", "--batch", "2", "--warmup-steps", "2"]
+    golden = tmp_path / "golden.json"
+    made = subprocess.run([sys.executable, "-m", "harness.cli", "golden", *common, "--repeats", "2", "--out", str(golden),
+                           "--work-dir", str(tmp_path / "work")], cwd=root, capture_output=True, text=True, timeout=300)
+    assert made.returncode == 0, made.stdout + made.stderr
+    doc = json.loads(golden.read_text())
+    assert doc["metrics"]["loss"]["spread"] == [0.0] * 4  # deterministic CPU: repeats agree exactly
+    ok = subprocess.run([sys.executable, "-m", "harness.cli", "converge", *common, "--golden", str(golden),
+                         "--out", str(tmp_path / "ok")], cwd=root, capture_output=True, text=True, timeout=300)
+    assert ok.returncode == 0, ok.stdout + ok.stderr
+    # a different learning rate departs from the stored curve: the gate must fail
+    off = subprocess.run([sys.executable, "-m", "harness.cli", "converge", *common, "--lr", "0.02", "--golden",
+                          str(golden), "--out", str(tmp_path / "off")], cwd=root, capture_output=True, text=True,
+                         timeout=300)
+    assert off.returncode == 1 and "golden" in off.stdout
+    regate = subprocess.run([sys.executable, "-m", "harness.cli", "gate", str(tmp_path / "ok"), "--golden", str(golden)],
+                            cwd=root, capture_output=True, text=True, timeout=120)
+    assert regate.returncode == 0, regate.stdout + regate.stderr
