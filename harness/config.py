@@ -123,7 +123,8 @@ class CheckConfig:
                 continue
             if isinstance(value, tuple):
                 value = ",".join(map(str, value))
-            args += ["--" + field.name.replace("_", "-"), str(value)]
+            flag = "--timeout" if field.name == "timeout_s" else "--" + field.name.replace("_", "-")
+            args += [flag, f"{value:g}" if isinstance(value, float) else str(value)]
         return shlex.join(args)
 
     def short(self) -> str:

@@ -37,7 +37,8 @@ def test_repro_round_trips_through_the_cli_parser():
     from harness.cli import build_parser, config_from_args
 
     cfg = CheckConfig(case="megatron-gpt-sp", world_size=3, seq_len=10, seq_shards=(4, 4, 2), hidden=24,
-                      dtype="float32", seed=7, layout="sbh")
+                      dtype="float32", seed=7, layout="sbh", timeout_s=12.5, lr=0.003, dp=1, optimizer="sgd",
+                      norm="rmsnorm", steps=3, batch=1, num_layers=1, vocab=9, ffn=7, num_heads=3)
     argv = cfg.repro().split()[1:]
     assert config_from_args(build_parser().parse_args(argv)) == cfg
 

@@ -1,0 +1,95 @@
+"""Activation memory and communication volume of SP against Korthikanti et al. (harness.memory).
+
+The memory check passes for megatron-gpt-sp (each rank's layer saves exactly its adjusted
+formula, norm-region activations 1/t of the TP twin's) and fails for the mutant that all-gathers
+the sequence before the norms; the communication gate passes for SP and fails for that mutant,
+whose numerics are exact (PASS): only these two checks kill it.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from harness.config import CheckConfig
+from harness.memory import (
+    activation_gate,
+    activation_report,
+    adjusted_bytes,
+    comm_gate,
+    measure_reference_layer,
+    memory_config,
+    paper_bytes,
+)
+from harness.verify import PASS
+
+MUTANT = "mutant-sp-full-sequence-norms"
+MEM = dict(dtype="float32", seq_len=12, hidden=32, num_heads=4)
+
+
+def test_paper_formulas_agree_at_one_rank():
+    dims = dict(s=16, b=2, h=64, a=8)
+    none = paper_bytes("none", **dims)
+    assert paper_bytes("tp", t=1, **dims) == pytest.approx(none)
+    assert paper_bytes("sp", t=1, **dims) == pytest.approx(none)
+    assert paper_bytes("sp", t=4, **dims) == pytest.approx(none / 4)
+    cfg = memory_config(CheckConfig(case="megatron-gpt-sp", world_size=1, **MEM))
+    assert adjusted_bytes("sp", cfg) == adjusted_bytes("tp", cfg) == adjusted_bytes("none", cfg)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_reference_layer_saves_exactly_the_adjusted_formula(dtype):
+    cfg = memory_config(CheckConfig(case="megatron-gpt-sp", world_size=1, **dict(MEM, dtype=dtype)))
+    assert cfg.ffn == 4 * cfg.hidden
+    mem = measure_reference_layer(cfg)
+    assert mem.activation_bytes == adjusted_bytes("none", cfg)
+    assert mem.param_bytes > 0  # weights were saved too, and left out
+
+
+def test_memory_check_passes_for_sp(sp_pool):
+    report = activation_report(CheckConfig(case="megatron-gpt-sp", world_size=2, **MEM), sp_pool)
+    ok, msg = activation_gate(report)
+    assert ok, msg
+    for row in report["rows"]:
+        assert row["sp_bytes"] == row["sp_adjusted"] and row["tp_bytes"] == row["tp_adjusted"]
+        assert row["norm_ratio"] == pytest.approx(0.5)
+        assert row["sp_tp_ratio"] < 0.95
+
+
+def test_memory_check_fails_for_full_sequence_mutant(sp_pool):
+    report = activation_report(CheckConfig(case=MUTANT, world_size=2, **MEM), sp_pool)
+    ok, msg = activation_gate(report)
+    assert not ok
+    assert "norm-region activations SP/TP = 1.000" in msg
+    assert all(row["sp_tp_ratio"] == pytest.approx(1.0) for row in report["rows"])
+
+
+def test_comm_gate_passes_for_sp_and_fails_for_the_mutant(sp_check):
+    tp = sp_check(CheckConfig(case="megatron-gpt-tp", world_size=2))
+    sp = sp_check(CheckConfig(case="megatron-gpt-sp", world_size=2))
+    mutant = sp_check(CheckConfig(case=MUTANT, world_size=2))
+    assert tp.verdict == sp.verdict == PASS
+    assert mutant.verdict == PASS, mutant.reason  # numerically exact: only memory / comm can kill it
+    ok, msg = comm_gate(tp.comm, sp.comm, 2)
+    assert ok, msg
+    ok, msg = comm_gate(tp.comm, mutant.comm, 2)
+    assert not ok and "NOT equal" in msg
+
+
+def test_comm_gate_on_rows():
+    row = lambda kind, phase, n: {"phase": phase, "kind": kind, "group": "tp", "count": 1, "bytes": n}  # noqa: E731
+    tp_rows = [row("all_reduce", "forward", 100), row("all_reduce", "backward", 100)]
+    sp_rows = [row("all_gather", "forward", 100), row("reduce_scatter", "forward", 100),
+               row("all_gather", "backward", 100), row("reduce_scatter", "backward", 100)]
+    assert comm_gate(tp_rows, sp_rows, 2)[0]
+    assert not comm_gate(tp_rows, sp_rows[:2], 2)[0]
+    assert comm_gate([], [], 1)[0]
+
+
+def test_memory_gate_applies_to_sp_cases_only(sp_pool):
+    from harness.memory import memory_gate
+
+    assert memory_gate(CheckConfig(case="megatron-gpt-tp", world_size=2), sp_pool)[0] is None
+    assert memory_gate(CheckConfig(case="seed-mlp", world_size=2), sp_pool)[0] is None
+    assert memory_gate(CheckConfig(case="megatron-gpt-sp", world_size=1), sp_pool)[0] is None
+    ok, msg = memory_gate(CheckConfig(case="megatron-gpt-sp", world_size=2), sp_pool)  # float64, ffn 4h
+    assert ok is True, msg
