@@ -90,6 +90,7 @@ def megatron_case(
     description: str,
     tags: tuple[str, ...] = ("megatron",),
     models_bug: str = "",
+    base: str = "",
 ) -> Case:
     """A Case for the Megatron GPT in `mode` "tp" (tensor parallel) or "sp" (TP + sequence
     parallel) built from `impl`; not registered (call `register`)."""
@@ -109,6 +110,7 @@ def megatron_case(
         input_layout=INPUT_LAYOUT,
         tags=tags,
         models_bug=models_bug,
+        base=base,
     )
 
 
