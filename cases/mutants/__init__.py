@@ -3,3 +3,4 @@
 from cases.mutants import megatron_mutants  # noqa: F401
 from cases.mutants import dtensor_mutants  # noqa: F401
 from cases.mutants import memory_mutants  # noqa: F401
+from cases.mutants import clip_mutants  # noqa: F401

@@ -1,0 +1,51 @@
+"""A broken global grad-norm clip for the Megatron-style SP GPT.
+
+Stage: build sharded. Only training runs clip, so only the lockstep convergence entry of the
+mutant battery can see it: the side-by-side checks step without clipping.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+import torch.distributed as dist
+
+from cases.megatron.cases import SP
+from cases.megatron.impl import CORRECT
+from cases.megatron.model import build_sharded
+from harness.case import RankContext, Sharded, register
+
+
+def _shard_counting_replicas(ref, ctx: RankContext) -> Sharded:
+    sharded = build_sharded(ref, ctx, CORRECT, sequence_parallel=True)
+    params = list(sharded.module.parameters())
+
+    def clip(max_norm: float) -> torch.Tensor:
+        # every rank adds the squares of ALL its grads, replicated ones included, then sums over
+        # TP: norms, biases, embeddings and the LM head are counted tp times
+        sq = torch.zeros((), dtype=torch.float64)
+        for p in params:
+            if p.grad is not None:
+                sq += p.grad.detach().double().pow(2).sum()
+        dist.all_reduce(sq, group=ctx.tp_group)
+        norm = sq.sqrt()
+        coef = min(1.0, max_norm / (float(norm) + 1e-6))
+        for p in params:
+            if p.grad is not None:
+                p.grad.mul_(coef)
+        return norm
+
+    sharded.clip_grad_norm = clip
+    return sharded
+
+
+CLIP_COUNTS_REPLICAS = register(dataclasses.replace(
+    SP, name="mutant-sp-clip-norm-counts-replicas", base="megatron-gpt-sp", tags=("mutant", "megatron"),
+    description="MUTANT megatron-gpt-sp: global grad norm for clipping counts replicated params tp times",
+    models_bug="grad norm for clipping counting replicated params TP times: each TP rank adds the squares of "
+               "the replicated (norm, bias, embedding) grads before the TP all-reduce, inflating the norm and "
+               "over-clipping (the NeMo-RL / Megatron get_grad_norm family: replicated params must be "
+               "counted once, as Megatron's param_is_not_tensor_parallel_duplicate filter does)",
+    shard=_shard_counting_replicas,
+))
