@@ -109,15 +109,22 @@ def cmd_check(args) -> int:
     baseline = None
     if args.compare_comm and result.verdict != FAIL:
         baseline = _comm_baseline(result, runner)
+    memory_ok, memory_text = None, ""
+    if args.memory and result.verdict == "PASS":
+        from harness.memory import memory_gate
+
+        memory_ok, memory_text = memory_gate(result.config, runner)
     if _is_leader():
         print(format_result(result, verbose=args.verbose))
         if result.comm or result.verdict == "PASS":
             print(format_comm(result.comm))
         if baseline is not None:
             print(baseline)
+        if memory_text:
+            print(memory_text)
         if args.json:
             dump_json(results, args.json)
-    return EXIT_FAIL if result.verdict == FAIL else EXIT_OK
+    return EXIT_FAIL if result.verdict == FAIL or memory_ok is False else EXIT_OK
 
 
 def _comm_baseline(result, runner) -> str | None:
@@ -166,6 +173,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_config_args(p)
     p.add_argument("--json", metavar="FILE", help="write the verdict as JSON")
     p.add_argument("--verbose", "-v", action="store_true", help="every failure and full tracebacks")
+    p.add_argument("--memory", action="store_true",
+                   help="also measure one layer's saved activations vs TP and the paper's formula, and gate on it")
     p.add_argument("--no-compare-comm", dest="compare_comm", action="store_false",
                    help="skip the TP-twin run that checks communication volume against the paper")
     p.set_defaults(func=cmd_check)
