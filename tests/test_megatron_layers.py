@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import dataclasses
 import multiprocessing
-import os
 import traceback
 
 import pytest
@@ -104,7 +103,6 @@ def test_uneven_seq_mappings_on_gloo_ranks():
     store = dist.TCPStore("127.0.0.1", 0, TP + 1, is_master=True, wait_for_workers=False)
     ctx = multiprocessing.get_context("spawn")
     queue = ctx.Queue()
-    env = dict(os.environ)
     procs = [ctx.Process(target=_worker, args=(r, store.port, queue)) for r in range(TP)]
     for p in procs:
         p.start()
@@ -115,7 +113,6 @@ def test_uneven_seq_mappings_on_gloo_ranks():
             p.join(timeout=10)
             if p.is_alive():
                 p.kill()
-    del env
     errors = {r: tb for r, tb in results.items() if tb}
     assert not errors, "\n".join(f"rank {r}:\n{tb}" for r, tb in sorted(errors.items()))
 

@@ -6,7 +6,8 @@ from an `Impl`; mutants use it with one piece of `CORRECT` swapped.
 Supported: any dp x tp mesh with tp <= num_heads; uneven heads, ffn and sequence shards
 (torch.chunk's split or explicit seq_shards), including ranks with no sequence tokens, no heads
 (4 heads over tp=3 are 2/2/0) or no ffn columns; both layouts ("bsh", "sbh"); both norms.
-Unsupported: tp > num_heads (most ranks would hold no heads); megatron-gpt-ref with tp > 1.
+Unsupported: tp > num_heads (tp - num_heads ranks would hold no heads); megatron-gpt-ref with
+tp > 1.
 """
 
 from __future__ import annotations
@@ -14,11 +15,11 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from harness.case import Case, Layout, RankContext, Sharded, Unsupported, register
-from harness.config import CheckConfig
 from cases.common import GPT_DEFAULTS, build_reference_gpt, gpt_batch, gpt_tokens, token_loss_sum
 from cases.megatron.impl import CORRECT, Impl, all_reduce_coalesced
 from cases.megatron.model import build_sharded
+from harness.case import Case, Layout, RankContext, Sharded, Unsupported, register
+from harness.config import CheckConfig
 
 DEFAULTS = dict(GPT_DEFAULTS)
 INPUT_LAYOUT = Layout(seq_dim=1, batch_dim=0)

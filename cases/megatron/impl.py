@@ -68,7 +68,7 @@ def all_reduce_coalesced(grads: list[torch.Tensor], group, divide_by: int = 1) -
     dist.all_reduce(flat, group=group)
     if divide_by != 1:
         flat /= divide_by
-    for g, synced in zip(grads, _unflatten_dense_tensors(flat, grads)):
+    for g, synced in zip(grads, _unflatten_dense_tensors(flat, grads), strict=True):
         g.copy_(synced)
 
 

@@ -13,11 +13,11 @@ import torch
 import torch.distributed as dist
 from torch.nn import functional as F
 
-from harness.case import register
-from reference.gpt import token_loss_sum
 from cases.megatron import mappings as mp
 from cases.megatron.cases import megatron_case
 from cases.megatron.impl import CORRECT, SP_KINDS
+from harness.case import register
+from reference.gpt import token_loss_sum
 
 TAGS = ("mutant", "megatron")
 
@@ -56,9 +56,9 @@ NORM_SYNC_DP = _mutant(
     "mutant-sp-norm-grad-sync-dp-group",
     "sp",
     "SP grads summed over DP instead of TP",
-    "SP grads of norms (and other shard-applied params) summed over the DP group instead of the "
-    "TP group: the right collective on the wrong process group (the group= mix-up class of "
-    "GPT-NeoX PR #1259, whose first hook also averaged instead of summing)",
+    "SP grads of norms and other shard-applied params summed over the DP group instead of TP; "
+    "the right collective on the wrong process group (the group= mix-up class; GPT-NeoX PR #1259 "
+    "also had to fix that hook, which averaged instead of summing)",
     sp_grad_group=lambda ctx: ctx.dp_group,
 )
 
@@ -66,9 +66,9 @@ NO_ROW_BIAS_SYNC = _mutant(
     "mutant-sp-no-row-bias-grad-sync",
     "sp",
     "row-parallel bias grads not summed over TP",
-    "row-parallel bias (attention out_proj, MLP fc2) grads not all-reduced over TP under SP: the "
-    "bias is added after the reduce-scatter, on each rank's shard, so its grad is partial "
-    "(Megatron marks it `sequence_parallel` in RowParallelLinear for this reason)",
+    "row-parallel bias grads not all-reduced over TP under SP; the bias of out_proj and fc2 is "
+    "added after the reduce-scatter, on each rank's shard, so its grad is partial (Megatron marks "
+    "it `sequence_parallel` in RowParallelLinear for this reason)",
     sequence_parallel_kinds=SP_KINDS - {"row_bias"},
 )
 
@@ -146,9 +146,10 @@ TP_ALL_REDUCE_WORLD = _mutant(
 
 
 def _gather_no_movedim(x, dim, sizes, group):
-    """all_gather_seq without moving the seq dim first: the single-tensor all-gather fills the
-    output's memory rank after rank, i.e. concatenates on dim 0, then it is read as if the
-    pieces had been concatenated on `dim`."""
+    """all_gather_seq without moving the seq dim first. all_gather_into_tensor writes the rank
+    pieces one after another in memory (NCCL only checks numel), i.e. concatenates on dim 0; the
+    buffer is then read as if the pieces had been concatenated on `dim`. gloo checks shapes, so
+    the collective runs on flat views, which is byte-for-byte what NCCL does."""
     tp = mp.group_size(group)
     if tp == 1:
         return x
@@ -160,13 +161,15 @@ def _gather_no_movedim(x, dim, sizes, group):
     x = x.contiguous()
     out_shape = list(x.shape)
     out_shape[dim] = tp * m
-    out = x.new_empty(out_shape)
-    mp._all_gather_single(out, x, group=group)
+    out = x.new_empty(tp * x.numel())
+    mp._all_gather_single(out, x.view(-1), group=group)
+    out = out.view(out_shape)  # BUG for dim != 0: rank pieces are contiguous blocks of memory
     return torch.cat([out.narrow(dim, r * m, n) for r, n in enumerate(sizes)], dim=dim)
 
 
 def _reduce_scatter_no_movedim(x, dim, sizes, group):
-    """reduce_scatter_seq without moving the seq dim first: the buffer is cut on dim 0."""
+    """reduce_scatter_seq without moving the seq dim first: the buffer laid out with the rank
+    pieces along `dim` is cut into contiguous blocks of memory (dim 0), as NCCL would."""
     tp = mp.group_size(group)
     if tp == 1:
         return x
@@ -180,8 +183,9 @@ def _reduce_scatter_no_movedim(x, dim, sizes, group):
         start += n
     out_shape = list(x.shape)
     out_shape[dim] = m
-    out = x.new_empty(out_shape)
-    mp._reduce_scatter_single(out, buf, group=group)
+    out = x.new_empty(buf.numel() // tp)
+    mp._reduce_scatter_single(out, buf.view(-1), group=group)
+    out = out.view(out_shape)  # BUG for dim != 0
     return out.narrow(dim, 0, sizes[mp.group_rank(group)]).contiguous()
 
 
@@ -189,10 +193,10 @@ GATHER_DIM0 = _mutant(
     "mutant-sp-gather-dim0-bsh",
     "sp",
     "seq gather/reduce-scatter on dim 0 of [b, s, h]",
-    "sequence all-gather / reduce-scatter through all_gather_into_tensor / reduce_scatter_tensor "
-    "on a [b, s, h] buffer: those concatenate and split on dim 0 (batch), not the sequence; "
-    "right for Megatron's [s, b, h], wrong for GPT-NeoX's [b, s, h] (GPT-NeoX PR #1260 'Fix "
-    "gather and reduce scatter ops on sequence dimension'); visible with layout=bsh",
+    "seq all-gather and reduce-scatter on dim 0 of a [b, s, h] buffer, the batch not the sequence; "
+    "all_gather_into_tensor / reduce_scatter_tensor concatenate and split on dim 0, right for "
+    "Megatron's [s, b, h], wrong for GPT-NeoX's [b, s, h] (GPT-NeoX PR #1260 'Fix gather and "
+    "reduce scatter ops on sequence dimension'); visible with layout=bsh",
     gather_from_sp=mp.seq_mapping(
         "GatherNoMovedim", _gather_no_movedim, _reduce_scatter_no_movedim,
         "forward: all-gather on dim 0 (BUG for [b, s, h]); backward: reduce-scatter on dim 0",
