@@ -31,7 +31,9 @@ AdamW's first update is lr * sign(grad): such tensors get 2 * lr per step on top
 
 History: the ref_alt term and the AdamW term were added after hypothesis found false alarms
 (the key-bias grad at one head of dim 1; a bfloat16 v-bias flipping its first Adam update; a
-bfloat16 k-weight grad whose bf16 reference, accumulating in fp32, rounded fewer intermediates).
+bfloat16 k-weight grad whose bf16 reference, accumulating in fp32, rounded fewer intermediates;
+in the nightly run, a saturated bf16 LayerNorm (hidden=2) whose backward kernel on the sharded
+side's memory layout cancels at bf16 precision, so the op's inputs are perturbed too).
 Model fixes: FACTOR and FLOOR_ULPS unchanged.
 """
 

@@ -195,26 +195,33 @@ def perturb_(tensor: torch.Tensor, rel: float, gen: torch.Generator) -> torch.Te
 
 
 class RoundingNoise(TorchDispatchMode):
-    """Multiply the result of every floating-point op by (1 + u * rel), u uniform in [-1, 1]:
-    rounding of every intermediate at the run's precision, simulated in float64. Active over the
-    perturbed reference's forward and backward. A sharded run composes the same math from other
-    ops (split matmuls, a bias added after a reduction, bf16 storage between ops) and so rounds
-    other intermediates; perturbing only leaves would miss that. Views and in-place ops are left
-    alone, so aliasing semantics hold."""
+    """Rounding at the run's precision, simulated in float64 over the perturbed reference's
+    forward and backward: every floating-point op sees its tensor inputs and returns its result
+    each multiplied by (1 + u * rel), u uniform in [-1, 1].
+
+    The output noise is the standard model fl(op(x)) = op(x)(1 + d): a sharded run composes the
+    same math from other ops (split matmuls, a bias added after a reduction) and so rounds other
+    intermediates. The input noise is the backward-error model of a fused kernel, op(x + dx): a
+    kernel that works internally at low precision (a LayerNorm backward whose result is a near
+    cancellation, found by the nightly run) errs by the op's conditioning times eps. Views and
+    in-place ops are left alone, so aliasing semantics hold."""
 
     def __init__(self, rel: float, gen: torch.Generator):
         super().__init__()
         self.rel, self.gen = rel, gen
 
+    def _noisy(self, t):
+        if isinstance(t, torch.Tensor) and t.is_floating_point() and t.numel():
+            noise = torch.rand(t.shape, generator=self.gen, dtype=torch.float64).to(t.device, t.dtype)
+            return t * (1 + self.rel * (noise * 2 - 1))
+        return t
+
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
         schema = func._schema
         if schema.is_mutable or any(r.alias_info is not None for r in schema.returns):
-            return out
-        if isinstance(out, torch.Tensor) and out.is_floating_point() and out.numel():
-            noise = torch.rand(out.shape, generator=self.gen, dtype=torch.float64).to(out.device, out.dtype)
-            out = out * (1 + self.rel * (noise * 2 - 1))
-        return out
+            return func(*args, **(kwargs or {}))
+        args = tuple(self._noisy(a) for a in args)
+        return self._noisy(func(*args, **(kwargs or {})))
 
 
 def _reference_step(model: nn.Module, case: Case, inp: torch.Tensor, tgt: torch.Tensor, dtype: torch.dtype,
