@@ -18,8 +18,15 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
-from cases.common import (GPT_DEFAULTS, build_reference_gpt, gpt_batch, gpt_tokens, mse_sum,
-                          require_chunk_split, token_loss_sum)
+from cases.common import (
+    GPT_DEFAULTS,
+    build_reference_gpt,
+    gpt_batch,
+    gpt_tokens,
+    mse_sum,
+    require_chunk_split,
+    token_loss_sum,
+)
 from harness.case import Case, Layout, RankContext, Sharded, Unsupported, register
 from harness.config import CheckConfig
 from reference.toy_mlp import ToyModel

@@ -6,7 +6,6 @@ Exit codes: 0 all agreed (or were declared UNSUPPORTED), 1 a disagreement (FAIL)
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 
 from harness.config import DTYPES, LAYOUTS, NORMS, OPTIMIZERS, CheckConfig

@@ -138,7 +138,7 @@ def check_tensor(*, kind: str, name: str, step: int, rank: int, got: torch.Tenso
     max_abs = float(err.reshape(-1)[flat])
     index = tuple(int(i) for i in torch.unravel_index(torch.tensor(flat), err.shape)) if err.dim() else ()
     if offset:
-        index = tuple(i + o for i, o in zip(index, offset))
+        index = tuple(i + o for i, o in zip(index, offset, strict=True))
     return TensorCheck(
         kind=kind, name=name, step=step, rank=rank, max_abs=max_abs,
         max_rel=max_abs / scale if scale else max_abs, allowed=allowed,

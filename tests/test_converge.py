@@ -24,7 +24,7 @@ def test_correct_sp_passes_and_report_parses(sp_pool, tmp_path):
     records, meta = read_run_dir(tmp_path)
     assert len(records["sp"]) == 6 and meta["floor"] > 0
     # lockstep: correct SP and TP agree with the reference far inside the float32 band
-    assert max(abs(a.loss - b.loss) for a, b in zip(records["sp"], records["ref"])) < 1e-5
+    assert max(abs(a.loss - b.loss) for a, b in zip(records["sp"], records["ref"], strict=True)) < 1e-5
     assert all(r.max_replica_drift == 0.0 for r in records["sp"])
 
 
