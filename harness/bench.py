@@ -54,7 +54,7 @@ def bare_rank(config: CheckConfig) -> dict:
     import torch.distributed as dist
 
     from harness.case import get_case
-    from harness.sidebyside import _cut, _is_dtensor, _make_optimizer, _reference_step, _replica_slice, make_context
+    from harness.sidebyside import _make_optimizer, _reference_step, forward_loss, make_context, rank_batch
 
     t_start = time.perf_counter()
     case = get_case(config.case)
@@ -73,18 +73,8 @@ def bare_rank(config: CheckConfig) -> dict:
         _reference_step(ref, case, inp, tgt, torch.float64)
         opt_ref.step()
         opt_ref.zero_grad(set_to_none=True)
-        local_in, _ = _cut(inp, sharded.input_layout, ctx)
-        local_in = local_in.to(config.torch_dtype) if local_in.is_floating_point() else local_in
-        if local_in.is_floating_point():
-            local_in = local_in.detach().clone().requires_grad_(True)
-        local_tgt, _ = _cut(tgt, sharded.output_layout, ctx)
-        out = module(local_in)
-        if _is_dtensor(out):
-            out = out.to_local()
-        if sharded.local_loss is not None:
-            loss = sharded.local_loss(out, local_tgt, ctx)
-        else:
-            loss = case.loss_sum(out, local_tgt) / case.tokens(_replica_slice(tgt, sharded.output_layout, ctx))
+        local_in, local_tgt, _ = rank_batch(inp, tgt, sharded, ctx, config.torch_dtype)
+        _, loss = forward_loss(case, sharded, local_in, local_tgt, tgt, ctx)
         loss.backward()
         sharded.sync_grads()
         opt.step()

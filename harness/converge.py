@@ -121,7 +121,7 @@ def _set_lr(opt, lr: float) -> None:
 
 def train_steps(num_steps: int) -> list[dict]:
     """Advance `num_steps`; returns (on every rank) the records of the runs for those steps."""
-    from harness.sidebyside import _cut, _param_piece, _replica_drift, _replica_slice
+    from harness.sidebyside import _param_piece, _replica_drift, forward_loss, global_loss, rank_batch
 
     s = _STATE
     spec, case, ctx, sharded, params = s["spec"], s["case"], s["ctx"], s["sharded"], s["params"]
@@ -146,13 +146,8 @@ def train_steps(num_steps: int) -> list[dict]:
         ref_time = time.perf_counter() - t0
 
         t0 = time.perf_counter()
-        local_in, _ = _cut(inp, sharded.input_layout, ctx)
-        local_tgt, _ = _cut(tgt, sharded.output_layout, ctx)
-        out_local = sharded.module(local_in)
-        if sharded.local_loss is not None:
-            loss = sharded.local_loss(out_local, local_tgt, ctx)
-        else:
-            loss = case.loss_sum(out_local, local_tgt) / case.tokens(_replica_slice(tgt, sharded.output_layout, ctx))
+        local_in, local_tgt, _ = rank_batch(inp, tgt, sharded, ctx, spec.config.torch_dtype)
+        _, loss = forward_loss(case, sharded, local_in, local_tgt, tgt, ctx)
         loss.backward()
         sharded.sync_grads()
         norm_sq = _grad_norm_sq_local(params, ctx)
@@ -172,12 +167,7 @@ def train_steps(num_steps: int) -> list[dict]:
         s["opt"].zero_grad(set_to_none=True)
         step_time = time.perf_counter() - t0
 
-        total = loss.detach().to(torch.float64).clone()
-        if sharded.output_layout.seq_sharded and ctx.tp > 1:
-            dist.all_reduce(total, group=ctx.tp_group)
-        if ctx.dp > 1:
-            dist.all_reduce(total, group=ctx.dp_group)
-            total /= ctx.dp
+        total = global_loss(loss, sharded, ctx)
         drifts = _replica_drift(step, params, ctx, set(case.replicated_hint))
         drift_by_name: dict[str, float] = {}
         for d in drifts:

@@ -136,6 +136,39 @@ def _replica_slice(tensor: torch.Tensor, layout: Layout, ctx: RankContext) -> to
     return tensor
 
 
+def rank_batch(inp: torch.Tensor, tgt: torch.Tensor, sharded: Sharded, ctx: RankContext, dtype: torch.dtype):
+    """This rank's input (cast to the run dtype, a grad leaf if floating) and target pieces, and
+    the input piece's offset in the global input."""
+    local_in, offset = _cut(inp, sharded.input_layout, ctx)
+    if local_in.is_floating_point():
+        local_in = local_in.to(dtype).detach().clone().requires_grad_(True)
+    local_tgt, _ = _cut(tgt, sharded.output_layout, ctx)
+    return local_in, local_tgt, offset
+
+
+def forward_loss(case: Case, sharded: Sharded, local_in: torch.Tensor, local_tgt: torch.Tensor,
+                 tgt: torch.Tensor, ctx: RankContext) -> tuple[torch.Tensor, torch.Tensor]:
+    """The sharded model's local output and this rank's share of the loss: the case's own
+    `local_loss`, else the token-loss sum over local tokens / tokens per DP replica."""
+    out = sharded.module(local_in)
+    if _is_dtensor(out):
+        out = out.to_local()
+    if sharded.local_loss is not None:
+        return out, sharded.local_loss(out, local_tgt, ctx)
+    return out, case.loss_sum(out, local_tgt) / case.tokens(_replica_slice(tgt, sharded.output_layout, ctx))
+
+
+def global_loss(loss: torch.Tensor, sharded: Sharded, ctx: RankContext) -> torch.Tensor:
+    """The loss of the whole global batch from each rank's share (a collective, float64)."""
+    total = loss.detach().to(torch.float64).clone()
+    if sharded.output_layout.seq_sharded and ctx.tp > 1:
+        dist.all_reduce(total, group=ctx.tp_group)
+    if ctx.dp > 1:
+        dist.all_reduce(total, group=ctx.dp_group)
+        total /= ctx.dp
+    return total
+
+
 def _is_dtensor(t) -> bool:
     return type(t).__name__ == "DTensor"
 
@@ -308,22 +341,12 @@ def run_rank(config: CheckConfig) -> RankResult:
         out_lp, loss_lp, ig_lp = _reference_step(ref_lp, case, inp, tgt, lp)
         out_alt, loss_alt, ig_alt = _reference_step(ref_alt, case, inp, tgt, torch.float64, noise=alt_noise)
 
-        local_in, in_offset = _cut(inp, sharded.input_layout, ctx)
-        local_in = local_in.to(dtype) if local_in.is_floating_point() else local_in
-        if local_in.is_floating_point():
-            local_in = local_in.detach().clone().requires_grad_(True)
-        local_tgt, _ = _cut(tgt, sharded.output_layout, ctx)
+        local_in, local_tgt, in_offset = rank_batch(inp, tgt, sharded, ctx, dtype)
 
         t0 = time.perf_counter()
         with counter:
             counter.phase = "forward"
-            out = module(local_in)
-            if _is_dtensor(out):
-                out = out.to_local()
-            if sharded.local_loss is not None:
-                loss = sharded.local_loss(out, local_tgt, ctx)
-            else:
-                loss = case.loss_sum(out, local_tgt) / case.tokens(_replica_slice(tgt, sharded.output_layout, ctx))
+            out, loss = forward_loss(case, sharded, local_in, local_tgt, tgt, ctx)
             counter.phase = "backward"
             loss.backward()
             counter.phase = "grad_sync"
@@ -335,12 +358,7 @@ def run_rank(config: CheckConfig) -> RankResult:
         want_out_lp, _ = _cut(out_lp, sharded.output_layout, ctx)
         want_out_alt, _ = _cut(out_alt, sharded.output_layout, ctx)
         judge("forward", "output", step, out, want_out64, want_out_lp, out_offset, want_out_alt)
-        total = loss.detach().to(torch.float64).clone()
-        if sharded.output_layout.seq_sharded and ctx.tp > 1:
-            dist.all_reduce(total, group=ctx.tp_group)
-        if ctx.dp > 1:
-            dist.all_reduce(total, group=ctx.dp_group)
-            total /= ctx.dp
+        total = global_loss(loss, sharded, ctx)
         judge("loss", "loss", step, total, loss64, loss_lp, (), loss_alt)
         result.losses.append(float(total))
         if ig64 is not None:
