@@ -336,12 +336,14 @@ def converge(opts: ConvergeOptions, runner, out_dir: str | os.PathLike, *, golde
                      baseline=opts.baseline, steps=opts.steps, wall_s=time.perf_counter() - t0,
                      repro=f"sp-harness converge --case {opts.case} --world-size {opts.world_size} --dp {opts.dp} "
                            f"--steps {opts.steps} --dtype {opts.dtype}")
-    write_run_dir(out, runs, meta)
     golden_doc = load_golden(golden) if golden else None
     result = evaluate(runs, dtype=opts.dtype, golden=golden_doc)
     if crashes:
         result = _with_crashes(result, crashes)
-    html = write_report(out, runs, meta, result, golden=golden_doc)
+    html = out / "report.html"
+    if not dist.is_initialized() or dist.get_rank() == 0:  # under torchrun every rank gets here
+        write_run_dir(out, runs, meta)
+        html = write_report(out, runs, meta, result, golden=golden_doc)
     return result, html, runs
 
 

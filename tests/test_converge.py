@@ -65,3 +65,14 @@ def test_golden_round_trip_through_the_cli(tmp_path):
     regate = subprocess.run([sys.executable, "-m", "harness.cli", "gate", str(tmp_path / "ok"), "--golden", str(golden)],
                             cwd=root, capture_output=True, text=True, timeout=120)
     assert regate.returncode == 0, regate.stdout + regate.stderr
+
+
+def test_torchrun_entry_runs_on_the_env_world(tmp_path):
+    """`torchrun -m harness.converge` (env:// rendezvous): every rank trains, rank 0 reports."""
+    root = Path(__file__).resolve().parent.parent
+    run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                          "-m", "harness.converge", "--world-size", "2", "--steps", "3", "--seq-len", "12", "--batch", "2",
+                          "--warmup-steps", "1", "--out", str(tmp_path)], cwd=root, capture_output=True, text=True,
+                         timeout=300, env={**__import__("os").environ, "PYTHONPATH": str(root)})
+    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
+    assert json.loads((tmp_path / "summary.json").read_text())["verdict"] == "PASS"
