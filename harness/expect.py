@@ -27,6 +27,7 @@ def expected_verdict(config: CheckConfig) -> str:
         even = config.seq_len % tp == 0 and config.hidden % tp == 0
         return "PASS" if even and config.hidden > 1 else "FAIL"
     if config.case == "dtensor-gpt":
-        even = config.seq_len % tp == 0 and config.ffn % tp == 0
+        # every split: the sequence, fc1/fc2's ffn, q/k/v and out-proj's hidden columns
+        even = config.seq_len % tp == 0 and config.ffn % tp == 0 and config.hidden % tp == 0
         return "PASS" if even and config.ffn > 1 and config.hidden > 1 else "FAIL"
     return "PASS"
