@@ -94,12 +94,9 @@ def all_gather_seq(x: torch.Tensor, dim: int, sizes: Sequence[int], group) -> to
     return full.movedim(0, dim).contiguous()
 
 
-def reduce_scatter_seq(x: torch.Tensor, dim: int, sizes: Sequence[int], group) -> torch.Tensor:
-    """Sum a full-sequence tensor over the group and keep this rank's piece along `dim`."""
-    tp = group_size(group)
-    if tp == 1:
-        return x
-    _check_sizes(x, dim, sizes, group, full=True)
+def padded_for_reduce_scatter(x: torch.Tensor, dim: int, sizes, tp: int):
+    """(input, output) buffers for an uneven reduce-scatter on `dim`: each rank's piece moved to
+    dim 0 and padded to the largest piece, so one equal-size collective serves uneven shards."""
     m = max(sizes)
     full = x.movedim(dim, 0)
     buf = full.new_zeros((tp * m,) + tuple(full.shape[1:]))
@@ -107,7 +104,16 @@ def reduce_scatter_seq(x: torch.Tensor, dim: int, sizes: Sequence[int], group) -
     for r, n in enumerate(sizes):
         buf.narrow(0, r * m, n).copy_(full.narrow(0, start, n))
         start += n
-    out = buf.new_empty((m,) + tuple(buf.shape[1:]))
+    return buf, buf.new_empty((m,) + tuple(buf.shape[1:]))
+
+
+def reduce_scatter_seq(x: torch.Tensor, dim: int, sizes: Sequence[int], group) -> torch.Tensor:
+    """Sum a full-sequence tensor over the group and keep this rank's piece along `dim`."""
+    tp = group_size(group)
+    if tp == 1:
+        return x
+    _check_sizes(x, dim, sizes, group, full=True)
+    buf, out = padded_for_reduce_scatter(x, dim, sizes, tp)
     _reduce_scatter_single(out, buf, group=group)
     return out.narrow(0, 0, sizes[group_rank(group)]).movedim(0, dim).contiguous()
 

@@ -91,14 +91,7 @@ def _reduce_scatter_no_group(x, dim, sizes, group):
     tp = mp.group_size(group)
     if tp == 1:
         return x
-    m = max(sizes)
-    full = x.movedim(dim, 0)
-    buf = full.new_zeros((tp * m,) + tuple(full.shape[1:]))
-    start = 0
-    for r, n in enumerate(sizes):
-        buf.narrow(0, r * m, n).copy_(full.narrow(0, start, n))
-        start += n
-    out = buf.new_empty((m,) + tuple(buf.shape[1:]))
+    buf, out = mp.padded_for_reduce_scatter(x, dim, sizes, tp)
     mp._reduce_scatter_single(out, buf)  # BUG: no group=
     return out.narrow(0, 0, sizes[mp.group_rank(group)]).movedim(0, dim).contiguous()
 
