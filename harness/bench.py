@@ -54,7 +54,8 @@ def bare_rank(config: CheckConfig) -> dict:
     import torch.distributed as dist
 
     from harness.case import get_case
-    from harness.sidebyside import _make_optimizer, _reference_step, forward_loss, make_context, rank_batch
+    from harness.optim_ref import make_optimizer
+    from harness.sidebyside import _reference_step, forward_loss, make_context, rank_batch
 
     t_start = time.perf_counter()
     case = get_case(config.case)
@@ -63,8 +64,8 @@ def bare_rank(config: CheckConfig) -> dict:
     ref = case.build_reference(config).to(device=device, dtype=torch.float64)
     sharded = case.shard(copy.deepcopy(ref).to(config.torch_dtype), ctx)
     module = sharded.module
-    opt_ref = _make_optimizer(config, ref.parameters())
-    opt = _make_optimizer(config, module.parameters())
+    opt_ref = make_optimizer(config.optimizer, config.lr, ref.parameters())
+    opt = make_optimizer(config.optimizer, config.lr, module.parameters())
     gen = torch.Generator().manual_seed(config.seed + 7919)
     t_setup = time.perf_counter() - t_start
     for step in range(config.steps):

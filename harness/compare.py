@@ -54,7 +54,7 @@ FLOOR_ULPS = 8.0
 """Absolute floor, in units of eps(dtype) * max|ref64|: covers tensors the reference happens
 to round exactly (its measured error is 0) while a different reduction order does not."""
 
-KIND_ORDER = ("forward", "loss", "input_grad", "grad", "param")
+KIND_ORDER = ("init", "forward", "loss", "input_grad", "grad", "param")
 
 
 def eps(dtype: torch.dtype) -> float:
@@ -69,7 +69,9 @@ def lp_dtype(dtype: torch.dtype) -> torch.dtype:
 @dataclass(kw_only=True)
 class TensorCheck:
     kind: str
-    """'forward', 'loss', 'input_grad', 'grad' or 'param' (after the step's update)."""
+    """'init' (sharded params before step 0 against the reference's), 'forward', 'loss',
+    'input_grad', 'grad', or 'param' (after the optimizer step, against that step applied in
+    float64 to the sharded run's own params, grads and state: see harness.optim_ref)."""
     name: str
     """Reference tensor name ('output', 'loss', 'input', or a parameter name)."""
     step: int
@@ -129,7 +131,9 @@ def check_tensor(*, kind: str, name: str, step: int, rank: int, got: torch.Tenso
     if nonfinite.any():
         err = torch.where(nonfinite, torch.full_like(err, float("inf")), err)
     scale = float(ref64.abs().max())
-    lp = ref_lp.detach().dtype
+    # the precision the reference ran in, not its result's dtype: a float32 output against a
+    # float64 target promotes the loss to float64, and scaling that by eps32/eps64 would allow 1e7x
+    lp = lp_dtype(dtype)
     ref_err = float((ref_lp.detach().to(torch.float64) - ref64).abs().max()) * (eps(dtype) / eps(lp))
     if ref_alt is not None:
         ref_err = max(ref_err, float((ref_alt.detach().to(torch.float64) - ref64).abs().max()))
@@ -146,3 +150,36 @@ def check_tensor(*, kind: str, name: str, step: int, rank: int, got: torch.Tenso
         got=float(got64.reshape(-1)[flat]), want=float(ref64.reshape(-1)[flat]),
         ok=max_abs <= allowed,
     )
+
+
+def check_bounded(*, kind: str, name: str, step: int, rank: int, got: torch.Tensor | None, want: torch.Tensor,
+                  bound: torch.Tensor, offset: tuple[int, ...] = ()) -> TensorCheck:
+    """Judge `got` against `want` element by element, each within its own `bound` (a rounding
+    bound derived from the computation, e.g. harness.optim_ref). The reported ratio is the
+    largest err / bound; `allowed` is the bound at that element."""
+    want = want.detach().to(torch.float64)
+    if got is None or tuple(got.shape) != tuple(want.shape):
+        note = "missing" if got is None else f"shape {tuple(got.shape)} != expected {tuple(want.shape)}"
+        return TensorCheck(kind=kind, name=name, step=step, rank=rank, max_abs=float("inf"), max_rel=float("inf"),
+                           allowed=0.0, ratio=float("inf"), worst_index=(), got=float("nan"), want=float("nan"),
+                           ok=False, note=note)
+    if want.numel() == 0:
+        return TensorCheck(kind=kind, name=name, step=step, rank=rank, max_abs=0.0, max_rel=0.0,
+                           allowed=0.0, ratio=0.0, worst_index=(), got=0.0, want=0.0, ok=True)
+    got64 = got.detach().to(torch.float64)
+    err = (got64 - want).abs()
+    err = torch.where(torch.isfinite(got64), err, torch.full_like(err, float("inf")))
+    bound = bound.detach().to(torch.float64)
+    # an exact expectation (bound 0) tolerates exactly 0 error
+    ratio = torch.where(err == 0, torch.zeros_like(err), err / bound)
+    flat = int(ratio.reshape(-1).argmax())
+    worst = float(ratio.reshape(-1)[flat])
+    index = tuple(int(i) for i in torch.unravel_index(torch.tensor(flat), err.shape)) if err.dim() else ()
+    if offset:
+        index = tuple(i + o for i, o in zip(index, offset, strict=True))
+    scale = float(want.abs().max())
+    max_abs = float(err.max())
+    return TensorCheck(kind=kind, name=name, step=step, rank=rank, max_abs=max_abs,
+                       max_rel=max_abs / scale if scale else max_abs, allowed=float(bound.reshape(-1)[flat]),
+                       ratio=worst, worst_index=index, got=float(got64.reshape(-1)[flat]),
+                       want=float(want.reshape(-1)[flat]), ok=worst <= 1.0)

@@ -94,7 +94,8 @@ def _grad_norm_sq_local(params, ctx) -> torch.Tensor:
 
 
 def train_start(spec: TrainSpec) -> dict:
-    from harness.sidebyside import _make_optimizer, _Param, make_context
+    from harness.optim_ref import make_optimizer
+    from harness.sidebyside import _Param, make_context
 
     config = spec.config
     case = get_case(config.case)
@@ -107,7 +108,7 @@ def train_start(spec: TrainSpec) -> dict:
     _STATE.clear()
     _STATE.update(
         spec=spec, case=case, ctx=ctx, ref=ref, sharded=sharded, params=params, device=device,
-        opt=_make_optimizer(config, sharded.module.parameters()), ref_opt=_make_optimizer(config, ref.parameters()),
+        opt=make_optimizer(config.optimizer, config.lr, sharded.module.parameters()), ref_opt=make_optimizer(config.optimizer, config.lr, ref.parameters()),
         ref_params=dict(ref.named_parameters()), step=0,
         chain=MarkovChain.from_seed(vocab=spec.vocab, seed=spec.data_seed, concentration=spec.concentration),
     )

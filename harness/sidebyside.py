@@ -25,10 +25,12 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from harness import shards as sh
+from harness.anchor import gather_full
 from harness.case import Case, Layout, ParamSpec, RankContext, Sharded, get_case
 from harness.comm import CommCounter
-from harness.compare import TensorCheck, check_tensor, lp_dtype
+from harness.compare import TensorCheck, check_bounded, check_tensor, lp_dtype
 from harness.config import CheckConfig
+from harness.optim_ref import make_optimizer, reference_step, state_of
 
 MAX_FAILURES_KEPT = 64
 
@@ -108,13 +110,6 @@ def make_context(config: CheckConfig, device: torch.device) -> RankContext:
     return ctx
 
 
-def _make_optimizer(config: CheckConfig, params) -> torch.optim.Optimizer:
-    params = list(params)
-    if config.optimizer == "sgd":
-        return torch.optim.SGD(params, lr=config.lr, momentum=0.9)
-    return torch.optim.AdamW(params, lr=config.lr, weight_decay=0.01, foreach=False)
-
-
 def _cut(tensor: torch.Tensor, layout: Layout, ctx: RankContext) -> tuple[torch.Tensor, tuple[int, ...]]:
     """This rank's piece of a global tensor, and the piece's offset in it."""
     offset = [0] * tensor.dim()
@@ -143,6 +138,9 @@ def rank_batch(inp: torch.Tensor, tgt: torch.Tensor, sharded: Sharded, ctx: Rank
     if local_in.is_floating_point():
         local_in = local_in.to(dtype).detach().clone().requires_grad_(True)
     local_tgt, _ = _cut(tgt, sharded.output_layout, ctx)
+    if local_tgt.is_floating_point():
+        # a float64 target would promote the loss of a low-precision run to float64
+        local_tgt = local_tgt.to(dtype)
     return local_in, local_tgt, offset
 
 
@@ -260,6 +258,7 @@ class RoundingNoise(TorchDispatchMode):
 def _reference_step(model: nn.Module, case: Case, inp: torch.Tensor, tgt: torch.Tensor, dtype: torch.dtype,
                     noise: RoundingNoise | None = None):
     x = inp.to(dtype) if inp.is_floating_point() else inp
+    tgt = tgt.to(dtype) if tgt.is_floating_point() else tgt
     if noise is not None and x.is_floating_point():
         x = perturb_(x.clone(), noise.rel, noise.gen)
     if x.is_floating_point():
@@ -286,8 +285,6 @@ def run_rank(config: CheckConfig) -> RankResult:
     # the backward-error reference: see harness.compare
     alt_gen = torch.Generator().manual_seed(config.seed + 104729)
     ref_alt = copy.deepcopy(ref64)
-    for p in ref_alt.parameters():
-        perturb_(p.data, torch.finfo(dtype).eps, alt_gen)
     alt_noise = RoundingNoise(torch.finfo(dtype).eps, alt_gen)
     sharded: Sharded = case.shard(copy.deepcopy(ref64).to(dtype), ctx)
     module = sharded.module
@@ -304,39 +301,29 @@ def run_rank(config: CheckConfig) -> RankResult:
     if missing:
         raise RuntimeError(f"case {case.name}: reference params with no sharded counterpart: {missing}")
     hint = set(case.replicated_hint)
+    shapes = {n: t.shape for n, t in ref_params64.items()}
 
-    opt64 = _make_optimizer(config, ref64.parameters())
-    opt_lp = _make_optimizer(config, ref_lp.parameters())
-    opt_alt = _make_optimizer(config, ref_alt.parameters())
-    opt = _make_optimizer(config, module.parameters())
+    opt = make_optimizer(config.optimizer, config.lr, module.parameters())
     counter = CommCounter(ctx.group_label)
     gen = torch.Generator().manual_seed(config.seed + 7919)
     result.timings["setup_s"] = time.perf_counter() - t_start
     t_compute = 0.0
 
-    # AdamW's first update of an element is lr * sign(grad); where the sign of a reference grad
-    # is below what this precision resolves, a correct run may move 2 * lr the other way
-    sign_ambiguous: set[str] = set()
-
     def judge(kind, name, step, got, want64, want_lp, offset=(), want_alt=None):
-        extra = 0.0
-        if kind == "param" and config.optimizer == "adamw" and name in sign_ambiguous:
-            extra = 2 * config.lr * (step + 1)
-        chk = check_tensor(kind=kind, name=name, step=step, rank=ctx.rank, got=got, ref64=want64,
-                           ref_lp=want_lp, dtype=dtype, offset=offset, ref_alt=want_alt, extra_allowed=extra)
-        if kind == "grad" and want64 is not None and want64.numel() and chk.allowed > 0:
-            if bool((want64.detach().abs() <= chk.allowed).any()):
-                sign_ambiguous.add(name)
-        result.num_checks += 1
-        best = result.worst.get(kind)
-        if best is None or chk.ratio > best.ratio:
-            result.worst[kind] = chk
-        if not chk.ok and len(result.failures) < MAX_FAILURES_KEPT:
-            result.failures.append(chk)
+        record(result, check_tensor(kind=kind, name=name, step=step, rank=ctx.rank, got=got, ref64=want64,
+                                    ref_lp=want_lp, dtype=dtype, offset=offset, ref_alt=want_alt))
+
+    # the sharded factory must start from the reference's weights (cast to the run dtype)
+    for p in params:
+        got, w64, _, off = p.full_or_piece(p.param.detach(), ref_params64[p.spec.ref_name].detach(),
+                                           ref_params64[p.spec.ref_name].detach(), ctx)
+        record(result, check_bounded(kind="init", name=p.spec.ref_name, step=0, rank=ctx.rank, got=got,
+                                     want=w64.to(dtype), bound=torch.zeros_like(w64), offset=off))
 
     for step in range(config.steps):
         inp, tgt = case.make_batch(config, step, gen)
         inp, tgt = inp.to(device), tgt.to(device)
+        _anchor(gather_full(params, shapes, ctx), ref_params64, ref_params_lp, ref_params_alt, dtype, alt_gen)
         out64, loss64, ig64 = _reference_step(ref64, case, inp, tgt, torch.float64)
         out_lp, loss_lp, ig_lp = _reference_step(ref_lp, case, inp, tgt, lp)
         out_alt, loss_alt, ig_alt = _reference_step(ref_alt, case, inp, tgt, torch.float64, noise=alt_noise)
@@ -362,9 +349,13 @@ def run_rank(config: CheckConfig) -> RankResult:
         judge("loss", "loss", step, total, loss64, loss_lp, (), loss_alt)
         result.losses.append(float(total))
         if ig64 is not None:
-            want64, in_off = _cut(ig64, sharded.input_layout, ctx)
-            want_lp, _ = _cut(ig_lp, sharded.input_layout, ctx)
-            want_alt, _ = _cut(ig_alt, sharded.input_layout, ctx)
+            # DDP's convention: each replica's loss is the mean over its own micro-batch, so its
+            # input grad is the global-mean reference's times (global tokens / replica tokens)
+            ig_scale = case.tokens(tgt) / case.tokens(_replica_slice(tgt, sharded.output_layout, ctx)) \
+                if ctx.dp > 1 else 1.0
+            want64, in_off = _cut(ig64 * ig_scale, sharded.input_layout, ctx)
+            want_lp, _ = _cut(ig_lp * ig_scale, sharded.input_layout, ctx)
+            want_alt, _ = _cut(ig_alt * ig_scale, sharded.input_layout, ctx)
             judge("input_grad", "input", step, local_in.grad, want64, want_lp, in_off, want_alt)
         for p in params:
             ref = p.spec.ref_name
@@ -372,29 +363,59 @@ def run_rank(config: CheckConfig) -> RankResult:
             walt = p.piece_of(ref_params_alt[ref].grad, ctx)
             judge("grad", ref, step, got, w64, wlp, off, walt)
 
-        # --- optimizer step on all three models
+        # --- the optimizer stage, judged on the sharded run's own params, grads and state
+        expected = [_expected_step(p, opt, config, dtype, ctx) for p in params]
         t0 = time.perf_counter()
         with counter:
             counter.phase = "optimizer"
             opt.step()
             opt.zero_grad(set_to_none=True)
         t_compute += time.perf_counter() - t0
-        for o in (opt64, opt_lp, opt_alt):
-            o.step()
-            o.zero_grad(set_to_none=True)
+        for m in (ref64, ref_lp, ref_alt):
+            m.zero_grad(set_to_none=True)
         result.comm.append(counter.snapshot())
         counter.stats.clear()
 
-        for p in params:
-            ref = p.spec.ref_name
-            got, w64, wlp, off = p.full_or_piece(p.param.detach(), ref_params64[ref].detach(),
-                                                 ref_params_lp[ref].detach(), ctx)
-            judge("param", ref, step, got, w64, wlp, off, p.piece_of(ref_params_alt[ref].detach(), ctx))
+        for p, (want, bound) in zip(params, expected, strict=True):
+            got = p.param.detach().full_tensor() if p.dtensor else p.param.detach()
+            off = () if p.dtensor else _param_piece(ref_params64[p.spec.ref_name], p.spec, ctx)[1]
+            record(result, check_bounded(kind="param", name=p.spec.ref_name, step=step, rank=ctx.rank,
+                                         got=got, want=want, bound=bound, offset=off))
         result.drift.extend(_replica_drift(step, params, ctx, hint))
 
     result.timings["compute_s"] = t_compute
     result.timings["total_s"] = time.perf_counter() - t_start
     return result
+
+
+def record(result: RankResult, chk: TensorCheck) -> None:
+    result.num_checks += 1
+    best = result.worst.get(chk.kind)
+    if best is None or chk.ratio > best.ratio:
+        result.worst[chk.kind] = chk
+    if not chk.ok and len(result.failures) < MAX_FAILURES_KEPT:
+        result.failures.append(chk)
+
+
+def _anchor(full: dict[str, torch.Tensor], ref64: dict, ref_lp: dict, ref_alt: dict, dtype: torch.dtype,
+            gen: torch.Generator) -> None:
+    """Load the sharded run's current params into the three references (see harness.anchor)."""
+    with torch.no_grad():
+        for name, value in full.items():
+            ref64[name].copy_(value)
+            ref_lp[name].copy_(value)
+            perturb_(ref_alt[name].copy_(value), torch.finfo(dtype).eps, gen)
+
+
+def _expected_step(p: _Param, opt: torch.optim.Optimizer, config: CheckConfig, dtype: torch.dtype,
+                   ctx: RankContext) -> tuple[torch.Tensor, torch.Tensor]:
+    """This param after the coming optimizer step, in float64 from its own values, and the bound."""
+    to_full = (lambda t: t.full_tensor()) if p.dtensor else (lambda t: t)
+    value = to_full(p.param.detach())
+    grad = None if p.param.grad is None else to_full(p.param.grad)
+    ref = reference_step(optimizer=config.optimizer, lr=config.lr, param=value, grad=grad,
+                         state=state_of(opt, p.param, to_full), dtype=dtype)
+    return ref.param, ref.bound
 
 
 def _replica_drift(step: int, params: list[_Param], ctx: RankContext, hint: set[str]) -> list[Drift]:

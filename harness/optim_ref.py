@@ -1,0 +1,108 @@
+"""Stage: compare. The optimizer step's reference and its rounding bound, pure and process-group free.
+
+The optimizer stage is judged on the sharded run's own inputs to it: its parameters, the grads
+it is about to apply and its optimizer state, all taken just before `step()`. The float64
+reference of that one step is then exact up to float64 rounding, and what a correct run in the
+run's dtype may differ by is the rounding of a handful of elementwise ops, bounded element by
+element (Higham's model, fl(a op b) = (a op b)(1 + d), |d| <= u):
+
+    AdamW  p' = p (1 - lr wd) - step_size * m' / (sqrt(v') / sqrt(bc2) + eps)
+           m' = lerp(m, g, 1 - b1),  v' = b2 v + (1 - b2) g^2
+    bound  = C * eps * (|p| + |p' - p| + step_size * (|m| + |g|) / denom)
+
+`|m| + |g|` rather than `|m'|` because the lerp may cancel; every term of v' is non-negative,
+so its rounding is relative and folds into the |p' - p| term. C = 8 units of eps (16 of the unit
+roundoff) covers the ~8 roundings of the step with room for a kernel that rounds twice.
+
+Nothing is carried from one step to the next: an error in step k's grads cannot be amplified by
+AdamW's 1/sqrt(v) into step k+1's bound (that amplification, on an element whose grad was 26x
+AdamW's eps, is what made the previous model false-alarm on AVX-512 CPUs).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+ROUNDINGS = 8.0
+"""C above: units of eps(dtype) per bound term, from counting the step's roundings."""
+
+ADAMW_BETAS = (0.9, 0.999)
+ADAMW_EPS = 1e-8
+WEIGHT_DECAY = 0.01
+SGD_MOMENTUM = 0.9
+
+
+@dataclass(kw_only=True)
+class OptimState:
+    """One parameter's optimizer state before the step, in float64."""
+
+    step: int = 0
+    """Steps already taken (0: no state yet)."""
+    exp_avg: torch.Tensor | None = None
+    exp_avg_sq: torch.Tensor | None = None
+    momentum_buffer: torch.Tensor | None = None
+
+
+@dataclass(kw_only=True)
+class StepReference:
+    param: torch.Tensor
+    """Expected parameter after the step (float64)."""
+    bound: torch.Tensor
+    """Per-element allowed |error| for a correct step in the run's dtype."""
+
+
+def make_optimizer(name: str, lr: float, params) -> torch.optim.Optimizer:
+    """The optimizer every run uses; `reference_step` is its float64 model."""
+    params = list(params)
+    if name == "sgd":
+        return torch.optim.SGD(params, lr=lr, momentum=SGD_MOMENTUM)
+    return torch.optim.AdamW(params, lr=lr, betas=ADAMW_BETAS, eps=ADAMW_EPS, weight_decay=WEIGHT_DECAY,
+                             foreach=False)
+
+
+def reference_step(*, optimizer: str, lr: float, param: torch.Tensor, grad: torch.Tensor | None,
+                   state: OptimState, dtype: torch.dtype) -> StepReference:
+    """One step of `optimizer` in float64 from the given param, grad and state."""
+    p = param.detach().to(torch.float64)
+    eps = torch.finfo(dtype).eps
+    if grad is None:
+        return StepReference(param=p, bound=torch.zeros_like(p))
+    g = grad.detach().to(torch.float64)
+    if optimizer == "sgd":
+        buf = g if state.momentum_buffer is None else SGD_MOMENTUM * state.momentum_buffer + g
+        new = p - lr * buf
+        scale = p.abs() + lr * g.abs()
+        if state.momentum_buffer is not None:
+            scale = scale + lr * SGD_MOMENTUM * state.momentum_buffer.abs()
+        return StepReference(param=new, bound=ROUNDINGS * eps * (scale + (new - p).abs()))
+    b1, b2 = ADAMW_BETAS
+    m = torch.zeros_like(p) if state.exp_avg is None else state.exp_avg
+    v = torch.zeros_like(p) if state.exp_avg_sq is None else state.exp_avg_sq
+    t = state.step + 1
+    m_new = m + (1 - b1) * (g - m)
+    v_new = b2 * v + (1 - b2) * g * g
+    step_size = lr / (1 - b1 ** t)
+    denom = v_new.sqrt() / (1 - b2 ** t) ** 0.5 + ADAMW_EPS
+    decayed = p * (1 - lr * WEIGHT_DECAY)
+    new = decayed - step_size * m_new / denom
+    scale = p.abs() + (new - p).abs() + step_size * (m.abs() + g.abs()) / denom
+    return StepReference(param=new, bound=ROUNDINGS * eps * scale)
+
+
+def state_of(optimizer: torch.optim.Optimizer, param: torch.Tensor, to_full) -> OptimState:
+    """`param`'s state in `optimizer` before its next step, each tensor through `to_full`
+    (local piece, or a DTensor's full tensor) and in float64."""
+    raw = optimizer.state.get(param, {})
+    if not raw:
+        return OptimState()
+
+    def conv(key):
+        t = raw.get(key)
+        return None if t is None else to_full(t).detach().to(torch.float64)
+
+    step = raw.get("step", 0)
+    return OptimState(step=int(step.item() if isinstance(step, torch.Tensor) else step),
+                      exp_avg=conv("exp_avg"), exp_avg_sq=conv("exp_avg_sq"),
+                      momentum_buffer=conv("momentum_buffer"))
