@@ -23,8 +23,19 @@ def build_reference_gpt(config: CheckConfig):
 
 
 def gpt_batch(config: CheckConfig, step: int, gen: torch.Generator):
-    """Random tokens [dp*batch, seq_len] and their next-token targets."""
-    tokens = torch.randint(0, config.vocab, (config.dp * config.batch, config.seq_len + 1), generator=gen)
+    """Random tokens [dp*batch, seq_len] and their next-token targets.
+
+    No token equals its neighbour (each is the previous plus a random 1..vocab-1, mod vocab), so
+    every possible shard boundary separates two different tokens and two different targets: a
+    bug at a boundary (a label shifted across it, a token dropped or repeated there) always
+    changes the numbers, whatever split the config draws."""
+    rows, length = config.dp * config.batch, config.seq_len + 1
+    first = torch.randint(0, config.vocab, (rows, 1), generator=gen)
+    if config.vocab < 2:
+        tokens = first.expand(rows, length)
+    else:
+        steps = torch.randint(1, config.vocab, (rows, length - 1), generator=gen)
+        tokens = torch.cat([first, first + steps.cumsum(1)], dim=1) % config.vocab
     return tokens[:, :-1], tokens[:, 1:]
 
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from harness.config import DTYPES, LAYOUTS, NORMS, OPTIMIZERS, CheckConfig
+from harness.config import ADVERSARIES, DEFAULT_STEPS, DTYPES, LAYOUTS, NORMS, OPTIMIZERS, CheckConfig
 
 EXIT_OK, EXIT_FAIL, EXIT_USAGE = 0, 1, 2
 
@@ -55,10 +55,13 @@ def add_config_args(p: argparse.ArgumentParser, *, require_case: bool = True) ->
     g.add_argument("--norm", choices=NORMS, default="layernorm")
     g.add_argument("--layout", choices=LAYOUTS, default="bsh")
     g.add_argument("--dtype", choices=sorted(DTYPES), default="float64")
-    g.add_argument("--steps", type=_positive_int, default=2)
+    g.add_argument("--steps", type=_positive_int, default=DEFAULT_STEPS,
+                   help=f"optimizer steps to run and compare (default {DEFAULT_STEPS})")
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--lr", type=float, default=1e-2)
     g.add_argument("--optimizer", choices=OPTIMIZERS, default="adamw")
+    g.add_argument("--adversary", choices=ADVERSARIES, default="off",
+                   help="make the sharded side reduce in random legal orders (specificity across platforms)")
     g.add_argument("--timeout", type=float, default=30.0, dest="timeout_s", help="seconds per job before it counts as hung")
 
 
@@ -67,7 +70,7 @@ def config_from_args(args) -> CheckConfig:
         case=args.case, world_size=args.world_size, dp=args.dp, seq_len=args.seq_len, seq_shards=args.seq_shards,
         batch=args.batch, hidden=args.hidden, ffn=args.ffn, num_heads=args.num_heads, num_layers=args.num_layers,
         vocab=args.vocab, norm=args.norm, layout=args.layout, dtype=args.dtype, steps=args.steps, seed=args.seed,
-        lr=args.lr, optimizer=args.optimizer, timeout_s=args.timeout_s,
+        lr=args.lr, optimizer=args.optimizer, adversary=args.adversary, timeout_s=args.timeout_s,
     )
 
 
@@ -187,7 +190,7 @@ def _extra_commands():
     import importlib
 
     out = []
-    for mod in ("harness.converge", "harness.nightly", "harness.mutants", "harness.bench"):
+    for mod in ("harness.converge", "harness.nightly", "harness.mutants", "harness.bench", "harness.sensitivity"):
         try:
             module = importlib.import_module(mod)
         except ModuleNotFoundError as exc:

@@ -20,6 +20,10 @@ DTYPES: dict[str, torch.dtype] = {
 NORMS = ("layernorm", "rmsnorm")
 LAYOUTS = ("bsh", "sbh")
 OPTIMIZERS = ("adamw", "sgd")
+ADVERSARIES = ("off", "reorder", "reorder-tf32")
+DEFAULT_STEPS = 3
+"""Optimizer steps per check: the third step is the first with two steps of optimizer state
+behind it and the first after a DDP-style grad-bucket rebuild (tests/test_conventions.py)."""
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -52,7 +56,7 @@ class CheckConfig:
     """Activation layout for cases that support both: 'bsh' (GPT-NeoX) or 'sbh' (Megatron)."""
     dtype: str = "float64"
     """Dtype of the sharded run and of the same-dtype reference; the judge is always float64."""
-    steps: int = 2
+    steps: int = DEFAULT_STEPS
     """Optimizer steps to run and compare."""
     seed: int = 0
     """Seeds the initial weights and the data."""
@@ -60,6 +64,9 @@ class CheckConfig:
     """Learning rate of the optimizer."""
     optimizer: str = "adamw"
     """'adamw' or 'sgd'."""
+    adversary: str = "off"
+    """'reorder': the sharded side reduces in random legal orders (harness.adversary);
+    'reorder-tf32': also TF32-rounded float32 matmul inputs on both sides (a GPU platform)."""
     timeout_s: float = 30.0
     """Seconds before a job is declared hung; the error names case, config and rank."""
 
@@ -74,6 +81,8 @@ class CheckConfig:
             raise ValueError(f"norm must be one of {NORMS}, got {self.norm!r}")
         if self.layout not in LAYOUTS:
             raise ValueError(f"layout must be one of {LAYOUTS}, got {self.layout!r}")
+        if self.adversary not in ADVERSARIES:
+            raise ValueError(f"adversary must be one of {ADVERSARIES}, got {self.adversary!r}")
         if self.optimizer not in OPTIMIZERS:
             raise ValueError(f"optimizer must be one of {OPTIMIZERS}, got {self.optimizer!r}")
         if self.steps < 1:
@@ -138,7 +147,7 @@ class CheckConfig:
                 parts.append(f"{name}={value}")
         if self.seq_shards is not None:
             parts.append("shards=" + "/".join(map(str, self.seq_shards)))
-        for name, default in (("layout", "bsh"), ("norm", "layernorm"), ("optimizer", "adamw")):
+        for name, default in (("layout", "bsh"), ("norm", "layernorm"), ("optimizer", "adamw"), ("adversary", "off")):
             if getattr(self, name) != default:
                 parts.append(getattr(self, name))
         parts += [self.dtype, f"steps={self.steps}", f"seed={self.seed}"]

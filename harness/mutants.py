@@ -20,7 +20,7 @@ from dataclasses import asdict, dataclass
 from harness.case import all_cases, get_case
 from harness.config import CheckConfig
 
-KIND_LABEL = {"forward": "forward", "loss": "forward (loss)", "input_grad": "input grad", "grad": "grad",
+KIND_LABEL = {"init": "init", "forward": "forward", "loss": "forward (loss)", "input_grad": "input grad", "grad": "grad",
               "param": "param-after-step"}
 
 
@@ -51,13 +51,16 @@ class Outcome:
     mutant: str
     models_bug: str
     status: str
-    """KILLED or SURVIVED."""
+    """KILLED, SURVIVED, or BATTERY-ERROR (the correct twin failed an entry it must pass: the
+    battery, not the mutant, is broken there, and the kill would not mean what it says)."""
     killed_by: str = ""
     entry: str = ""
     config: str = ""
     repro: str = ""
     detail: str = ""
     seconds: float = 0.0
+    twin_failures: tuple[str, ...] = ()
+    """Entries the correct twin failed (each one a battery error)."""
 
 
 def _config(case: str, entry: Entry) -> CheckConfig:
@@ -128,7 +131,7 @@ class Battery:
     def __init__(self, runner, work_dir: str = "reports/mutants"):
         self.runner = runner
         self.work_dir = work_dir
-        self._twin: dict[tuple[str, str], bool | None] = {}
+        self._twin: dict[tuple[str, str], tuple[bool | None, str]] = {}
 
     def _evaluate(self, case_name: str, entry: Entry):
         """(passed: bool | None, killer label, detail, repro). None: not applicable."""
@@ -157,10 +160,12 @@ class Battery:
                                                  f"--seq-len 12 --batch 2 --warmup-steps 2")
         raise AssertionError(entry.kind)
 
-    def twin_passes(self, base: str, entry: Entry) -> bool:
+    def twin_outcome(self, base: str, entry: Entry) -> tuple[bool | None, str]:
+        """(passed, detail) of the correct twin on `entry`; None: not applicable to it."""
         key = (base, entry.name)
         if key not in self._twin:
-            self._twin[key] = self._evaluate(base, entry)[0] is True
+            passed, _, detail, _ = self._evaluate(base, entry)
+            self._twin[key] = (passed, detail)
         return self._twin[key]
 
     def kill(self, mutant: str) -> Outcome:
@@ -168,20 +173,32 @@ class Battery:
         if not case.base:
             raise ValueError(f"{mutant} names no correct twin (Case.base)")
         t0 = time.perf_counter()
+        twin_failures = []
         for entry in BATTERY:
-            if not self.twin_passes(case.base, entry):
+            twin_passed, twin_detail = self.twin_outcome(case.base, entry)
+            if twin_passed is False:
+                twin_failures.append(f"{case.base} fails entry {entry.name}: {twin_detail}")
+                continue
+            if twin_passed is None:
                 continue
             passed, killer, detail, repro = self._evaluate(mutant, entry)
             if passed is False:
+                if twin_failures:
+                    break
                 return Outcome(mutant=mutant, models_bug=case.models_bug, status="KILLED", killed_by=killer,
                                entry=entry.name, config=", ".join(f"{k}={v}" for k, v in entry.fields),
                                repro=repro, detail=detail, seconds=time.perf_counter() - t0)
+        if twin_failures:
+            return Outcome(mutant=mutant, models_bug=case.models_bug, status="BATTERY-ERROR",
+                           detail="; ".join(twin_failures), twin_failures=tuple(twin_failures),
+                           seconds=time.perf_counter() - t0)
         return Outcome(mutant=mutant, models_bug=case.models_bug, status="SURVIVED",
                        seconds=time.perf_counter() - t0)
 
 
 def mutant_names() -> list[str]:
-    return sorted(n for n, c in all_cases().items() if "mutant" in c.tags)
+    """The catalogue (the scaled sensitivity mutants are measured by `sp-harness sensitivity`)."""
+    return sorted(n for n, c in all_cases().items() if "mutant" in c.tags and "scaled" not in c.tags)
 
 
 def format_table(outcomes: list[Outcome]) -> str:
@@ -204,6 +221,8 @@ def cmd_mutants(args) -> int:
     for name in names:
         outcome = battery.kill(name)
         outcomes.append(outcome)
+        if outcome.twin_failures:
+            print(f"  battery error: {outcome.detail}", flush=True)
         print(f"  {outcome.status:<8} {name:<40} {outcome.killed_by:<22} {outcome.entry:<15} {outcome.seconds:.1f}s",
               flush=True)
     print(format_table(outcomes))

@@ -25,12 +25,14 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from harness import shards as sh
+from harness.adversary import ReorderAdversary
 from harness.anchor import gather_full
 from harness.case import Case, Layout, ParamSpec, RankContext, Sharded, get_case
 from harness.comm import CommCounter
 from harness.compare import TensorCheck, check_bounded, check_tensor, lp_dtype
 from harness.config import CheckConfig
 from harness.optim_ref import make_optimizer, reference_step, state_of
+from harness.trace import Divergence, Recorder, first_divergence
 
 MAX_FAILURES_KEPT = 64
 
@@ -62,6 +64,8 @@ class RankResult:
     """Per step, the collective counter's rows."""
     num_checks: int = 0
     timings: dict[str, float] = field(default_factory=dict)
+    divergence: Divergence | None = None
+    """At the first failing step: the first module whose output or input grad left its bound."""
 
 
 _GROUPS: dict[tuple[int, int], Any] = {}
@@ -306,6 +310,12 @@ def run_rank(config: CheckConfig) -> RankResult:
     opt = make_optimizer(config.optimizer, config.lr, module.parameters())
     counter = CommCounter(ctx.group_label)
     gen = torch.Generator().manual_seed(config.seed + 7919)
+    adversary, platform = _adversaries(config, ctx)
+    traced = not any(p.dtensor for p in params)  # DTensor modules do not take full backward hooks
+    # modules holding a TP-sharded param return pieces or partial sums: not comparable
+    pieces = frozenset(n.rpartition(".")[0] for n, p in zip(dict(module.named_parameters()), params, strict=True)
+                       if not p.replicated_tp)
+    recorders = [Recorder(m, pieces) for m in (module, ref64, ref_lp, ref_alt)] if traced else []
     result.timings["setup_s"] = time.perf_counter() - t_start
     t_compute = 0.0
 
@@ -324,14 +334,18 @@ def run_rank(config: CheckConfig) -> RankResult:
         inp, tgt = case.make_batch(config, step, gen)
         inp, tgt = inp.to(device), tgt.to(device)
         _anchor(gather_full(params, shapes, ctx), ref_params64, ref_params_lp, ref_params_alt, dtype, alt_gen)
+        for r in recorders:
+            r.clear()
+        failures_before = len(result.failures)
         out64, loss64, ig64 = _reference_step(ref64, case, inp, tgt, torch.float64)
-        out_lp, loss_lp, ig_lp = _reference_step(ref_lp, case, inp, tgt, lp)
+        with platform:
+            out_lp, loss_lp, ig_lp = _reference_step(ref_lp, case, inp, tgt, lp)
         out_alt, loss_alt, ig_alt = _reference_step(ref_alt, case, inp, tgt, torch.float64, noise=alt_noise)
 
         local_in, local_tgt, in_offset = rank_batch(inp, tgt, sharded, ctx, dtype)
 
         t0 = time.perf_counter()
-        with counter:
+        with counter, adversary:
             counter.phase = "forward"
             out, loss = forward_loss(case, sharded, local_in, local_tgt, tgt, ctx)
             counter.phase = "backward"
@@ -363,6 +377,12 @@ def run_rank(config: CheckConfig) -> RankResult:
             walt = p.piece_of(ref_params_alt[ref].grad, ctx)
             judge("grad", ref, step, got, w64, wlp, off, walt)
 
+        if recorders and not failures_before and len(result.failures) > failures_before:
+            result.divergence = first_divergence(
+                step=step, rank=ctx.rank, sharded=recorders[0], ref64=recorders[1], ref_lp=recorders[2],
+                ref_alt=recorders[3], dtype=dtype, seq_len=config.seq_len, seq_shards=ctx.seq_shards,
+                tp_rank=ctx.tp_rank)
+
         # --- the optimizer stage, judged on the sharded run's own params, grads and state
         expected = [_expected_step(p, opt, config, dtype, ctx) for p in params]
         t0 = time.perf_counter()
@@ -383,9 +403,21 @@ def run_rank(config: CheckConfig) -> RankResult:
                                          got=got, want=want, bound=bound, offset=off))
         result.drift.extend(_replica_drift(step, params, ctx, hint))
 
+    for r in recorders:
+        r.remove()
     result.timings["compute_s"] = t_compute
     result.timings["total_s"] = time.perf_counter() - t_start
     return result
+
+
+def _adversaries(config: CheckConfig, ctx: RankContext):
+    """(mode for the sharded side, mode for the same-precision reference): see harness.adversary."""
+    if config.adversary == "off":
+        return contextlib.nullcontext(), contextlib.nullcontext()
+    tf32 = config.adversary == "reorder-tf32"
+    gen = torch.Generator().manual_seed(config.seed * 1009 + ctx.rank + 1)
+    platform = ReorderAdversary(gen, reorder=False, tf32=True) if tf32 else contextlib.nullcontext()
+    return ReorderAdversary(gen, reorder=True, tf32=tf32), platform
 
 
 def record(result: RankResult, chk: TensorCheck) -> None:

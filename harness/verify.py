@@ -19,6 +19,7 @@ from harness.compare import KIND_ORDER, TensorCheck
 from harness.config import CheckConfig
 from harness.pool import PoolManager, RankFailure
 from harness.sidebyside import Drift, RankResult
+from harness.trace import Divergence
 
 PASS, FAIL, UNSUPPORTED = "PASS", "FAIL", "UNSUPPORTED"
 
@@ -38,6 +39,9 @@ class CheckResult:
     """For a crash or hang: the ranks' tracebacks."""
     wall_s: float = 0.0
     num_checks: int = 0
+    divergence: Divergence | None = None
+    """The first module (execution order) whose output or input grad left its bound, at the
+    first failing step, on the lowest rank that saw one (harness.trace)."""
 
     @property
     def ok(self) -> bool:
@@ -80,6 +84,7 @@ class CheckResult:
             "config": conv(self.config), "repro": self.config.repro(), "failures": conv(self.failures),
             "worst": conv(self.worst), "drift": conv(self.drift), "losses": self.losses, "comm": self.comm,
             "error": self.error, "wall_s": self.wall_s, "num_checks": self.num_checks,
+            "divergence": conv(self.divergence),
         }
 
 
@@ -136,9 +141,11 @@ def merge(config: CheckConfig, results: list[RankResult], *, wall_s: float = 0.0
                 drift[key] = d
     drifts = sorted(drift.values(), key=lambda d: (d.step, d.group, d.name))
     verdict = FAIL if failures or drifts else PASS
+    divergences = [r.divergence for r in results if r.divergence is not None]
+    divergence = min(divergences, key=Divergence.sort_key, default=None)
     res = CheckResult(config=config, verdict=verdict, failures=failures, worst=worst, drift=drifts,
                       losses=results[0].losses, comm=results[0].comm[0] if results[0].comm else [],
-                      wall_s=wall_s, num_checks=sum(r.num_checks for r in results))
+                      wall_s=wall_s, num_checks=sum(r.num_checks for r in results), divergence=divergence)
     if verdict == FAIL:
         n = len({(f.step, f.kind, f.name) for f in failures})
         res.reason = f"{n} tensor mismatch(es), {len(drifts)} replica drift(s); first: {res.first_failure}"
@@ -171,6 +178,8 @@ def format_result(res: CheckResult, *, verbose: bool = False) -> str:
         lines.append("loss per step: " + " ".join(f"{x:.6f}" for x in res.losses))
     if res.verdict == FAIL:
         lines.append(f"FAIL: first failure: {res.first_failure}")
+        if res.divergence is not None:
+            lines.append(res.divergence.describe())
         names = res.failing_names
         lines.append(f"failing at that step: {', '.join(names[:12])}{' ...' if len(names) > 12 else ''}")
         shown = res.failures[: (50 if verbose else 8)]

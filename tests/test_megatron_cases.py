@@ -37,8 +37,9 @@ def test_unsynced_norm_grads_fail_on_the_first_step_naming_the_norms(sp_check):
     assert res.failures[0].step == 0
     names = res.failing_names
     assert names and all("norm" in n for n in names), names
-    # the param-after-step and replica-drift checks each see it on their own too
-    assert any(f.kind == "param" and "norm" in f.name for f in res.failures)
+    # the optimizer stage is judged on the sharded run's own grads, so it does not re-report a
+    # grad bug; the replica-drift check sees it on its own
+    assert not any(f.kind == "param" for f in res.failures)
     assert res.drift and res.drift[0].step == 0 and all("norm" in d.name for d in res.drift if d.step == 0)
 
 

@@ -5,4 +5,5 @@ from cases.mutants import (
     dtensor_mutants,  # noqa: F401
     megatron_mutants,  # noqa: F401
     memory_mutants,  # noqa: F401
+    scaled_mutants,  # noqa: F401  (sensitivity probes, tagged 'scaled': not in the battery)
 )

@@ -1,0 +1,106 @@
+"""Stage: step. The reorder adversary: a correct run made to reduce in other legal orders.
+
+A verdict must not depend on the order a CPU's or GPU's kernels happen to sum in. Rather than
+wait for other machines, this dispatch mode makes the sharded side of a run reduce differently
+on every call: each matmul (mm, addmm, bmm) is split along its reduction dim into randomly
+sized chunks whose partial products are summed in a random order, and each single-dim sum is
+split the same way. bfloat16 products accumulate in float32 and round once (what tensor cores
+and oneDNN do); with `tf32=True` float32 matmul inputs are first rounded to TF32's 10-bit
+mantissa, as on an Ampere+ GPU with `allow_tf32`. TF32 is a property of the platform, not of
+the sharding, so the engine applies it to the same-precision reference too (a real platform
+runs both there); the chunking and reordering stay on the sharded side only.
+
+DTensor's own local kernels run with dispatch modes popped, so for DTensor cases only the
+plain-tensor ops outside DTensor are reordered here. Beyond this mode, the pool's environment varies what it cannot: `ATEN_CPU_CAPABILITY`
+(default / avx2 / avx512 kernels) and `OMP_NUM_THREADS` (intra-op split), see
+tests/demo/false_alarms.py.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+aten = torch.ops.aten
+
+MAX_CHUNKS = 8
+
+
+def round_tf32(x: torch.Tensor) -> torch.Tensor:
+    """float32 rounded to TF32 (10 explicit mantissa bits), round half away from zero."""
+    if x.dtype != torch.float32:
+        return x
+    bits = x.contiguous().view(torch.int32)
+    return ((bits + 0x1000) & ~0x1FFF).view(torch.float32).view(x.shape)
+
+
+class ReorderAdversary(TorchDispatchMode):
+    """Random chunked, randomly ordered reductions for matmuls and sums (see module doc)."""
+
+    def __init__(self, gen: torch.Generator, *, reorder: bool = True, tf32: bool = False):
+        super().__init__()
+        self.gen, self.reorder, self.tf32 = gen, reorder, tf32
+        self.num_rewritten = 0
+
+    def _cuts(self, n: int) -> list[int]:
+        if not self.reorder or n < 2:
+            return [n]
+        k = int(torch.randint(2, min(n, MAX_CHUNKS) + 1, (), generator=self.gen))
+        points = sorted(torch.randperm(n - 1, generator=self.gen)[: k - 1].add(1).tolist())
+        return [b - a for a, b in zip([0] + points, points + [n], strict=True)]
+
+    def _order(self, k: int) -> list[int]:
+        return torch.randperm(k, generator=self.gen).tolist() if self.reorder else list(range(k))
+
+    def _sum(self, parts: list[torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
+        order = self._order(len(parts))
+        acc = parts[order[0]]
+        for i in order[1:]:
+            acc = acc + parts[i]
+        return acc.to(dtype)
+
+    def _matmul(self, a: torch.Tensor, b: torch.Tensor, op) -> torch.Tensor:
+        """a @ b over a's last dim (b's dim -2), chunked and reordered."""
+        dtype = a.dtype
+        if self.tf32 and dtype == torch.float32:
+            a, b = round_tf32(a), round_tf32(b)
+        acc_dtype = torch.float32 if dtype in (torch.bfloat16, torch.float16) else dtype
+        sizes = self._cuts(a.shape[-1])
+        a_parts = a.split(sizes, dim=-1)
+        b_parts = b.split(sizes, dim=-2)
+        parts = [op(x.to(acc_dtype), y.to(acc_dtype)) for x, y in zip(a_parts, b_parts, strict=True)]
+        return self._sum(parts, dtype)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        tensors = [a for a in args if isinstance(a, torch.Tensor)]
+        plain = all(type(t) is torch.Tensor or isinstance(t, torch.nn.Parameter) for t in tensors)
+        if not plain:
+            # a tensor subclass (DTensor) runs its own local kernels with this mode popped, so
+            # DTensor compute is not reordered here; the environment part (capability, threads)
+            # still varies it
+            return func(*args, **kwargs)
+        floating = tensors and all(t.is_floating_point() for t in tensors)
+        if floating and func is aten.mm.default and not kwargs:
+            self.num_rewritten += 1
+            return self._matmul(args[0], args[1], torch.mm)
+        if floating and func is aten.bmm.default and not kwargs:
+            self.num_rewritten += 1
+            return self._matmul(args[0], args[1], torch.bmm)
+        if floating and func is aten.addmm.default and len(args) == 3:
+            beta, alpha = kwargs.get("beta", 1), kwargs.get("alpha", 1)
+            self.num_rewritten += 1
+            prod = self._matmul(args[1], args[2], torch.mm)
+            return beta * args[0] + alpha * prod if (beta, alpha) != (1, 1) else args[0] + prod
+        if floating and func is aten.sum.dim_IntList and len(args) >= 2 and len(args[1] or ()) == 1 \
+                and "dtype" not in kwargs:
+            dim = args[1][0]
+            keepdim = args[2] if len(args) > 2 else kwargs.get("keepdim", False)
+            x = args[0]
+            sizes = self._cuts(x.shape[dim])
+            if len(sizes) > 1:
+                self.num_rewritten += 1
+                acc_dtype = torch.float32 if x.dtype in (torch.bfloat16, torch.float16) else x.dtype
+                parts = [p.to(acc_dtype).sum(dim, keepdim=keepdim) for p in x.split(sizes, dim=dim)]
+                return self._sum(parts, x.dtype)
+        return func(*args, **kwargs)

@@ -1,0 +1,58 @@
+"""The engine's own conventions hold for any correct case (issue 10, item 6): DP input grads,
+loss precision whatever the target dtype, the default number of steps, and batches that cover
+every shard boundary."""
+
+import os
+
+import torch
+
+from harness.compare import check_tensor
+from harness.config import DEFAULT_STEPS, CheckConfig
+from harness.verify import FAIL, PASS
+
+DDP = os.path.join(os.path.dirname(__file__), "ddp_cases.py")
+
+
+def test_plain_ddp_with_a_float_input_passes_under_dp(sp_check):
+    res = sp_check(CheckConfig(case=f"{DDP}:DDP_MLP", world_size=2, dp=2))
+    assert res.verdict == PASS, res.reason
+    assert "input_grad" in res.worst  # the input grad was judged, not skipped
+
+
+def test_double_averaging_ddp_fails_on_its_param_grads(sp_check):
+    res = sp_check(CheckConfig(case=f"{DDP}:DDP_DOUBLE_AVERAGE", world_size=2, dp=2))
+    assert res.verdict == FAIL
+    assert res.failures[0].kind in ("loss", "input_grad", "grad")
+    assert any(f.kind == "grad" for f in res.failures)
+
+
+def test_loss_bound_scales_with_the_run_precision_not_the_target_dtype():
+    # a float32 run whose same-precision loss came out in float64 (a float64 target promoted
+    # it): the bound must still be a float32 one (scaled by eps32/eps32 = 1), not eps32/eps64
+    ref64 = torch.tensor(2.0, dtype=torch.float64)
+    ref_lp = torch.tensor(2.0 + 1e-12, dtype=torch.float64)
+    got = torch.tensor(2.0 + 1e-3, dtype=torch.float64)
+    chk = check_tensor(kind="loss", name="loss", step=0, rank=0, got=got, ref64=ref64, ref_lp=ref_lp,
+                       dtype=torch.float32)
+    assert not chk.ok and chk.allowed < 1e-4
+
+
+def test_a_bug_first_visible_at_step_3_is_caught_by_default(sp_check):
+    assert DEFAULT_STEPS >= 3
+    res = sp_check(CheckConfig(case="mutant-sp-norm-sync-lost-at-step-3", world_size=2))
+    assert res.verdict == FAIL
+    assert res.failures[0].step == 2 and res.failures[0].kind == "grad"
+    twin = sp_check(CheckConfig(case="megatron-gpt-sp", world_size=2))
+    assert twin.verdict == PASS, twin.reason
+
+
+def test_gpt_batches_separate_neighbouring_tokens_at_every_position():
+    from cases.common import gpt_batch
+
+    for vocab in (2, 3, 64):
+        cfg = CheckConfig(case="megatron-gpt-sp", seq_len=33, vocab=vocab, batch=4, dp=2, world_size=2)
+        for step in range(3):
+            tokens, targets = gpt_batch(cfg, step, torch.Generator().manual_seed(step))
+            assert (tokens[:, 1:] != tokens[:, :-1]).all()
+            assert (targets[:, 1:] != targets[:, :-1]).all()
+            assert tokens.min() >= 0 and tokens.max() < vocab

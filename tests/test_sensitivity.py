@@ -1,0 +1,50 @@
+"""The scaled mutants behind `sp-harness sensitivity`: each FAILs at a relative error d = 1e-6 in
+float64 (a million times above the float64 targets' 1e-10 would still be caught) and PASSes at
+d = 0, where its hooks are installed but change nothing (no false alarm from the machinery).
+The scaled mutants stay out of the default mutant battery."""
+
+import os
+
+import pytest
+
+from cases.mutants.scaled_mutants import CASES, ENV, set_scale
+from harness.config import CheckConfig
+from harness.sensitivity import caught_by
+
+EXPECTED_CATCH = {"forward": "forward", "grad": "grad", "update": "param"}
+
+
+@pytest.fixture
+def scaled(sp_pool):
+    """run(shape, d) -> CheckResult of the scaled mutant at d (float64, world size 2)."""
+    from harness.verify import check
+
+    previous = os.environ.get(ENV)
+
+    def run(shape, d):
+        set_scale(sp_pool, d)
+        return check(CheckConfig(case=CASES[shape].name, world_size=2, timeout_s=120.0), sp_pool)
+
+    yield run
+    set_scale(sp_pool, None if previous is None else float(previous))
+
+
+@pytest.mark.parametrize("shape", sorted(CASES))
+def test_scaled_mutant_fails_at_1e6_passes_at_0(scaled, shape):
+    res = scaled(shape, 1e-6)
+    assert res.verdict == "FAIL", (shape, res.reason)
+    assert caught_by(res) == EXPECTED_CATCH[shape], res.first_failure
+    first = res.failures[0]
+    assert first.rank == 1 and first.step == 0, first.describe()
+    res = scaled(shape, 0.0)
+    assert res.verdict == "PASS", (shape, res.reason)
+
+
+def test_scaled_mutants_are_not_in_the_battery():
+    from harness.case import all_cases
+    from harness.mutants import mutant_names
+
+    names = set(mutant_names())
+    scaled = {n for n, c in all_cases().items() if "scaled" in c.tags}
+    assert scaled == {c.name for c in CASES.values()}
+    assert not names & scaled
