@@ -1,9 +1,36 @@
-"""The default battery kills every mutant in the catalogue: one test per mutant, so a change that
-blinds a check (a loosened tolerance, a skipped comparison) fails CI by name."""
+"""The default battery kills every mutant in the catalogue, each by its pinned check and entry:
+one test per mutant, so a change that blinds a check (a loosened tolerance, a skipped
+comparison) or moves a kill to another check fails CI by name. A correct twin failing an entry
+is a battery error, never a silent skip."""
 
 import pytest
 
 from harness.mutants import Battery, mutant_names
+
+EXPECTED_KILLER = {
+    "mutant-dtensor-norm-init-per-rank": ("init", "even"),
+    "mutant-dtensor-norm-missing-sp": ("grad", "even"),
+    "mutant-dtensor-output-wrong-dim": ("crash", "even"),
+    "mutant-sp-clip-norm-counts-replicas": ("lockstep gate", "lockstep"),
+    "mutant-sp-collectives-assume-even": ("crash", "uneven"),
+    "mutant-sp-even-shard-positions": ("forward", "uneven"),
+    "mutant-sp-full-sequence-norms": ("collective accounting", "comm-vs-tp"),
+    "mutant-sp-gather-backward-split": ("grad", "even"),
+    "mutant-sp-gather-dim0-bsh": ("forward", "even"),
+    "mutant-sp-gather-wrong-order": ("forward", "even"),
+    "mutant-sp-local-positions": ("forward", "even"),
+    "mutant-sp-loss-mean-per-rank": ("forward (loss)", "uneven"),
+    "mutant-sp-no-embedding-grad-sync": ("grad", "even"),
+    "mutant-sp-no-norm-grad-sync": ("grad", "even"),
+    "mutant-sp-no-row-bias-grad-sync": ("grad", "even"),
+    "mutant-sp-norm-grad-sync-dp-group": ("grad", "even"),
+    "mutant-sp-norm-sync-lost-at-step-3": ("grad", "even"),
+    "mutant-sp-reduce-scatter-world": ("crash", "dp2xtp2"),
+    "mutant-sp-row-bias-before-reduce": ("forward", "even"),
+    "mutant-tp-all-reduce-world": ("forward", "dp2xtp2"),
+    "mutant-tp-row-bias-before-reduce": ("forward", "even"),
+}
+"""mutant -> (check that kills it first, battery entry). Pinned from `sp-harness mutants`."""
 
 
 @pytest.fixture(scope="session")
@@ -15,7 +42,13 @@ def test_catalogue_is_large_enough():
     assert len(mutant_names()) >= 12
 
 
+def test_every_mutant_has_a_pinned_killer():
+    assert sorted(EXPECTED_KILLER) == mutant_names()
+
+
 @pytest.mark.parametrize("mutant", mutant_names())
-def test_mutant_is_killed(battery, mutant):
+def test_mutant_is_killed_by_its_pinned_check(battery, mutant):
     outcome = battery.kill(mutant)
+    assert not outcome.twin_failures, outcome.detail
     assert outcome.status == "KILLED", f"{mutant} survived the default battery: {outcome.models_bug}"
+    assert (outcome.killed_by, outcome.entry) == EXPECTED_KILLER[mutant], outcome.detail

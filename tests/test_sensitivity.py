@@ -48,3 +48,20 @@ def test_scaled_mutants_are_not_in_the_battery():
     scaled = {n for n, c in all_cases().items() if "scaled" in c.tags}
     assert scaled == {c.name for c in CASES.values()}
     assert not names & scaled
+
+
+def test_the_norm_wise_criterion_catches_what_max_abs_cannot(sp_pool):
+    """bfloat16, one rank's logits x 1.1: every element stays inside the max-abs bound (the
+    reference's worst element is that noisy), but the error adds up coherently over the piece."""
+    from harness.verify import check
+
+    set_scale(sp_pool, 0.1)
+    try:
+        res = check(CheckConfig(case=CASES["forward"].name, world_size=2, dtype="bfloat16", timeout_s=120.0), sp_pool)
+    finally:
+        set_scale(sp_pool, None)
+    assert res.verdict == "FAIL"
+    first = res.failures[0]
+    assert first.kind == "forward" and first.rank == 1
+    assert first.max_abs <= first.allowed < float("inf")  # inside the elementwise bound
+    assert first.norm_ratio > 1  # caught norm-wise
