@@ -127,8 +127,8 @@ def check_tensor(*, kind: str, name: str, step: int, rank: int, got: torch.Tenso
 
     `ref_lp` is the same piece from the same-precision reference, `ref_alt` from the perturbed
     float64 reference (optional); `offset` is where the piece starts in the full tensor, so the
-    reported index is a reference index. `extra_allowed` is an absolute allowance the caller can
-    justify from the optimizer (AdamW's 2 * lr per step where a grad's sign is undetermined).
+    reported index is a reference index. `extra_allowed` is an absolute allowance the caller
+    derives from the computation (the loss's, propagated from its output's error).
     """
     if got is None:
         return TensorCheck(kind=kind, name=name, step=step, rank=rank, max_abs=float("inf"),

@@ -115,8 +115,9 @@ class PoolOptions:
     """'gloo' on CPU, 'nccl' when each rank has its own GPU."""
     devices: tuple[int, ...] | None = None
     """GPU index per rank for nccl; None on CPU."""
-    num_threads: int = 1
-    """torch intra-op threads per rank: 1 keeps ranks deterministic and off each other's cores."""
+    num_threads: int | None = None
+    """torch intra-op threads per rank; None: OMP_NUM_THREADS where set (how a user varies the
+    intra-op split, and with it reduction order), else 1, which keeps ranks off each other's cores."""
 
 
 def _set_pdeathsig() -> None:
@@ -146,7 +147,11 @@ def _worker_main(spec: dict) -> None:
     import torch
     import torch.distributed as dist
 
-    torch.set_num_threads(options.num_threads)
+    threads = options.num_threads
+    if threads is None:
+        env = os.environ.get("OMP_NUM_THREADS", "")
+        threads = int(env) if env.isdigit() and int(env) > 0 else 1
+    torch.set_num_threads(threads)
     if options.devices is not None:
         torch.cuda.set_device(options.devices[rank])
     try:

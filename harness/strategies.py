@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from hypothesis import strategies as st
 
-from harness.config import CheckConfig
+from harness.config import ADVERSARIES, CheckConfig
 
 
 def world_sizes(*, min_size: int = 1, max_size: int = 8) -> st.SearchStrategy[int]:
@@ -71,6 +71,11 @@ def seeds(*, max_seed: int = 2**16) -> st.SearchStrategy[int]:
     return st.integers(0, max_seed)
 
 
+def adversaries(*, include_off: bool = False) -> st.SearchStrategy[str]:
+    """Reorder-adversary modes (harness.adversary); shrinks toward the first listed."""
+    return st.sampled_from(ADVERSARIES if include_off else ADVERSARIES[1:])
+
+
 def step_counts(*, min_steps: int = 1, max_steps: int = 3) -> st.SearchStrategy[int]:
     return st.integers(min_steps, max_steps)
 
@@ -78,12 +83,20 @@ def step_counts(*, min_steps: int = 1, max_steps: int = 3) -> st.SearchStrategy[
 @st.composite
 def gpt_configs(draw, case: str, *, min_world_size: int = 1, max_world_size: int = 4, max_dp: int = 2,
                 min_tokens: int = 0, max_tokens: int = 5, max_heads: int = 6, max_head_dim: int = 6,
-                chunk_only: bool = False, dtype_choices=None, max_steps: int = 2) -> CheckConfig:
+                chunk_only: bool = False, dtype_choices=None, max_steps: int = 2, max_hidden: int | None = None,
+                max_ffn: int = 24, max_layers: int = 2, max_vocab: int = 24,
+                adversary_choices: st.SearchStrategy[str] | None = None) -> CheckConfig:
     """CheckConfigs for a GPT case. `chunk_only`: draw seq_len and let torch.chunk split it (for
-    DTensor plans, which can split no other way) instead of per-rank shard sizes."""
+    DTensor plans, which can split no other way) instead of per-rank shard sizes. `max_hidden`
+    caps num_heads * head_dim; `adversary_choices` draws the reorder-adversary mode (default off).
+    `realistic_gpt_configs` sets these bounds to training-like sizes."""
+    for label, value in (("max_ffn", max_ffn), ("max_layers", max_layers), ("max_vocab", max_vocab - 1)):
+        if value < 1:
+            raise ValueError(f"{label} must be >= 1, got {value}")
     dp, tp = draw(meshes(min_world_size=min_world_size, max_world_size=max_world_size, max_dp=max_dp))
     num_heads = draw(head_counts(min_heads=1, max_heads=max_heads))
-    head_dim = draw(st.integers(1, max_head_dim))
+    head_cap = max_head_dim if max_hidden is None else max(1, min(max_head_dim, max_hidden // num_heads))
+    head_dim = draw(st.integers(1, head_cap))
     if chunk_only:
         seq_len = draw(st.integers(1, max_tokens * tp))
         seq_shards = None
@@ -93,21 +106,33 @@ def gpt_configs(draw, case: str, *, min_world_size: int = 1, max_world_size: int
     return CheckConfig(
         case=case, world_size=dp * tp, dp=dp, seq_len=seq_len, seq_shards=seq_shards,
         batch=draw(st.integers(1, 2)), hidden=num_heads * head_dim, num_heads=num_heads,
-        ffn=draw(widths(min_width=1, max_width=24)), num_layers=draw(st.integers(1, 2)),
-        vocab=draw(st.integers(2, 24)), norm=draw(norms()), layout=draw(layouts()),
+        ffn=draw(widths(min_width=1, max_width=max_ffn)), num_layers=draw(st.integers(1, max_layers)),
+        vocab=draw(st.integers(2, max_vocab)), norm=draw(norms()), layout=draw(layouts()),
         dtype=draw(dtype_choices if dtype_choices is not None else dtypes()), steps=draw(step_counts(max_steps=max_steps)),
-        seed=draw(seeds()),
+        seed=draw(seeds()), adversary=draw(adversary_choices) if adversary_choices is not None else "off",
     )
+
+
+def realistic_gpt_configs(case: str, *, max_world_size: int = 4, max_dp: int = 2, chunk_only: bool = False,
+                          dtype_choices=None, adversary_choices=None) -> st.SearchStrategy[CheckConfig]:
+    """GPT configs at training-like sizes: hidden up to 256 (8 heads of up to 32), sequences up
+    to 512 tokens, ffn up to 1024, up to 4 layers and 5 AdamW steps, vocab up to 256."""
+    tp_max = max_world_size
+    return gpt_configs(case, max_world_size=max_world_size, max_dp=max_dp, min_tokens=0, max_tokens=512 // tp_max,
+                       max_heads=8, max_head_dim=32, max_hidden=256, chunk_only=chunk_only,
+                       dtype_choices=dtype_choices, max_steps=5, max_ffn=1024, max_layers=4, max_vocab=256,
+                       adversary_choices=adversary_choices)
 
 
 @st.composite
 def mlp_configs(draw, case: str = "seed-mlp", *, min_world_size: int = 1, max_world_size: int = 4,
-                max_tokens: int = 5, dtype_choices=None, max_steps: int = 2) -> CheckConfig:
+                max_tokens: int = 5, dtype_choices=None, max_steps: int = 2, max_hidden: int = 40,
+                adversary_choices: st.SearchStrategy[str] | None = None) -> CheckConfig:
     """CheckConfigs for the seed MLP: hidden widths not divisible by the world size occur."""
     tp = draw(world_sizes(min_size=min_world_size, max_size=max_world_size))
     return CheckConfig(
         case=case, world_size=tp, seq_len=draw(st.integers(1, max_tokens * tp)),
-        hidden=draw(widths(min_width=1, max_width=40)),
+        hidden=draw(widths(min_width=1, max_width=max_hidden)),
         dtype=draw(dtype_choices if dtype_choices is not None else dtypes()), steps=draw(step_counts(max_steps=max_steps)),
-        seed=draw(seeds()),
+        seed=draw(seeds()), adversary=draw(adversary_choices) if adversary_choices is not None else "off",
     )

@@ -1,41 +1,89 @@
-"""Measure the tolerance model's false-alarm rate: draw configs from harness.strategies for the
-correct cases, run each check, count verdicts that differ from harness.expect. Progress lines are
-flushed as it goes. Usage: python tests/demo/false_alarms.py CASE N"""
+"""Count the tolerance model's false alarms: draw configs from harness.strategies for a correct
+case, run each check (by default under the reorder adversary), and count verdicts that differ
+from harness.expect. One JSONL record per example (config, verdict, expected, worst ratio per
+check, seconds) goes to --out; a progress line every 25 examples.
 
-import sys
+    python tests/demo/false_alarms.py CASE N [--realistic-every K] [--adversary reorder ...] [--out F]
+
+Every K-th example (by draw) comes from the realistic strategy (hidden up to 256, seq up to 512,
+4 layers, 5 AdamW steps); the rest from the small one. ATEN_CPU_CAPABILITY and OMP_NUM_THREADS
+are read by the rank processes at pool start: set them on the command line to vary the kernels.
+"""
+
+import argparse
+import json
+import os
 import time
 
-from hypothesis import HealthCheck, Phase, given, settings
+from hypothesis import HealthCheck, Phase, given, seed, settings
 from hypothesis import strategies as st
 
 from harness.expect import expected_verdict
-from harness.strategies import gpt_configs, mlp_configs
+from harness.strategies import gpt_configs, mlp_configs, realistic_gpt_configs
 from harness.verify import check, default_manager
 
-case, total = sys.argv[1], int(sys.argv[2])
+parser = argparse.ArgumentParser()
+parser.add_argument("case")
+parser.add_argument("n", type=int)
+parser.add_argument("--realistic-every", type=int, default=0, help="0: never")
+parser.add_argument("--adversary", nargs="+", default=["reorder", "reorder-tf32"])
+parser.add_argument("--out", default=None)
+parser.add_argument("--seed", type=int, default=0, help="hypothesis seed: other draws per run")
+args = parser.parse_args()
+case = args.case
+adv = st.sampled_from(args.adversary)
+
 if case == "seed-mlp":
-    strategy = mlp_configs(max_world_size=4)
+    small = mlp_configs(max_world_size=4, adversary_choices=adv)
+    big = mlp_configs(max_world_size=4, max_tokens=128, max_hidden=256, max_steps=5, adversary_choices=adv)
 elif case == "dtensor-gpt":
-    strategy = gpt_configs(case, max_world_size=4, max_dp=1, chunk_only=True)
+    small = gpt_configs(case, max_world_size=4, max_dp=1, chunk_only=True, adversary_choices=adv)
+    big = realistic_gpt_configs(case, max_world_size=4, max_dp=1, chunk_only=True, adversary_choices=adv)
 elif case == "megatron-gpt-ref":
-    strategy = st.builds(lambda c, dp: c.replace(world_size=dp, dp=dp, seq_shards=None),
-                         gpt_configs(case, max_world_size=1), st.integers(1, 2))
+    def _ref(strategy):
+        return st.builds(lambda c, dp: c.replace(world_size=dp, dp=dp, seq_shards=None), strategy, st.integers(1, 2))
+    small = _ref(gpt_configs(case, max_world_size=1, adversary_choices=adv))
+    big = _ref(realistic_gpt_configs(case, max_world_size=1, adversary_choices=adv))
 else:
-    strategy = gpt_configs(case, max_world_size=4)
+    small = gpt_configs(case, max_world_size=4, adversary_choices=adv)
+    big = realistic_gpt_configs(case, max_world_size=4, adversary_choices=adv)
+
+counter = {"draws": 0}
+
+
+def pick(_):
+    counter["draws"] += 1
+    return big if args.realistic_every and counter["draws"] % args.realistic_every == 0 else small
+
+
+strategy = st.just(None).flatmap(pick)
 stats = {"n": 0, "false_alarms": 0, "verdicts": {}}
+env = {k: os.environ.get(k, "") for k in ("ATEN_CPU_CAPABILITY", "OMP_NUM_THREADS")}
+out = open(args.out, "a") if args.out else None
 t0 = time.perf_counter()
 
 
-@settings(max_examples=total, database=None, deadline=None, phases=[Phase.generate],
+@seed(args.seed)
+@settings(max_examples=args.n, database=None, deadline=None, phases=[Phase.generate],
           suppress_health_check=list(HealthCheck))
 @given(config=strategy)
 def run(config):
-    res = check(config, default_manager())
+    t = time.perf_counter()
+    res = check(config.replace(timeout_s=600.0), default_manager())
+    want = expected_verdict(config)
     stats["n"] += 1
     stats["verdicts"][res.verdict] = stats["verdicts"].get(res.verdict, 0) + 1
-    if res.verdict != expected_verdict(config):
+    if res.verdict != want:
         stats["false_alarms"] += 1
-        print(f"MISMATCH {res.verdict} vs {expected_verdict(config)}: {res.config.repro()} :: {res.reason[:200]}", flush=True)
+        print(f"MISMATCH {res.verdict} vs {want}: {res.config.repro()} :: {res.reason[:300]}", flush=True)
+    if out:
+        c = res.config
+        out.write(json.dumps({
+            "case": case, "verdict": res.verdict, "expected": want, "repro": c.repro(), "dtype": c.dtype,
+            "adversary": c.adversary, "world_size": c.world_size, "dp": c.dp, "seq_len": c.seq_len,
+            "hidden": c.hidden, "num_layers": c.num_layers, "steps": c.steps, "env": env,
+            "worst": {k: v.ratio for k, v in res.worst.items()}, "seconds": time.perf_counter() - t}) + "\n")
+        out.flush()
     if stats["n"] % 25 == 0:
         el = time.perf_counter() - t0
         print(f"{case}: {stats['n']} examples, {stats['false_alarms']} mismatches, {el:.0f}s, {stats['n'] / el:.2f} ex/s, "
