@@ -115,6 +115,9 @@ class PoolOptions:
     """'gloo' on CPU, 'nccl' when each rank has its own GPU."""
     devices: tuple[int, ...] | None = None
     """GPU index per rank for nccl; None on CPU."""
+    env: tuple[tuple[str, str], ...] = ()
+    """Extra environment for the rank processes, e.g. (("ATEN_CPU_CAPABILITY", "avx2"),): torch
+    reads its kernel family at import, so a pool is how one process runs another CPU's kernels."""
     num_threads: int | None = None
     """torch intra-op threads per rank; None: OMP_NUM_THREADS where set (how a user varies the
     intra-op split, and with it reduction order), else 1, which keeps ranks off each other's cores."""
@@ -222,7 +225,7 @@ class RankPool:
         authkey = secrets.token_bytes(16)
         listener = Listener(("127.0.0.1", 0), authkey=authkey)
         tmp = tempfile.mkdtemp(prefix="sp-harness-stacks-")
-        env = dict(os.environ, SP_HARNESS_AUTHKEY=authkey.hex())
+        env = dict(os.environ, SP_HARNESS_AUTHKEY=authkey.hex(), **dict(self.options.env))
         # the worker must import this very checkout even when the driver was started elsewhere
         root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [root, env.get("PYTHONPATH")]))

@@ -447,9 +447,8 @@ def _adversaries(config: CheckConfig, ctx: RankContext):
     if config.adversary == "off":
         return contextlib.nullcontext(), contextlib.nullcontext()
     tf32 = config.adversary == "reorder-tf32"
-    gen = torch.Generator().manual_seed(config.seed * 1009 + ctx.rank + 1)
-    platform = ReorderAdversary(gen, reorder=False, tf32=True) if tf32 else contextlib.nullcontext()
-    return ReorderAdversary(gen, reorder=True, tf32=tf32), platform
+    platform = ReorderAdversary(config.seed, reorder=False, tf32=True) if tf32 else contextlib.nullcontext()
+    return ReorderAdversary(config.seed, reorder=True, tf32=tf32), platform
 
 
 def record(result: RankResult, chk: TensorCheck) -> None:
