@@ -3,8 +3,8 @@
 A verdict must not depend on the order a CPU's or GPU's kernels happen to sum in. Rather than
 wait for other machines, this dispatch mode makes the sharded side of a run reduce differently
 on every call: each matmul (mm, addmm, bmm) is split along its reduction dim into randomly
-sized chunks whose partial products are summed in a random order, and each single-dim sum is
-split the same way. bfloat16 products accumulate in float32 and round once (what tensor cores
+sized chunks whose partial products are summed in a random order, plus the error of a random
+worst-order summation (`order_error`), and each single-dim sum is split the same way. bfloat16 products accumulate in float32 and round once (what tensor cores
 and oneDNN do); with `tf32=True` float32 matmul inputs are first rounded to TF32's 10-bit
 mantissa, as on an Ampere+ GPU with `allow_tf32`. TF32 is a property of the platform, not of
 the sharding, so the engine applies it to the same-precision reference too (a real platform
@@ -35,6 +35,19 @@ def round_tf32(x: torch.Tensor) -> torch.Tensor:
         return x
     bits = x.contiguous().view(torch.int32)
     return ((bits + 0x1000) & ~0x1FFF).view(torch.float32).view(x.shape)
+
+
+def order_error(a: torch.Tensor, b: torch.Tensor, op, gen: torch.Generator, u: float) -> torch.Tensor:
+    """An error some legal summation order could make in op(a, b) at unit roundoff u.
+
+    Each element of a K-term dot product summed in any order differs from the exact one by at
+    most gamma_K (|a| @ |b|) (Higham, Thm 3.1); sequential accumulation in a random order errs
+    like a random walk, u * sqrt(K) * (|a| @ |b|). This returns that walk times U(-1, 1) per
+    element: the range of a kernel less accurate than this CPU's (split-K, atomics, a naive
+    loop), not only of the accurate blocked sums the chunking above produces."""
+    scale = op(a.abs(), b.abs()) * (u * a.shape[-1] ** 0.5)
+    noise = torch.rand(scale.shape, generator=gen, dtype=torch.float64).to(scale.dtype) * 2 - 1
+    return scale * noise
 
 
 class ReorderAdversary(TorchDispatchMode):
@@ -75,7 +88,7 @@ class ReorderAdversary(TorchDispatchMode):
         return acc.to(dtype)
 
     def _matmul(self, a: torch.Tensor, b: torch.Tensor, op) -> torch.Tensor:
-        """a @ b over a's last dim (b's dim -2), chunked and reordered."""
+        """a @ b over a's last dim (b's dim -2), chunked and reordered, plus a worst-order error."""
         dtype = a.dtype
         if self.tf32 and dtype == torch.float32:
             a, b = round_tf32(a), round_tf32(b)
@@ -84,6 +97,8 @@ class ReorderAdversary(TorchDispatchMode):
         a_parts = a.split(sizes, dim=-1)
         b_parts = b.split(sizes, dim=-2)
         parts = [op(x.to(acc_dtype), y.to(acc_dtype)) for x, y in zip(a_parts, b_parts, strict=True)]
+        if self.reorder:
+            parts.append(order_error(a.to(acc_dtype), b.to(acc_dtype), op, self.gen, torch.finfo(dtype).eps / 2))
         return self._sum(parts, dtype)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):

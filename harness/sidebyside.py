@@ -25,7 +25,7 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from harness import shards as sh
-from harness.adversary import ReorderAdversary
+from harness.adversary import ReorderAdversary, order_error
 from harness.anchor import gather_full
 from harness.case import Case, Layout, ParamSpec, RankContext, Sharded, get_case
 from harness.comm import CommCounter
@@ -232,7 +232,9 @@ def perturb_(tensor: torch.Tensor, rel: float, gen: torch.Generator) -> torch.Te
 class RoundingNoise(TorchDispatchMode):
     """Rounding at the run's precision, simulated in float64 over the perturbed reference's
     forward and backward: every floating-point op sees its tensor inputs and returns its result
-    each multiplied by (1 + u * rel), u uniform in [-1, 1].
+    each multiplied by (1 + u * rel), u uniform in [-1, 1], and every matmul also gets the error
+    of a random summation order (harness.adversary.order_error): what a legal kernel on another
+    platform may do, which the same-precision reference on this CPU does not show.
 
     The output noise is the standard model fl(op(x)) = op(x)(1 + d): a sharded run composes the
     same math from other ops (split matmuls, a bias added after a reduction) and so rounds other
@@ -256,7 +258,16 @@ class RoundingNoise(TorchDispatchMode):
         if schema.is_mutable or any(r.alias_info is not None for r in schema.returns):
             return func(*args, **(kwargs or {}))
         args = tuple(self._noisy(a) for a in args)
-        return self._noisy(func(*args, **(kwargs or {})))
+        out = func(*args, **(kwargs or {}))
+        # a matmul's reduction order is the kernel's choice: add the error of a random order
+        if func in _MATMULS and isinstance(out, torch.Tensor) and out.is_floating_point():
+            a, b = args[-2], args[-1]
+            op = torch.bmm if func is torch.ops.aten.bmm.default else torch.mm
+            out = out + order_error(a, b, op, self.gen, self.rel / 2)
+        return self._noisy(out)
+
+
+_MATMULS = (torch.ops.aten.mm.default, torch.ops.aten.bmm.default, torch.ops.aten.addmm.default)
 
 
 def _reference_step(model: nn.Module, case: Case, inp: torch.Tensor, tgt: torch.Tensor, dtype: torch.dtype,
