@@ -44,7 +44,8 @@ def order_error(a: torch.Tensor, b: torch.Tensor, op, gen: torch.Generator, u: f
     most gamma_K (|a| @ |b|) (Higham, Thm 3.1); sequential accumulation in a random order errs
     like a random walk, u * sqrt(K) * (|a| @ |b|). This returns that walk times U(-1, 1) per
     element: the range of a kernel less accurate than this CPU's (split-K, atomics, a naive
-    loop), not only of the accurate blocked sums the chunking above produces."""
+    loop), not only of the accurate blocked sums the chunking above produces. u is the
+    accumulator's: bfloat16 and float16 products accumulate in float32 on every real kernel."""
     scale = op(a.abs(), b.abs()) * (u * a.shape[-1] ** 0.5)
     noise = torch.rand(scale.shape, generator=gen, dtype=torch.float64).to(scale.dtype) * 2 - 1
     return scale * noise
@@ -58,9 +59,10 @@ class ReorderAdversary(TorchDispatchMode):
     ranks that compute a replicated parameter's grad from the same inputs get the same bits, as
     Megatron-style TP relies on (with torch.use_deterministic_algorithms on GPU)."""
 
-    def __init__(self, seed: int, *, reorder: bool = True, tf32: bool = False):
+    def __init__(self, seed: int, *, reorder: bool = True, order_noise: bool = True, tf32: bool = False):
         super().__init__()
         self.seed, self.reorder, self.tf32 = seed, reorder, tf32
+        self.order_noise = order_noise
         self.gen = torch.Generator()
         self.num_rewritten = 0
 
@@ -97,8 +99,8 @@ class ReorderAdversary(TorchDispatchMode):
         a_parts = a.split(sizes, dim=-1)
         b_parts = b.split(sizes, dim=-2)
         parts = [op(x.to(acc_dtype), y.to(acc_dtype)) for x, y in zip(a_parts, b_parts, strict=True)]
-        if self.reorder:
-            parts.append(order_error(a.to(acc_dtype), b.to(acc_dtype), op, self.gen, torch.finfo(dtype).eps / 2))
+        if self.order_noise:
+            parts.append(order_error(a.to(acc_dtype), b.to(acc_dtype), op, self.gen, torch.finfo(acc_dtype).eps / 2))
         return self._sum(parts, dtype)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):

@@ -243,9 +243,11 @@ class RoundingNoise(TorchDispatchMode):
     cancellation, found by the nightly run) errs by the op's conditioning times eps. Views and
     in-place ops are left alone, so aliasing semantics hold."""
 
-    def __init__(self, rel: float, gen: torch.Generator):
+    def __init__(self, rel: float, gen: torch.Generator, accumulate_rel: float | None = None):
         super().__init__()
         self.rel, self.gen = rel, gen
+        self.accumulate_rel = rel if accumulate_rel is None else accumulate_rel
+        """Unit roundoff x 2 of a matmul's accumulator: float32's for bfloat16 runs."""
 
     def _noisy(self, t):
         if isinstance(t, torch.Tensor) and t.is_floating_point() and t.numel():
@@ -263,7 +265,7 @@ class RoundingNoise(TorchDispatchMode):
         if func in _MATMULS and isinstance(out, torch.Tensor) and out.is_floating_point():
             a, b = args[-2], args[-1]
             op = torch.bmm if func is torch.ops.aten.bmm.default else torch.mm
-            out = out + order_error(a, b, op, self.gen, self.rel / 2)
+            out = out + order_error(a, b, op, self.gen, self.accumulate_rel / 2)
         return self._noisy(out)
 
 
@@ -328,7 +330,8 @@ def run_rank(config: CheckConfig) -> RankResult:
     # the backward-error reference: see harness.compare
     alt_gen = torch.Generator().manual_seed(config.seed + 104729)
     ref_alt = copy.deepcopy(ref64)
-    alt_noise = RoundingNoise(torch.finfo(dtype).eps, alt_gen)
+    accumulator = torch.float32 if dtype in (torch.bfloat16, torch.float16) else dtype
+    alt_noise = RoundingNoise(torch.finfo(dtype).eps, alt_gen, torch.finfo(accumulator).eps)
     sharded: Sharded = case.shard(copy.deepcopy(ref64).to(dtype), ctx)
     module = sharded.module
     spec_of = dict(sharded.params)
@@ -454,11 +457,17 @@ def run_rank(config: CheckConfig) -> RankResult:
 
 
 def _adversaries(config: CheckConfig, ctx: RankContext):
-    """(mode for the sharded side, mode for the same-precision reference): see harness.adversary."""
-    if config.adversary == "off":
-        return contextlib.nullcontext(), contextlib.nullcontext()
+    """(mode for the sharded side, mode for the same-precision reference).
+
+    The same-precision reference always runs its matmuls with a random worst-order summation
+    error (harness.adversary.order_error at its accumulator's precision): its error is then what
+    the least accurate legal kernel would make, not what this CPU's happens to. Under
+    `--adversary` the sharded side is reordered (and TF32 applies to both sides, a platform
+    setting); see harness.adversary."""
     tf32 = config.adversary == "reorder-tf32"
-    platform = ReorderAdversary(config.seed, reorder=False, tf32=True) if tf32 else contextlib.nullcontext()
+    platform = ReorderAdversary(config.seed + 1, reorder=False, order_noise=True, tf32=tf32)
+    if config.adversary == "off":
+        return contextlib.nullcontext(), platform
     return ReorderAdversary(config.seed, reorder=True, tf32=tf32), platform
 
 
