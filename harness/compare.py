@@ -1,40 +1,36 @@
 """Stage: compare. The tolerance model, pure and process-group free.
 
-Every sharded quantity is judged against a float64 reference computed from the same weights and
-data. What it may deviate by is not tuned per case: it is measured on the very computation.
-Two more references run beside the float64 one and measure what rounding alone does to each
-tensor of this very computation:
+Every sharded quantity is judged against a float64 reference computed from the same weights
+(the sharded run's own, re-anchored every step: harness.anchor) and the same data. What it may
+deviate by is not tuned per case or per machine: it is measured on the very computation by two
+more references, both run by harness.sidebyside:
 
-- `ref_lp`, the same model in the run's precision: its error |ref_lp - ref64| is the rounding
-  error of a correct single-device run. For a float64 run there is no higher precision to
-  measure against, so ref_lp runs in float32 and its error is scaled by eps64/eps32 (rounding
-  error is proportional to the unit roundoff).
-- `ref_alt`, float64 with every weight and float input perturbed by a random relative eps(dtype):
-  its distance to ref64 is the backward-error view, how far a rounding-sized change moves this
-  tensor. It covers what ref_lp can miss: a tensor that is a cancellation of much larger terms
-  (the key-bias grad of softmax attention is mathematically zero, so both sides hold pure
-  rounding noise, and ref_lp may round it to an exact 0) and AdamW turning such noise into
-  lr-sized updates.
+- `ref_lp`, the same model in the run's precision (float32 for a float64 run, its error scaled
+  by eps64/eps32), its matmuls carrying a random worst-order summation error
+  (harness.adversary.order_error): what a correct single-device run on the least accurate legal
+  kernel errs by.
+- `ref_alt`, float64 with every weight, float input, and every op's inputs and result perturbed by
+  a random relative eps(dtype), plus the same order error: the backward-error view, which covers
+  what ref_lp can miss (a tensor that is a cancellation of much larger terms, rounded exactly by
+  ref_lp by luck; a fused kernel's internal rounding).
 
-The sharded run differs from a correct single-device run only in reduction order and in the
-collectives, so its error may be a small factor of those, plus a floor of a few ulps:
+Two bounds, both must hold:
 
-    allowed = FACTOR * max(err_lp * eps(dtype) / eps(lp), err_alt) + FLOOR_ULPS * eps(dtype) * scale
+    max-abs    max|err| <= FACTOR * max(e_lp, e_alt) + FLOOR_ULPS * eps(dtype) * max|ref64|
+    norm-wise  ||err||  <= NORM_FACTOR * ||e_lp|| + NORM_FLOOR_ULPS * eps(dtype) * ||ref64||
+               (pieces of NORM_MIN_NUMEL elements or more)
 
-with scale = max|ref64| over the tensor. A logic bug (a missing sum, a wrong shard, a stale
-replica) shows as an error orders of magnitude above `allowed`; the report gives the ratio.
-ref_alt also rounds every intermediate (each op's result, forward and backward) by a random
-relative eps(dtype) (sidebyside.RoundingNoise), because a sharded run composes the same math from other ops and so
-rounds other intermediates. And for parameters after an AdamW step, an element whose reference
-grad is smaller than that grad's allowed error has no determined sign at this precision, and
-AdamW's first update is lr * sign(grad): such tensors get 2 * lr per step on top.
+The optimizer step has its own elementwise bound (check_bounded, harness.optim_ref), the loss an
+allowance propagated from its output (sidebyside._loss_allowance).
 
-History: the ref_alt term and the AdamW term were added after hypothesis found false alarms
-(the key-bias grad at one head of dim 1; a bfloat16 v-bias flipping its first Adam update; a
-bfloat16 k-weight grad whose bf16 reference, accumulating in fp32, rounded fewer intermediates;
-in the nightly run, a saturated bf16 LayerNorm (hidden=2) whose backward kernel on the sharded
-side's memory layout cancels at bf16 precision, so the op's inputs are perturbed too).
-Model fixes: FACTOR and FLOOR_ULPS unchanged.
+History: FACTOR and FLOOR_ULPS date from the first model (calibrated on 72 correct runs); the
+ref_alt terms were added after hypothesis found false alarms (a key-bias grad at one head of dim
+1; a bfloat16 k-weight grad; a saturated bf16 LayerNorm at hidden=2). The first model judged
+params after AdamW against the references' own trajectories and false-alarmed at 1.02x on
+AVX-512 CPUs (AdamW amplifying a last-bit grad difference on an element whose grad was 26x its
+eps): replaced by re-anchoring and the optimizer-stage bound. The norm-wise bound and the order
+error came with the reorder adversary (harness.adversary), which the README's false-alarm table
+runs against.
 """
 
 from __future__ import annotations
@@ -44,12 +40,9 @@ from dataclasses import dataclass
 import torch
 
 FACTOR = 16.0
-"""How many times the same-precision reference's own error the sharded run may make.
-
-Calibrated once, before any case was declared passing, on 72 correct runs (seed-mlp and
-dtensor-gpt, 12 seeds, float64 and float32, 3 steps): at 8 the worst ratio was 0.98 (float64,
-a cancellation-heavy bias grad whose f32-measured error underestimates the f64 reorder error)
-and 0.73 (float32); 16 leaves a 2x margin. Logic bugs sit 4+ orders of magnitude above."""
+"""How many times the references' worst element error the sharded run's worst element may reach:
+the worst element of one rounding process against the worst of another has a heavy tail, hence
+a wide factor here and a narrow one for norms (NORM_FACTOR). Logic bugs sit 4+ orders above."""
 FLOOR_ULPS = 8.0
 """Absolute floor, in units of eps(dtype) * max|ref64|: covers tensors the reference happens
 to round exactly (its measured error is 0) while a different reduction order does not."""
@@ -65,6 +58,10 @@ grad missing a small term) adds coherently over the whole shard. 4x over a ratio
 value is about 1 (measured under the reorder adversary: README, false-alarm table)."""
 NORM_MIN_NUMEL = 64
 """Below this many elements a norm does not concentrate; only the max-abs bound applies."""
+NORM_MIN_DOF = 8
+"""Nor below this many tokens behind the tensor: a weight grad from T tokens is a sum of T outer
+products, and its error has about T independent sources however many elements it spans (the
+reorder adversary found a 2-token k-proj grad whose error norm was 18x the reference's)."""
 NORM_FLOOR_ULPS = 2.0
 """Norm-wise floor: an rms error of 2 ulps of the tensor's rms (a reference that happens to be
 exact still leaves the sharded run its own final roundings)."""
@@ -122,13 +119,14 @@ class TensorCheck:
 
 def check_tensor(*, kind: str, name: str, step: int, rank: int, got: torch.Tensor, ref64: torch.Tensor,
                  ref_lp: torch.Tensor, dtype: torch.dtype, offset: tuple[int, ...] = (),
-                 ref_alt: torch.Tensor | None = None, extra_allowed: float = 0.0) -> TensorCheck:
+                 ref_alt: torch.Tensor | None = None, extra_allowed: float = 0.0, dof: int = 0) -> TensorCheck:
     """Judge `got` (a rank's piece) against the float64 reference piece `ref64`.
 
     `ref_lp` is the same piece from the same-precision reference, `ref_alt` from the perturbed
     float64 reference (optional); `offset` is where the piece starts in the full tensor, so the
     reported index is a reference index. `extra_allowed` is an absolute allowance the caller
-    derives from the computation (the loss's, propagated from its output's error).
+    derives from the computation (the loss's, propagated from its output's error). `dof`: the
+    number of tokens behind the tensor, which gates the norm-wise bound (NORM_MIN_DOF).
     """
     if got is None:
         return TensorCheck(kind=kind, name=name, step=step, rank=rank, max_abs=float("inf"),
@@ -157,7 +155,7 @@ def check_tensor(*, kind: str, name: str, step: int, rank: int, got: torch.Tenso
     if ref_alt is not None:
         ref_err = max(ref_err, float((ref_alt.detach().to(torch.float64) - ref64).abs().max()))
     allowed = FACTOR * ref_err + FLOOR_ULPS * eps(dtype) * max(scale, 1e-30) + extra_allowed
-    norm_ratio = _norm_ratio(err, ref64, ref_lp, ref_alt, dtype, lp) if extra_allowed == 0 else 0.0
+    norm_ratio = _norm_ratio(err, ref64, ref_lp, ref_alt, dtype, lp) if dof >= NORM_MIN_DOF else 0.0
     flat = int(err.reshape(-1).argmax())
     max_abs = float(err.reshape(-1)[flat])
     index = tuple(int(i) for i in torch.unravel_index(torch.tensor(flat), err.shape)) if err.dim() else ()
@@ -178,10 +176,9 @@ def _norm_ratio(err: torch.Tensor, ref64: torch.Tensor, ref_lp: torch.Tensor, re
     n = err.numel()
     if n < NORM_MIN_NUMEL:
         return 0.0
-    # the same-precision reference only: it runs the least accurate legal matmul order
-    # (sidebyside._adversaries), while the perturbed one rounds every op's inputs and result
-    # and so overstates a real kernel's error norm several times
     ref_norm = float((ref_lp.detach().to(torch.float64) - ref64).norm()) * (eps(dtype) / eps(lp))
+    if ref_alt is not None:
+        ref_norm = max(ref_norm, float((ref_alt.detach().to(torch.float64) - ref64).norm()))
     bound = NORM_FACTOR * ref_norm + NORM_FLOOR_ULPS * eps(dtype) * float(ref64.norm())
     got = float(err.norm())
     if got == 0:

@@ -361,9 +361,10 @@ def run_rank(config: CheckConfig) -> RankResult:
     result.timings["setup_s"] = time.perf_counter() - t_start
     t_compute = 0.0
 
-    def judge(kind, name, step, got, want64, want_lp, offset=(), want_alt=None, extra=0.0):
+    def judge(kind, name, step, got, want64, want_lp, offset=(), want_alt=None, extra=0.0, dof=0):
         record(result, check_tensor(kind=kind, name=name, step=step, rank=ctx.rank, got=got, ref64=want64,
-                                    ref_lp=want_lp, dtype=dtype, offset=offset, ref_alt=want_alt, extra_allowed=extra))
+                                    ref_lp=want_lp, dtype=dtype, offset=offset, ref_alt=want_alt, extra_allowed=extra,
+                                    dof=dof))
 
     # the sharded factory must start from the reference's weights (cast to the run dtype)
     for p in params:
@@ -403,7 +404,8 @@ def run_rank(config: CheckConfig) -> RankResult:
         want_out64, out_offset = _cut(out64, sharded.output_layout, ctx)
         want_out_lp, _ = _cut(out_lp, sharded.output_layout, ctx)
         want_out_alt, _ = _cut(out_alt, sharded.output_layout, ctx)
-        judge("forward", "output", step, out, want_out64, want_out_lp, out_offset, want_out_alt)
+        local_tokens, tokens = case.tokens(local_tgt), case.tokens(tgt)
+        judge("forward", "output", step, out, want_out64, want_out_lp, out_offset, want_out_alt, dof=local_tokens)
         total = global_loss(loss, sharded, ctx)
         judge("loss", "loss", step, total, loss64, loss_lp, (), loss_alt,
               extra=_loss_allowance(r64, r_lp, r_alt, dtype))
@@ -416,12 +418,12 @@ def run_rank(config: CheckConfig) -> RankResult:
             want64, in_off = _cut(ig64 * ig_scale, sharded.input_layout, ctx)
             want_lp, _ = _cut(ig_lp * ig_scale, sharded.input_layout, ctx)
             want_alt, _ = _cut(ig_alt * ig_scale, sharded.input_layout, ctx)
-            judge("input_grad", "input", step, local_in.grad, want64, want_lp, in_off, want_alt)
+            judge("input_grad", "input", step, local_in.grad, want64, want_lp, in_off, want_alt, dof=local_tokens)
         for p in params:
             ref = p.spec.ref_name
             got, w64, wlp, off = p.full_or_piece(p.param.grad, ref_params64[ref].grad, ref_params_lp[ref].grad, ctx)
             walt = p.piece_of(ref_params_alt[ref].grad, ctx)
-            judge("grad", ref, step, got, w64, wlp, off, walt)
+            judge("grad", ref, step, got, w64, wlp, off, walt, dof=tokens)
 
         if recorders and not failures_before and len(result.failures) > failures_before:
             result.divergence = first_divergence(
