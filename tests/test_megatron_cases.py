@@ -51,3 +51,17 @@ def test_sp_communication_equals_tp_on_even_shards(sp_check):
     fig = paper_check(tp.comm, sp.comm, tp=2)
     assert fig["matches"], fig
     assert fig["tp_all_reduce"]["count"] == 8  # 2 layers x (2 forward + 2 backward)
+
+
+def test_a_fail_names_the_first_diverging_module(sp_check):
+    # position ids ignoring the shard offset: rank 1's position embedding is the first module out
+    res = sp_check(CheckConfig(case="mutant-sp-local-positions", world_size=2))
+    assert res.verdict == "FAIL"
+    d = res.divergence
+    assert (d.module, d.phase, d.step, d.rank) == ("pos_emb", "forward", 0, 1), d.describe()
+    # unsynced norm grads: every module's output and input grad agrees; the error is in the sync
+    res = sp_check(CheckConfig(case="mutant-sp-no-norm-grad-sync", world_size=2))
+    assert res.divergence.phase == "none" and res.divergence.step == 0
+    # a wrong backward of the sequence all-gather: the first module backward reaches is named
+    res = sp_check(CheckConfig(case="mutant-sp-gather-backward-split", world_size=2))
+    assert res.divergence.phase == "backward" and res.divergence.module.startswith("blocks.1")

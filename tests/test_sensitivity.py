@@ -51,11 +51,11 @@ def test_scaled_mutants_are_not_in_the_battery():
 
 
 def test_the_norm_wise_criterion_catches_what_max_abs_cannot(sp_pool):
-    """bfloat16, one rank's logits x 1.1: every element stays inside the max-abs bound (the
+    """bfloat16, one rank's logits x 1.3: every element stays inside the max-abs bound (the
     reference's worst element is that noisy), but the error adds up coherently over the piece."""
     from harness.verify import check
 
-    set_scale(sp_pool, 0.1)
+    set_scale(sp_pool, 0.3)
     try:
         res = check(CheckConfig(case=CASES["forward"].name, world_size=2, dtype="bfloat16", timeout_s=120.0), sp_pool)
     finally:
