@@ -353,7 +353,7 @@ def run_rank(config: CheckConfig) -> RankResult:
     counter = CommCounter(ctx.group_label)
     gen = torch.Generator().manual_seed(config.seed + 7919)
     adversary, platform = _adversaries(config, ctx)
-    traced = not any(p.dtensor for p in params)  # DTensor modules do not take full backward hooks
+    traced = not any(p.dtensor for p in params)  # DTensor outputs do not line up with plain ones
     # modules holding a TP-sharded param return pieces or partial sums: not comparable
     pieces = frozenset(n.rpartition(".")[0] for n, p in zip(dict(module.named_parameters()), params, strict=True)
                        if not p.replicated_tp)

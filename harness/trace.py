@@ -1,8 +1,8 @@
 """Stage: capture -> compare. The differential trace: which module diverged first.
 
 Forward hooks record every module's output on both sides (the sharded model and the three
-references), keyed by the module's qualified name; full backward hooks record each module's
-grad with respect to its first input. When a step fails, its modules are compared in execution
+references), keyed by the module's qualified name; a hook on each module's first input tensor
+records its grad (the total grad of that tensor, the same on both sides). When a step fails, its modules are compared in execution
 order (forward), then in backward's order, with the same tolerance model as the final output,
 and the first one out of its bound is named: whoever reads the verdict knows which layer to
 open.
@@ -63,7 +63,7 @@ class Recorder:
             if not name or name in skip:
                 continue
             self._handles.append(module.register_forward_hook(self._on_forward(name)))
-            self._handles.append(module.register_full_backward_hook(self._on_backward(name)))
+            self._handles.append(module.register_forward_pre_hook(self._on_input(name)))
 
     def _on_forward(self, name):
         def hook(module, args, output):
@@ -71,11 +71,19 @@ class Recorder:
                 self.forward.setdefault(name, output.detach())
         return hook
 
-    def _on_backward(self, name):
-        def hook(module, grad_input, grad_output):
-            g = grad_input[0] if grad_input else None
-            if isinstance(g, torch.Tensor) and type(g) is torch.Tensor:
-                self.backward.setdefault(name, g.detach())
+    def _on_input(self, name):
+        # a hook on the input tensor, not a full backward hook: those wrap the module's inputs
+        # and outputs in an autograd Function, which in-place modules (ReLU(inplace=True)) reject,
+        # and the trace must never make a correct model fail
+        def hook(module, args):
+            x = args[0] if args else None
+            if isinstance(x, torch.Tensor) and type(x) is torch.Tensor and x.requires_grad:
+                x.register_hook(self._grad_hook(name))
+        return hook
+
+    def _grad_hook(self, name):
+        def hook(grad):
+            self.backward.setdefault(name, grad.detach())  # returns None: the grad is unchanged
         return hook
 
     def clear(self) -> None:

@@ -6,6 +6,8 @@ and must PASS with dp > 1; `DDP_DOUBLE_AVERAGE` divides each replica's loss by t
 count and then averages grads over DP too (grads dp times too small) and must FAIL.
 """
 
+import dataclasses
+
 import torch
 import torch.distributed as dist
 
@@ -21,9 +23,23 @@ class MLP(torch.nn.Module):
         return self.down(torch.tanh(self.up(x)))
 
 
+class InplaceMLP(MLP):
+    def __init__(self):
+        super().__init__()
+        self.act = torch.nn.ReLU(inplace=True)  # an in-place module: no hook may break it
+
+    def forward(self, x):  # (B, S, 6) -> (B, S, 6)
+        return self.down(self.act(self.up(x)))
+
+
 def _reference(cfg):
     torch.manual_seed(cfg.seed)
     return MLP().double()
+
+
+def _inplace_reference(cfg):
+    torch.manual_seed(cfg.seed)
+    return InplaceMLP().double()
 
 
 def _batch(cfg, step, gen):
@@ -69,3 +85,4 @@ def _case(name, shard):
 
 DDP_MLP = _case("ddp-mlp", _ddp)
 DDP_DOUBLE_AVERAGE = _case("ddp-double-average", _ddp_double_average)
+DDP_INPLACE = dataclasses.replace(_case("ddp-inplace", _ddp), build_reference=_inplace_reference)

@@ -19,6 +19,12 @@ def test_plain_ddp_with_a_float_input_passes_under_dp(sp_check):
     assert "input_grad" in res.worst  # the input grad was judged, not skipped
 
 
+def test_a_model_with_in_place_modules_passes(sp_check):
+    # the differential trace hooks every module; none of it may make a correct model fail
+    res = sp_check(CheckConfig(case=f"{DDP}:DDP_INPLACE", world_size=2, dp=2))
+    assert res.verdict == PASS, res.reason
+
+
 def test_double_averaging_ddp_fails_on_its_param_grads(sp_check):
     res = sp_check(CheckConfig(case=f"{DDP}:DDP_DOUBLE_AVERAGE", world_size=2, dp=2))
     assert res.verdict == FAIL
