@@ -243,11 +243,14 @@ class RoundingNoise(TorchDispatchMode):
     cancellation, found by the nightly run) errs by the op's conditioning times eps. Views and
     in-place ops are left alone, so aliasing semantics hold."""
 
-    def __init__(self, rel: float, gen: torch.Generator, accumulate_rel: float | None = None):
+    def __init__(self, rel: float, gen: torch.Generator, accumulate_rel: float | None = None,
+                 matmul_input_rel: float | None = None):
         super().__init__()
         self.rel, self.gen = rel, gen
         self.accumulate_rel = rel if accumulate_rel is None else accumulate_rel
         """Unit roundoff x 2 of a matmul's accumulator: float32's for bfloat16 runs."""
+        self.matmul_input_rel = rel if matmul_input_rel is None else matmul_input_rel
+        """Relative rounding of a matmul's inputs: TF32's 2**-10 where the platform uses it."""
 
     def _noisy(self, t):
         if isinstance(t, torch.Tensor) and t.is_floating_point() and t.numel():
@@ -259,7 +262,12 @@ class RoundingNoise(TorchDispatchMode):
         schema = func._schema
         if schema.is_mutable or any(r.alias_info is not None for r in schema.returns):
             return func(*args, **(kwargs or {}))
-        args = tuple(self._noisy(a) for a in args)
+        if func in _MATMULS and self.matmul_input_rel != self.rel:
+            rel, self.rel = self.rel, self.matmul_input_rel
+            args = tuple(self._noisy(a) for a in args)
+            self.rel = rel
+        else:
+            args = tuple(self._noisy(a) for a in args)
         out = func(*args, **(kwargs or {}))
         # a matmul's reduction order is the kernel's choice: add the error of a random order
         if func in _MATMULS and isinstance(out, torch.Tensor) and out.is_floating_point():
@@ -331,7 +339,8 @@ def run_rank(config: CheckConfig) -> RankResult:
     alt_gen = torch.Generator().manual_seed(config.seed + 104729)
     ref_alt = copy.deepcopy(ref64)
     accumulator = torch.float32 if dtype in (torch.bfloat16, torch.float16) else dtype
-    alt_noise = RoundingNoise(torch.finfo(dtype).eps, alt_gen, torch.finfo(accumulator).eps)
+    alt_noise = RoundingNoise(torch.finfo(dtype).eps, alt_gen, torch.finfo(accumulator).eps,
+                              matmul_input_precision(config, device))
     sharded: Sharded = case.shard(copy.deepcopy(ref64).to(dtype), ctx)
     module = sharded.module
     spec_of = dict(sharded.params)
@@ -456,6 +465,19 @@ def run_rank(config: CheckConfig) -> RankResult:
     result.timings["compute_s"] = t_compute
     result.timings["total_s"] = time.perf_counter() - t_start
     return result
+
+
+def matmul_input_precision(config: CheckConfig, device: torch.device) -> float | None:
+    """Relative precision float32 matmul inputs are rounded to on this platform, if coarser than
+    float32: TF32 (2**-10) under `--adversary reorder-tf32`, or on a GPU whose
+    `torch.get_float32_matmul_precision()` is 'high' (TF32) or 'medium' (bfloat16, 2**-7)."""
+    if config.torch_dtype != torch.float32:
+        return None
+    if config.adversary == "reorder-tf32":
+        return 2.0 ** -10
+    if device.type == "cuda":
+        return {"high": 2.0 ** -10, "medium": 2.0 ** -7}.get(torch.get_float32_matmul_precision())
+    return None
 
 
 def _adversaries(config: CheckConfig, ctx: RankContext):
