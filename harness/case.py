@@ -171,11 +171,11 @@ class Case:
 
     def resolve(self, config: CheckConfig) -> CheckConfig:
         """Fill the config's None fields from the case defaults and check shard sizes."""
-        filled = {k: v for k, v in self.defaults.items() if getattr(config, k, None) is None}
-        config = config.replace(**filled) if filled else config
+        # explicit shards fix the sequence length before any default can
         if config.seq_len is None and config.seq_shards is not None:
             config = config.replace(seq_len=sum(config.seq_shards))
-        return config
+        filled = {k: v for k, v in self.defaults.items() if getattr(config, k, None) is None}
+        return config.replace(**filled) if filled else config
 
 
 _REGISTRY: dict[str, Case] = {}

@@ -6,6 +6,7 @@ Exit codes: 0 all agreed (or were declared UNSUPPORTED), 1 a disagreement (FAIL)
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 from harness.config import ADVERSARIES, DEFAULT_STEPS, DTYPES, LAYOUTS, NORMS, OPTIMIZERS, CheckConfig
@@ -215,6 +216,11 @@ def main(argv: list[str] | None = None) -> int:
         default_manager().close()
         print("sp-harness: interrupted; ranks stopped", file=sys.stderr)
         return 130
+    except BrokenPipeError:
+        # `sp-harness list | head`: the reader left; say nothing more, as cat and ls do
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        return 141
 
 
 if __name__ == "__main__":

@@ -7,6 +7,7 @@ defaults (`Case.resolve`). `repro()` turns a config back into the one-line comma
 from __future__ import annotations
 
 import dataclasses
+import math
 import shlex
 from dataclasses import dataclass
 
@@ -89,8 +90,10 @@ class CheckConfig:
             raise ValueError(f"steps must be >= 1, got {self.steps}")
         if self.batch < 1:
             raise ValueError(f"batch must be >= 1, got {self.batch}")
-        if self.timeout_s <= 0:
-            raise ValueError(f"timeout_s must be > 0, got {self.timeout_s}")
+        if not math.isfinite(self.timeout_s) or self.timeout_s <= 0:
+            raise ValueError(f"timeout_s must be a finite number of seconds > 0, got {self.timeout_s}")
+        if not math.isfinite(self.lr) or self.lr <= 0:
+            raise ValueError(f"lr must be a finite number > 0, got {self.lr}")
         for field in ("seq_len", "hidden", "ffn", "num_heads", "num_layers", "vocab"):
             value = getattr(self, field)
             if value is not None and value < 1:

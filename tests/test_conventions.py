@@ -62,3 +62,31 @@ def test_gpt_batches_separate_neighbouring_tokens_at_every_position():
             assert (tokens[:, 1:] != tokens[:, :-1]).all()
             assert (targets[:, 1:] != targets[:, :-1]).all()
             assert tokens.min() >= 0 and tokens.max() < vocab
+
+
+def test_explicit_shards_fix_the_sequence_length_before_case_defaults():
+    # the README's own example: 4/4/2 is 10 tokens, whatever the case's default seq_len (12)
+    from harness.verify import resolve
+
+    cfg = resolve(CheckConfig(case="megatron-gpt-sp", world_size=3, seq_shards=(4, 4, 2)))
+    assert cfg.seq_len == 10
+
+
+def test_non_finite_timeouts_and_rates_are_usage_errors():
+    import math
+
+    import pytest
+
+    for bad in (dict(timeout_s=math.nan), dict(timeout_s=math.inf), dict(lr=math.nan), dict(lr=0.0)):
+        with pytest.raises(ValueError, match="finite"):
+            CheckConfig(case="seed-mlp", **bad)
+
+
+def test_a_closed_pipe_ends_the_cli_quietly():
+    import subprocess
+    import sys
+
+    proc = subprocess.run(f"{sys.executable} -m harness.cli list | head -n 1", shell=True, capture_output=True,
+                          text=True, timeout=120)
+    assert proc.stdout.count("\n") == 1
+    assert "Traceback" not in proc.stderr

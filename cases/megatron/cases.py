@@ -26,6 +26,8 @@ INPUT_LAYOUT = Layout(seq_dim=1, batch_dim=0)
 
 
 def _filled(config: CheckConfig) -> CheckConfig:
+    if config.seq_len is None and config.seq_shards is not None:
+        config = config.replace(seq_len=sum(config.seq_shards))
     filled = {k: v for k, v in DEFAULTS.items() if getattr(config, k, None) is None}
     config = config.replace(**filled) if filled else config
     if config.seq_shards is not None and sum(config.seq_shards) != config.seq_len:
