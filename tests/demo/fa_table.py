@@ -1,6 +1,9 @@
 """Summarise false_alarms.py JSONL records as the README's markdown tables.
 
-    python tests/demo/fa_table.py FILE.jsonl [FILE.jsonl ...]
+    python tests/demo/fa_table.py [--rejudge] FILE.jsonl [FILE.jsonl ...]
+
+--rejudge recomputes each record's expected verdict from its repro line with today's
+harness.expect (after a predicate fix; the verdicts themselves are the recorded ones).
 
 Per case: examples, false alarms (verdict != expected), verdicts, dtypes, adversary modes, kernel
 families and threads, realistic-size examples (hidden >= 64 or seq >= 64), the largest sizes drawn,
@@ -10,11 +13,26 @@ import json
 import sys
 from collections import Counter, defaultdict
 
+rejudge = "--rejudge" in sys.argv
+paths = [a for a in sys.argv[1:] if a != "--rejudge"]
+
+
+def _expected(repro: str) -> str:
+    import shlex
+
+    from harness.cli import build_parser, config_from_args
+    from harness.expect import expected_verdict
+
+    return expected_verdict(config_from_args(build_parser().parse_args(shlex.split(repro)[1:])))
+
+
 rows = defaultdict(list)
-for path in sys.argv[1:]:
+for path in paths:
     with open(path) as f:
         for line in f:
             r = json.loads(line)
+            if rejudge:
+                r["expected"] = _expected(r["repro"])
             rows[r["case"]].append(r)
 
 print("| case | examples | false alarms | verdicts | float64 / float32 / bfloat16 | reorder / reorder-tf32 "
