@@ -1,0 +1,70 @@
+"""Stage: build reference. The perturbed reference's rounding model, pure and process-group free.
+
+`RoundingNoise` runs the float64 reference as if each op had rounded at the run's precision, on
+another platform's kernels: the backward-error view of harness.compare's `ref_alt`.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from harness.adversary import order_error
+
+
+def perturb_(tensor: torch.Tensor, rel: float, gen: torch.Generator) -> torch.Tensor:
+    """Multiply every element by (1 + u * rel), u uniform in [-1, 1]: a rounding-sized change."""
+    noise = torch.rand(tensor.shape, generator=gen, dtype=torch.float64) * 2 - 1
+    with torch.no_grad():
+        return tensor.mul_(1 + rel * noise.to(tensor.device, tensor.dtype))
+
+
+class RoundingNoise(TorchDispatchMode):
+    """Rounding at the run's precision, simulated in float64 over the perturbed reference's
+    forward and backward: every floating-point op sees its tensor inputs and returns its result
+    each multiplied by (1 + u * rel), u uniform in [-1, 1], and every matmul also gets the error
+    of a random summation order (harness.adversary.order_error): what a legal kernel on another
+    platform may do, which the same-precision reference on this CPU does not show.
+
+    The output noise is the standard model fl(op(x)) = op(x)(1 + d): a sharded run composes the
+    same math from other ops (split matmuls, a bias added after a reduction) and so rounds other
+    intermediates. The input noise is the backward-error model of a fused kernel, op(x + dx): a
+    kernel that works internally at low precision (a LayerNorm backward whose result is a near
+    cancellation, found by the nightly run) errs by the op's conditioning times eps. Views and
+    in-place ops are left alone, so aliasing semantics hold."""
+
+    def __init__(self, rel: float, gen: torch.Generator, accumulate_rel: float | None = None,
+                 matmul_input_rel: float | None = None):
+        super().__init__()
+        self.rel, self.gen = rel, gen
+        self.accumulate_rel = rel if accumulate_rel is None else accumulate_rel
+        """Unit roundoff x 2 of a matmul's accumulator: float32's for bfloat16 runs."""
+        self.matmul_input_rel = rel if matmul_input_rel is None else matmul_input_rel
+        """Relative rounding of a matmul's inputs: TF32's 2**-10 where the platform uses it."""
+
+    def _noisy(self, t):
+        if isinstance(t, torch.Tensor) and t.is_floating_point() and t.numel():
+            noise = torch.rand(t.shape, generator=self.gen, dtype=torch.float64).to(t.device, t.dtype)
+            return t * (1 + self.rel * (noise * 2 - 1))
+        return t
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        schema = func._schema
+        if schema.is_mutable or any(r.alias_info is not None for r in schema.returns):
+            return func(*args, **(kwargs or {}))
+        if func in _MATMULS and self.matmul_input_rel != self.rel:
+            rel, self.rel = self.rel, self.matmul_input_rel
+            args = tuple(self._noisy(a) for a in args)
+            self.rel = rel
+        else:
+            args = tuple(self._noisy(a) for a in args)
+        out = func(*args, **(kwargs or {}))
+        # a matmul's reduction order is the kernel's choice: add the error of a random order
+        if func in _MATMULS and isinstance(out, torch.Tensor) and out.is_floating_point():
+            a, b = args[-2], args[-1]
+            op = torch.bmm if func is torch.ops.aten.bmm.default else torch.mm
+            out = out + order_error(a, b, op, self.gen, self.accumulate_rel / 2)
+        return self._noisy(out)
+
+
+_MATMULS = (torch.ops.aten.mm.default, torch.ops.aten.bmm.default, torch.ops.aten.addmm.default)
