@@ -74,16 +74,8 @@ def _run_check(case: str, entry: Entry, runner):
 
 
 def _killer_of(res) -> str:
-    if res.error:
-        return "hang (timeout)" if "timed out" in res.reason else "crash"
-    if res.failures:
-        first_step = res.failures[0].step
-        if res.drift and res.drift[0].step < first_step:
-            return "replica drift"
-        return KIND_LABEL.get(res.failures[0].kind, res.failures[0].kind)
-    if res.drift:
-        return "replica drift"
-    return "?"
+    kind = res.first_check
+    return KIND_LABEL.get(kind, kind) or "?"
 
 
 def _comm_verdict(case: str, base_tp: str, entry: Entry, runner):

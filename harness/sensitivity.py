@@ -68,15 +68,8 @@ class Sensitivity:
 
 
 def caught_by(res) -> str:
-    """Which check caught a FAIL first: the first failure's kind, or replica drift if earlier."""
-    if res.error:
-        return "hang (timeout)" if "timed out" in res.reason else "crash"
-    if res.failures:
-        first = res.failures[0]
-        if res.drift and res.drift[0].step < first.step:
-            return "replica drift"
-        return first.kind
-    return "replica drift" if res.drift else ""
+    """Which check caught a FAIL first (harness.verify.CheckResult.first_check)."""
+    return res.first_check
 
 
 def measure(dtype: str, shape: str, runner, *, iterations: int = ITERATIONS, lo: float = LO, hi: float = HI,

@@ -306,8 +306,7 @@ def run_rank(config: CheckConfig) -> RankResult:
     adversary, platform = _adversaries(config, ctx)
     traced = not any(p.dtensor for p in params)  # DTensor outputs do not line up with plain ones
     # modules holding a TP-sharded param return pieces or partial sums: not comparable
-    pieces = frozenset(n.rpartition(".")[0] for n, p in zip(dict(module.named_parameters()), params, strict=True)
-                       if not p.replicated_tp)
+    pieces = frozenset(p.local_name.rpartition(".")[0] for p in params if not p.replicated_tp)
     recorders = [Recorder(m, pieces) for m in (module, ref64, ref_lp, ref_alt)] if traced else []
     result.timings["setup_s"] = time.perf_counter() - t_start
     t_compute = 0.0

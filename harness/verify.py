@@ -58,6 +58,19 @@ class CheckResult:
         return min(items)[1] if items else self.reason
 
     @property
+    def first_check(self) -> str:
+        """Which check caught a FAIL first: a tensor check's kind ('init', 'forward', ..., 'param'),
+        'replica drift' where that came at an earlier step, 'crash', 'hang (timeout)'; '' if none."""
+        if self.error:
+            return "hang (timeout)" if "timed out" in self.reason else "crash"
+        if self.failures:
+            first = self.failures[0]
+            if self.drift and self.drift[0].step < first.step:
+                return "replica drift"
+            return first.kind
+        return "replica drift" if self.drift else ""
+
+    @property
     def failing_names(self) -> list[str]:
         """Tensor names failing at the first failing step, in order."""
         if not self.failures:
