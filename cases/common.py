@@ -5,10 +5,10 @@ from __future__ import annotations
 import torch
 from torch.nn import functional as F
 
-from harness.case import Unsupported
-from harness.config import CheckConfig
-from harness.shards import chunk_sizes
-from reference.gpt import GPTConfig, build_gpt, token_loss_sum
+from sp_harness.config.case import Unsupported
+from sp_harness.config.check_config import CheckConfig
+from sp_harness.config.shards import chunk_sizes
+from sp_harness.reference.gpt import GPTConfig, build_gpt, token_loss_sum
 
 GPT_DEFAULTS = dict(seq_len=12, hidden=32, ffn=64, num_heads=4, num_layers=2, vocab=64)
 

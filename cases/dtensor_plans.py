@@ -18,7 +18,7 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
-from cases.common import (
+from sp_harness.cases.common import (
     GPT_DEFAULTS,
     build_reference_gpt,
     gpt_batch,
@@ -27,9 +27,9 @@ from cases.common import (
     require_chunk_split,
     token_loss_sum,
 )
-from harness.case import Case, Layout, RankContext, Sharded, Unsupported, register
-from harness.config import CheckConfig
-from reference.toy_mlp import ToyModel
+from sp_harness.config.case import Case, Layout, RankContext, Sharded, Unsupported, register
+from sp_harness.config.check_config import CheckConfig
+from sp_harness.reference.toy_mlp import ToyModel
 
 SEED_IN, SEED_OUT = 10, 5
 
@@ -123,7 +123,7 @@ def _gpt_validate(config: CheckConfig) -> None:
     if config.hidden % config.num_heads:
         raise ValueError(f"num_heads({config.num_heads}) does not divide hidden({config.hidden})")
     head_dim = config.hidden // config.num_heads
-    from harness.shards import chunk_sizes
+    from sp_harness.config.shards import chunk_sizes
 
     cols = chunk_sizes(config.hidden, config.tp)
     if any(c % head_dim for c in cols):

@@ -2,7 +2,7 @@ import torch
 from torch.distributed.tensor import Shard
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
-from harness import Case, Layout, Sharded
+from sp_harness import Case, Layout, Sharded
 
 
 class MLP(torch.nn.Module):

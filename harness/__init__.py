@@ -4,13 +4,13 @@ Flow: config -> launch ranks (pool) -> build reference + sharded (case) -> step 
 compare -> record -> report -> gate. The public API for users' own cases is re-exported here.
 """
 
-from harness.case import Case, Layout, ParamSpec, RankContext, Sharded, Unsupported, register
-from harness.config import CheckConfig
+from sp_harness.config.case import Case, Layout, ParamSpec, RankContext, Sharded, Unsupported, register
+from sp_harness.config.check_config import CheckConfig
 
 
 def check(config: CheckConfig, runner=None):
     """Run one side-by-side check; returns a CheckResult (verdict PASS / FAIL / UNSUPPORTED)."""
-    from harness.verify import check as _check
+    from sp_harness.checks.verify import check as _check
 
     return _check(config, runner)
 

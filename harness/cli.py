@@ -9,7 +9,7 @@ import argparse
 import os
 import sys
 
-from harness.config import ADVERSARIES, DEFAULT_STEPS, DTYPES, LAYOUTS, NORMS, OPTIMIZERS, CheckConfig
+from sp_harness.config.check_config import ADVERSARIES, DEFAULT_STEPS, DTYPES, LAYOUTS, NORMS, OPTIMIZERS, CheckConfig
 
 EXIT_OK, EXIT_FAIL, EXIT_USAGE = 0, 1, 2
 
@@ -76,8 +76,8 @@ def config_from_args(args) -> CheckConfig:
 
 
 def _runner():
-    from harness.pool import TorchrunWorld, under_torchrun
-    from harness.verify import default_manager
+    from sp_harness.checks.verify import default_manager
+    from sp_harness.launch.pool import TorchrunWorld, under_torchrun
 
     return TorchrunWorld() if under_torchrun() else default_manager()
 
@@ -89,7 +89,7 @@ def _is_leader() -> bool:
 
 
 def cmd_list(args) -> int:
-    from harness.case import all_cases
+    from sp_harness.config.case import all_cases
 
     cases = all_cases()
     width = max(len(n) for n in cases)
@@ -100,10 +100,10 @@ def cmd_list(args) -> int:
 
 
 def cmd_check(args) -> int:
-    from harness.verify import FAIL, check, dump_json, format_comm, format_result
+    from sp_harness.checks.verify import FAIL, check, dump_json, format_comm, format_result
 
     config = config_from_args(args)
-    from harness.case import get_case
+    from sp_harness.config.case import get_case
 
     get_case(config.case)  # unknown case: ValueError -> exit 2 before any rank starts
     runner = _runner()
@@ -114,7 +114,7 @@ def cmd_check(args) -> int:
         baseline = _comm_baseline(result, runner)
     memory_ok, memory_text = None, ""
     if args.memory and result.verdict == "PASS":
-        from harness.memory import memory_gate
+        from sp_harness.checks.memory import memory_gate
 
         memory_ok, memory_text = memory_gate(result.config, runner)
     if _is_leader():
@@ -132,9 +132,9 @@ def cmd_check(args) -> int:
 
 def _comm_baseline(result, runner) -> str | None:
     """For a case with a TP twin (name ending in -sp): the paper's communication accounting."""
-    from harness.case import all_cases
-    from harness.comm import paper_check
-    from harness.verify import check
+    from sp_harness.capture.comm import paper_check
+    from sp_harness.checks.verify import check
+    from sp_harness.config.case import all_cases
 
     name = result.config.case
     if not name.endswith("-sp") or name[:-3] + "-tp" not in all_cases():
@@ -156,7 +156,7 @@ def _comm_baseline(result, runner) -> str | None:
 
 
 def _padding_note(config, fig) -> str:
-    from harness.shards import chunk_sizes, is_even
+    from sp_harness.config.shards import chunk_sizes, is_even
 
     if fig["matches"] or not fig["tp_ring_bytes"]:
         return ""
@@ -191,7 +191,7 @@ def _extra_commands():
     import importlib
 
     out = []
-    for mod in ("harness.converge", "harness.nightly", "harness.mutants", "harness.bench", "harness.sensitivity"):
+    for mod in ("sp_harness.suites.converge", "sp_harness.suites.nightly", "sp_harness.suites.battery", "sp_harness.suites.bench", "sp_harness.suites.sensitivity"):
         try:
             module = importlib.import_module(mod)
         except ModuleNotFoundError as exc:
@@ -211,7 +211,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"sp-harness: error: {exc}", file=sys.stderr)
         return EXIT_USAGE
     except KeyboardInterrupt:
-        from harness.verify import default_manager
+        from sp_harness.checks.verify import default_manager
 
         default_manager().close()
         print("sp-harness: interrupted; ranks stopped", file=sys.stderr)

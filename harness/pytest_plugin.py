@@ -18,8 +18,8 @@ import os
 
 import pytest
 
-from harness import profiles  # noqa: F401  (registers the hypothesis profiles on import)
-from harness.pool import PoolManager, PoolOptions
+from sp_harness.config import profiles  # noqa: F401  (registers the hypothesis profiles on import)
+from sp_harness.launch.pool import PoolManager, PoolOptions
 
 POOL_KEY = pytest.StashKey[PoolManager]()
 OPTIONS = {
@@ -86,7 +86,7 @@ def sp_max_world_size(request: pytest.FixtureRequest) -> int:
 @pytest.fixture
 def sp_check(sp_pool, request: pytest.FixtureRequest):
     """sp_check(config) -> CheckResult, run on this worker's warm pool with the suite's timeout."""
-    from harness.verify import check
+    from sp_harness.checks.verify import check
 
     timeout = option(request.config, "sp_timeout")
 
@@ -100,7 +100,7 @@ def sp_check(sp_pool, request: pytest.FixtureRequest):
 
 @pytest.fixture
 def sp_result(request: pytest.FixtureRequest, sp_check):
-    from harness.config import CheckConfig
+    from sp_harness.config.check_config import CheckConfig
 
     marker = request.node.get_closest_marker("sp_case")
     if marker is None or not marker.args:

@@ -11,7 +11,7 @@ import dataclasses
 import torch
 import torch.distributed as dist
 
-from harness.case import Case, Layout, Sharded
+from sp_harness.config.case import Case, Layout, Sharded
 
 
 class MLP(torch.nn.Module):

@@ -8,8 +8,8 @@ import time
 import torch
 import torch.distributed as dist
 
-from cases.dtensor_plans import SEED_MLP
-from harness.case import Case, Layout, Sharded, Unsupported
+from sp_harness.cases.dtensor_plans import SEED_MLP
+from sp_harness.config.case import Case, Layout, Sharded, Unsupported
 
 
 def _shard_raising(model, ctx):

@@ -6,9 +6,9 @@ import os
 
 import torch
 
-from harness.compare import check_tensor
-from harness.config import DEFAULT_STEPS, CheckConfig
-from harness.verify import FAIL, PASS
+from sp_harness.checks.verify import FAIL, PASS
+from sp_harness.compare.tolerance import check_tensor
+from sp_harness.config.check_config import DEFAULT_STEPS, CheckConfig
 
 DDP = os.path.join(os.path.dirname(__file__), "ddp_cases.py")
 
@@ -53,7 +53,7 @@ def test_a_bug_first_visible_at_step_3_is_caught_by_default(sp_check):
 
 
 def test_gpt_batches_separate_neighbouring_tokens_at_every_position():
-    from cases.common import gpt_batch
+    from sp_harness.cases.common import gpt_batch
 
     for vocab in (2, 3, 64):
         cfg = CheckConfig(case="megatron-gpt-sp", seq_len=33, vocab=vocab, batch=4, dp=2, world_size=2)
@@ -66,7 +66,7 @@ def test_gpt_batches_separate_neighbouring_tokens_at_every_position():
 
 def test_explicit_shards_fix_the_sequence_length_before_case_defaults():
     # the README's own example: 4/4/2 is 10 tokens, whatever the case's default seq_len (12)
-    from harness.verify import resolve
+    from sp_harness.checks.verify import resolve
 
     cfg = resolve(CheckConfig(case="megatron-gpt-sp", world_size=3, seq_shards=(4, 4, 2)))
     assert cfg.seq_len == 10
@@ -86,7 +86,7 @@ def test_a_closed_pipe_ends_the_cli_quietly():
     import subprocess
     import sys
 
-    proc = subprocess.run(f"{sys.executable} -m harness.cli list | head -n 1", shell=True, capture_output=True,
+    proc = subprocess.run(f"{sys.executable} -m sp_harness.cli list | head -n 1", shell=True, capture_output=True,
                           text=True, timeout=120)
     assert proc.stdout.count("\n") == 1
     assert "Traceback" not in proc.stderr

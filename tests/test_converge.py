@@ -7,8 +7,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-from harness.converge import ConvergeOptions, converge
-from harness.records import read_run_dir
+from sp_harness.record.records import read_run_dir
+from sp_harness.suites.converge import ConvergeOptions, converge
 
 SHORT = dict(steps=6, seq_len=12, batch=2, warmup_steps=2)
 
@@ -49,29 +49,29 @@ def test_golden_round_trip_through_the_cli(tmp_path):
     root = Path(__file__).resolve().parent.parent
     common = ["--steps", "4", "--seq-len", "12", "--batch", "2", "--warmup-steps", "2"]
     golden = tmp_path / "golden.json"
-    made = subprocess.run([sys.executable, "-m", "harness.cli", "golden", *common, "--repeats", "2", "--out", str(golden),
+    made = subprocess.run([sys.executable, "-m", "sp_harness.cli", "golden", *common, "--repeats", "2", "--out", str(golden),
                            "--work-dir", str(tmp_path / "work")], cwd=root, capture_output=True, text=True, timeout=300)
     assert made.returncode == 0, made.stdout + made.stderr
     doc = json.loads(golden.read_text())
     assert doc["metrics"]["loss"]["spread"] == [0.0] * 4  # deterministic CPU: repeats agree exactly
-    ok = subprocess.run([sys.executable, "-m", "harness.cli", "converge", *common, "--golden", str(golden),
+    ok = subprocess.run([sys.executable, "-m", "sp_harness.cli", "converge", *common, "--golden", str(golden),
                          "--out", str(tmp_path / "ok")], cwd=root, capture_output=True, text=True, timeout=300)
     assert ok.returncode == 0, ok.stdout + ok.stderr
     # a different learning rate departs from the stored curve: the gate must fail
-    off = subprocess.run([sys.executable, "-m", "harness.cli", "converge", *common, "--lr", "0.02", "--golden",
+    off = subprocess.run([sys.executable, "-m", "sp_harness.cli", "converge", *common, "--lr", "0.02", "--golden",
                           str(golden), "--out", str(tmp_path / "off")], cwd=root, capture_output=True, text=True,
                          timeout=300)
     assert off.returncode == 1 and "golden" in off.stdout
-    regate = subprocess.run([sys.executable, "-m", "harness.cli", "gate", str(tmp_path / "ok"), "--golden", str(golden)],
+    regate = subprocess.run([sys.executable, "-m", "sp_harness.cli", "gate", str(tmp_path / "ok"), "--golden", str(golden)],
                             cwd=root, capture_output=True, text=True, timeout=120)
     assert regate.returncode == 0, regate.stdout + regate.stderr
 
 
 def test_torchrun_entry_runs_on_the_env_world(tmp_path):
-    """`torchrun -m harness.converge` (env:// rendezvous): every rank trains, rank 0 reports."""
+    """`torchrun -m sp_harness.suites.converge` (env:// rendezvous): every rank trains, rank 0 reports."""
     root = Path(__file__).resolve().parent.parent
     run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-                          "-m", "harness.converge", "--world-size", "2", "--steps", "3", "--seq-len", "12", "--batch", "2",
+                          "-m", "sp_harness.suites.converge", "--world-size", "2", "--steps", "3", "--seq-len", "12", "--batch", "2",
                           "--warmup-steps", "1", "--out", str(tmp_path)], cwd=root, capture_output=True, text=True,
                          timeout=300, env={**__import__("os").environ, "PYTHONPATH": str(root)})
     assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]

@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from harness.data import MarkovChain
+from sp_harness.step.data import MarkovChain
 
 
 @pytest.fixture(scope="module")

@@ -8,8 +8,8 @@ import time
 
 import pytest
 
-from harness.config import CheckConfig
-from harness.verify import FAIL, PASS, UNSUPPORTED
+from sp_harness.checks.verify import FAIL, PASS, UNSUPPORTED
+from sp_harness.config.check_config import CheckConfig
 
 FAULTY = os.path.join(os.path.dirname(__file__), "faulty_cases.py")
 
@@ -135,14 +135,14 @@ def _tagged_processes(tag: str) -> list[int]:
 def test_cli_leaves_no_process_behind_and_exit_codes(tmp_path):
     tag = f"SP_HARNESS_TEST_TAG=cli-{os.getpid()}-{time.time_ns()}"
     env = dict(os.environ, PYTHONPATH=os.path.dirname(os.path.dirname(__file__)), SP_HARNESS_TEST_TAG=tag.split("=")[1])
-    ok = subprocess.run([sys.executable, "-m", "harness.cli", "check", "--case", "seed-mlp", "--world-size", "2",
+    ok = subprocess.run([sys.executable, "-m", "sp_harness.cli", "check", "--case", "seed-mlp", "--world-size", "2",
                          "--json", str(tmp_path / "v.json")], capture_output=True, text=True, env=env, timeout=120)
     assert ok.returncode == 0, ok.stdout + ok.stderr
     assert "PASS" in ok.stdout and (tmp_path / "v.json").exists()
-    bad = subprocess.run([sys.executable, "-m", "harness.cli", "check", "--case", "seed-mlp", "--world-size", "3"],
+    bad = subprocess.run([sys.executable, "-m", "sp_harness.cli", "check", "--case", "seed-mlp", "--world-size", "3"],
                          capture_output=True, text=True, env=env, timeout=120)
     assert bad.returncode == 1 and "a and b must have same reduction dim" in bad.stdout
-    usage = subprocess.run([sys.executable, "-m", "harness.cli", "check", "--case", "seed-mlp", "--world-size", "0"],
+    usage = subprocess.run([sys.executable, "-m", "sp_harness.cli", "check", "--case", "seed-mlp", "--world-size", "0"],
                            capture_output=True, text=True, env=env, timeout=60)
     assert usage.returncode == 2 and "must be >= 1, got 0" in usage.stderr
     time.sleep(0.5)
@@ -153,7 +153,7 @@ def test_ctrl_c_leaves_no_rank_behind(tmp_path):
     import signal
 
     env = dict(os.environ, PYTHONPATH=os.path.dirname(os.path.dirname(__file__)))
-    proc = subprocess.Popen([sys.executable, "-m", "harness.cli", "check", "--case", f"{FAULTY}:HANGING",
+    proc = subprocess.Popen([sys.executable, "-m", "sp_harness.cli", "check", "--case", f"{FAULTY}:HANGING",
                              "--world-size", "2", "--timeout", "60"], env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)
     deadline = time.monotonic() + 60

@@ -16,7 +16,7 @@ def test_marker_runs_the_users_case(sp_result):
 
 
 def test_cli_on_the_users_file():
-    out = subprocess.run([sys.executable, "-m", "harness.cli", "check", "--case", "examples/my_case.py:MY_MLP",
+    out = subprocess.run([sys.executable, "-m", "sp_harness.cli", "check", "--case", "examples/my_case.py:MY_MLP",
                           "--world-size", "2"], cwd=ROOT, capture_output=True, text=True, timeout=120,
                          env=dict(os.environ, PYTHONPATH=ROOT))
     assert out.returncode == 0, out.stdout + out.stderr
@@ -25,7 +25,7 @@ def test_cli_on_the_users_file():
 
 def test_users_case_uneven_split_is_caught(sp_check):
     # the same plan on 3 ranks: 8 tokens 3/3/2 and 64 columns 22/22/20 -> upstream failure, reported
-    from harness.config import CheckConfig
+    from sp_harness.config.check_config import CheckConfig
 
     res = sp_check(CheckConfig(case=f"{EXAMPLE}:MY_MLP", world_size=3))
     assert res.verdict == "FAIL" and res.error

@@ -4,7 +4,7 @@ float64 over 3 AdamW steps: near machine precision against the reference, and re
 
 import pytest
 
-from harness.config import CheckConfig
+from sp_harness.config.check_config import CheckConfig
 
 GRID = [(ws, 1, seq) for ws in (1, 2, 3, 4) for seq in (12, 10)] + [(4, 2, 12), (4, 2, 7)]
 
@@ -44,7 +44,7 @@ def test_unsynced_norm_grads_fail_on_the_first_step_naming_the_norms(sp_check):
 
 
 def test_sp_communication_equals_tp_on_even_shards(sp_check):
-    from harness.comm import paper_check
+    from sp_harness.capture.comm import paper_check
 
     sp = sp_check(CheckConfig(case="megatron-gpt-sp", world_size=2))
     tp = sp_check(CheckConfig(case="megatron-gpt-tp", world_size=2))

@@ -31,8 +31,8 @@ def _full_shape(dim, n):
 def _check_rank(rank: int) -> None:
     import torch.distributed as dist
 
-    from cases.megatron import mappings as mp
-    from harness.shards import shard
+    from sp_harness.cases.megatron import mappings as mp
+    from sp_harness.config.shards import shard
 
     group = dist.group.WORLD
     for sizes in SIZES:
@@ -121,13 +121,13 @@ def test_uneven_seq_mappings_on_gloo_ranks():
 
 
 def _cfg(**kw):
-    from harness.config import CheckConfig
+    from sp_harness.config.check_config import CheckConfig
 
     return CheckConfig(**kw)
 
 
 def test_validate_rejects_with_numbers():
-    from harness.case import Unsupported, get_case
+    from sp_harness.config.case import Unsupported, get_case
 
     sp = get_case("megatron-gpt-sp")
     with pytest.raises(Unsupported, match=r"tp\(5\) > num_heads\(4\)"):
@@ -145,9 +145,9 @@ def test_validate_rejects_with_numbers():
 
 
 def test_each_mutant_swaps_one_piece():
-    from cases.megatron.impl import CORRECT
-    from cases.mutants import megatron_mutants as mm
-    from harness.case import Case
+    from sp_harness.cases.megatron.impl import CORRECT
+    from sp_harness.cases.mutants import megatron_mutants as mm
+    from sp_harness.config.case import Case
 
     mutants = [v for v in vars(mm).values() if isinstance(v, Case)]
     assert len(mutants) >= 10

@@ -1,4 +1,4 @@
-"""Activation memory and communication volume of SP against Korthikanti et al. (harness.memory).
+"""Activation memory and communication volume of SP against Korthikanti et al. (sp_harness.checks.memory).
 
 The memory check passes for megatron-gpt-sp (each rank's layer saves exactly its adjusted
 formula, norm-region activations 1/t of the TP twin's) and fails for the mutant that all-gathers
@@ -10,8 +10,7 @@ from __future__ import annotations
 
 import pytest
 
-from harness.config import CheckConfig
-from harness.memory import (
+from sp_harness.checks.memory import (
     activation_gate,
     activation_report,
     adjusted_bytes,
@@ -20,7 +19,8 @@ from harness.memory import (
     memory_config,
     paper_bytes,
 )
-from harness.verify import PASS
+from sp_harness.checks.verify import PASS
+from sp_harness.config.check_config import CheckConfig
 
 MUTANT = "mutant-sp-full-sequence-norms"
 MEM = dict(dtype="float32", seq_len=12, hidden=32, num_heads=4)
@@ -86,7 +86,7 @@ def test_comm_gate_on_rows():
 
 
 def test_memory_gate_applies_to_sp_cases_only(sp_pool):
-    from harness.memory import memory_gate
+    from sp_harness.checks.memory import memory_gate
 
     assert memory_gate(CheckConfig(case="megatron-gpt-tp", world_size=2), sp_pool)[0] is None
     assert memory_gate(CheckConfig(case="seed-mlp", world_size=2), sp_pool)[0] is None

@@ -5,7 +5,7 @@ is a battery error, never a silent skip."""
 
 import pytest
 
-from harness.mutants import Battery, mutant_names
+from sp_harness.suites.battery import Battery, mutant_names
 
 EXPECTED_KILLER = {
     "mutant-dtensor-norm-init-per-rank": ("init", "even"),

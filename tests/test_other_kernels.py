@@ -8,9 +8,9 @@ fails CI on any machine."""
 import pytest
 import torch
 
-from harness.config import CheckConfig
-from harness.pool import PoolManager, PoolOptions
-from harness.verify import FAIL, PASS, check
+from sp_harness.checks.verify import FAIL, PASS, check
+from sp_harness.config.check_config import CheckConfig
+from sp_harness.launch.pool import PoolManager, PoolOptions
 
 NATIVE = torch.backends.cpu.get_cpu_capability().lower()
 FAMILIES = [c for c in ("default", "avx2") if c != NATIVE]

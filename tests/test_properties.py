@@ -1,8 +1,8 @@
 """Property tests: every built-in case agrees with its reference over generated configs.
 
 World sizes, uneven (and empty) sequence shards, head counts and widths not divisible by the
-world size, dtypes, norms, layouts, seeds and step counts come from harness.strategies; the
-verdict must be the one harness.expect predicts, natively and under the reorder adversary. On failure hypothesis shrinks to a minimal
+world size, dtypes, norms, layouts, seeds and step counts come from sp_harness.config.strategies; the
+verdict must be the one sp_harness.judge.expect predicts, natively and under the reorder adversary. On failure hypothesis shrinks to a minimal
 config and the assertion message carries the one-line repro.
 """
 
@@ -10,9 +10,9 @@ import pytest
 from hypothesis import given, note
 from hypothesis import strategies as st
 
-from harness.expect import expected_verdict
-from harness.strategies import adversaries, gpt_configs, mlp_configs
-from harness.verify import format_result
+from sp_harness.checks.verify import format_result
+from sp_harness.config.strategies import adversaries, gpt_configs, mlp_configs
+from sp_harness.judge.expect import expected_verdict
 
 
 def _judge(sp_check, config):

@@ -3,9 +3,9 @@
 import pytest
 import torch
 
-from harness import shards
-from harness.compare import FACTOR, FLOOR_ULPS, check_tensor
-from harness.config import CheckConfig
+from sp_harness.config import shards
+from sp_harness.compare.tolerance import FACTOR, FLOOR_ULPS, check_tensor
+from sp_harness.config.check_config import CheckConfig
 
 
 @pytest.mark.parametrize("n,parts,want", [(10, 3, (4, 4, 2)), (32, 3, (11, 11, 10)), (5, 4, (2, 2, 1, 0)),
@@ -34,7 +34,7 @@ def test_config_rejects_bad_values_with_numbers():
 
 
 def test_repro_round_trips_through_the_cli_parser():
-    from harness.cli import build_parser, config_from_args
+    from sp_harness.cli import build_parser, config_from_args
 
     cfg = CheckConfig(case="megatron-gpt-sp", world_size=3, seq_len=10, seq_shards=(4, 4, 2), hidden=24,
                       dtype="float32", seed=7, layout="sbh", timeout_s=12.5, lr=0.003, dp=1, optimizer="sgd",

@@ -6,9 +6,9 @@ import math
 
 import pytest
 
-from harness.gate import EPS, FAIL, PASS, GateBands, default_pairs, evaluate
-from harness.golden import compare_to_golden, load_golden, make_golden, save_golden
-from harness.records import (
+from sp_harness.judge.gate import EPS, FAIL, PASS, GateBands, default_pairs, evaluate
+from sp_harness.judge.golden import compare_to_golden, load_golden, make_golden, save_golden
+from sp_harness.record.records import (
     StepRecord,
     make_meta,
     read_meta,
@@ -18,7 +18,7 @@ from harness.records import (
     write_records,
     write_run_dir,
 )
-from harness.report import report_from_dir, write_plots, write_report
+from sp_harness.report.html import report_from_dir, write_plots, write_report
 
 LR = 1e-2
 NUM_STEPS = 12

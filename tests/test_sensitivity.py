@@ -7,9 +7,9 @@ import os
 
 import pytest
 
-from cases.mutants.scaled_mutants import CASES, ENV, set_scale
-from harness.config import CheckConfig
-from harness.sensitivity import caught_by
+from sp_harness.cases.mutants.scaled_mutants import CASES, ENV, set_scale
+from sp_harness.config.check_config import CheckConfig
+from sp_harness.suites.sensitivity import caught_by
 
 EXPECTED_CATCH = {"forward": "forward", "grad": "grad", "update": "param"}
 
@@ -17,7 +17,7 @@ EXPECTED_CATCH = {"forward": "forward", "grad": "grad", "update": "param"}
 @pytest.fixture
 def scaled(sp_pool):
     """run(shape, d) -> CheckResult of the scaled mutant at d (float64, world size 2)."""
-    from harness.verify import check
+    from sp_harness.checks.verify import check
 
     previous = os.environ.get(ENV)
 
@@ -41,8 +41,8 @@ def test_scaled_mutant_fails_at_1e6_passes_at_0(scaled, shape):
 
 
 def test_scaled_mutants_are_not_in_the_battery():
-    from harness.case import all_cases
-    from harness.mutants import mutant_names
+    from sp_harness.config.case import all_cases
+    from sp_harness.suites.battery import mutant_names
 
     names = set(mutant_names())
     scaled = {n for n, c in all_cases().items() if "scaled" in c.tags}
@@ -53,7 +53,7 @@ def test_scaled_mutants_are_not_in_the_battery():
 def test_the_norm_wise_criterion_catches_what_max_abs_cannot(sp_pool):
     """bfloat16, one rank's logits x 1.3: every element stays inside the max-abs bound (the
     reference's worst element is that noisy), but the error adds up coherently over the piece."""
-    from harness.verify import check
+    from sp_harness.checks.verify import check
 
     set_scale(sp_pool, 0.3)
     try:

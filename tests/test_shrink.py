@@ -24,6 +24,6 @@ def test_even_shard_bug_shrinks_to_minimal_uneven_config():
     assert len(set(sizes)) == 2 and sum(sizes) <= 3, sizes
     repro = re.search(r"repro: (sp-harness check .*)", out).group(1)
     assert "--seq-shards" in repro
-    again = subprocess.run([sys.executable, "-m", "harness.cli", *shlex.split(repro)[1:]], cwd=ROOT, env=env,
+    again = subprocess.run([sys.executable, "-m", "sp_harness.cli", *shlex.split(repro)[1:]], cwd=ROOT, env=env,
                            capture_output=True, text=True, timeout=120)
     assert again.returncode == 1, again.stdout + again.stderr

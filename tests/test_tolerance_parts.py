@@ -3,9 +3,9 @@ its bound, the reorder adversary, the norm-wise criterion's gates."""
 
 import torch
 
-from harness.adversary import ReorderAdversary, order_error, round_tf32
-from harness.compare import NORM_MIN_DOF, check_bounded, check_tensor
-from harness.optim_ref import OptimState, make_optimizer, reference_step, state_of
+from sp_harness.compare.tolerance import NORM_MIN_DOF, check_bounded, check_tensor
+from sp_harness.step.adversary import ReorderAdversary, order_error, round_tf32
+from sp_harness.step.optim_ref import OptimState, make_optimizer, reference_step, state_of
 
 
 def _adamw_steps(dtype, steps=3, seed=0):

@@ -3,4 +3,4 @@
 Importing this package registers megatron-gpt-ref, megatron-gpt-tp and megatron-gpt-sp.
 """
 
-from cases.megatron import cases  # noqa: F401
+from sp_harness.cases.megatron import cases  # noqa: F401

@@ -15,11 +15,11 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from cases.common import GPT_DEFAULTS, build_reference_gpt, gpt_batch, gpt_tokens, token_loss_sum
-from cases.megatron.impl import CORRECT, Impl, all_reduce_coalesced
-from cases.megatron.model import build_sharded
-from harness.case import Case, Layout, RankContext, Sharded, Unsupported, register
-from harness.config import CheckConfig
+from sp_harness.cases.common import GPT_DEFAULTS, build_reference_gpt, gpt_batch, gpt_tokens, token_loss_sum
+from sp_harness.cases.megatron.impl import CORRECT, Impl, all_reduce_coalesced
+from sp_harness.cases.megatron.model import build_sharded
+from sp_harness.config.case import Case, Layout, RankContext, Sharded, Unsupported, register
+from sp_harness.config.check_config import CheckConfig
 
 DEFAULTS = dict(GPT_DEFAULTS)
 INPUT_LAYOUT = Layout(seq_dim=1, batch_dim=0)

@@ -31,7 +31,7 @@ from torch import nn
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 from torch.nn import functional as F
 
-from cases.megatron import mappings
+from sp_harness.cases.megatron import mappings
 
 SP_KINDS = frozenset({"norm", "row_bias", "embedding", "lm_head"})
 """Parameters applied on sequence shards under SP, whose grads are partial sums over TP:

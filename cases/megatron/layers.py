@@ -13,7 +13,7 @@ Between an exit and the next enter the activations are replicated (TP) or sequen
 norms run there. Every parameter carries `sp_kind` (None for tensor-parallel weights) and, under
 SP, `sequence_parallel = True` when the `Impl` says its grads are partial sums over TP.
 
-Splits follow torch.chunk's convention (`harness.shards.chunk_sizes`): 5 heads over tp=2 are
+Splits follow torch.chunk's convention (`sp_harness.config.shards.chunk_sizes`): 5 heads over tp=2 are
 3/2, ffn 64 over tp=3 is 22/22/20; a trailing rank may hold zero heads (4 heads over tp=3 are
 2/2/0), which works: its attention is empty and its row-parallel partial product is zero.
 """
@@ -28,7 +28,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn import functional as F
 
-from cases.megatron.impl import Impl
+from sp_harness.cases.megatron.impl import Impl
 
 
 @dataclass(frozen=True)

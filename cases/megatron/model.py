@@ -24,10 +24,10 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from cases.megatron.impl import Impl
-from cases.megatron.layers import Parallel, ParallelAttention, ParallelMLP, make_norm
-from harness.case import Layout, ParamSpec, RankContext, Sharded
-from harness.shards import chunk_sizes, shard
+from sp_harness.cases.megatron.impl import Impl
+from sp_harness.cases.megatron.layers import Parallel, ParallelAttention, ParallelMLP, make_norm
+from sp_harness.config.case import Layout, ParamSpec, RankContext, Sharded
+from sp_harness.config.shards import chunk_sizes, shard
 
 
 class ParallelBlock(nn.Module):

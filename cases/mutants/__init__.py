@@ -1,6 +1,6 @@
 """The mutant catalogue: realistic broken SP implementations the default suite must kill."""
 
-from cases.mutants import (
+from sp_harness.cases.mutants import (
     clip_mutants,  # noqa: F401
     dtensor_mutants,  # noqa: F401
     megatron_mutants,  # noqa: F401

@@ -11,10 +11,10 @@ import dataclasses
 import torch
 import torch.distributed as dist
 
-from cases.megatron.cases import SP
-from cases.megatron.impl import CORRECT
-from cases.megatron.model import build_sharded
-from harness.case import RankContext, Sharded, register
+from sp_harness.cases.megatron.cases import SP
+from sp_harness.cases.megatron.impl import CORRECT
+from sp_harness.cases.megatron.model import build_sharded
+from sp_harness.config.case import RankContext, Sharded, register
 
 
 def _shard_counting_replicas(ref, ctx: RankContext) -> Sharded:

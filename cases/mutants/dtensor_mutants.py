@@ -11,8 +11,8 @@ import torch
 from torch.distributed.tensor import Shard
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
-from cases.dtensor_plans import DTENSOR_GPT, SEED_MLP, gpt_plan
-from harness.case import Layout, RankContext, Sharded, register
+from sp_harness.cases.dtensor_plans import DTENSOR_GPT, SEED_MLP, gpt_plan
+from sp_harness.config.case import Layout, RankContext, Sharded, register
 
 TAGS = ("mutant", "dtensor")
 

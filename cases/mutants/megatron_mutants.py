@@ -13,11 +13,11 @@ import torch
 import torch.distributed as dist
 from torch.nn import functional as F
 
-from cases.megatron import mappings as mp
-from cases.megatron.cases import megatron_case
-from cases.megatron.impl import CORRECT, SP_KINDS, sync_grads
-from harness.case import register
-from reference.gpt import token_loss_sum
+from sp_harness.cases.megatron import mappings as mp
+from sp_harness.cases.megatron.cases import megatron_case
+from sp_harness.cases.megatron.impl import CORRECT, SP_KINDS, sync_grads
+from sp_harness.config.case import register
+from sp_harness.reference.gpt import token_loss_sum
 
 TAGS = ("mutant", "megatron")
 

@@ -1,8 +1,8 @@
 """Mutants whose numbers are right but whose memory or communication is not what SP promises.
 
 Stage: build sharded. The engine's numeric checks pass on these (the math is exact); only the
-activation-memory check (`harness.memory.activation_gate`) and the communication check
-(`harness.memory.comm_gate`) kill them.
+activation-memory check (`sp_harness.checks.memory.activation_gate`) and the communication check
+(`sp_harness.checks.memory.comm_gate`) kill them.
 
 `mutant-sp-full-sequence-norms`: every layer all-gathers its sequence shard on entry, runs the
 whole layer tensor-parallel on the FULL sequence (norms, residual adds and the region where
@@ -21,14 +21,14 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from cases.common import gpt_tokens, token_loss_sum
-from cases.megatron import mappings as mp
-from cases.megatron.cases import DEFAULTS, INPUT_LAYOUT, build_reference, make_batch, validate_parallel
-from cases.megatron.impl import CORRECT
-from cases.megatron.layers import Parallel
-from cases.megatron.model import ParallelBlock, ParallelGPT, param_specs
-from harness.case import Case, Layout, RankContext, Sharded, register
-from harness.shards import chunk_sizes, shard
+from sp_harness.cases.common import gpt_tokens, token_loss_sum
+from sp_harness.cases.megatron import mappings as mp
+from sp_harness.cases.megatron.cases import DEFAULTS, INPUT_LAYOUT, build_reference, make_batch, validate_parallel
+from sp_harness.cases.megatron.impl import CORRECT
+from sp_harness.cases.megatron.layers import Parallel
+from sp_harness.cases.megatron.model import ParallelBlock, ParallelGPT, param_specs
+from sp_harness.config.case import Case, Layout, RankContext, Sharded, register
+from sp_harness.config.shards import chunk_sizes, shard
 
 # forward: all-gather on seq; backward: keep this rank's piece (the grad is replicated over TP
 # downstream, so a reduce-scatter would count it t times): Megatron's

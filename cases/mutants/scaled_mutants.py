@@ -2,7 +2,7 @@
 
 Stage: build sharded. They measure the harness's sensitivity (`sp-harness sensitivity` bisects
 the smallest d each check catches, per dtype), they are not catalogue bugs: tagged "scaled",
-which `harness.mutants.mutant_names()` leaves out of the default battery.
+which `sp_harness.suites.battery.mutant_names()` leaves out of the default battery.
 
 Three shapes of bug, each on TP rank 1 only, each `CORRECT` plus one wrapper:
 
@@ -15,7 +15,7 @@ Three shapes of bug, each on TP rank 1 only, each `CORRECT` plus one wrapper:
                          step pre/post hook pair (no engine change), filtered on the one param.
 
 d is read from the environment variable SP_HARNESS_SCALE_D when the sharded model is built
-(`DEFAULT_D` if unset). Rank processes are persistent (harness.pool) and took the driver's
+(`DEFAULT_D` if unset). Rank processes are persistent (sp_harness.launch.pool) and took the driver's
 environment when their pool started, so a driver that changes d between checks calls
 `set_scale(runner, d)`: it sets the driver's variable (for pools started later) and runs the
 job `set_scale_job` on the ranks of the live pool. Every scaling is computed in float64 and cast
@@ -31,10 +31,10 @@ import weakref
 
 import torch
 
-from cases.megatron.cases import megatron_case
-from cases.megatron.impl import CORRECT
-from cases.megatron.model import build_sharded
-from harness.case import Case, RankContext, Sharded, register
+from sp_harness.cases.megatron.cases import megatron_case
+from sp_harness.cases.megatron.impl import CORRECT
+from sp_harness.cases.megatron.model import build_sharded
+from sp_harness.config.case import Case, RankContext, Sharded, register
 
 ENV = "SP_HARNESS_SCALE_D"
 DEFAULT_D = 1e-3

@@ -3,7 +3,7 @@
     python tests/demo/fa_table.py [--rejudge] FILE.jsonl [FILE.jsonl ...]
 
 --rejudge recomputes each record's expected verdict from its repro line with today's
-harness.expect (after a predicate fix; the verdicts themselves are the recorded ones).
+sp_harness.judge.expect (after a predicate fix; the verdicts themselves are the recorded ones).
 
 Per case: examples, false alarms (verdict != expected), verdicts, dtypes, adversary modes, kernel
 families and threads, realistic-size examples (hidden >= 64 or seq >= 64), the largest sizes drawn,
@@ -20,8 +20,8 @@ paths = [a for a in sys.argv[1:] if a != "--rejudge"]
 def _expected(repro: str) -> str:
     import shlex
 
-    from harness.cli import build_parser, config_from_args
-    from harness.expect import expected_verdict
+    from sp_harness.cli import build_parser, config_from_args
+    from sp_harness.judge.expect import expected_verdict
 
     return expected_verdict(config_from_args(build_parser().parse_args(shlex.split(repro)[1:])))
 

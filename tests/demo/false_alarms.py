@@ -1,6 +1,6 @@
-"""Count the tolerance model's false alarms: draw configs from harness.strategies for a correct
+"""Count the tolerance model's false alarms: draw configs from sp_harness.config.strategies for a correct
 case, run each check (by default under the reorder adversary), and count verdicts that differ
-from harness.expect. One JSONL record per example (config, verdict, expected, worst ratio per
+from sp_harness.judge.expect. One JSONL record per example (config, verdict, expected, worst ratio per
 check, seconds) goes to --out; a progress line every 25 examples.
 
     python tests/demo/false_alarms.py CASE N [--realistic-every K] [--adversary reorder ...] [--out F]
@@ -18,9 +18,9 @@ import time
 from hypothesis import HealthCheck, Phase, given, seed, settings
 from hypothesis import strategies as st
 
-from harness.expect import expected_verdict
-from harness.strategies import gpt_configs, mlp_configs, realistic_gpt_configs
-from harness.verify import check, default_manager
+from sp_harness.checks.verify import check, default_manager
+from sp_harness.config.strategies import gpt_configs, mlp_configs, realistic_gpt_configs
+from sp_harness.judge.expect import expected_verdict
 
 parser = argparse.ArgumentParser()
 parser.add_argument("case")

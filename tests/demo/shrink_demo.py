@@ -6,8 +6,8 @@ import os
 from hypothesis import given, note, settings
 from hypothesis import strategies as st
 
-from harness.strategies import gpt_configs
-from harness.verify import format_result
+from sp_harness.checks.verify import format_result
+from sp_harness.config.strategies import gpt_configs
 
 
 @settings(max_examples=40, database=None, deadline=None)

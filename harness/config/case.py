@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from harness.config import CheckConfig
+from sp_harness.config.check_config import CheckConfig
 
 
 class Unsupported(Exception):
@@ -189,7 +189,7 @@ def register(case: Case) -> Case:
 
 
 def _load_builtin() -> None:
-    importlib.import_module("cases")
+    importlib.import_module("sp_harness.cases")
 
 
 def all_cases() -> dict[str, Case]:

@@ -1,7 +1,7 @@
 """Stage: report (record -> report -> gate). Plots and a self-contained HTML page for a run dir.
 
-Input: the runs' step records, the run metadata (harness.records) and the gate's decision
-(harness.gate). Output, all in one directory:
+Input: the runs' step records, the run metadata (sp_harness.record.records) and the gate's decision
+(sp_harness.judge.gate). Output, all in one directory:
 
   loss.png       loss curves of every run, the data's loss floor (entropy rate) dashed;
   lockstep.png   |difference| between runs per step (log y) against the gate's band;
@@ -33,8 +33,8 @@ from typing import Any
 from matplotlib import ticker
 from matplotlib.figure import Figure
 
-from harness.gate import GateBands, GateResult, evaluate, lockstep_scale
-from harness.records import StepRecord, json_safe, read_run_dir, series
+from sp_harness.judge.gate import GateBands, GateResult, evaluate, lockstep_scale
+from sp_harness.record.records import StepRecord, json_safe, read_run_dir, series
 
 PLOTS = ("loss", "lockstep", "drift", "gradnorm")
 
@@ -153,7 +153,7 @@ def _plot_loss(runs, meta, gate: GateResult, colors, golden) -> Figure:
     if floor is not None and math.isfinite(floor):
         ax.axhline(floor, color="gray", ls="--", lw=1.2, label=f"floor (entropy rate) {floor:.4f} nats")
     if golden is not None and "loss" in golden.get("metrics", {}):
-        from harness.golden import golden_band
+        from sp_harness.judge.golden import golden_band
 
         gb = golden_band(golden, "loss", dtype=gate.dtype, bands=gate.bands)
         gx = sorted(gb)

@@ -11,8 +11,8 @@ hypothesis). If PyTorch changes any of this, the property tests say so.
 
 from __future__ import annotations
 
-from harness.case import Unsupported, get_case
-from harness.config import CheckConfig
+from sp_harness.config.case import Unsupported, get_case
+from sp_harness.config.check_config import CheckConfig
 
 
 def expected_verdict(config: CheckConfig) -> str:

@@ -28,8 +28,8 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from harness.gate import EPS, Failure, GateBands, summarize
-from harness.records import StepRecord, series
+from sp_harness.judge.gate import EPS, Failure, GateBands, summarize
+from sp_harness.record.records import StepRecord, series
 
 DEFAULT_METRICS = ("loss", "grad_norm")
 

@@ -14,12 +14,12 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from harness.case import Unsupported, get_case
-from harness.compare import KIND_ORDER, TensorCheck
-from harness.config import CheckConfig
-from harness.pool import PoolManager, RankFailure
-from harness.sidebyside import Drift, RankResult
-from harness.trace import Divergence
+from sp_harness.capture.trace import Divergence
+from sp_harness.checks.sidebyside import Drift, RankResult
+from sp_harness.compare.tolerance import KIND_ORDER, TensorCheck
+from sp_harness.config.case import Unsupported, get_case
+from sp_harness.config.check_config import CheckConfig
+from sp_harness.launch.pool import PoolManager, RankFailure
 
 PASS, FAIL, UNSUPPORTED = "PASS", "FAIL", "UNSUPPORTED"
 
@@ -41,7 +41,7 @@ class CheckResult:
     num_checks: int = 0
     divergence: Divergence | None = None
     """The first module (execution order) whose output or input grad left its bound, at the
-    first failing step, on the lowest rank that saw one (harness.trace)."""
+    first failing step, on the lowest rank that saw one (sp_harness.capture.trace)."""
 
     @property
     def ok(self) -> bool:
@@ -127,7 +127,7 @@ def check(config: CheckConfig, runner=None) -> CheckResult:
     runner = runner or default_manager()
     label = f"case {config.case} [{config.short()}]"
     try:
-        results: list[RankResult] = runner.run(config.world_size, "harness.sidebyside:run_rank", config,
+        results: list[RankResult] = runner.run(config.world_size, "sp_harness.checks.sidebyside:run_rank", config,
                                                timeout_s=config.timeout_s, label=label)
     except RankFailure as exc:
         if exc.kind == "raised" and len(exc.failures) == config.world_size and all(

@@ -20,7 +20,7 @@ import math
 import time
 from dataclasses import asdict, dataclass, field
 
-from harness.config import CheckConfig
+from sp_harness.config.check_config import CheckConfig
 
 SHAPES = ("forward", "grad", "update")
 DTYPES = ("float64", "float32", "bfloat16")
@@ -68,15 +68,15 @@ class Sensitivity:
 
 
 def caught_by(res) -> str:
-    """Which check caught a FAIL first (harness.verify.CheckResult.first_check)."""
+    """Which check caught a FAIL first (sp_harness.checks.verify.CheckResult.first_check)."""
     return res.first_check
 
 
 def measure(dtype: str, shape: str, runner, *, iterations: int = ITERATIONS, lo: float = LO, hi: float = HI,
             progress=None) -> Sensitivity:
     """Bisect the minimum detectable d for one dtype and bug shape."""
-    from cases.mutants.scaled_mutants import CASES, set_scale
-    from harness.verify import FAIL, check
+    from sp_harness.cases.mutants.scaled_mutants import CASES, set_scale
+    from sp_harness.checks.verify import FAIL, check
 
     case = CASES[shape].name
     config = CheckConfig(case=case, world_size=WORLD_SIZE, dtype=dtype, timeout_s=TIMEOUT_S)
@@ -164,7 +164,7 @@ def format_table(rows: list[Sensitivity]) -> str:
 
 
 def cmd_sensitivity(args) -> int:
-    from harness.cli import _runner
+    from sp_harness.cli import _runner
 
     runner = _runner()
     t0 = time.perf_counter()

@@ -19,16 +19,16 @@ from typing import Protocol
 import torch
 import torch.distributed as dist
 
-from harness import shards as sh
+from sp_harness.config import shards as sh
 
 
 class LocalParam(Protocol):
-    """What the anchor needs of one local parameter (harness.sidebyside._Param)."""
+    """What the anchor needs of one local parameter (sp_harness.checks.sidebyside._Param)."""
 
     param: torch.nn.Parameter
     dtensor: bool
     spec: object
-    """A harness.case.ParamSpec: ref_name, dim, sizes, index."""
+    """A sp_harness.config.case.ParamSpec: ref_name, dim, sizes, index."""
 
 
 def gather_full(params: list[LocalParam], shapes: dict[str, torch.Size], ctx) -> dict[str, torch.Tensor]:

@@ -1,7 +1,7 @@
 """Stage: build reference. The perturbed reference's rounding model, pure and process-group free.
 
 `RoundingNoise` runs the float64 reference as if each op had rounded at the run's precision, on
-another platform's kernels: the backward-error view of harness.compare's `ref_alt`.
+another platform's kernels: the backward-error view of sp_harness.compare.tolerance's `ref_alt`.
 """
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from harness.adversary import order_error
+from sp_harness.step.adversary import order_error
 
 
 def perturb_(tensor: torch.Tensor, rel: float, gen: torch.Generator) -> torch.Tensor:
@@ -23,7 +23,7 @@ class RoundingNoise(TorchDispatchMode):
     """Rounding at the run's precision, simulated in float64 over the perturbed reference's
     forward and backward: every floating-point op sees its tensor inputs and returns its result
     each multiplied by (1 + u * rel), u uniform in [-1, 1], and every matmul also gets the error
-    of a random summation order (harness.adversary.order_error): what a legal kernel on another
+    of a random summation order (sp_harness.step.adversary.order_error): what a legal kernel on another
     platform may do, which the same-precision reference on this CPU does not show.
 
     The output noise is the standard model fl(op(x)) = op(x)(1 + d): a sharded run composes the

@@ -9,7 +9,7 @@ parameter are left out: they are weights, not activations. Every saved tensor is
 with the innermost submodule that saved it, which gives the norm-region share on its own.
 
 No parallelism is measured in-process on `reference.gpt.Block`; TP and TP+SP inside a real rank
-job (`harness.memory:activation_rank`) on the case's sharded model (megatron-gpt-tp / -sp or a
+job (`sp_harness.checks.memory:activation_rank`) on the case's sharded model (megatron-gpt-tp / -sp or a
 mutant), with the tokens and shards the engine would hand it.
 
 The paper's per-layer formulas (arXiv 2205.05198, section 4; bytes, 16-bit activations, 1-byte
@@ -64,8 +64,8 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from harness.config import CheckConfig
-from harness.shards import chunk_sizes
+from sp_harness.config.check_config import CheckConfig
+from sp_harness.config.shards import chunk_sizes
 
 TOLERANCE = 0.05
 
@@ -192,7 +192,7 @@ def find_layer(model: nn.Module) -> nn.Module:
 
 def memory_config(config: CheckConfig) -> CheckConfig:
     """The config the memory check measures: the case's defaults, ffn = 4h unless given, LayerNorm."""
-    from harness.case import get_case
+    from sp_harness.config.case import get_case
 
     cfg = get_case(config.case).resolve(config)
     if config.ffn is None:
@@ -202,8 +202,8 @@ def memory_config(config: CheckConfig) -> CheckConfig:
 
 def measure_reference_layer(config: CheckConfig) -> LayerMemory:
     """No parallelism, in-process: `reference.gpt.Block` fed [b, s, h] in the run dtype."""
-    from cases.common import gpt_config
-    from reference.gpt import Block
+    from sp_harness.cases.common import gpt_config
+    from sp_harness.reference.gpt import Block
 
     cfg = memory_config(config)
     block = Block(gpt_config(cfg)).to(cfg.torch_dtype)
@@ -221,8 +221,8 @@ def activation_rank(config: CheckConfig) -> LayerMemory:
     this rank's piece of a batch, and return what `blocks[0]` saved."""
     import torch.distributed as dist
 
-    from harness.case import get_case
-    from harness.sidebyside import _cut, _is_dtensor, make_context
+    from sp_harness.checks.sidebyside import _cut, _is_dtensor, make_context
+    from sp_harness.config.case import get_case
 
     case = get_case(config.case)
     device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
@@ -300,17 +300,17 @@ def activation_report(config: CheckConfig, runner=None, *, tp_case: str = "megat
     """Measure one layer of `config.case` (claimed TP+SP) and of its TP twin `tp_case` at the same
     config, per rank, next to the paper's and the adjusted formulas. JSON-able dict; see
     `activation_gate` for the verdict and `format_activation_report` for the table."""
-    from harness.case import get_case
-    from harness.verify import default_manager
+    from sp_harness.checks.verify import default_manager
+    from sp_harness.config.case import get_case
 
     cfg = memory_config(config)
     get_case(cfg.case).validate(cfg)
     runner = runner or default_manager()
     label = f"activation memory: case {cfg.case} [{cfg.short()}]"
-    sp_mem: list[LayerMemory] = runner.run(cfg.world_size, "harness.memory:activation_rank", cfg,
+    sp_mem: list[LayerMemory] = runner.run(cfg.world_size, "sp_harness.checks.memory:activation_rank", cfg,
                                            timeout_s=cfg.timeout_s, label=label)
     tp_cfg = cfg.replace(case=tp_case)
-    tp_mem: list[LayerMemory] = runner.run(cfg.world_size, "harness.memory:activation_rank", tp_cfg,
+    tp_mem: list[LayerMemory] = runner.run(cfg.world_size, "sp_harness.checks.memory:activation_rank", tp_cfg,
                                            timeout_s=cfg.timeout_s, label=label + f" (TP twin {tp_case})")
     layernorm = cfg.norm == "layernorm"
     rows = []
@@ -369,7 +369,7 @@ def memory_gate(config: CheckConfig, runner=None) -> tuple[bool | None, str]:
     """The memory check of one config for `sp-harness check` and the mutant battery:
     (ok, message), or (None, why) where it does not apply (not a Megatron-family TP+SP case, or
     tp = 1 where SP and TP coincide)."""
-    from harness.case import get_case
+    from sp_harness.config.case import get_case
 
     case = get_case(config.case)
     tp_only = case.base.endswith("-tp") or case.description.startswith("MUTANT megatron-gpt-tp")
@@ -400,7 +400,7 @@ def format_activation_report(report: dict) -> str:
 def comm_gate(tp_rows: list[dict], sp_rows: list[dict], tp: int) -> tuple[bool, str]:
     """(ok, message): per step and rank, TP+SP moves the same activation bytes as TP (the paper's
     claim: each all-reduce becomes a reduce-scatter + all-gather of the same payload)."""
-    from harness.comm import paper_check
+    from sp_harness.capture.comm import paper_check
 
     if tp <= 1:
         return True, "communication: tp = 1, no TP collectives to compare"

@@ -4,7 +4,7 @@ every realistic broken SP implementation?
 Every mutant gets the same default battery, in order, never tuned per mutant: side-by-side
 checks at an even split, an uneven split, a 2 x 2 DP x TP mesh (even, then uneven), the
 [s, b, h] layout; the collective accounting against the paper (SP must move what TP moves); the
-activation-memory check (where harness.memory provides it); and a short lockstep convergence run
+activation-memory check (where sp_harness.checks.memory provides it); and a short lockstep convergence run
 through the gate. A battery entry counts toward a kill only if the mutant's correct twin
 (`Case.base`) passes it, so a kill is never an artefact of the config. The first entry that
 fails is the killer; its check (forward, grad, param-after-step, replica drift, crash, collective
@@ -17,8 +17,8 @@ import json
 import time
 from dataclasses import asdict, dataclass
 
-from harness.case import all_cases, get_case
-from harness.config import CheckConfig
+from sp_harness.config.case import all_cases, get_case
+from sp_harness.config.check_config import CheckConfig
 
 KIND_LABEL = {"init": "init", "forward": "forward", "loss": "forward (loss)", "input_grad": "input grad", "grad": "grad",
               "param": "param-after-step"}
@@ -68,7 +68,7 @@ def _config(case: str, entry: Entry) -> CheckConfig:
 
 
 def _run_check(case: str, entry: Entry, runner):
-    from harness.verify import check
+    from sp_harness.checks.verify import check
 
     return check(_config(case, entry), runner)
 
@@ -80,8 +80,8 @@ def _killer_of(res) -> str:
 
 def _comm_verdict(case: str, base_tp: str, entry: Entry, runner):
     """(ok, detail): SP activation collectives must equal the TP twin's volume (the paper)."""
-    from harness.comm import paper_check
-    from harness.verify import check
+    from sp_harness.capture.comm import paper_check
+    from sp_harness.checks.verify import check
 
     sp = check(_config(case, entry), runner)
     tp = check(_config(base_tp, entry), runner)
@@ -95,9 +95,9 @@ def _comm_verdict(case: str, base_tp: str, entry: Entry, runner):
 
 def _memory_verdict(case: str, entry: Entry, runner):
     try:
-        from harness import memory
+        from sp_harness.checks import memory
     except ModuleNotFoundError:
-        return None, "harness.memory not available"
+        return None, "sp_harness.checks.memory not available"
     gate = getattr(memory, "memory_gate", None)
     if gate is None:
         return None, "no memory gate"
@@ -105,7 +105,7 @@ def _memory_verdict(case: str, entry: Entry, runner):
 
 
 def _converge_verdict(case: str, baseline: str, entry: Entry, runner, out_dir: str):
-    from harness.converge import ConvergeOptions, converge
+    from sp_harness.suites.converge import ConvergeOptions, converge
 
     opts = ConvergeOptions(case=case, baseline=baseline, world_size=dict(entry.fields)["world_size"], steps=6,
                            seq_len=12, batch=2, warmup_steps=2)
@@ -205,7 +205,7 @@ def format_table(outcomes: list[Outcome]) -> str:
 
 
 def cmd_mutants(args) -> int:
-    from harness.cli import _runner
+    from sp_harness.cli import _runner
 
     names = args.only or mutant_names()
     battery = Battery(_runner())

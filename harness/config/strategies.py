@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from hypothesis import strategies as st
 
-from harness.config import ADVERSARIES, CheckConfig
+from sp_harness.config.check_config import ADVERSARIES, CheckConfig
 
 
 def world_sizes(*, min_size: int = 1, max_size: int = 8) -> st.SearchStrategy[int]:
@@ -72,7 +72,7 @@ def seeds(*, max_seed: int = 2**16) -> st.SearchStrategy[int]:
 
 
 def adversaries(*, include_off: bool = False) -> st.SearchStrategy[str]:
-    """Reorder-adversary modes (harness.adversary); shrinks toward the first listed."""
+    """Reorder-adversary modes (sp_harness.step.adversary); shrinks toward the first listed."""
     return st.sampled_from(ADVERSARIES if include_off else ADVERSARIES[1:])
 
 

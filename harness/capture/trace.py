@@ -23,8 +23,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from harness import shards as sh
-from harness.compare import check_tensor
+from sp_harness.compare.tolerance import check_tensor
+from sp_harness.config import shards as sh
 
 
 @dataclass(kw_only=True)

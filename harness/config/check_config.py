@@ -66,7 +66,7 @@ class CheckConfig:
     optimizer: str = "adamw"
     """'adamw' or 'sgd'."""
     adversary: str = "off"
-    """'reorder': the sharded side reduces in random legal orders (harness.adversary);
+    """'reorder': the sharded side reduces in random legal orders (sp_harness.step.adversary);
     'reorder-tf32': also TF32-rounded float32 matmul inputs on both sides (a GPU platform)."""
     timeout_s: float = 30.0
     """Seconds before a job is declared hung; the error names case, config and rank."""

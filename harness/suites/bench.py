@@ -8,9 +8,9 @@ One run measures, on this machine:
       models (`bare_rank`: build reference + sharded, forward / backward / grad sync / optimizer
       step on both, nothing captured or compared); target <= 1.5x;
   (c) cost per example of megatron-gpt-sp vs world size 1..8 and vs sequence length;
-  (d) activation memory of one layer (harness.memory) for no parallelism, TP and TP+SP at every
+  (d) activation memory of one layer (sp_harness.checks.memory) for no parallelism, TP and TP+SP at every
       world size, against the paper's and the adjusted formulas; communication TP vs TP+SP
-      (harness.memory.comm_gate); the full-sequence mutant's verdicts beside them;
+      (sp_harness.checks.memory.comm_gate); the full-sequence mutant's verdicts beside them;
   (e) wall time of the default convergence job (`ConvergeOptions()`, 2 ranks); target < 3 min.
 
 An "example" is one `check(config)`: one side-by-side verification (default 2 optimizer steps).
@@ -32,7 +32,7 @@ from typing import Any
 
 import torch
 
-from harness.config import CheckConfig
+from sp_harness.config.check_config import CheckConfig
 
 TARGET_SPEEDUP = 200.0
 TARGET_OVERHEAD = 1.5
@@ -48,14 +48,14 @@ MEMORY = dict(hidden=64, num_heads=8, ffn=256, seq_len=24, dtype="float32")
 
 def bare_rank(config: CheckConfig) -> dict:
     """The compute a check wraps, bare: build the float64 reference and the case's sharded model
-    exactly as `harness.sidebyside.run_rank` does, then `config.steps` steps of forward, loss,
+    exactly as `sp_harness.checks.sidebyside.run_rank` does, then `config.steps` steps of forward, loss,
     backward, grad sync and optimizer step on both. No extra reference copies, no capture, no
     comparison, no replica-drift collectives."""
     import torch.distributed as dist
 
-    from harness.case import get_case
-    from harness.optim_ref import make_optimizer
-    from harness.sidebyside import _reference_step, forward_loss, make_context, rank_batch
+    from sp_harness.checks.sidebyside import _reference_step, forward_loss, make_context, rank_batch
+    from sp_harness.config.case import get_case
+    from sp_harness.step.optim_ref import make_optimizer
 
     t_start = time.perf_counter()
     case = get_case(config.case)
@@ -101,7 +101,7 @@ def _median(xs: list[float]) -> float:
 
 
 def _timed_checks(config: CheckConfig, runner, reps: int) -> tuple[list[float], str]:
-    from harness.verify import check
+    from sp_harness.checks.verify import check
 
     times, verdict = [], ""
     for _ in range(reps):
@@ -113,13 +113,13 @@ def _timed_checks(config: CheckConfig, runner, reps: int) -> tuple[list[float], 
 
 
 def _timed_bare(config: CheckConfig, runner, reps: int) -> list[float]:
-    from harness.verify import resolve
+    from sp_harness.checks.verify import resolve
 
     config = resolve(config)
     times = []
     for _ in range(reps):
         t0 = time.perf_counter()
-        runner.run(config.world_size, "harness.bench:bare_rank", config, timeout_s=config.timeout_s,
+        runner.run(config.world_size, "sp_harness.suites.bench:bare_rank", config, timeout_s=config.timeout_s,
                    label=f"bench bare {config.case} [{config.short()}]")
         times.append(time.perf_counter() - t0)
     return times
@@ -127,8 +127,8 @@ def _timed_bare(config: CheckConfig, runner, reps: int) -> list[float]:
 
 def spawn_example(config: CheckConfig) -> dict:
     """One example the spawn-per-test way: fresh ranks, rendezvous, run, tear down."""
-    from harness.pool import RankPool
-    from harness.verify import check
+    from sp_harness.checks.verify import check
+    from sp_harness.launch.pool import RankPool
 
     t0 = time.perf_counter()
     pool = RankPool(config.world_size)
@@ -146,8 +146,7 @@ def spawn_example(config: CheckConfig) -> dict:
 
 def run_bench(*, quick: bool = False, spawn_reps: int = 1, reps: int | None = None, converge_steps: int | None = None,
               log=print) -> dict:
-    from harness.converge import ConvergeOptions, converge
-    from harness.memory import (
+    from sp_harness.checks.memory import (
         activation_gate,
         activation_report,
         adjusted_bytes,
@@ -156,8 +155,9 @@ def run_bench(*, quick: bool = False, spawn_reps: int = 1, reps: int | None = No
         memory_config,
         paper_bytes,
     )
-    from harness.pool import PoolManager
-    from harness.verify import check
+    from sp_harness.checks.verify import check
+    from sp_harness.launch.pool import PoolManager
+    from sp_harness.suites.converge import ConvergeOptions, converge
 
     t_bench = time.perf_counter()
     reps = reps or (2 if quick else 3)
@@ -239,7 +239,7 @@ def run_bench(*, quick: bool = False, spawn_reps: int = 1, reps: int | None = No
                 for case in ("megatron-gpt-sp", "mutant-sp-full-sequence-norms"):
                     res = check(base.replace(case=case), manager)
                     ok, msg = comm_gate(tp_res.comm, res.comm, ws)
-                    from harness.comm import paper_check
+                    from sp_harness.capture.comm import paper_check
 
                     fig = paper_check(tp_res.comm, res.comm, tp=ws)
                     comm_rows.append({"case": case, "world_size": ws, "verdict": res.verdict, "ok": ok, "message": msg,
@@ -377,7 +377,7 @@ def add_subcommands(sub) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m harness.bench")
+    parser = argparse.ArgumentParser(prog="python -m sp_harness.suites.bench")
     sub = parser.add_subparsers(dest="command", required=True)
     add_subcommands(sub)
     args = parser.parse_args(["bench", *(argv or [])])

@@ -11,7 +11,7 @@ Rules, all applied to every run:
              (loss, grad_norm), |a - b| <= GateBands.tight(dtype, |ref value|, step);
   drift      max_replica_drift <= drift_tolerance (0.0: replicated parameters must stay
              bit-identical across ranks), naming the parameter that drifted;
-  golden     optionally, each run's curves stay inside a golden file's band (harness.golden).
+  golden     optionally, each run's curves stay inside a golden file's band (sp_harness.judge.golden).
 
 The lockstep band (why it looks the way it does). The runs start from identical weights and
 see identical batches; a correct parallel run differs from the reference only in the order of
@@ -50,7 +50,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from harness.records import StepRecord, series
+from sp_harness.record.records import StepRecord, series
 
 EPS: dict[str, float] = {
     "float64": 2.0**-52,
@@ -291,7 +291,7 @@ def evaluate(
     golden: Mapping[str, Any] | None = None,
     golden_runs: Sequence[str] | None = None,
 ) -> GateResult:
-    """Judge runs by name. `golden` (a dict from harness.golden) is compared against
+    """Judge runs by name. `golden` (a dict from sp_harness.judge.golden) is compared against
     `golden_runs` (default: every run)."""
     if not runs:
         raise ValueError("no runs to judge")
@@ -314,9 +314,9 @@ def evaluate(
         for a, b in pairs:
             failures += _check_lockstep(runs, a, b, scale, metric, dtype, bands, checked)
     if golden is not None:
-        # harness.golden builds on GateBands/Failure from this module, so it is imported here
+        # sp_harness.judge.golden builds on GateBands/Failure from this module, so it is imported here
         # rather than at the top to keep the import graph acyclic
-        from harness.golden import compare_to_golden
+        from sp_harness.judge.golden import compare_to_golden
 
         for name in golden_runs if golden_runs is not None else names:
             if name not in runs:

@@ -136,8 +136,16 @@ def _resolve(fn_ref: str):
     return getattr(importlib.import_module(module), name)
 
 
+def _import_path() -> list[str]:
+    """The driver's import path, absolute: what its case files and their imports resolve against
+    (pytest's `pythonpath`, a src layout, the directory of a user's case file)."""
+    return [os.path.abspath(p) if p else os.getcwd() for p in sys.path]
+
+
 def _worker_main(spec: dict) -> None:
     _set_pdeathsig()
+    # ranks import what the driver would: its path first, before any case module is loaded
+    sys.path[:] = spec["sys_path"] + [p for p in sys.path if p not in spec["sys_path"]]
     rank, world_size, port = spec["rank"], spec["world_size"], spec["store_port"]
     options, stack_path = PoolOptions(**spec["options"]), spec["stack_path"]
     if options.devices is not None:
@@ -226,9 +234,6 @@ class RankPool:
         listener = Listener(("127.0.0.1", 0), authkey=authkey)
         tmp = tempfile.mkdtemp(prefix="sp-harness-stacks-")
         env = dict(os.environ, SP_HARNESS_AUTHKEY=authkey.hex(), **dict(self.options.env))
-        # the worker must import this very checkout even when the driver was started elsewhere
-        root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-        env["PYTHONPATH"] = os.pathsep.join(filter(None, [root, env.get("PYTHONPATH")]))
         for rank in range(self.world_size):
             path = os.path.join(tmp, f"rank{rank}.txt")
             self._stack_paths.append(path)
@@ -236,12 +241,12 @@ class RankPool:
             self._logs.append(log)
             spec = json.dumps({"rank": rank, "world_size": self.world_size, "store_port": self._store.port,
                                "address": list(listener.address), "stack_path": path,
-                               "options": dataclasses.asdict(self.options)})
+                               "options": dataclasses.asdict(self.options), "sys_path": _import_path()})
             # a plain subprocess, not multiprocessing's spawn: spawn re-imports the caller's
             # __main__, which a library must not require to be import-safe
             # rank output goes to a per-rank log; its tail is attached to failures (a C++ abort
             # such as gloo's size-mismatch enforce is only ever printed there)
-            self._procs.append(subprocess.Popen([sys.executable, "-m", "harness.pool", spec], env=env,
+            self._procs.append(subprocess.Popen([sys.executable, "-m", "sp_harness.launch.pool", spec], env=env,
                                                 stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT))
         self._conns = [None] * self.world_size
         deadline = time.monotonic() + _START_TIMEOUT_S
@@ -329,7 +334,7 @@ class RankPool:
         self._job_id += 1
         try:
             for conn in self._conns:
-                conn.send((self._job_id, "harness.pool:health_check", None))
+                conn.send((self._job_id, "sp_harness.launch.pool:health_check", None))
             for conn in self._conns:
                 if not conn.poll(5.0):
                     return False

@@ -15,7 +15,7 @@ import json
 import time
 from pathlib import Path
 
-from harness.config import CheckConfig
+from sp_harness.config.check_config import CheckConfig
 
 GOLDEN = Path(__file__).resolve().parent.parent / "reports" / "golden" / "megatron-gpt-sp.json"
 
@@ -42,7 +42,7 @@ NIGHTLY_CHECKS: list[tuple[CheckConfig, str, str]] = [
 
 
 def run_checks(runner) -> list[dict]:
-    from harness.verify import check, format_result
+    from sp_harness.checks.verify import check, format_result
 
     rows = []
     for config, expected, why in NIGHTLY_CHECKS:
@@ -79,8 +79,8 @@ def _append_checks_to_html(html_path: Path, rows: list[dict]) -> None:
 
 
 def cmd_nightly(args) -> int:
-    from harness.cli import _runner
-    from harness.converge import ConvergeOptions, converge, format_gate
+    from sp_harness.cli import _runner
+    from sp_harness.suites.converge import ConvergeOptions, converge, format_gate
 
     t0 = time.perf_counter()
     out = Path(args.out)

@@ -147,7 +147,7 @@ def make_meta(
     **extra: Any,
 ) -> dict[str, Any]:
     """The run-metadata dict written to meta.json. `floor` is the data's entropy rate in nats
-    (the ideal loss, see harness.data) or None when the data has no known floor; `extra` keys
+    (the ideal loss, see sp_harness.step.data) or None when the data has no known floor; `extra` keys
     (data description, git revision, host) are stored as given and must be JSON-serialisable."""
     if world_size != dp * tp:
         raise ValueError(f"world_size({world_size}) != dp({dp}) * tp({tp})")

@@ -23,16 +23,16 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from harness import shards as sh
-from harness.adversary import ReorderAdversary
-from harness.anchor import gather_full
-from harness.case import Case, Layout, ParamSpec, RankContext, Sharded, get_case
-from harness.comm import CommCounter
-from harness.compare import FACTOR, TensorCheck, check_bounded, check_tensor, lp_dtype
-from harness.config import CheckConfig
-from harness.optim_ref import make_optimizer, reference_step, state_of
-from harness.rounding import RoundingNoise, perturb_
-from harness.trace import Divergence, Recorder, first_divergence
+from sp_harness.capture.comm import CommCounter
+from sp_harness.capture.trace import Divergence, Recorder, first_divergence
+from sp_harness.compare.tolerance import FACTOR, TensorCheck, check_bounded, check_tensor, lp_dtype
+from sp_harness.config import shards as sh
+from sp_harness.config.case import Case, Layout, ParamSpec, RankContext, Sharded, get_case
+from sp_harness.config.check_config import CheckConfig
+from sp_harness.step.adversary import ReorderAdversary
+from sp_harness.step.anchor import gather_full
+from sp_harness.step.optim_ref import make_optimizer, reference_step, state_of
+from sp_harness.step.rounding import RoundingNoise, perturb_
 
 MAX_FAILURES_KEPT = 64
 
@@ -277,7 +277,7 @@ def run_rank(config: CheckConfig) -> RankResult:
 
     ref64 = case.build_reference(config).to(device=device, dtype=torch.float64)
     ref_lp = copy.deepcopy(ref64).to(lp)
-    # the backward-error reference: see harness.compare
+    # the backward-error reference: see sp_harness.compare.tolerance
     alt_gen = torch.Generator().manual_seed(config.seed + 104729)
     ref_alt = copy.deepcopy(ref64)
     accumulator = torch.float32 if dtype in (torch.bfloat16, torch.float16) else dtype
@@ -425,10 +425,10 @@ def _adversaries(config: CheckConfig, ctx: RankContext):
     """(mode for the sharded side, mode for the same-precision reference).
 
     The same-precision reference always runs its matmuls with a random worst-order summation
-    error (harness.adversary.order_error at its accumulator's precision): its error is then what
+    error (sp_harness.step.adversary.order_error at its accumulator's precision): its error is then what
     the least accurate legal kernel would make, not what this CPU's happens to. Under
     `--adversary` the sharded side is reordered (and TF32 applies to both sides, a platform
-    setting); see harness.adversary."""
+    setting); see sp_harness.step.adversary."""
     tf32 = config.adversary == "reorder-tf32"
     platform = ReorderAdversary(config.seed + 1, reorder=False, order_noise=True, tf32=tf32)
     if config.adversary == "off":
@@ -447,7 +447,7 @@ def record(result: RankResult, chk: TensorCheck) -> None:
 
 def _anchor(full: dict[str, torch.Tensor], ref64: dict, ref_lp: dict, ref_alt: dict, dtype: torch.dtype,
             gen: torch.Generator) -> None:
-    """Load the sharded run's current params into the three references (see harness.anchor)."""
+    """Load the sharded run's current params into the three references (see sp_harness.step.anchor)."""
     with torch.no_grad():
         for name, value in full.items():
             ref64[name].copy_(value)

@@ -10,7 +10,7 @@ replicated parameter, the distance to the reference, step time and tokens/s (JSO
 precision). Batches come from a fixed random Markov chain whose entropy rate is the loss floor.
 
 State lives in the rank processes between jobs, so the driver advances training in chunks and
-shows progress; under `torchrun -m harness.converge` every rank runs the same chunks in-process.
+shows progress; under `torchrun -m sp_harness.suites.converge` every rank runs the same chunks in-process.
 """
 
 from __future__ import annotations
@@ -27,10 +27,10 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from harness.case import get_case
-from harness.config import CheckConfig
-from harness.data import MarkovChain
-from harness.records import StepRecord
+from sp_harness.config.case import get_case
+from sp_harness.config.check_config import CheckConfig
+from sp_harness.record.records import StepRecord
+from sp_harness.step.data import MarkovChain
 
 DEFAULT_REFERENCE = "megatron-gpt-ref"
 DEFAULT_BASELINE = "megatron-gpt-tp"
@@ -94,8 +94,8 @@ def _grad_norm_sq_local(params, ctx) -> torch.Tensor:
 
 
 def train_start(spec: TrainSpec) -> dict:
-    from harness.optim_ref import make_optimizer
-    from harness.sidebyside import _Param, make_context
+    from sp_harness.checks.sidebyside import _Param, make_context
+    from sp_harness.step.optim_ref import make_optimizer
 
     config = spec.config
     case = get_case(config.case)
@@ -122,7 +122,7 @@ def _set_lr(opt, lr: float) -> None:
 
 def train_steps(num_steps: int) -> list[dict]:
     """Advance `num_steps`; returns (on every rank) the records of the runs for those steps."""
-    from harness.sidebyside import _param_piece, _replica_drift, forward_loss, global_loss, rank_batch
+    from sp_harness.checks.sidebyside import _param_piece, _replica_drift, forward_loss, global_loss, rank_batch
 
     s = _STATE
     spec, case, ctx, sharded, params = s["spec"], s["case"], s["ctx"], s["sharded"], s["params"]
@@ -234,7 +234,7 @@ def train(spec: TrainSpec, runner, *, chunk: int = 25, progress: bool = True,
 
     A run that crashes or hangs stops there: its records so far are returned and, if `crashes`
     is given, crashes[run] = (step reached, the failure) -- the gate reports it as a FAIL."""
-    from harness.pool import RankFailure
+    from sp_harness.launch.pool import RankFailure
 
     cfg = spec.config
     label = f"converge {spec.run}: case {cfg.case} [{cfg.short()}]"
@@ -243,10 +243,10 @@ def train(spec: TrainSpec, runner, *, chunk: int = 25, progress: bool = True,
     ref_records: list[StepRecord] = []
     done = 0
     try:
-        runner.run(cfg.world_size, "harness.converge:train_start", spec, timeout_s=cfg.timeout_s, label=label)
+        runner.run(cfg.world_size, "sp_harness.suites.converge:train_start", spec, timeout_s=cfg.timeout_s, label=label)
         while done < spec.steps:
             n = min(chunk, spec.steps - done)
-            rows = runner.run(cfg.world_size, "harness.converge:train_steps", n,
+            rows = runner.run(cfg.world_size, "sp_harness.suites.converge:train_steps", n,
                               timeout_s=cfg.timeout_s + n * 5.0, label=label)[0]
             for row in rows:
                 run_records.append(StepRecord(run=spec.run, step=row["step"], lr=row["lr"], **row["run"]))
@@ -260,7 +260,7 @@ def train(spec: TrainSpec, runner, *, chunk: int = 25, progress: bool = True,
         crashes[spec.run] = (len(run_records), exc)
     finally:
         try:
-            runner.run(cfg.world_size, "harness.converge:train_end", None, timeout_s=cfg.timeout_s, label=label)
+            runner.run(cfg.world_size, "sp_harness.suites.converge:train_end", None, timeout_s=cfg.timeout_s, label=label)
         except Exception:
             pass
     return run_records, ref_records
@@ -303,10 +303,10 @@ class ConvergeOptions:
 def converge(opts: ConvergeOptions, runner, out_dir: str | os.PathLike, *, golden: str | None = None,
              progress: bool = True):
     """Train reference, baseline and case in lockstep, write records, gate, write the report."""
-    from harness.gate import evaluate
-    from harness.golden import load_golden
-    from harness.records import make_meta, write_run_dir
-    from harness.report import write_report
+    from sp_harness.judge.gate import evaluate
+    from sp_harness.judge.golden import load_golden
+    from sp_harness.record.records import make_meta, write_run_dir
+    from sp_harness.report.html import write_report
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -351,7 +351,7 @@ def converge(opts: ConvergeOptions, runner, out_dir: str | os.PathLike, *, golde
 def _with_crashes(result, crashes: dict):
     import dataclasses
 
-    from harness.gate import Failure
+    from sp_harness.judge.gate import Failure
 
     extra = tuple(Failure(rule="crash", metric="step", run=run, step=step, value=float("nan"), band=0.0,
                           detail=f"{exc.describe(with_traces=False)}: {exc.summary_line()}")
@@ -412,7 +412,7 @@ def options_from_args(args) -> ConvergeOptions:
 
 
 def cmd_converge(args) -> int:
-    from harness.cli import _is_leader, _runner
+    from sp_harness.cli import _is_leader, _runner
 
     opts = options_from_args(args)
     runner = _runner()
@@ -423,8 +423,8 @@ def cmd_converge(args) -> int:
 
 
 def cmd_gate(args) -> int:
-    from harness.golden import load_golden
-    from harness.report import report_from_dir
+    from sp_harness.judge.golden import load_golden
+    from sp_harness.report.html import report_from_dir
 
     golden = load_golden(args.golden) if args.golden else None
     result, html = report_from_dir(args.dir, golden=golden)
@@ -433,8 +433,8 @@ def cmd_gate(args) -> int:
 
 
 def cmd_golden(args) -> int:
-    from harness.cli import _runner
-    from harness.golden import make_golden, save_golden
+    from sp_harness.cli import _runner
+    from sp_harness.judge.golden import make_golden, save_golden
 
     opts = options_from_args(args)
     runner = _runner()
@@ -470,8 +470,8 @@ def add_subcommands(sub) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """`torchrun --nproc-per-node N -m harness.converge [converge options] --out DIR`."""
-    parser = argparse.ArgumentParser(prog="python -m harness.converge")
+    """`torchrun --nproc-per-node N -m sp_harness.suites.converge [converge options] --out DIR`."""
+    parser = argparse.ArgumentParser(prog="python -m sp_harness.suites.converge")
     _add_converge_args(parser)
     parser.add_argument("--out", default="reports/latest")
     parser.add_argument("--golden")

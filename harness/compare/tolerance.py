@@ -1,13 +1,13 @@
 """Stage: compare. The tolerance model, pure and process-group free.
 
 Every sharded quantity is judged against a float64 reference computed from the same weights
-(the sharded run's own, re-anchored every step: harness.anchor) and the same data. What it may
+(the sharded run's own, re-anchored every step: sp_harness.step.anchor) and the same data. What it may
 deviate by is not tuned per case or per machine: it is measured on the very computation by two
-more references, both run by harness.sidebyside:
+more references, both run by sp_harness.checks.sidebyside:
 
 - `ref_lp`, the same model in the run's precision (float32 for a float64 run, its error scaled
   by eps64/eps32), its matmuls carrying a random worst-order summation error
-  (harness.adversary.order_error): what a correct single-device run on the least accurate legal
+  (sp_harness.step.adversary.order_error): what a correct single-device run on the least accurate legal
   kernel errs by.
 - `ref_alt`, float64 with every weight, float input, and every op's inputs and result perturbed by
   a random relative eps(dtype), plus the same order error: the backward-error view, which covers
@@ -20,7 +20,7 @@ Two bounds, both must hold:
     norm-wise  ||err||  <= NORM_FACTOR * ||e_lp|| + NORM_FLOOR_ULPS * eps(dtype) * ||ref64||
                (pieces of NORM_MIN_NUMEL elements or more)
 
-The optimizer step has its own elementwise bound (check_bounded, harness.optim_ref), the loss an
+The optimizer step has its own elementwise bound (check_bounded, sp_harness.step.optim_ref), the loss an
 allowance propagated from its output (sidebyside._loss_allowance).
 
 History: FACTOR and FLOOR_ULPS date from the first model (calibrated on 72 correct runs); the
@@ -29,7 +29,7 @@ ref_alt terms were added after hypothesis found false alarms (a key-bias grad at
 params after AdamW against the references' own trajectories and false-alarmed at 1.02x on
 AVX-512 CPUs (AdamW amplifying a last-bit grad difference on an element whose grad was 26x its
 eps): replaced by re-anchoring and the optimizer-stage bound. The norm-wise bound and the order
-error came with the reorder adversary (harness.adversary), which the README's false-alarm table
+error came with the reorder adversary (sp_harness.step.adversary), which the README's false-alarm table
 runs against.
 """
 
@@ -83,7 +83,7 @@ class TensorCheck:
     kind: str
     """'init' (sharded params before step 0 against the reference's), 'forward', 'loss',
     'input_grad', 'grad', or 'param' (after the optimizer step, against that step applied in
-    float64 to the sharded run's own params, grads and state: see harness.optim_ref)."""
+    float64 to the sharded run's own params, grads and state: see sp_harness.step.optim_ref)."""
     name: str
     """Reference tensor name ('output', 'loss', 'input', or a parameter name)."""
     step: int
@@ -189,7 +189,7 @@ def _norm_ratio(err: torch.Tensor, ref64: torch.Tensor, ref_lp: torch.Tensor, re
 def check_bounded(*, kind: str, name: str, step: int, rank: int, got: torch.Tensor | None, want: torch.Tensor,
                   bound: torch.Tensor, offset: tuple[int, ...] = ()) -> TensorCheck:
     """Judge `got` against `want` element by element, each within its own `bound` (a rounding
-    bound derived from the computation, e.g. harness.optim_ref). The reported ratio is the
+    bound derived from the computation, e.g. sp_harness.step.optim_ref). The reported ratio is the
     largest err / bound; `allowed` is the bound at that element."""
     want = want.detach().to(torch.float64)
     if got is None or tuple(got.shape) != tuple(want.shape):
