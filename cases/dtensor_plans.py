@@ -136,8 +136,10 @@ def _gpt_validate(config: CheckConfig) -> None:
 
 def _gpt_shard(model, ctx: RankContext) -> Sharded:
     module = parallelize_module(model, ctx.device_mesh, gpt_plan(ctx.config.num_layers))
+    # the embeddings stay plain tensors, whole on every rank
     return Sharded(module=module, input_layout=Layout(seq_dim=1, batch_dim=0, seq_sharded=False),
-                   output_layout=Layout(seq_dim=1, batch_dim=0, seq_sharded=False))
+                   output_layout=Layout(seq_dim=1, batch_dim=0, seq_sharded=False),
+                   replicated=("tok_emb.weight", "pos_emb.weight"))
 
 
 DTENSOR_GPT = register(Case(

@@ -67,7 +67,8 @@ def _average_over_dp(model, ctx):
 
 
 def _ddp(model, ctx):
-    return Sharded(module=model, input_layout=IO, output_layout=IO, sync_grads=lambda: _average_over_dp(model, ctx))
+    return Sharded(module=model, input_layout=IO, output_layout=IO, sync_grads=lambda: _average_over_dp(model, ctx),
+                   replicated=("*",))
 
 
 def _ddp_double_average(model, ctx):
@@ -75,7 +76,7 @@ def _ddp_double_average(model, ctx):
         return _loss_sum(out, tgt) / (_tokens(tgt) * ctx.dp)
 
     return Sharded(module=model, input_layout=IO, output_layout=IO, local_loss=loss,
-                   sync_grads=lambda: _average_over_dp(model, ctx))
+                   sync_grads=lambda: _average_over_dp(model, ctx), replicated=("*",))
 
 
 def _case(name, shard):

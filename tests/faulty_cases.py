@@ -23,7 +23,7 @@ def _shard_hanging(model, ctx):
     if ctx.rank == 1:
         time.sleep(3600)
     return Sharded(module=model, input_layout=Layout(seq_dim=0, seq_sharded=False),
-                   output_layout=Layout(seq_dim=0, seq_sharded=False))
+                   output_layout=Layout(seq_dim=0, seq_sharded=False), replicated=("*",))
 
 
 def _shard_desync(model, ctx):
@@ -43,7 +43,7 @@ def _shard_unsupported_late(model, ctx):
 def _replicated(model, ctx):
     # no sharding at all: every rank runs the whole model on the whole input
     return Sharded(module=model, input_layout=Layout(seq_dim=0, seq_sharded=False),
-                   output_layout=Layout(seq_dim=0, seq_sharded=False))
+                   output_layout=Layout(seq_dim=0, seq_sharded=False), replicated=("*",))
 
 
 def _variant(name, shard):

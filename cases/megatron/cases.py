@@ -82,7 +82,7 @@ def _shard_single(ref: nn.Module, ctx: RankContext) -> Sharded:
             all_reduce_coalesced(grads, ctx.dp_group, divide_by=ctx.dp)
 
     io = Layout(seq_dim=1, batch_dim=0, seq_sharded=False)
-    return Sharded(module=ref, input_layout=io, output_layout=io, sync_grads=sync)
+    return Sharded(module=ref, input_layout=io, output_layout=io, sync_grads=sync, replicated=("*",))
 
 
 def megatron_case(
@@ -93,7 +93,7 @@ def megatron_case(
     description: str,
     tags: tuple[str, ...] = ("megatron",),
     models_bug: str = "",
-    base: str = "",
+    twin: str = "",
 ) -> Case:
     """A Case for the Megatron GPT in `mode` "tp" (tensor parallel) or "sp" (TP + sequence
     parallel) built from `impl`; not registered (call `register`)."""
@@ -113,7 +113,9 @@ def megatron_case(
         input_layout=INPUT_LAYOUT,
         tags=tags,
         models_bug=models_bug,
-        base=base,
+        twin=twin,
+        # an SP implementation must match its TP twin's communication volume and training curve
+        baseline="megatron-gpt-tp" if sp else "",
     )
 
 

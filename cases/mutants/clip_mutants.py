@@ -41,7 +41,7 @@ def _shard_counting_replicas(ref, ctx: RankContext) -> Sharded:
 
 
 CLIP_COUNTS_REPLICAS = register(dataclasses.replace(
-    SP, name="mutant-sp-clip-norm-counts-replicas", base="megatron-gpt-sp", tags=("mutant", "megatron"),
+    SP, name="mutant-sp-clip-norm-counts-replicas", twin="megatron-gpt-sp", tags=("mutant", "megatron"),
     description="MUTANT megatron-gpt-sp: global grad norm for clipping counts replicated params tp times",
     models_bug="grad norm for clipping counting replicated params TP times: each TP rank adds the squares of "
                "the replicated (norm, bias, embedding) grads before the TP all-reduce, inflating the norm and "

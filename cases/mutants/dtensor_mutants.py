@@ -46,7 +46,7 @@ def _init_norms_per_rank(model, ctx: RankContext) -> None:
 
 
 NORM_MISSING_SP = register(dataclasses.replace(
-    DTENSOR_GPT, name="mutant-dtensor-norm-missing-sp", base="dtensor-gpt", tags=TAGS,
+    DTENSOR_GPT, name="mutant-dtensor-norm-missing-sp", twin="dtensor-gpt", tags=TAGS,
     description="MUTANT dtensor-gpt: blocks.0.norm2 left out of the plan",
     models_bug="a norm missing SequenceParallel in the plan: it runs as a plain module on the local sequence "
                "shard, so its weight grads are partial sums never reduced over TP (the DTensor form of "
@@ -55,7 +55,7 @@ NORM_MISSING_SP = register(dataclasses.replace(
 ))
 
 NORM_INIT_PER_RANK = register(dataclasses.replace(
-    DTENSOR_GPT, name="mutant-dtensor-norm-init-per-rank", base="dtensor-gpt", tags=TAGS,
+    DTENSOR_GPT, name="mutant-dtensor-norm-init-per-rank", twin="dtensor-gpt", tags=TAGS,
     description="MUTANT dtensor-gpt: norm weights differ per rank before parallelize_module",
     models_bug="norm weights initialised differently per rank: SequenceParallel wraps them with "
                "DTensor.from_local(..., Replicate(), run_check=False) and never broadcasts, so replicas "
@@ -73,7 +73,7 @@ def _seed_wrong_output_dim(model, ctx: RankContext) -> Sharded:
 
 
 SEED_WRONG_DIM = register(dataclasses.replace(
-    SEED_MLP, name="mutant-dtensor-output-wrong-dim", base="seed-mlp", tags=TAGS,
+    SEED_MLP, name="mutant-dtensor-output-wrong-dim", twin="seed-mlp", tags=TAGS,
     description="MUTANT seed-mlp: RowwiseParallel(output_layouts=Shard(1))",
     models_bug="output sharded on the wrong dim: the reduce-scatter splits features instead of the "
                "sequence (Shard(1) for Shard(0)), so every rank holds a feature slice of all tokens; "

@@ -33,7 +33,7 @@ def _mutant(name: str, mode: str, short: str, bug: str, **swap):
             description=f"MUTANT megatron-gpt-{mode}: {short}",
             tags=TAGS,
             models_bug=bug,
-            base=f"megatron-gpt-{mode}",
+            twin=f"megatron-gpt-{mode}",
         )
     )
 

@@ -89,7 +89,7 @@ FULL_SEQUENCE_NORMS = register(Case(
     defaults=DEFAULTS,
     input_layout=INPUT_LAYOUT,
     tags=("mutant", "megatron", "memory"),
-    base="megatron-gpt-sp",
+    twin="megatron-gpt-sp",
     models_bug="keeps full-sequence activations: each layer all-gathers the sequence before its norms and runs "
                "norms, residuals and dropout regions on all s tokens (replicated over TP, all-reduce after "
                "each row-parallel linear), so numerics match SP but activations per layer are TP's "

@@ -184,7 +184,7 @@ def _shard(shape: str):
 def _scaled_mutant(shape: str, short: str, bug: str) -> Case:
     name = f"mutant-scaled-{shape}"
     case = megatron_case(name, "sp", CORRECT, description=f"MUTANT {BASE}: {short} ({ENV}, default {DEFAULT_D:g})",
-                         tags=TAGS, models_bug=bug, base=BASE)
+                         tags=TAGS, models_bug=bug, twin=BASE)
     return register(dataclasses.replace(case, shard=_shard(shape)))
 
 

@@ -58,7 +58,6 @@ within 5%: an implementation that keeps full-sequence activations around its nor
 
 from __future__ import annotations
 
-import copy
 from dataclasses import dataclass, field
 
 import torch
@@ -219,25 +218,21 @@ def measure_reference_layer(config: CheckConfig) -> LayerMemory:
 def activation_rank(config: CheckConfig) -> LayerMemory:
     """Rank job: build the case's sharded model as the engine does, run one forward + backward on
     this rank's piece of a batch, and return what `blocks[0]` saved."""
-    import torch.distributed as dist
+    from sp_harness.config.case import as_batch
+    from sp_harness.step.build import build
+    from sp_harness.step.context import is_dtensor
+    from sp_harness.step.inputs import call, rank_batch
 
-    from sp_harness.checks.sidebyside import _cut, _is_dtensor, make_context
-    from sp_harness.config.case import get_case
-
-    case = get_case(config.case)
-    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
-    ctx = make_context(config, device)
-    ref = case.build_reference(config).to(device=device, dtype=torch.float64)
-    sharded = case.shard(copy.deepcopy(ref).to(config.torch_dtype), ctx)
-    model = sharded.module
-    inp, _ = case.make_batch(config, 0, torch.Generator().manual_seed(config.seed + 7919))
-    local, _ = _cut(inp.to(device), sharded.input_layout, ctx)
+    built = build(config)
+    model = built.sharded.module
+    batch = as_batch(built.case.make_batch(config, 0, torch.Generator().manual_seed(config.seed + 7919)))
+    local = rank_batch(batch, built.sharded, built.ctx, config.torch_dtype)
     with SavedTensorMeter(find_layer(model), params_of=model) as meter:
-        out = model(local)
-    if _is_dtensor(out):
+        out = call(model, local.inputs, local.positional)
+    if is_dtensor(out):
         out = out.to_local()
     out.float().sum().backward()
-    meter.result.rank = ctx.rank
+    meter.result.rank = built.ctx.rank
     return meter.result
 
 
@@ -372,12 +367,11 @@ def memory_gate(config: CheckConfig, runner=None) -> tuple[bool | None, str]:
     from sp_harness.config.case import get_case
 
     case = get_case(config.case)
-    tp_only = case.base.endswith("-tp") or case.description.startswith("MUTANT megatron-gpt-tp")
-    if "megatron" not in case.tags or case.name in ("megatron-gpt-tp", "megatron-gpt-ref") or tp_only:
+    if "megatron" not in case.tags or not case.baseline:
         return None, f"no activation-memory model for {case.name} (Megatron-family TP+SP cases only)"
     if config.world_size // config.dp <= 1:
         return None, "tp = 1: SP and TP save the same activations"
-    return activation_gate(activation_report(config, runner))
+    return activation_gate(activation_report(config, runner, tp_case=case.baseline))
 
 
 def format_activation_report(report: dict) -> str:

@@ -17,39 +17,25 @@ import contextlib
 import copy
 import time
 from dataclasses import dataclass, field
-from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from sp_harness.capture.comm import CommCounter
 from sp_harness.capture.trace import Divergence, Recorder, first_divergence
 from sp_harness.compare.tolerance import FACTOR, TensorCheck, check_bounded, check_tensor, lp_dtype
-from sp_harness.config import shards as sh
-from sp_harness.config.case import Case, Layout, ParamSpec, RankContext, Sharded, get_case
+from sp_harness.config.case import RankContext, as_batch
 from sp_harness.config.check_config import CheckConfig
 from sp_harness.step.adversary import ReorderAdversary
 from sp_harness.step.anchor import gather_full
+from sp_harness.step.build import Built, build
+from sp_harness.step.inputs import cut, forward_loss, global_loss, rank_batch, replica_slice
 from sp_harness.step.optim_ref import make_optimizer, reference_step, state_of
+from sp_harness.step.params import Drift, LocalParam, replica_drift
+from sp_harness.step.reference import RefStep, reference_pass
 from sp_harness.step.rounding import RoundingNoise, perturb_
 
 MAX_FAILURES_KEPT = 64
-
-
-@dataclass(kw_only=True)
-class Drift:
-    step: int
-    name: str
-    """Reference name of the parameter that should be replicated."""
-    group: str
-    """'tp' or 'dp': across which ranks it differs."""
-    max_abs: float
-    ranks: tuple[int, ...]
-
-    def describe(self) -> str:
-        return (f"step {self.step} replica drift of {self.name} across {self.group} ranks "
-                f"{list(self.ranks)}: max |diff| {self.max_abs:.3g} (must be 0, bit-identical)")
 
 
 @dataclass(kw_only=True)
@@ -68,189 +54,6 @@ class RankResult:
     """At the first failing step: the first module whose output or input grad left its bound."""
 
 
-_GROUPS: dict[tuple[int, int], Any] = {}
-
-
-def _groups(world_size: int, dp: int):
-    """TP and DP groups of a dp x tp mesh, created once per pool (new_group is collective)."""
-    key = (world_size, dp)
-    if key not in _GROUPS:
-        tp = world_size // dp
-        rank = dist.get_rank()
-        mine = {}
-        for d in range(dp):
-            ranks = tuple(range(d * tp, (d + 1) * tp))
-            g = dist.new_group(list(ranks)) if tp < world_size else dist.group.WORLD
-            if rank in ranks:
-                mine["tp"] = (g, ranks)
-        for t in range(tp):
-            ranks = tuple(range(t, world_size, tp))
-            g = dist.new_group(list(ranks)) if dp < world_size else dist.group.WORLD
-            if rank in ranks:
-                mine["dp"] = (g, ranks)
-        _GROUPS[key] = mine
-    return _GROUPS[key]
-
-
-_MESHES: dict[tuple[int, int, str], Any] = {}
-
-
-def make_context(config: CheckConfig, device: torch.device) -> RankContext:
-    world_size = dist.get_world_size()
-    if world_size != config.world_size:
-        raise RuntimeError(f"job for world_size {config.world_size} sent to a world of {world_size}")
-    groups = _groups(world_size, config.dp)
-    rank = dist.get_rank()
-    tp = config.tp
-    seq_shards = config.seq_shards or sh.chunk_sizes(config.seq_len or 0, tp)
-    ctx = RankContext(config=config, rank=rank, world_size=world_size, dp_rank=rank // tp, tp_rank=rank % tp,
-                      tp_group=groups["tp"][0], dp_group=groups["dp"][0], tp_ranks=groups["tp"][1],
-                      dp_ranks=groups["dp"][1], seq_shards=tuple(seq_shards), device=device)
-    key = (world_size, config.dp, device.type)
-    if key in _MESHES:
-        ctx._mesh = _MESHES[key]
-    else:
-        _MESHES[key] = ctx.device_mesh
-    return ctx
-
-
-def _cut(tensor: torch.Tensor, layout: Layout, ctx: RankContext) -> tuple[torch.Tensor, tuple[int, ...]]:
-    """This rank's piece of a global tensor, and the piece's offset in it."""
-    offset = [0] * tensor.dim()
-    if layout.batch_dim is not None and ctx.dp > 1:
-        sizes = sh.chunk_sizes(tensor.shape[layout.batch_dim], ctx.dp)
-        offset[layout.batch_dim] = sh.offsets(sizes)[ctx.dp_rank]
-        tensor = sh.shard(tensor, layout.batch_dim, sizes, ctx.dp_rank)
-    if layout.seq_dim is not None and layout.seq_sharded:
-        offset[layout.seq_dim] = sh.offsets(ctx.seq_shards)[ctx.tp_rank]
-        tensor = sh.shard(tensor, layout.seq_dim, ctx.seq_shards, ctx.tp_rank)
-    return tensor, tuple(offset)
-
-
-def _replica_slice(tensor: torch.Tensor, layout: Layout, ctx: RankContext) -> torch.Tensor:
-    """The DP replica's part of a global tensor (no sequence cut)."""
-    if layout.batch_dim is not None and ctx.dp > 1:
-        sizes = sh.chunk_sizes(tensor.shape[layout.batch_dim], ctx.dp)
-        return sh.shard(tensor, layout.batch_dim, sizes, ctx.dp_rank)
-    return tensor
-
-
-def rank_batch(inp: torch.Tensor, tgt: torch.Tensor, sharded: Sharded, ctx: RankContext, dtype: torch.dtype):
-    """This rank's input (cast to the run dtype, a grad leaf if floating) and target pieces, and
-    the input piece's offset in the global input."""
-    local_in, offset = _cut(inp, sharded.input_layout, ctx)
-    if local_in.is_floating_point():
-        local_in = local_in.to(dtype).detach().clone().requires_grad_(True)
-    local_tgt, _ = _cut(tgt, sharded.output_layout, ctx)
-    if local_tgt.is_floating_point():
-        # a float64 target would promote the loss of a low-precision run to float64
-        local_tgt = local_tgt.to(dtype)
-    return local_in, local_tgt, offset
-
-
-def forward_loss(case: Case, sharded: Sharded, local_in: torch.Tensor, local_tgt: torch.Tensor,
-                 tgt: torch.Tensor, ctx: RankContext) -> tuple[torch.Tensor, torch.Tensor]:
-    """The sharded model's local output and this rank's share of the loss: the case's own
-    `local_loss`, else the token-loss sum over local tokens / tokens per DP replica."""
-    out = sharded.module(local_in)
-    if _is_dtensor(out):
-        out = out.to_local()
-    if sharded.local_loss is not None:
-        return out, sharded.local_loss(out, local_tgt, ctx)
-    return out, case.loss_sum(out, local_tgt) / case.tokens(_replica_slice(tgt, sharded.output_layout, ctx))
-
-
-def global_loss(loss: torch.Tensor, sharded: Sharded, ctx: RankContext) -> torch.Tensor:
-    """The loss of the whole global batch from each rank's share (a collective, float64)."""
-    total = loss.detach().to(torch.float64).clone()
-    if sharded.output_layout.seq_sharded and ctx.tp > 1:
-        dist.all_reduce(total, group=ctx.tp_group)
-    if ctx.dp > 1:
-        dist.all_reduce(total, group=ctx.dp_group)
-        total /= ctx.dp
-    return total
-
-
-def _is_dtensor(t) -> bool:
-    return type(t).__name__ == "DTensor"
-
-
-def _param_piece(ref: torch.Tensor, spec: ParamSpec, ctx: RankContext) -> tuple[torch.Tensor, tuple[int, ...]]:
-    if spec.index is not None:
-        return spec.index(ref), ()
-    if spec.dim is None:
-        return ref, ()
-    sizes = spec.sizes or sh.chunk_sizes(ref.shape[spec.dim], ctx.tp)
-    offset = [0] * ref.dim()
-    offset[spec.dim] = sh.offsets(sizes)[ctx.tp_rank]
-    return sh.shard(ref, spec.dim, sizes, ctx.tp_rank), tuple(offset)
-
-
-class _Param:
-    """One local parameter and where it lives in the reference."""
-
-    def __init__(self, local_name: str, param: nn.Parameter, spec: ParamSpec | None):
-        self.local_name = local_name
-        self.param = param
-        self.dtensor = _is_dtensor(param)
-        self.spec = spec or ParamSpec(ref_name=local_name)
-        if self.dtensor:
-            from torch.distributed.tensor import Replicate
-
-            self.replicated_tp = all(isinstance(p, Replicate) for p in param.placements)
-        else:
-            self.replicated_tp = self.spec.dim is None and self.spec.index is None
-
-    def local(self, t: torch.Tensor | None) -> torch.Tensor | None:
-        if t is None:
-            return None
-        return t.to_local() if _is_dtensor(t) else t
-
-    def piece_of(self, ref: torch.Tensor | None, ctx: RankContext) -> torch.Tensor | None:
-        """This rank's piece of a reference tensor (the whole tensor for DTensor params)."""
-        if ref is None or self.dtensor:
-            return ref
-        return _param_piece(ref, self.spec, ctx)[0]
-
-    def full_or_piece(self, t: torch.Tensor | None, ref64: torch.Tensor, ref_lp: torch.Tensor, ctx: RankContext):
-        """(value to judge, matching ref64 piece, ref_lp piece, offset)."""
-        if self.dtensor:
-            value = None if t is None else t.full_tensor()
-            return value, ref64, ref_lp, ()
-        piece64, offset = _param_piece(ref64, self.spec, ctx)
-        piece_lp, _ = _param_piece(ref_lp, self.spec, ctx)
-        return t, piece64, piece_lp, offset
-
-
-def _reference_step(model: nn.Module, case: Case, inp: torch.Tensor, tgt: torch.Tensor, dtype: torch.dtype,
-                    noise: RoundingNoise | None = None):
-    x = inp.to(dtype) if inp.is_floating_point() else inp
-    tgt = tgt.to(dtype) if tgt.is_floating_point() else tgt
-    if noise is not None and x.is_floating_point():
-        x = perturb_(x.clone(), noise.rel, noise.gen)
-    if x.is_floating_point():
-        x = x.detach().requires_grad_(True)
-    with noise if noise is not None else contextlib.nullcontext():
-        out = model(x)
-        if out.requires_grad:
-            out.retain_grad()
-        loss = case.loss_sum(out, tgt) / case.tokens(tgt)
-        loss.backward()
-    return RefStep(out=out.detach(), loss=loss.detach(), input_grad=x.grad if x.is_floating_point() else None,
-                   out_grad=out.grad)
-
-
-@dataclass(kw_only=True)
-class RefStep:
-    """One reference forward + backward."""
-
-    out: torch.Tensor
-    loss: torch.Tensor
-    input_grad: torch.Tensor | None
-    out_grad: torch.Tensor | None
-    """d loss / d output: what the loss's error bound propagates the output's error through."""
-
-
 def _loss_allowance(ref64: RefStep, ref_lp: RefStep, ref_alt: RefStep, dtype: torch.dtype) -> float:
     """The loss's error propagated from its output's, to first order dL = <dL/dout, d out>: for
     rounding errors independent across elements that sum has a spread of ||dL/dout * d out||_2,
@@ -265,147 +68,179 @@ def _loss_allowance(ref64: RefStep, ref_lp: RefStep, ref_alt: RefStep, dtype: to
     return FACTOR * float((ref64.out_grad * out_err).norm())
 
 
+@dataclass(kw_only=True)
+class _References:
+    """The three references of one check (see sp_harness.compare.tolerance): float64, the run's
+    own precision, and float64 with every op's inputs and result perturbed."""
+
+    r64: nn.Module
+    lp: nn.Module
+    alt: nn.Module
+    alt_noise: RoundingNoise
+    alt_gen: torch.Generator
+
+    def params(self, which: str) -> dict[str, nn.Parameter]:
+        return dict(getattr(self, which).named_parameters())
+
+
+def _references(built: Built, config: CheckConfig) -> _References:
+    dtype = config.torch_dtype
+    alt_gen = torch.Generator().manual_seed(config.seed + 104729)
+    accumulator = torch.float32 if dtype in (torch.bfloat16, torch.float16) else dtype
+    noise = RoundingNoise(torch.finfo(dtype).eps, alt_gen, torch.finfo(accumulator).eps,
+                          matmul_input_precision(config, built.device))
+    return _References(r64=built.reference, lp=copy.deepcopy(built.reference).to(lp_dtype(dtype)),
+                       alt=copy.deepcopy(built.reference), alt_noise=noise, alt_gen=alt_gen)
+
+
+class _SideBySide:
+    """One check on one rank: the sharded model stepped beside its three references."""
+
+    def __init__(self, config: CheckConfig):
+        self.config = config
+        self.dtype = config.torch_dtype
+        self.built = build(config)
+        self.ctx, self.case, self.sharded = self.built.ctx, self.built.case, self.built.sharded
+        self.params = self.built.params
+        self.refs = _references(self.built, config)
+        self.ref = {w: self.refs.params(w) for w in ("r64", "lp", "alt")}
+        self.result = RankResult(rank=self.ctx.rank)
+        self.opt = make_optimizer(config.optimizer, config.lr, self.sharded.module.parameters())
+        self.counter = CommCounter(self.ctx.group_label)
+        self.adversary, self.platform = _adversaries(config, self.ctx)
+        traced = not any(p.dtensor for p in self.params)  # DTensor outputs do not line up with plain ones
+        # modules holding a TP-sharded param return pieces or partial sums: not comparable
+        pieces = frozenset(p.local_name.rpartition(".")[0] for p in self.params if not p.replicated_tp)
+        models = (self.sharded.module, self.refs.r64, self.refs.lp, self.refs.alt)
+        self.recorders = [Recorder(m, pieces) for m in models] if traced else []
+        self.compute_s = 0.0
+
+    def judge(self, kind, name, step, got, want64, want_lp, offset=(), want_alt=None, extra=0.0, dof=0):
+        record(self.result, check_tensor(kind=kind, name=name, step=step, rank=self.ctx.rank, got=got, ref64=want64,
+                                         ref_lp=want_lp, dtype=self.dtype, offset=offset, ref_alt=want_alt,
+                                         extra_allowed=extra, dof=dof))
+
+    def check_init(self) -> None:
+        """The sharded factory must start from the reference's weights, cast to the run dtype."""
+        for p in self.params:
+            w64 = self.ref["r64"][p.spec.ref_name].detach()
+            got, want, _, off = p.full_or_piece(p.param.detach(), w64, w64, self.ctx)
+            record(self.result, check_bounded(kind="init", name=p.spec.ref_name, step=0, rank=self.ctx.rank,
+                                              got=got, want=want.to(self.dtype), bound=torch.zeros_like(want),
+                                              offset=off))
+
+    def reference_passes(self, batch) -> tuple[RefStep, RefStep, RefStep]:
+        shapes = {n: t.shape for n, t in self.ref["r64"].items()}
+        _anchor(gather_full(self.params, shapes, self.ctx), self.ref["r64"], self.ref["lp"], self.ref["alt"],
+                self.dtype, self.refs.alt_gen)
+        r64 = reference_pass(self.refs.r64, self.case, batch, torch.float64)
+        with self.platform:
+            r_lp = reference_pass(self.refs.lp, self.case, batch, lp_dtype(self.dtype))
+        r_alt = reference_pass(self.refs.alt, self.case, batch, torch.float64, noise=self.refs.alt_noise)
+        return r64, r_lp, r_alt
+
+    def sharded_pass(self, batch):
+        local = rank_batch(batch, self.sharded, self.ctx, self.dtype)
+        t0 = time.perf_counter()
+        with self.counter, self.adversary:
+            self.counter.phase = "forward"
+            out, loss = forward_loss(self.case, self.sharded, local, batch.target, self.ctx)
+            self.counter.phase = "backward"
+            loss.backward()
+            self.counter.phase = "grad_sync"
+            self.sharded.sync_grads()
+        self.compute_s += time.perf_counter() - t0
+        return local, out, loss
+
+    def judge_outputs(self, step, batch, local, out, loss, refs: tuple[RefStep, RefStep, RefStep]) -> None:
+        """Forward output, loss and input grads against the references' matching pieces."""
+        r64, r_lp, r_alt = refs
+        ctx, layout = self.ctx, self.sharded.output_layout
+        want64, out_offset = cut(r64.out, layout, ctx)
+        local_tokens = self.case.tokens(local.target)
+        self.judge("forward", "output", step, out, want64, cut(r_lp.out, layout, ctx)[0], out_offset,
+                   cut(r_alt.out, layout, ctx)[0], dof=local_tokens)
+        total = global_loss(loss, self.sharded, ctx)
+        self.judge("loss", "loss", step, total, r64.loss, r_lp.loss, (), r_alt.loss,
+                   extra=_loss_allowance(r64, r_lp, r_alt, self.dtype))
+        self.result.losses.append(float(total))
+        # DDP's convention: each replica's loss is the mean over its own micro-batch, so its
+        # input grad is the global-mean reference's times (global tokens / replica tokens)
+        tgt = batch.target
+        scale = self.case.tokens(tgt) / self.case.tokens(replica_slice(tgt, layout, ctx)) if ctx.dp > 1 else 1.0
+        for name, grad64 in r64.input_grads.items():
+            in_layout = self.sharded.input_layouts.get(name, self.sharded.input_layout)
+            want64, in_off = cut(grad64 * scale, in_layout, ctx)
+            want_lp, _ = cut(r_lp.input_grads[name] * scale, in_layout, ctx)
+            want_alt, _ = cut(r_alt.input_grads[name] * scale, in_layout, ctx)
+            label = "input" if batch.positional else f"input:{name}"
+            self.judge("input_grad", label, step, local.inputs[name].grad, want64, want_lp, in_off, want_alt,
+                       dof=local_tokens)
+
+    def judge_grads(self, step: int, tokens: int) -> None:
+        for p in self.params:
+            ref = p.spec.ref_name
+            got, w64, wlp, off = p.full_or_piece(p.param.grad, self.ref["r64"][ref].grad, self.ref["lp"][ref].grad,
+                                                 self.ctx)
+            self.judge("grad", ref, step, got, w64, wlp, off, p.piece_of(self.ref["alt"][ref].grad, self.ctx),
+                       dof=tokens)
+
+    def localize(self, step: int) -> None:
+        """At the first failing step, the first module whose output or input grad diverged."""
+        rec = self.recorders
+        self.result.divergence = first_divergence(
+            step=step, rank=self.ctx.rank, sharded=rec[0], ref64=rec[1], ref_lp=rec[2], ref_alt=rec[3],
+            dtype=self.dtype, seq_len=self.config.seq_len, seq_shards=self.ctx.seq_shards, tp_rank=self.ctx.tp_rank)
+
+    def optimizer_stage(self, step: int) -> None:
+        """The update, judged on the sharded run's own params, grads and state."""
+        expected = [_expected_step(p, self.opt, self.config, self.dtype) for p in self.params]
+        t0 = time.perf_counter()
+        with self.counter:
+            self.counter.phase = "optimizer"
+            self.opt.step()
+            self.opt.zero_grad(set_to_none=True)
+        self.compute_s += time.perf_counter() - t0
+        for m in (self.refs.r64, self.refs.lp, self.refs.alt):
+            m.zero_grad(set_to_none=True)
+        self.result.comm.append(self.counter.snapshot())
+        self.counter.stats.clear()
+        for p, (want, bound) in zip(self.params, expected, strict=True):
+            record(self.result, check_bounded(kind="param", name=p.spec.ref_name, step=step, rank=self.ctx.rank,
+                                              got=p.full(p.param.detach()), want=want, bound=bound,
+                                              offset=p.offset(self.ref["r64"][p.spec.ref_name], self.ctx)))
+        self.result.drift.extend(replica_drift(step, self.params, self.ctx, set(self.case.replicated_hint)))
+
+    def step(self, step: int, gen: torch.Generator) -> None:
+        batch = as_batch(self.case.make_batch(self.config, step, gen))
+        batch = type(batch)(inputs={k: v.to(self.built.device) for k, v in batch.inputs.items()},
+                            target=batch.target.to(self.built.device), positional=batch.positional)
+        for r in self.recorders:
+            r.clear()
+        failures_before = len(self.result.failures)
+        refs = self.reference_passes(batch)
+        local, out, loss = self.sharded_pass(batch)
+        self.judge_outputs(step, batch, local, out, loss, refs)
+        self.judge_grads(step, self.case.tokens(batch.target))
+        if self.recorders and not failures_before and len(self.result.failures) > failures_before:
+            self.localize(step)
+        self.optimizer_stage(step)
+
+
 def run_rank(config: CheckConfig) -> RankResult:
     """The job: one side-by-side run of `config` on this rank."""
     t_start = time.perf_counter()
-    case = get_case(config.case)
-    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
-    ctx = make_context(config, device)
-    dtype = config.torch_dtype
-    lp = lp_dtype(dtype)
-    result = RankResult(rank=ctx.rank)
-
-    ref64 = case.build_reference(config).to(device=device, dtype=torch.float64)
-    ref_lp = copy.deepcopy(ref64).to(lp)
-    # the backward-error reference: see sp_harness.compare.tolerance
-    alt_gen = torch.Generator().manual_seed(config.seed + 104729)
-    ref_alt = copy.deepcopy(ref64)
-    accumulator = torch.float32 if dtype in (torch.bfloat16, torch.float16) else dtype
-    alt_noise = RoundingNoise(torch.finfo(dtype).eps, alt_gen, torch.finfo(accumulator).eps,
-                              matmul_input_precision(config, device))
-    sharded: Sharded = case.shard(copy.deepcopy(ref64).to(dtype), ctx)
-    module = sharded.module
-    spec_of = dict(sharded.params)
-    params = [_Param(n, p, spec_of.get(n)) for n, p in module.named_parameters()]
-    ref_params64 = dict(ref64.named_parameters())
-    ref_params_lp = dict(ref_lp.named_parameters())
-    ref_params_alt = dict(ref_alt.named_parameters())
-    unknown = sorted({p.spec.ref_name for p in params} - set(ref_params64))
-    if unknown:
-        raise RuntimeError(f"case {case.name} maps local params to names the reference lacks: {unknown}")
-    covered = {p.spec.ref_name for p in params}
-    missing = sorted(set(ref_params64) - covered)
-    if missing:
-        raise RuntimeError(f"case {case.name}: reference params with no sharded counterpart: {missing}")
-    hint = set(case.replicated_hint)
-    shapes = {n: t.shape for n, t in ref_params64.items()}
-
-    opt = make_optimizer(config.optimizer, config.lr, module.parameters())
-    counter = CommCounter(ctx.group_label)
+    run = _SideBySide(config)
+    run.result.timings["setup_s"] = time.perf_counter() - t_start
+    run.check_init()
     gen = torch.Generator().manual_seed(config.seed + 7919)
-    adversary, platform = _adversaries(config, ctx)
-    traced = not any(p.dtensor for p in params)  # DTensor outputs do not line up with plain ones
-    # modules holding a TP-sharded param return pieces or partial sums: not comparable
-    pieces = frozenset(p.local_name.rpartition(".")[0] for p in params if not p.replicated_tp)
-    recorders = [Recorder(m, pieces) for m in (module, ref64, ref_lp, ref_alt)] if traced else []
-    result.timings["setup_s"] = time.perf_counter() - t_start
-    t_compute = 0.0
-
-    def judge(kind, name, step, got, want64, want_lp, offset=(), want_alt=None, extra=0.0, dof=0):
-        record(result, check_tensor(kind=kind, name=name, step=step, rank=ctx.rank, got=got, ref64=want64,
-                                    ref_lp=want_lp, dtype=dtype, offset=offset, ref_alt=want_alt, extra_allowed=extra,
-                                    dof=dof))
-
-    # the sharded factory must start from the reference's weights (cast to the run dtype)
-    for p in params:
-        got, w64, _, off = p.full_or_piece(p.param.detach(), ref_params64[p.spec.ref_name].detach(),
-                                           ref_params64[p.spec.ref_name].detach(), ctx)
-        record(result, check_bounded(kind="init", name=p.spec.ref_name, step=0, rank=ctx.rank, got=got,
-                                     want=w64.to(dtype), bound=torch.zeros_like(w64), offset=off))
-
     for step in range(config.steps):
-        inp, tgt = case.make_batch(config, step, gen)
-        inp, tgt = inp.to(device), tgt.to(device)
-        _anchor(gather_full(params, shapes, ctx), ref_params64, ref_params_lp, ref_params_alt, dtype, alt_gen)
-        for r in recorders:
-            r.clear()
-        failures_before = len(result.failures)
-        r64 = _reference_step(ref64, case, inp, tgt, torch.float64)
-        with platform:
-            r_lp = _reference_step(ref_lp, case, inp, tgt, lp)
-        r_alt = _reference_step(ref_alt, case, inp, tgt, torch.float64, noise=alt_noise)
-        out64, loss64, ig64 = r64.out, r64.loss, r64.input_grad
-        out_lp, loss_lp, ig_lp = r_lp.out, r_lp.loss, r_lp.input_grad
-        out_alt, loss_alt, ig_alt = r_alt.out, r_alt.loss, r_alt.input_grad
-
-        local_in, local_tgt, in_offset = rank_batch(inp, tgt, sharded, ctx, dtype)
-
-        t0 = time.perf_counter()
-        with counter, adversary:
-            counter.phase = "forward"
-            out, loss = forward_loss(case, sharded, local_in, local_tgt, tgt, ctx)
-            counter.phase = "backward"
-            loss.backward()
-            counter.phase = "grad_sync"
-            sharded.sync_grads()
-        t_compute += time.perf_counter() - t0
-
-        # --- compare forward, loss, input grad, param grads (what the optimizer will see)
-        want_out64, out_offset = _cut(out64, sharded.output_layout, ctx)
-        want_out_lp, _ = _cut(out_lp, sharded.output_layout, ctx)
-        want_out_alt, _ = _cut(out_alt, sharded.output_layout, ctx)
-        local_tokens, tokens = case.tokens(local_tgt), case.tokens(tgt)
-        judge("forward", "output", step, out, want_out64, want_out_lp, out_offset, want_out_alt, dof=local_tokens)
-        total = global_loss(loss, sharded, ctx)
-        judge("loss", "loss", step, total, loss64, loss_lp, (), loss_alt,
-              extra=_loss_allowance(r64, r_lp, r_alt, dtype))
-        result.losses.append(float(total))
-        if ig64 is not None:
-            # DDP's convention: each replica's loss is the mean over its own micro-batch, so its
-            # input grad is the global-mean reference's times (global tokens / replica tokens)
-            ig_scale = case.tokens(tgt) / case.tokens(_replica_slice(tgt, sharded.output_layout, ctx)) \
-                if ctx.dp > 1 else 1.0
-            want64, in_off = _cut(ig64 * ig_scale, sharded.input_layout, ctx)
-            want_lp, _ = _cut(ig_lp * ig_scale, sharded.input_layout, ctx)
-            want_alt, _ = _cut(ig_alt * ig_scale, sharded.input_layout, ctx)
-            judge("input_grad", "input", step, local_in.grad, want64, want_lp, in_off, want_alt, dof=local_tokens)
-        for p in params:
-            ref = p.spec.ref_name
-            got, w64, wlp, off = p.full_or_piece(p.param.grad, ref_params64[ref].grad, ref_params_lp[ref].grad, ctx)
-            walt = p.piece_of(ref_params_alt[ref].grad, ctx)
-            judge("grad", ref, step, got, w64, wlp, off, walt, dof=tokens)
-
-        if recorders and not failures_before and len(result.failures) > failures_before:
-            result.divergence = first_divergence(
-                step=step, rank=ctx.rank, sharded=recorders[0], ref64=recorders[1], ref_lp=recorders[2],
-                ref_alt=recorders[3], dtype=dtype, seq_len=config.seq_len, seq_shards=ctx.seq_shards,
-                tp_rank=ctx.tp_rank)
-
-        # --- the optimizer stage, judged on the sharded run's own params, grads and state
-        expected = [_expected_step(p, opt, config, dtype, ctx) for p in params]
-        t0 = time.perf_counter()
-        with counter:
-            counter.phase = "optimizer"
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-        t_compute += time.perf_counter() - t0
-        for m in (ref64, ref_lp, ref_alt):
-            m.zero_grad(set_to_none=True)
-        result.comm.append(counter.snapshot())
-        counter.stats.clear()
-
-        for p, (want, bound) in zip(params, expected, strict=True):
-            got = p.param.detach().full_tensor() if p.dtensor else p.param.detach()
-            off = () if p.dtensor else _param_piece(ref_params64[p.spec.ref_name], p.spec, ctx)[1]
-            record(result, check_bounded(kind="param", name=p.spec.ref_name, step=step, rank=ctx.rank,
-                                         got=got, want=want, bound=bound, offset=off))
-        result.drift.extend(_replica_drift(step, params, ctx, hint))
-
-    for r in recorders:
+        run.step(step, gen)
+    for r in run.recorders:
         r.remove()
-    result.timings["compute_s"] = t_compute
-    result.timings["total_s"] = time.perf_counter() - t_start
-    return result
+    run.result.timings["compute_s"] = run.compute_s
+    run.result.timings["total_s"] = time.perf_counter() - t_start
+    return run.result
 
 
 def matmul_input_precision(config: CheckConfig, device: torch.device) -> float | None:
@@ -455,8 +290,8 @@ def _anchor(full: dict[str, torch.Tensor], ref64: dict, ref_lp: dict, ref_alt: d
             perturb_(ref_alt[name].copy_(value), torch.finfo(dtype).eps, gen)
 
 
-def _expected_step(p: _Param, opt: torch.optim.Optimizer, config: CheckConfig, dtype: torch.dtype,
-                   ctx: RankContext) -> tuple[torch.Tensor, torch.Tensor]:
+def _expected_step(p: LocalParam, opt: torch.optim.Optimizer, config: CheckConfig,
+                   dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     """This param after the coming optimizer step, in float64 from its own values, and the bound."""
     to_full = (lambda t: t.full_tensor()) if p.dtensor else (lambda t: t)
     value = to_full(p.param.detach())
@@ -464,29 +299,3 @@ def _expected_step(p: _Param, opt: torch.optim.Optimizer, config: CheckConfig, d
     ref = reference_step(optimizer=config.optimizer, lr=config.lr, param=value, grad=grad,
                          state=state_of(opt, p.param, to_full), dtype=dtype)
     return ref.param, ref.bound
-
-
-def _replica_drift(step: int, params: list[_Param], ctx: RankContext, hint: set[str]) -> list[Drift]:
-    """Bit-for-bit comparison of replicated params across TP ranks, and of all params across DP."""
-    drifts = []
-    checks = []
-    if ctx.tp > 1:
-        checks.append(("tp", ctx.tp_group, ctx.tp_ranks, [p for p in params if p.replicated_tp or p.spec.ref_name in hint]))
-    if ctx.dp > 1:
-        checks.append(("dp", ctx.dp_group, ctx.dp_ranks, params))
-    for label, group, ranks, plist in checks:
-        if not plist:
-            continue
-        # one flat buffer, one collective: bookkeeping cost independent of the parameter count
-        flat = torch.cat([p.local(p.param.detach()).reshape(-1).to(torch.float64) for p in plist])
-        gathered = [torch.empty_like(flat) for _ in ranks]
-        dist.all_gather(gathered, flat, group=group)
-        diffs = torch.stack([(g - flat).abs() for g in gathered]).amax(0)
-        at = 0
-        for p in plist:
-            n = p.local(p.param).numel()
-            d = float(diffs[at:at + n].max()) if n else 0.0
-            at += n
-            if d > 0 or not torch.isfinite(torch.tensor(d)):
-                drifts.append(Drift(step=step, name=p.spec.ref_name, group=label, max_abs=d, ranks=ranks))
-    return drifts

@@ -44,6 +44,28 @@ class Layout:
 
 
 @dataclass(kw_only=True, frozen=True)
+class Batch:
+    """One step's global data, as `Case.make_batch` returns it (a plain `(input, target)` tuple is
+    read as a single positional input)."""
+
+    inputs: Mapping[str, torch.Tensor]
+    """The model's inputs by keyword: tokens, positions, an attention mask, ... The reference is
+    called as `model(**inputs)` on the whole batch, the sharded module as `module(**pieces)` on
+    this rank's pieces (cut by `Sharded.input_layouts`, else `Sharded.input_layout`)."""
+    target: torch.Tensor
+    """The labels: what `Case.loss_sum` compares the output with."""
+    positional: bool = False
+    """Call the models with the single input positionally (the tuple form)."""
+
+
+def as_batch(made: Batch | tuple[torch.Tensor, torch.Tensor]) -> Batch:
+    if isinstance(made, Batch):
+        return made
+    inp, tgt = made
+    return Batch(inputs={"input": inp}, target=tgt, positional=True)
+
+
+@dataclass(kw_only=True, frozen=True)
 class ParamSpec:
     """How one local (non-DTensor) parameter maps onto the reference's parameter."""
 
@@ -56,6 +78,16 @@ class ParamSpec:
     index: Callable[[torch.Tensor], torch.Tensor] | None = None
     """For layouts a plain split cannot express (fused or permuted weights): a function from the
     full reference tensor to this rank's local piece. Overrides dim/sizes."""
+    replicated: bool | None = None
+    """Whether this local param must stay bit-identical across the TP group; None: replicated
+    exactly when it is neither split (`dim`) nor indexed (`index`). Set True for an indexed
+    param that every TP rank holds whole (a permuted copy, say), so it keeps its replica check."""
+
+    @property
+    def replicated_tp(self) -> bool:
+        if self.replicated is not None:
+            return self.replicated
+        return self.dim is None and self.index is None
 
 
 @dataclass
@@ -116,12 +148,19 @@ class Sharded:
     module: nn.Module
     """The sharded model; called on this rank's piece of the input."""
     input_layout: Layout
-    """How the global input is cut for this rank."""
+    """How the global input is cut for this rank (every input, unless `input_layouts` names it)."""
     output_layout: Layout
     """How this rank's output relates to the reference's output."""
+    input_layouts: Mapping[str, Layout] = field(default_factory=dict)
+    """Per named input (`Batch.inputs`), where it differs from `input_layout`: positions cut like
+    the tokens, an attention mask not cut at all (`Layout(seq_sharded=False)`), ..."""
     params: Mapping[str, ParamSpec] = field(default_factory=dict)
-    """Local parameter name -> spec. DTensor params need no entry; a missing plain param is
-    taken as replicated under the same name."""
+    """Local parameter name -> spec. DTensor params need no entry; plain params need one each,
+    unless listed in `replicated` (the engine never guesses a mapping from names)."""
+    replicated: tuple[str, ...] = ()
+    """Local names of plain params that are replicated copies of the reference param of the
+    same name (each is checked bit for bit across the TP group). `"*"` declares every plain
+    param without a spec so."""
     sync_grads: Callable[[], None] = lambda: None
     """Called after backward, before the optimizer step: the grad all-reduces a hand-written
     implementation owes (norm weights under SP, DP averaging). Part of the system under test."""
@@ -143,8 +182,9 @@ class Case:
     """One line shown by `sp-harness list`."""
     build_reference: Callable[[CheckConfig], nn.Module]
     """Single-device model in float64, deterministic in config.seed (global RNG untouched)."""
-    make_batch: Callable[[CheckConfig, int, torch.Generator], tuple[torch.Tensor, torch.Tensor]]
-    """(config, step, generator) -> (global input, global target) for one step, float64 or int."""
+    make_batch: Callable[[CheckConfig, int, torch.Generator], Batch | tuple[torch.Tensor, torch.Tensor]]
+    """(config, step, generator) -> one step's global `Batch` (named inputs and target), or the
+    short form `(input, target)`; float64 or int tensors."""
     loss_sum: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
     """Sum of per-token losses of an output and its target (any matching slices)."""
     tokens: Callable[[torch.Tensor], int]
@@ -165,9 +205,15 @@ class Case:
     """Free labels: 'dtensor', 'megatron', 'mutant', 'upstream-bug', ..."""
     models_bug: str = ""
     """For mutants: the real bug this models, with its public reference."""
-    base: str = ""
-    """For mutants: the correct case this one is a variation of (its twin in the mutant battery:
-    a check only counts as a kill if the twin passes it)."""
+    twin: str = ""
+    """For a mutant: the correct case it is a variation of (a battery entry only counts as a kill
+    if the twin passes it)."""
+    baseline: str = ""
+    """The case this one is compared with beyond the reference: an SP case's tensor-parallel
+    twin (its communication volume and its training curve), '' for none."""
+    expect: Callable[[CheckConfig], str] | None = None
+    """The verdict this case should reach on a resolved, validated config ('PASS' or 'FAIL'):
+    where upstream code is pinned to what it does. None: PASS (a correct case)."""
 
     def resolve(self, config: CheckConfig) -> CheckConfig:
         """Fill the config's None fields from the case defaults and check shard sizes."""

@@ -23,7 +23,7 @@ from sp_harness.config import shards as sh
 
 
 class LocalParam(Protocol):
-    """What the anchor needs of one local parameter (sp_harness.checks.sidebyside._Param)."""
+    """What the anchor needs of one local parameter (sp_harness.step.params.LocalParam)."""
 
     param: torch.nn.Parameter
     dtensor: bool

@@ -6,7 +6,7 @@ checks at an even split, an uneven split, a 2 x 2 DP x TP mesh (even, then uneve
 [s, b, h] layout; the collective accounting against the paper (SP must move what TP moves); the
 activation-memory check (where sp_harness.checks.memory provides it); and a short lockstep convergence run
 through the gate. A battery entry counts toward a kill only if the mutant's correct twin
-(`Case.base`) passes it, so a kill is never an artefact of the config. The first entry that
+(`Case.twin`) passes it, so a kill is never an artefact of the config. The first entry that
 fails is the killer; its check (forward, grad, param-after-step, replica drift, crash, collective
 accounting, activation memory, lockstep gate) and config are reported.
 """
@@ -136,7 +136,7 @@ class Battery:
             return res.verdict == "PASS", _killer_of(res) if res.verdict == "FAIL" else "", \
                 (res.first_failure if res.verdict == "FAIL" else ""), res.config.repro()
         if entry.kind == "comm":
-            if family_tp is None or case_name == family_tp or get_case(case_name).base.endswith("-tp"):
+            if family_tp is None or case_name == family_tp or get_case(case_name).twin.endswith("-tp"):
                 return None, "", "no TP twin", ""
             ok, detail = _comm_verdict(case_name, family_tp, entry, self.runner)
             return ok, "collective accounting", detail, ""
@@ -162,14 +162,14 @@ class Battery:
 
     def kill(self, mutant: str) -> Outcome:
         case = get_case(mutant)
-        if not case.base:
-            raise ValueError(f"{mutant} names no correct twin (Case.base)")
+        if not case.twin:
+            raise ValueError(f"{mutant} names no correct twin (Case.twin)")
         t0 = time.perf_counter()
         twin_failures = []
         for entry in BATTERY:
-            twin_passed, twin_detail = self.twin_outcome(case.base, entry)
+            twin_passed, twin_detail = self.twin_outcome(case.twin, entry)
             if twin_passed is False:
-                twin_failures.append(f"{case.base} fails entry {entry.name}: {twin_detail}")
+                twin_failures.append(f"{case.twin} fails entry {entry.name}: {twin_detail}")
                 continue
             if twin_passed is None:
                 continue

@@ -22,7 +22,6 @@ of it.
 from __future__ import annotations
 
 import argparse
-import copy
 import json
 import os
 import statistics
@@ -51,31 +50,25 @@ def bare_rank(config: CheckConfig) -> dict:
     exactly as `sp_harness.checks.sidebyside.run_rank` does, then `config.steps` steps of forward, loss,
     backward, grad sync and optimizer step on both. No extra reference copies, no capture, no
     comparison, no replica-drift collectives."""
-    import torch.distributed as dist
-
-    from sp_harness.checks.sidebyside import _reference_step, forward_loss, make_context, rank_batch
-    from sp_harness.config.case import get_case
+    from sp_harness.config.case import as_batch
+    from sp_harness.step.build import build
+    from sp_harness.step.inputs import forward_loss, rank_batch
     from sp_harness.step.optim_ref import make_optimizer
+    from sp_harness.step.reference import reference_pass
 
     t_start = time.perf_counter()
-    case = get_case(config.case)
-    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
-    ctx = make_context(config, device)
-    ref = case.build_reference(config).to(device=device, dtype=torch.float64)
-    sharded = case.shard(copy.deepcopy(ref).to(config.torch_dtype), ctx)
-    module = sharded.module
+    built = build(config)
+    case, ctx, ref, sharded = built.case, built.ctx, built.reference, built.sharded
     opt_ref = make_optimizer(config.optimizer, config.lr, ref.parameters())
-    opt = make_optimizer(config.optimizer, config.lr, module.parameters())
+    opt = make_optimizer(config.optimizer, config.lr, sharded.module.parameters())
     gen = torch.Generator().manual_seed(config.seed + 7919)
     t_setup = time.perf_counter() - t_start
     for step in range(config.steps):
-        inp, tgt = case.make_batch(config, step, gen)
-        inp, tgt = inp.to(device), tgt.to(device)
-        _reference_step(ref, case, inp, tgt, torch.float64)
+        batch = as_batch(case.make_batch(config, step, gen))
+        reference_pass(ref, case, batch, torch.float64)
         opt_ref.step()
         opt_ref.zero_grad(set_to_none=True)
-        local_in, local_tgt, _ = rank_batch(inp, tgt, sharded, ctx, config.torch_dtype)
-        _, loss = forward_loss(case, sharded, local_in, local_tgt, tgt, ctx)
+        _, loss = forward_loss(case, sharded, rank_batch(batch, sharded, ctx, config.torch_dtype), batch.target, ctx)
         loss.backward()
         sharded.sync_grads()
         opt.step()

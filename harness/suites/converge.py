@@ -16,7 +16,6 @@ shows progress; under `torchrun -m sp_harness.suites.converge` every rank runs t
 from __future__ import annotations
 
 import argparse
-import copy
 import math
 import os
 import sys
@@ -94,17 +93,13 @@ def _grad_norm_sq_local(params, ctx) -> torch.Tensor:
 
 
 def train_start(spec: TrainSpec) -> dict:
-    from sp_harness.checks.sidebyside import _Param, make_context
+    from sp_harness.step.build import build
     from sp_harness.step.optim_ref import make_optimizer
 
     config = spec.config
-    case = get_case(config.case)
-    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
-    ctx = make_context(config, device)
-    dtype = config.torch_dtype
-    ref = case.build_reference(config).to(device=device, dtype=dtype)
-    sharded = case.shard(copy.deepcopy(ref), ctx)
-    params = [_Param(n, p, dict(sharded.params).get(n)) for n, p in sharded.module.named_parameters()]
+    built = build(config, reference_dtype=config.torch_dtype)
+    case, ctx, ref, sharded, params, device = (built.case, built.ctx, built.reference, built.sharded, built.params,
+                                               built.device)
     _STATE.clear()
     _STATE.update(
         spec=spec, case=case, ctx=ctx, ref=ref, sharded=sharded, params=params, device=device,
@@ -122,7 +117,9 @@ def _set_lr(opt, lr: float) -> None:
 
 def train_steps(num_steps: int) -> list[dict]:
     """Advance `num_steps`; returns (on every rank) the records of the runs for those steps."""
-    from sp_harness.checks.sidebyside import _param_piece, _replica_drift, forward_loss, global_loss, rank_batch
+    from sp_harness.config.case import Batch
+    from sp_harness.step.inputs import forward_loss, global_loss, rank_batch
+    from sp_harness.step.params import replica_drift
 
     s = _STATE
     spec, case, ctx, sharded, params = s["spec"], s["case"], s["ctx"], s["sharded"], s["params"]
@@ -147,8 +144,9 @@ def train_steps(num_steps: int) -> list[dict]:
         ref_time = time.perf_counter() - t0
 
         t0 = time.perf_counter()
-        local_in, local_tgt, _ = rank_batch(inp, tgt, sharded, ctx, spec.config.torch_dtype)
-        _, loss = forward_loss(case, sharded, local_in, local_tgt, tgt, ctx)
+        batch = Batch(inputs={"input": inp}, target=tgt, positional=True)
+        local = rank_batch(batch, sharded, ctx, spec.config.torch_dtype)
+        _, loss = forward_loss(case, sharded, local, tgt, ctx)
         loss.backward()
         sharded.sync_grads()
         norm_sq = _grad_norm_sq_local(params, ctx)
@@ -169,7 +167,7 @@ def train_steps(num_steps: int) -> list[dict]:
         step_time = time.perf_counter() - t0
 
         total = global_loss(loss, sharded, ctx)
-        drifts = _replica_drift(step, params, ctx, set(case.replicated_hint))
+        drifts = replica_drift(step, params, ctx, set(case.replicated_hint))
         drift_by_name: dict[str, float] = {}
         for d in drifts:
             drift_by_name[d.name] = max(drift_by_name.get(d.name, 0.0), d.max_abs)
@@ -179,9 +177,8 @@ def train_steps(num_steps: int) -> list[dict]:
                 drift_by_name.setdefault(p.spec.ref_name, 0.0)
         param_err = torch.zeros((), dtype=torch.float64)
         for p in params:
-            want, _ = _param_piece(s["ref_params"][p.spec.ref_name].detach(), p.spec, ctx) if not p.dtensor else (
-                s["ref_params"][p.spec.ref_name].detach(), ())
-            got = p.param.detach().full_tensor() if p.dtensor else p.param.detach()
+            want = p.piece_of(s["ref_params"][p.spec.ref_name].detach(), ctx)
+            got = p.full(p.param.detach())
             if want.numel():
                 param_err = torch.maximum(param_err, (got.double() - want.double()).abs().max())
         dist.all_reduce(param_err, op=dist.ReduceOp.MAX)

@@ -1,0 +1,140 @@
+"""Stage: step (rank side). Where each local parameter lives in the reference, and whether the
+parameters that must stay replicated did.
+
+Every plain (non-DTensor) parameter is mapped by its `ParamSpec` or declared replicated in
+`Sharded.replicated`; the engine never guesses a mapping, so a renamed or forgotten parameter is
+an error naming it, not a silently skipped check.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from sp_harness.config import shards as sh
+from sp_harness.config.case import ParamSpec, RankContext, Sharded
+from sp_harness.step.context import is_dtensor
+
+
+def param_piece(ref: torch.Tensor, spec: ParamSpec, ctx: RankContext) -> tuple[torch.Tensor, tuple[int, ...]]:
+    """This rank's piece of a reference tensor under `spec`, and the piece's offset."""
+    if spec.index is not None:
+        return spec.index(ref), ()
+    if spec.dim is None:
+        return ref, ()
+    sizes = spec.sizes or sh.chunk_sizes(ref.shape[spec.dim], ctx.tp)
+    offset = [0] * ref.dim()
+    offset[spec.dim] = sh.offsets(sizes)[ctx.tp_rank]
+    return sh.shard(ref, spec.dim, sizes, ctx.tp_rank), tuple(offset)
+
+
+class LocalParam:
+    """One local parameter and where it lives in the reference."""
+
+    def __init__(self, local_name: str, param: nn.Parameter, spec: ParamSpec):
+        self.local_name = local_name
+        self.param = param
+        self.dtensor = is_dtensor(param)
+        self.spec = spec
+        if self.dtensor:
+            from torch.distributed.tensor import Replicate
+
+            self.replicated_tp = all(isinstance(p, Replicate) for p in param.placements)
+        else:
+            self.replicated_tp = spec.replicated_tp
+
+    def local(self, t: torch.Tensor | None) -> torch.Tensor | None:
+        if t is None:
+            return None
+        return t.to_local() if is_dtensor(t) else t
+
+    def full(self, t: torch.Tensor) -> torch.Tensor:
+        """The whole tensor for a DTensor param, this rank's piece otherwise."""
+        return t.full_tensor() if self.dtensor else t
+
+    def piece_of(self, ref: torch.Tensor | None, ctx: RankContext) -> torch.Tensor | None:
+        """This rank's piece of a reference tensor (the whole tensor for DTensor params)."""
+        if ref is None or self.dtensor:
+            return ref
+        return param_piece(ref, self.spec, ctx)[0]
+
+    def offset(self, ref: torch.Tensor, ctx: RankContext) -> tuple[int, ...]:
+        return () if self.dtensor else param_piece(ref, self.spec, ctx)[1]
+
+    def full_or_piece(self, t: torch.Tensor | None, ref64: torch.Tensor, ref_lp: torch.Tensor, ctx: RankContext):
+        """(value to judge, matching ref64 piece, ref_lp piece, offset)."""
+        if self.dtensor:
+            value = None if t is None else t.full_tensor()
+            return value, ref64, ref_lp, ()
+        piece64, offset = param_piece(ref64, self.spec, ctx)
+        piece_lp, _ = param_piece(ref_lp, self.spec, ctx)
+        return t, piece64, piece_lp, offset
+
+
+def map_params(sharded: Sharded, ref_names: set[str], case_name: str) -> list[LocalParam]:
+    """Every local parameter with its spec; an unmapped, unknown or uncovered name is an error."""
+    specs = dict(sharded.params)
+    everything = "*" in sharded.replicated
+    params, undeclared = [], []
+    for name, p in sharded.module.named_parameters():
+        spec = specs.get(name)
+        if spec is None and (is_dtensor(p) or everything or name in sharded.replicated):
+            spec = ParamSpec(ref_name=name)
+        if spec is None:
+            undeclared.append(name)
+            continue
+        params.append(LocalParam(name, p, spec))
+    if undeclared:
+        raise RuntimeError(f"case {case_name}: plain params with no ParamSpec and not in Sharded.replicated: "
+                           f"{sorted(undeclared)}")
+    unknown = sorted({p.spec.ref_name for p in params} - ref_names)
+    if unknown:
+        raise RuntimeError(f"case {case_name} maps local params to names the reference lacks: {unknown}")
+    missing = sorted(ref_names - {p.spec.ref_name for p in params})
+    if missing:
+        raise RuntimeError(f"case {case_name}: reference params with no sharded counterpart: {missing}")
+    return params
+
+
+@dataclass(kw_only=True)
+class Drift:
+    step: int
+    name: str
+    """Reference name of the parameter that should be replicated."""
+    group: str
+    """'tp' or 'dp': across which ranks it differs."""
+    max_abs: float
+    ranks: tuple[int, ...]
+
+    def describe(self) -> str:
+        return (f"step {self.step} replica drift of {self.name} across {self.group} ranks "
+                f"{list(self.ranks)}: max |diff| {self.max_abs:.3g} (must be 0, bit-identical)")
+
+
+def replica_drift(step: int, params: list[LocalParam], ctx: RankContext, hint: set[str]) -> list[Drift]:
+    """Bit-for-bit comparison of replicated params across TP ranks, and of all params across DP."""
+    drifts = []
+    checks = []
+    if ctx.tp > 1:
+        checks.append(("tp", ctx.tp_group, ctx.tp_ranks, [p for p in params if p.replicated_tp or p.spec.ref_name in hint]))
+    if ctx.dp > 1:
+        checks.append(("dp", ctx.dp_group, ctx.dp_ranks, params))
+    for label, group, ranks, plist in checks:
+        if not plist:
+            continue
+        # one flat buffer, one collective: bookkeeping cost independent of the parameter count
+        flat = torch.cat([p.local(p.param.detach()).reshape(-1).to(torch.float64) for p in plist])
+        gathered = [torch.empty_like(flat) for _ in ranks]
+        dist.all_gather(gathered, flat, group=group)
+        diffs = torch.stack([(g - flat).abs() for g in gathered]).amax(0)
+        at = 0
+        for p in plist:
+            n = p.local(p.param).numel()
+            d = float(diffs[at:at + n].max()) if n else 0.0
+            at += n
+            if d > 0 or not torch.isfinite(torch.tensor(d)):
+                drifts.append(Drift(step=step, name=p.spec.ref_name, group=label, max_abs=d, ranks=ranks))
+    return drifts

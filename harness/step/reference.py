@@ -1,0 +1,48 @@
+"""Stage: step (rank side). One forward + backward of a reference model on the whole batch."""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from sp_harness.config.case import Batch, Case
+from sp_harness.step.inputs import call
+from sp_harness.step.rounding import RoundingNoise, perturb_
+
+
+@dataclass(kw_only=True)
+class RefStep:
+    """One reference forward + backward."""
+
+    out: torch.Tensor
+    loss: torch.Tensor
+    input_grads: dict[str, torch.Tensor]
+    """d loss / d input for each floating input, by name."""
+    out_grad: torch.Tensor | None
+    """d loss / d output: what the loss's error bound propagates the output's error through."""
+
+
+def reference_pass(model: nn.Module, case: Case, batch: Batch, dtype: torch.dtype,
+                   noise: RoundingNoise | None = None) -> RefStep:
+    """Forward and backward of `model` on the global batch in `dtype`; with `noise`, every op's
+    inputs and result carry that rounding (the perturbed reference)."""
+    inputs = {}
+    for name, t in batch.inputs.items():
+        if t.is_floating_point():
+            t = t.to(dtype)
+            if noise is not None:
+                t = perturb_(t.clone(), noise.rel, noise.gen)
+            t = t.detach().requires_grad_(True)
+        inputs[name] = t
+    tgt = batch.target.to(dtype) if batch.target.is_floating_point() else batch.target
+    with noise if noise is not None else contextlib.nullcontext():
+        out = call(model, inputs, batch.positional)
+        if out.requires_grad:
+            out.retain_grad()
+        loss = case.loss_sum(out, tgt) / case.tokens(tgt)
+        loss.backward()
+    grads = {name: t.grad for name, t in inputs.items() if t.is_floating_point()}
+    return RefStep(out=out.detach(), loss=loss.detach(), input_grads=grads, out_grad=out.grad)
