@@ -10,6 +10,8 @@ import os
 import sys
 
 from sp_harness.config.check_config import ADVERSARIES, DEFAULT_STEPS, DTYPES, LAYOUTS, NORMS, OPTIMIZERS, CheckConfig
+from sp_harness.launch.runner import is_leader as _is_leader
+from sp_harness.launch.runner import runner as _runner
 
 EXIT_OK, EXIT_FAIL, EXIT_USAGE = 0, 1, 2
 
@@ -73,19 +75,6 @@ def config_from_args(args) -> CheckConfig:
         vocab=args.vocab, norm=args.norm, layout=args.layout, dtype=args.dtype, steps=args.steps, seed=args.seed,
         lr=args.lr, optimizer=args.optimizer, adversary=args.adversary, timeout_s=args.timeout_s,
     )
-
-
-def _runner():
-    from sp_harness.checks.verify import default_manager
-    from sp_harness.launch.pool import TorchrunWorld, under_torchrun
-
-    return TorchrunWorld() if under_torchrun() else default_manager()
-
-
-def _is_leader() -> bool:
-    import torch.distributed as dist
-
-    return not dist.is_initialized() or dist.get_rank() == 0
 
 
 def cmd_list(args) -> int:
@@ -211,7 +200,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"sp-harness: error: {exc}", file=sys.stderr)
         return EXIT_USAGE
     except KeyboardInterrupt:
-        from sp_harness.checks.verify import default_manager
+        from sp_harness.launch.runner import default_manager
 
         default_manager().close()
         print("sp-harness: interrupted; ranks stopped", file=sys.stderr)

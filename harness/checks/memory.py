@@ -295,8 +295,8 @@ def activation_report(config: CheckConfig, runner=None, *, tp_case: str = "megat
     """Measure one layer of `config.case` (claimed TP+SP) and of its TP twin `tp_case` at the same
     config, per rank, next to the paper's and the adjusted formulas. JSON-able dict; see
     `activation_gate` for the verdict and `format_activation_report` for the table."""
-    from sp_harness.checks.verify import default_manager
     from sp_harness.config.case import get_case
+    from sp_harness.launch.runner import default_manager
 
     cfg = memory_config(config)
     get_case(cfg.case).validate(cfg)

@@ -19,7 +19,8 @@ from sp_harness.checks.sidebyside import Drift, RankResult
 from sp_harness.compare.tolerance import KIND_ORDER, TensorCheck
 from sp_harness.config.case import Unsupported, get_case
 from sp_harness.config.check_config import CheckConfig
-from sp_harness.launch.pool import PoolManager, RankFailure
+from sp_harness.launch.pool import RankFailure
+from sp_harness.launch.runner import default_manager
 
 PASS, FAIL, UNSUPPORTED = "PASS", "FAIL", "UNSUPPORTED"
 
@@ -99,16 +100,6 @@ class CheckResult:
             "error": self.error, "wall_s": self.wall_s, "num_checks": self.num_checks,
             "divergence": conv(self.divergence),
         }
-
-
-_DEFAULT_MANAGER: PoolManager | None = None
-
-
-def default_manager() -> PoolManager:
-    global _DEFAULT_MANAGER
-    if _DEFAULT_MANAGER is None:
-        _DEFAULT_MANAGER = PoolManager()
-    return _DEFAULT_MANAGER
 
 
 def resolve(config: CheckConfig) -> CheckConfig:

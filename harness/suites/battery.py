@@ -205,7 +205,7 @@ def format_table(outcomes: list[Outcome]) -> str:
 
 
 def cmd_mutants(args) -> int:
-    from sp_harness.cli import _runner
+    from sp_harness.launch.runner import runner as _runner
 
     names = args.only or mutant_names()
     battery = Battery(_runner())

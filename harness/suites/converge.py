@@ -409,7 +409,8 @@ def options_from_args(args) -> ConvergeOptions:
 
 
 def cmd_converge(args) -> int:
-    from sp_harness.cli import _is_leader, _runner
+    from sp_harness.launch.runner import is_leader as _is_leader
+    from sp_harness.launch.runner import runner as _runner
 
     opts = options_from_args(args)
     runner = _runner()
@@ -430,8 +431,8 @@ def cmd_gate(args) -> int:
 
 
 def cmd_golden(args) -> int:
-    from sp_harness.cli import _runner
     from sp_harness.judge.golden import make_golden, save_golden
+    from sp_harness.launch.runner import runner as _runner
 
     opts = options_from_args(args)
     runner = _runner()

@@ -79,7 +79,7 @@ def _append_checks_to_html(html_path: Path, rows: list[dict]) -> None:
 
 
 def cmd_nightly(args) -> int:
-    from sp_harness.cli import _runner
+    from sp_harness.launch.runner import runner as _runner
     from sp_harness.suites.converge import ConvergeOptions, converge, format_gate
 
     t0 = time.perf_counter()

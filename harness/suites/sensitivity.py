@@ -164,7 +164,7 @@ def format_table(rows: list[Sensitivity]) -> str:
 
 
 def cmd_sensitivity(args) -> int:
-    from sp_harness.cli import _runner
+    from sp_harness.launch.runner import runner as _runner
 
     runner = _runner()
     t0 = time.perf_counter()
