@@ -88,72 +88,36 @@ def cmd_list(args) -> int:
     return EXIT_OK
 
 
+def _check_names(args) -> list[str]:
+    names = ["side-by-side"]
+    if args.compare_comm:
+        names.append("comm-vs-baseline")
+    if args.memory:
+        names.append("activation-memory")
+    names += [n for n in args.also if n not in names]
+    return names
+
+
 def cmd_check(args) -> int:
-    from sp_harness.checks.verify import FAIL, check, dump_json, format_comm, format_result
+    from sp_harness.checks import get_check
+    from sp_harness.config.case import get_case
+    from sp_harness.report.text import check_writable, dump_json, format_outcomes
 
     config = config_from_args(args)
-    from sp_harness.config.case import get_case
-
-    get_case(config.case)  # unknown case: ValueError -> exit 2 before any rank starts
+    if args.json:
+        check_writable(args.json)
+    case = get_case(config.case)  # unknown case: ValueError -> exit 2 before any rank starts
+    checks = [get_check(name) for name in _check_names(args)]  # unknown check: exit 2 as well
     runner = _runner()
-    result = check(config, runner)
-    results = [result]
-    baseline = None
-    if args.compare_comm and result.verdict != FAIL:
-        baseline = _comm_baseline(result, runner)
-    memory_ok, memory_text = None, ""
-    if args.memory and result.verdict == "PASS":
-        from sp_harness.checks.memory import memory_gate
-
-        memory_ok, memory_text = memory_gate(result.config, runner)
+    outcomes = [checks[0].run(config, runner)]
+    if outcomes[0].passed:
+        # the other checks build on a passing side-by-side run (a crash would only repeat)
+        outcomes += [c.run(config, runner) for c in checks[1:] if c.applies(case, config) is None]
     if _is_leader():
-        print(format_result(result, verbose=args.verbose))
-        if result.comm or result.verdict == "PASS":
-            print(format_comm(result.comm))
-        if baseline is not None:
-            print(baseline)
-        if memory_text:
-            print(memory_text)
+        print(format_outcomes(outcomes, verbose=args.verbose))
         if args.json:
-            dump_json(results, args.json)
-    return EXIT_FAIL if result.verdict == FAIL or memory_ok is False else EXIT_OK
-
-
-def _comm_baseline(result, runner) -> str | None:
-    """For a case with a TP twin (name ending in -sp): the paper's communication accounting."""
-    from sp_harness.capture.comm import paper_check
-    from sp_harness.checks.verify import check
-    from sp_harness.config.case import all_cases
-
-    name = result.config.case
-    if not name.endswith("-sp") or name[:-3] + "-tp" not in all_cases():
-        return None
-    twin = check(result.config.replace(case=name[:-3] + "-tp"), runner)
-    if not twin.comm:
-        return f"communication vs TP: TP twin gave {twin.verdict}, no figures"
-    fig = paper_check(twin.comm, result.comm, tp=result.config.tp)
-    ar, ag, rs = fig["tp_all_reduce"], fig["sp_all_gather"], fig["sp_reduce_scatter"]
-    return "\n".join([
-        "communication per step vs the paper (Korthikanti et al. 2022, sec. 4.2.2), tp group, forward+backward:",
-        f"  TP   : {ar['count']} all-reduce, payload {ar['bytes']} B, ring bytes/rank {fig['tp_ring_bytes']:.0f}",
-        f"  TP+SP: {ag['count']} all-gather + {rs['count']} reduce-scatter, payload {ag['bytes']} + {rs['bytes']} B, "
-        f"ring bytes/rank {fig['sp_ring_bytes']:.0f}",
-        f"  each all-reduce replaced by reduce-scatter + all-gather of the same payload: "
-        f"{'yes' if fig['matches'] else 'NO'}" + (f" (SP also uses {fig['sp_other_kinds']})" if fig["sp_other_kinds"] else "")
-        + _padding_note(result.config, fig),
-    ])
-
-
-def _padding_note(config, fig) -> str:
-    from sp_harness.config.shards import chunk_sizes, is_even
-
-    if fig["matches"] or not fig["tp_ring_bytes"]:
-        return ""
-    sizes = config.seq_shards or chunk_sizes(config.seq_len, config.tp)
-    ratio = fig["sp_ring_bytes"] / fig["tp_ring_bytes"]
-    why = (f": uneven shards {'/'.join(map(str, sizes))} are padded to {max(sizes)} tokens per rank "
-           f"({config.tp} x {max(sizes)} = {config.tp * max(sizes)} vs {sum(sizes)})") if not is_even(sizes) else ""
-    return f"; SP moves {ratio:.3f}x the TP volume{why}"
+            dump_json(outcomes, args.json)
+    return EXIT_FAIL if any(o.passed is False for o in outcomes) else EXIT_OK
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -168,7 +132,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--memory", action="store_true",
                    help="also measure one layer's saved activations vs TP and the paper's formula, and gate on it")
     p.add_argument("--no-compare-comm", dest="compare_comm", action="store_false",
-                   help="skip the TP-twin run that checks communication volume against the paper")
+                   help="skip the TP-baseline run that checks communication volume against the paper")
+    p.add_argument("--also", nargs="*", default=[], metavar="CHECK",
+                   help="more checks to run after a PASS (e.g. lockstep; see sp_harness.checks)")
     p.set_defaults(func=cmd_check)
     for extra in _extra_commands():
         extra(sub)

@@ -44,13 +44,13 @@ def test_unsynced_norm_grads_fail_on_the_first_step_naming_the_norms(sp_check):
 
 
 def test_sp_communication_equals_tp_on_even_shards(sp_check):
-    from sp_harness.capture.comm import paper_check
+    from sp_harness.compare.comm_volume import paper_check
 
     sp = sp_check(CheckConfig(case="megatron-gpt-sp", world_size=2))
     tp = sp_check(CheckConfig(case="megatron-gpt-tp", world_size=2))
     fig = paper_check(tp.comm, sp.comm, tp=2)
-    assert fig["matches"], fig
-    assert fig["tp_all_reduce"]["count"] == 8  # 2 layers x (2 forward + 2 backward)
+    assert fig.matches, fig
+    assert fig.tp_all_reduce.count == 8  # 2 layers x (2 forward + 2 backward)
 
 
 def test_a_fail_names_the_first_diverging_module(sp_check):

@@ -10,16 +10,12 @@ from __future__ import annotations
 
 import pytest
 
-from sp_harness.checks.memory import (
-    activation_gate,
-    activation_report,
-    adjusted_bytes,
-    comm_gate,
-    measure_reference_layer,
-    memory_config,
-    paper_bytes,
-)
+from sp_harness.capture.comm import CommRow
+from sp_harness.capture.memory import measure_reference_layer, memory_config
+from sp_harness.checks import get_check
+from sp_harness.checks.memory import activation_gate, activation_report, adjusted_bytes, paper_bytes
 from sp_harness.checks.verify import PASS
+from sp_harness.compare.comm_volume import paper_check
 from sp_harness.config.check_config import CheckConfig
 
 MUTANT = "mutant-sp-full-sequence-norms"
@@ -46,21 +42,21 @@ def test_reference_layer_saves_exactly_the_adjusted_formula(dtype):
 
 
 def test_memory_check_passes_for_sp(sp_pool):
-    report = activation_report(CheckConfig(case="megatron-gpt-sp", world_size=2, **MEM), sp_pool)
+    report = activation_report(CheckConfig(case="megatron-gpt-sp", world_size=2, **MEM), sp_pool, tp_case="megatron-gpt-tp")
     ok, msg = activation_gate(report)
     assert ok, msg
-    for row in report["rows"]:
-        assert row["sp_bytes"] == row["sp_adjusted"] and row["tp_bytes"] == row["tp_adjusted"]
-        assert row["norm_ratio"] == pytest.approx(0.5)
-        assert row["sp_tp_ratio"] < 0.95
+    for row in report.rows:
+        assert row.sp_bytes == row.sp_adjusted and row.tp_bytes == row.tp_adjusted
+        assert row.norm_ratio == pytest.approx(0.5)
+        assert row.sp_tp_ratio < 0.95
 
 
 def test_memory_check_fails_for_full_sequence_mutant(sp_pool):
-    report = activation_report(CheckConfig(case=MUTANT, world_size=2, **MEM), sp_pool)
+    report = activation_report(CheckConfig(case=MUTANT, world_size=2, **MEM), sp_pool, tp_case="megatron-gpt-tp")
     ok, msg = activation_gate(report)
     assert not ok
     assert "norm-region activations SP/TP = 1.000" in msg
-    assert all(row["sp_tp_ratio"] == pytest.approx(1.0) for row in report["rows"])
+    assert all(row.sp_tp_ratio == pytest.approx(1.0) for row in report.rows)
 
 
 def test_comm_gate_passes_for_sp_and_fails_for_the_mutant(sp_check):
@@ -69,27 +65,35 @@ def test_comm_gate_passes_for_sp_and_fails_for_the_mutant(sp_check):
     mutant = sp_check(CheckConfig(case=MUTANT, world_size=2))
     assert tp.verdict == sp.verdict == PASS
     assert mutant.verdict == PASS, mutant.reason  # numerically exact: only memory / comm can kill it
-    ok, msg = comm_gate(tp.comm, sp.comm, 2)
-    assert ok, msg
-    ok, msg = comm_gate(tp.comm, mutant.comm, 2)
-    assert not ok and "NOT equal" in msg
+    assert paper_check(tp.comm, sp.comm, tp=2).matches
+    assert not paper_check(tp.comm, mutant.comm, tp=2).matches
 
 
-def test_comm_gate_on_rows():
-    row = lambda kind, phase, n: {"phase": phase, "kind": kind, "group": "tp", "count": 1, "bytes": n}  # noqa: E731
+def test_comm_comparison_on_rows():
+    def row(kind, phase, n):
+        return CommRow(phase=phase, kind=kind, group="tp", count=1, bytes=n)
+
     tp_rows = [row("all_reduce", "forward", 100), row("all_reduce", "backward", 100)]
     sp_rows = [row("all_gather", "forward", 100), row("reduce_scatter", "forward", 100),
                row("all_gather", "backward", 100), row("reduce_scatter", "backward", 100)]
-    assert comm_gate(tp_rows, sp_rows, 2)[0]
-    assert not comm_gate(tp_rows, sp_rows[:2], 2)[0]
-    assert comm_gate([], [], 1)[0]
+    assert paper_check(tp_rows, sp_rows, tp=2).matches
+    assert not paper_check(tp_rows, sp_rows[:2], tp=2).matches
+    # SP that only moves half the bytes is as wrong as one that moves double
+    assert not paper_check(tp_rows, [row(r.kind, r.phase, 50) for r in sp_rows], tp=2).matches
 
 
-def test_memory_gate_applies_to_sp_cases_only(sp_pool):
-    from sp_harness.checks.memory import memory_gate
+def test_comm_check_fails_the_mutant_and_passes_sp(sp_pool):
+    comm = get_check("comm-vs-baseline")
+    assert comm.run(CheckConfig(case="megatron-gpt-sp", world_size=2), sp_pool).passed is True
+    assert comm.run(CheckConfig(case=MUTANT, world_size=2), sp_pool).passed is False
+    # uneven shards are padded: the figures are reported, not judged
+    assert comm.run(CheckConfig(case="megatron-gpt-sp", world_size=3, seq_len=10), sp_pool).passed is None
 
-    assert memory_gate(CheckConfig(case="megatron-gpt-tp", world_size=2), sp_pool)[0] is None
-    assert memory_gate(CheckConfig(case="seed-mlp", world_size=2), sp_pool)[0] is None
-    assert memory_gate(CheckConfig(case="megatron-gpt-sp", world_size=1), sp_pool)[0] is None
-    ok, msg = memory_gate(CheckConfig(case="megatron-gpt-sp", world_size=2), sp_pool)  # float64, ffn 4h
-    assert ok is True, msg
+
+def test_memory_check_applies_to_sp_cases_only(sp_pool):
+    memory = get_check("activation-memory")
+    assert memory.run(CheckConfig(case="megatron-gpt-tp", world_size=2), sp_pool).passed is None
+    assert memory.run(CheckConfig(case="seed-mlp", world_size=2), sp_pool).passed is None
+    assert memory.run(CheckConfig(case="megatron-gpt-sp", world_size=1), sp_pool).passed is None
+    outcome = memory.run(CheckConfig(case="megatron-gpt-sp", world_size=2), sp_pool)  # float64, ffn 4h
+    assert outcome.passed is True, outcome.detail

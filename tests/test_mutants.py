@@ -35,7 +35,7 @@ EXPECTED_KILLER = {
 
 @pytest.fixture(scope="session")
 def battery(sp_pool, tmp_path_factory):
-    return Battery(sp_pool, work_dir=str(tmp_path_factory.mktemp("mutants")))
+    return Battery(sp_pool)
 
 
 def test_catalogue_is_large_enough():

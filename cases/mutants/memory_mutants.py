@@ -90,6 +90,7 @@ FULL_SEQUENCE_NORMS = register(Case(
     input_layout=INPUT_LAYOUT,
     tags=("mutant", "megatron", "memory"),
     twin="megatron-gpt-sp",
+    baseline="megatron-gpt-tp",
     models_bug="keeps full-sequence activations: each layer all-gathers the sequence before its norms and runs "
                "norms, residuals and dropout regions on all s tokens (replicated over TP, all-reduce after "
                "each row-parallel linear), so numerics match SP but activations per layer are TP's "

@@ -6,10 +6,7 @@ A TorchDispatchMode sees both the raw `torch.distributed` calls of hand-written 
 DTensor desugars into local ops and collectives first and the mode sees those.
 
 Bytes are payload bytes of the full (unsharded) tensor: the all-reduce's input, the all-gather's
-output, the reduce-scatter's input. `ring_bytes` converts to what one rank sends on a ring:
-2(t-1)/t of the payload for an all-reduce and (t-1)/t for an all-gather or reduce-scatter, which
-is the accounting of Korthikanti et al. 2022 (arXiv 2205.05198, section 4.2.2): SP replaces each
-all-reduce by a reduce-scatter plus an all-gather of the same payload, so the volume is equal.
+output, the reduce-scatter's input (sp_harness.compare.comm_volume turns them into ring volume).
 """
 
 from __future__ import annotations
@@ -78,6 +75,21 @@ class CommStat:
     bytes: int = 0
 
 
+@dataclass(kw_only=True, frozen=True)
+class CommRow:
+    """Collectives of one kind on one group in one phase of a step, as one rank issued them."""
+
+    phase: str
+    """'forward', 'backward', 'grad_sync' or 'optimizer'."""
+    kind: str
+    """'all_reduce', 'all_gather', 'reduce_scatter', 'all_to_all', 'send', ..."""
+    group: str
+    """'tp', 'dp', 'world' or 'ranks0-2' (RankContext.group_label)."""
+    count: int
+    bytes: int
+    """Payload bytes of the full tensors (see the module docstring)."""
+
+
 class CommCounter(TorchDispatchMode):
     """Counts collectives by (phase, kind, group label). Set `phase` between regions."""
 
@@ -120,56 +132,6 @@ class CommCounter(TorchDispatchMode):
         stat.count += 1
         stat.bytes += size
 
-    def snapshot(self) -> list[dict]:
-        return [
-            {"phase": p, "kind": k, "group": g, "count": s.count, "bytes": s.bytes}
-            for (p, k, g), s in sorted(self.stats.items())
-        ]
-
-
-def ring_bytes(kind: str, payload: int, group_size: int) -> float:
-    """Bytes one rank sends for a ring implementation of the collective."""
-    if group_size <= 1:
-        return 0.0
-    frac = (group_size - 1) / group_size
-    if kind == "all_reduce":
-        return 2 * frac * payload
-    if kind in ("all_gather", "reduce_scatter", "all_to_all"):
-        return frac * payload
-    return float(payload)
-
-
-def activation_volume(rows: list[dict], *, group: str = "tp", group_size: int) -> dict:
-    """Forward+backward activation collectives over `group`: counts and ring bytes per kind."""
-    out: dict[str, dict] = {}
-    for row in rows:
-        if row["group"] != group or row["phase"] not in ("forward", "backward"):
-            continue
-        entry = out.setdefault(row["kind"], {"count": 0, "bytes": 0, "ring_bytes": 0.0})
-        entry["count"] += row["count"]
-        entry["bytes"] += row["bytes"]
-        entry["ring_bytes"] += ring_bytes(row["kind"], row["bytes"], group_size)
-    return out
-
-
-def paper_check(tp_rows: list[dict], sp_rows: list[dict], *, tp: int) -> dict:
-    """Korthikanti et al.: SP turns each TP all-reduce into a reduce-scatter + all-gather of the
-    same payload, so per-rank ring volume is equal. Returns the figures and whether they match."""
-    tp_vol = activation_volume(tp_rows, group_size=tp)
-    sp_vol = activation_volume(sp_rows, group_size=tp)
-    ar = tp_vol.get("all_reduce", {"count": 0, "bytes": 0, "ring_bytes": 0.0})
-    ag = sp_vol.get("all_gather", {"count": 0, "bytes": 0, "ring_bytes": 0.0})
-    rs = sp_vol.get("reduce_scatter", {"count": 0, "bytes": 0, "ring_bytes": 0.0})
-    tp_ring = sum(v["ring_bytes"] for v in tp_vol.values())
-    sp_ring = sum(v["ring_bytes"] for v in sp_vol.values())
-    matches = (
-        ar["count"] == ag["count"] == rs["count"]
-        and ar["bytes"] == ag["bytes"] == rs["bytes"]
-        and tp_ring == sp_ring
-    )
-    return {
-        "tp_all_reduce": ar, "sp_all_gather": ag, "sp_reduce_scatter": rs,
-        "tp_ring_bytes": tp_ring, "sp_ring_bytes": sp_ring,
-        "sp_other_kinds": sorted(set(sp_vol) - {"all_gather", "reduce_scatter"}),
-        "matches": matches,
-    }
+    def snapshot(self) -> list[CommRow]:
+        return [CommRow(phase=p, kind=k, group=g, count=s.count, bytes=s.bytes)
+                for (p, k, g), s in sorted(self.stats.items())]

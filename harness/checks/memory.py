@@ -1,4 +1,4 @@
-"""Stage: capture -> gate. Activation memory of one transformer layer, against Korthikanti et al.
+"""Stage: checks. Activation memory of one transformer layer, against Korthikanti et al.
 
 What is measured: per rank, the bytes autograd saves for backward while ONE transformer layer
 (`blocks[0]` of the model) runs its forward, recorded with `torch.autograd.graph.saved_tensors_hooks`
@@ -8,9 +8,10 @@ view keeps its whole storage alive and is charged for it), and storages that bel
 parameter are left out: they are weights, not activations. Every saved tensor is also labelled
 with the innermost submodule that saved it, which gives the norm-region share on its own.
 
-No parallelism is measured in-process on `reference.gpt.Block`; TP and TP+SP inside a real rank
-job (`sp_harness.checks.memory:activation_rank`) on the case's sharded model (megatron-gpt-tp / -sp or a
-mutant), with the tokens and shards the engine would hand it.
+The measurement (sp_harness.capture.memory): per rank, the storages autograd saves for backward
+while one layer runs forward, parameters left out; no parallelism in-process on
+`reference.gpt.Block`, TP and TP+SP in a real rank job on the case's sharded model and its TP
+baseline (`Case.baseline`).
 
 The paper's per-layer formulas (arXiv 2205.05198, section 4; bytes, 16-bit activations, 1-byte
 dropout masks, ffn = 4h, s = sequence, b = micro-batch, h = hidden, a = heads, t = TP degree):
@@ -58,11 +59,13 @@ within 5%: an implementation that keeps full-sequence activations around its nor
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass
 
 import torch
-from torch import nn
 
+from sp_harness.capture.memory import LayerMemory, memory_config
+from sp_harness.checks.base import Outcome, not_applicable
+from sp_harness.config.case import Case
 from sp_harness.config.check_config import CheckConfig
 from sp_harness.config.shards import chunk_sizes
 
@@ -77,163 +80,6 @@ ADJUSTMENTS = [
     "SP: column-parallel linears save the all-gathered input (QKV, fc1): 2sbh, not 2sbh/t "
     "(Megatron saves the shard and re-gathers in backward)",
 ]
-
-NORM_REGION = ("norm1", "norm2")
-
-
-# ------------------------------------------------------------------ measurement
-
-
-@dataclass
-class SavedRecord:
-    region: str
-    """Innermost submodule of the layer that saved it ('' for the layer itself)."""
-    shape: tuple[int, ...]
-    dtype: str
-    nbytes: int
-    param: bool
-
-
-@dataclass
-class LayerMemory:
-    """What one layer saved for backward on one rank."""
-
-    rank: int = 0
-    records: list[SavedRecord] = field(default_factory=list)
-
-    @property
-    def activation_bytes(self) -> int:
-        return sum(r.nbytes for r in self.records if not r.param)
-
-    @property
-    def param_bytes(self) -> int:
-        return sum(r.nbytes for r in self.records if r.param)
-
-    def region_bytes(self, prefixes=NORM_REGION) -> int:
-        return sum(r.nbytes for r in self.records if not r.param and r.region.split(".")[0] in prefixes)
-
-    def by_region(self) -> dict[str, int]:
-        out: dict[str, int] = {}
-        for r in self.records:
-            if not r.param:
-                out[r.region] = out.get(r.region, 0) + r.nbytes
-        return out
-
-
-class SavedTensorMeter:
-    """Records the storages autograd saves while `layer` runs forward (parameters flagged)."""
-
-    def __init__(self, layer: nn.Module, params_of: nn.Module | None = None):
-        self.layer = layer
-        self.result = LayerMemory()
-        self._seen: set[int] = set()
-        self._param_ptrs = {p.untyped_storage().data_ptr() for p in (params_of or layer).parameters()}
-        self._stack: list[str] = []
-        self._ctx = None
-        self._handles = []
-
-    def _pack(self, t: torch.Tensor):
-        try:
-            storage = t.untyped_storage()
-        except Exception:  # tensors without storage (subclasses): not activations we can size
-            return t
-        key = storage.data_ptr()
-        if key in self._seen:
-            return t
-        self._seen.add(key)
-        region = self._stack[-1] if self._stack else ""
-        self.result.records.append(SavedRecord(region=region, shape=tuple(t.shape), dtype=str(t.dtype).replace("torch.", ""),
-                                               nbytes=storage.nbytes(), param=isinstance(t, nn.Parameter) or key in self._param_ptrs))
-        return t
-
-    def __enter__(self):
-        def enter(_m, _args):
-            self._ctx = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t)
-            self._ctx.__enter__()
-
-        def leave(_m, _args, _out):
-            self._ctx.__exit__(None, None, None)
-            self._ctx = None
-
-        self._handles.append(self.layer.register_forward_pre_hook(enter))
-        self._handles.append(self.layer.register_forward_hook(leave))
-        for name, sub in self.layer.named_modules():
-            if not name:
-                continue
-            self._handles.append(sub.register_forward_pre_hook(self._push(name)))
-            self._handles.append(sub.register_forward_hook(self._pop))
-        return self
-
-    def _push(self, name: str):
-        def hook(_m, _args) -> None:
-            self._stack.append(name)
-        return hook
-
-    def _pop(self, _m, _args, _out) -> None:  # a forward hook's return value would replace the output
-        self._stack.pop()
-
-    def __exit__(self, *exc):
-        for h in self._handles:
-            h.remove()
-        self._handles.clear()
-        if self._ctx is not None:
-            self._ctx.__exit__(None, None, None)
-            self._ctx = None
-
-
-def find_layer(model: nn.Module) -> nn.Module:
-    """The first transformer layer: `model.blocks[0]` (reference GPT, Megatron twin, DTensor GPT)."""
-    blocks = getattr(model, "blocks", None)
-    if blocks is None or len(blocks) == 0:
-        raise ValueError(f"{type(model).__name__} has no `blocks`: cannot find a transformer layer to measure")
-    return blocks[0]
-
-
-def memory_config(config: CheckConfig) -> CheckConfig:
-    """The config the memory check measures: the case's defaults, ffn = 4h unless given, LayerNorm."""
-    from sp_harness.config.case import get_case
-
-    cfg = get_case(config.case).resolve(config)
-    if config.ffn is None:
-        cfg = cfg.replace(ffn=4 * cfg.hidden)
-    return cfg
-
-
-def measure_reference_layer(config: CheckConfig) -> LayerMemory:
-    """No parallelism, in-process: `reference.gpt.Block` fed [b, s, h] in the run dtype."""
-    from sp_harness.cases.common import gpt_config
-    from sp_harness.reference.gpt import Block
-
-    cfg = memory_config(config)
-    block = Block(gpt_config(cfg)).to(cfg.torch_dtype)
-    gen = torch.Generator().manual_seed(cfg.seed)
-    x = torch.randn(cfg.dp * cfg.batch, cfg.seq_len, cfg.hidden, generator=gen, dtype=torch.float64)
-    x = x.to(cfg.torch_dtype).requires_grad_(True)
-    with SavedTensorMeter(block) as meter:
-        y = block(x)
-    y.float().sum().backward()
-    return meter.result
-
-
-def activation_rank(config: CheckConfig) -> LayerMemory:
-    """Rank job: build the case's sharded model as the engine does, run one forward + backward on
-    this rank's piece of a batch, and return what `blocks[0]` saved."""
-    from sp_harness.config.case import as_batch
-    from sp_harness.step.build import build
-    from sp_harness.step.context import is_dtensor
-    from sp_harness.step.inputs import call, rank_batch
-
-    built = build(config)
-    model = built.sharded.module
-    batch = as_batch(built.case.make_batch(config, 0, torch.Generator().manual_seed(config.seed + 7919)))
-    local = rank_batch(batch, built.sharded, built.ctx, config.torch_dtype)
-    with SavedTensorMeter(find_layer(model), params_of=model) as meter:
-        out = call(model, local.inputs, local.positional)
-    if is_dtensor(out):
-        out = out.to_local()
-    out.float().sum().backward()
-    meter.result.rank = built.ctx.rank
-    return meter.result
 
 
 # ------------------------------------------------------------------ formulas
@@ -291,126 +137,158 @@ def _ratio(x: float, y: float) -> float:
     return x / y if y else float("nan") if x else 1.0
 
 
-def activation_report(config: CheckConfig, runner=None, *, tp_case: str = "megatron-gpt-tp") -> dict:
+@dataclass(kw_only=True, frozen=True)
+class MemoryRow:
+    """One rank's layer: measured, the adjusted formula, and the SP/TP ratios."""
+
+    rank: int
+    sp_bytes: int
+    tp_bytes: int
+    sp_adjusted: float | None
+    """The adjusted formula (LayerNorm models only; None for RMSNorm)."""
+    tp_adjusted: float | None
+    sp_vs_adjusted: float | None
+    tp_vs_adjusted: float | None
+    sp_tp_ratio: float
+    sp_tp_expected: float
+    norm_sp_bytes: int
+    norm_tp_bytes: int
+    norm_ratio: float
+    norm_ratio_expected: float
+    """s_r / s: this rank's share of the sequence."""
+    sp_regions: dict[str, int]
+    tp_regions: dict[str, int]
+
+
+@dataclass(kw_only=True, frozen=True)
+class MemoryReport:
+    """One layer of an SP case and of its TP baseline at the same config, per rank."""
+
+    case: str
+    tp_case: str
+    config: str
+    dtype: str
+    ffn: int
+    tp: int
+    dims: dict[str, int]
+    layernorm: bool
+    rows: tuple[MemoryRow, ...]
+    paper_sp_bytes: float
+    paper_tp_bytes: float
+    paper_sp_tp_ratio: float
+    tolerance: float = TOLERANCE
+    adjustments: tuple[str, ...] = tuple(ADJUSTMENTS)
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+
+def _row(rank: int, sp: LayerMemory, tp: LayerMemory, cfg: CheckConfig) -> MemoryRow:
+    layernorm = cfg.norm == "layernorm"
+    sp_adj, tp_adj = adjusted_bytes("sp", cfg, rank), adjusted_bytes("tp", cfg, rank)
+    shards = cfg.seq_shards or chunk_sizes(cfg.seq_len, cfg.tp)
+    return MemoryRow(
+        rank=rank, sp_bytes=sp.activation_bytes, tp_bytes=tp.activation_bytes,
+        sp_adjusted=sp_adj if layernorm else None, tp_adjusted=tp_adj if layernorm else None,
+        sp_vs_adjusted=_ratio(sp.activation_bytes, sp_adj) if layernorm else None,
+        tp_vs_adjusted=_ratio(tp.activation_bytes, tp_adj) if layernorm else None,
+        sp_tp_ratio=_ratio(sp.activation_bytes, tp.activation_bytes), sp_tp_expected=_ratio(sp_adj, tp_adj),
+        norm_sp_bytes=sp.region_bytes(), norm_tp_bytes=tp.region_bytes(),
+        norm_ratio=_ratio(sp.region_bytes(), tp.region_bytes()), norm_ratio_expected=shards[rank % cfg.tp] / cfg.seq_len,
+        sp_regions=sp.by_region(), tp_regions=tp.by_region())
+
+
+def activation_report(config: CheckConfig, runner, *, tp_case: str) -> MemoryReport:
     """Measure one layer of `config.case` (claimed TP+SP) and of its TP twin `tp_case` at the same
-    config, per rank, next to the paper's and the adjusted formulas. JSON-able dict; see
-    `activation_gate` for the verdict and `format_activation_report` for the table."""
+    config, per rank, next to the paper's and the adjusted formulas; see `activation_gate` for the
+    verdict and `format_activation_report` for the table."""
     from sp_harness.config.case import get_case
-    from sp_harness.launch.runner import default_manager
 
     cfg = memory_config(config)
     get_case(cfg.case).validate(cfg)
-    runner = runner or default_manager()
     label = f"activation memory: case {cfg.case} [{cfg.short()}]"
-    sp_mem: list[LayerMemory] = runner.run(cfg.world_size, "sp_harness.checks.memory:activation_rank", cfg,
-                                           timeout_s=cfg.timeout_s, label=label)
-    tp_cfg = cfg.replace(case=tp_case)
-    tp_mem: list[LayerMemory] = runner.run(cfg.world_size, "sp_harness.checks.memory:activation_rank", tp_cfg,
-                                           timeout_s=cfg.timeout_s, label=label + f" (TP twin {tp_case})")
-    layernorm = cfg.norm == "layernorm"
-    rows = []
-    for rank in range(cfg.world_size):
-        sp, tp = sp_mem[rank], tp_mem[rank]
-        sp_adj, tp_adj = adjusted_bytes("sp", cfg, rank), adjusted_bytes("tp", cfg, rank)
-        shards = cfg.seq_shards or chunk_sizes(cfg.seq_len, cfg.tp)
-        rows.append({
-            "rank": rank,
-            "sp_bytes": sp.activation_bytes, "tp_bytes": tp.activation_bytes,
-            "sp_adjusted": sp_adj if layernorm else None, "tp_adjusted": tp_adj if layernorm else None,
-            "sp_vs_adjusted": _ratio(sp.activation_bytes, sp_adj) if layernorm else None,
-            "tp_vs_adjusted": _ratio(tp.activation_bytes, tp_adj) if layernorm else None,
-            "sp_tp_ratio": _ratio(sp.activation_bytes, tp.activation_bytes),
-            "sp_tp_expected": _ratio(sp_adj, tp_adj),
-            "norm_sp_bytes": sp.region_bytes(), "norm_tp_bytes": tp.region_bytes(),
-            "norm_ratio": _ratio(sp.region_bytes(), tp.region_bytes()),
-            "norm_ratio_expected": shards[rank % cfg.tp] / cfg.seq_len,
-            "sp_regions": sp.by_region(), "tp_regions": tp.by_region(),
-        })
+    job = "sp_harness.capture.memory:activation_rank"
+    sp_mem: list[LayerMemory] = runner.run(cfg.world_size, job, cfg, timeout_s=cfg.timeout_s, label=label)
+    tp_mem: list[LayerMemory] = runner.run(cfg.world_size, job, cfg.replace(case=tp_case), timeout_s=cfg.timeout_s,
+                                           label=label + f" (TP twin {tp_case})")
     dims = dict(s=cfg.seq_len, b=cfg.batch, h=cfg.hidden, a=cfg.num_heads, t=cfg.tp)
-    return {
-        "case": cfg.case, "tp_case": tp_case, "config": cfg.short(), "dtype": cfg.dtype, "ffn": cfg.ffn,
-        "tp": cfg.tp, "dims": dims, "layernorm": layernorm, "rows": rows,
-        "paper_sp_bytes": paper_bytes("sp", **dims), "paper_tp_bytes": paper_bytes("tp", **dims),
-        "paper_sp_tp_ratio": paper_bytes("sp", **dims) / paper_bytes("tp", **dims),
-        "tolerance": TOLERANCE, "adjustments": ADJUSTMENTS,
-    }
+    return MemoryReport(
+        case=cfg.case, tp_case=tp_case, config=cfg.short(), dtype=cfg.dtype, ffn=cfg.ffn, tp=cfg.tp, dims=dims,
+        layernorm=cfg.norm == "layernorm",
+        rows=tuple(_row(r, sp_mem[r], tp_mem[r], cfg) for r in range(cfg.world_size)),
+        paper_sp_bytes=paper_bytes("sp", **dims), paper_tp_bytes=paper_bytes("tp", **dims),
+        paper_sp_tp_ratio=paper_bytes("sp", **dims) / paper_bytes("tp", **dims))
 
 
-def activation_gate(report: dict, tol: float = TOLERANCE) -> tuple[bool, str]:
+def activation_gate(report: MemoryReport, tol: float = TOLERANCE) -> tuple[bool, str]:
     """(ok, message): every rank's measured layer within `tol` of its adjusted formula (TP twin and
     SP case), and the SP norm-region bytes over the TP twin's equal to s_r/s within `tol`."""
     problems = []
-    for row in report["rows"]:
-        r = row["rank"]
-        for key, what in (("sp_vs_adjusted", report["case"]), ("tp_vs_adjusted", report["tp_case"])):
-            v = row[key]
+    for row in report.rows:
+        for v, what in ((row.sp_vs_adjusted, report.case), (row.tp_vs_adjusted, report.tp_case)):
             if v is not None and abs(v - 1) > tol:
-                problems.append(f"rank {r}: {what} saves {v:.3f}x its adjusted formula")
-        want, got = row["norm_ratio_expected"], row["norm_ratio"]
+                problems.append(f"rank {row.rank}: {what} saves {v:.3f}x its adjusted formula")
+        want, got = row.norm_ratio_expected, row.norm_ratio
         if abs(got / want - 1) > tol if want else got != 0:
-            problems.append(f"rank {r}: norm-region activations SP/TP = {got:.3f}, expected s_r/s = {want:.3f} "
+            problems.append(f"rank {row.rank}: norm-region activations SP/TP = {got:.3f}, expected s_r/s = {want:.3f} "
                             f"(full-sequence activations kept around the norms?)")
-    worst = max(report["rows"], key=lambda row: row["sp_tp_ratio"])
-    head = (f"activation memory {report['case']} vs {report['tp_case']} [{report['config']}]: "
-            f"SP/TP {worst['sp_tp_ratio']:.3f} (adjusted formula {worst['sp_tp_expected']:.3f}, "
-            f"paper {report['paper_sp_tp_ratio']:.3f}), norm region {worst['norm_ratio']:.3f} (expected "
-            f"{worst['norm_ratio_expected']:.3f})")
+    worst = max(report.rows, key=lambda row: row.sp_tp_ratio)
+    head = (f"activation memory {report.case} vs {report.tp_case} [{report.config}]: "
+            f"SP/TP {worst.sp_tp_ratio:.3f} (adjusted formula {worst.sp_tp_expected:.3f}, "
+            f"paper {report.paper_sp_tp_ratio:.3f}), norm region {worst.norm_ratio:.3f} (expected "
+            f"{worst.norm_ratio_expected:.3f})")
     if problems:
         return False, head + ": FAIL: " + "; ".join(problems[:4])
     return True, head + f": ok within {tol:.0%}"
 
 
-def memory_gate(config: CheckConfig, runner=None) -> tuple[bool | None, str]:
-    """The memory check of one config for `sp-harness check` and the mutant battery:
-    (ok, message), or (None, why) where it does not apply (not a Megatron-family TP+SP case, or
-    tp = 1 where SP and TP coincide)."""
-    from sp_harness.config.case import get_case
-
-    case = get_case(config.case)
-    if "megatron" not in case.tags or not case.baseline:
-        return None, f"no activation-memory model for {case.name} (Megatron-family TP+SP cases only)"
-    if config.world_size // config.dp <= 1:
-        return None, "tp = 1: SP and TP save the same activations"
-    return activation_gate(activation_report(config, runner, tp_case=case.baseline))
-
-
-def format_activation_report(report: dict) -> str:
-    lines = [f"activation memory per layer, {report['case']} vs TP twin {report['tp_case']} [{report['config']}]",
+def format_activation_report(report: MemoryReport) -> str:
+    lines = [f"activation memory per layer, {report.case} vs TP twin {report.tp_case} [{report.config}]",
              f"  {'rank':>4} {'TP meas B':>10} {'TP adj B':>10} {'ratio':>6} {'SP meas B':>10} {'SP adj B':>10} "
              f"{'ratio':>6} {'SP/TP':>6} {'expect':>6} {'norm SP/TP':>10} {'expect':>6}"]
-    for row in report["rows"]:
-        def f(x, w, p=0):
-            return f"{'-':>{w}}" if x is None else f"{x:>{w}.{p}f}"
-        lines.append(f"  {row['rank']:>4} {row['tp_bytes']:>10} {f(row['tp_adjusted'], 10)} {f(row['tp_vs_adjusted'], 6, 3)} "
-                     f"{row['sp_bytes']:>10} {f(row['sp_adjusted'], 10)} {f(row['sp_vs_adjusted'], 6, 3)} "
-                     f"{row['sp_tp_ratio']:>6.3f} {row['sp_tp_expected']:>6.3f} {row['norm_ratio']:>10.3f} "
-                     f"{row['norm_ratio_expected']:>6.3f}")
+
+    def f(x, w, p=0):
+        return f"{'-':>{w}}" if x is None else f"{x:>{w}.{p}f}"
+
+    for row in report.rows:
+        lines.append(f"  {row.rank:>4} {row.tp_bytes:>10} {f(row.tp_adjusted, 10)} {f(row.tp_vs_adjusted, 6, 3)} "
+                     f"{row.sp_bytes:>10} {f(row.sp_adjusted, 10)} {f(row.sp_vs_adjusted, 6, 3)} "
+                     f"{row.sp_tp_ratio:>6.3f} {row.sp_tp_expected:>6.3f} {row.norm_ratio:>10.3f} "
+                     f"{row.norm_ratio_expected:>6.3f}")
     return "\n".join(lines)
 
 
-# ------------------------------------------------------------------ communication
+# ------------------------------------------------------------------ the check
 
 
-def comm_gate(tp_rows: list[dict], sp_rows: list[dict], tp: int) -> tuple[bool, str]:
-    """(ok, message): per step and rank, TP+SP moves the same activation bytes as TP (the paper's
-    claim: each all-reduce becomes a reduce-scatter + all-gather of the same payload)."""
-    from sp_harness.capture.comm import paper_check
+class ActivationMemory:
+    """Saved activations of one layer, SP case vs its TP baseline and the paper's formulas."""
 
-    if tp <= 1:
-        return True, "communication: tp = 1, no TP collectives to compare"
-    fig = paper_check(tp_rows, sp_rows, tp=tp)
-    ar, ag, rs = fig["tp_all_reduce"], fig["sp_all_gather"], fig["sp_reduce_scatter"]
-    msg = (f"communication per step per rank (ring bytes): TP {fig['tp_ring_bytes']:.0f} "
-           f"({ar['count']} all-reduce, payload {ar['bytes']} B) vs TP+SP {fig['sp_ring_bytes']:.0f} "
-           f"({ag['count']} all-gather {ag['bytes']} B + {rs['count']} reduce-scatter {rs['bytes']} B)")
-    if fig["sp_other_kinds"]:
-        msg += f", SP also uses {fig['sp_other_kinds']}"
-    if fig["matches"]:
-        return True, msg + ": equal, as the paper says"
-    ratio = fig["sp_ring_bytes"] / fig["tp_ring_bytes"] if fig["tp_ring_bytes"] else float("inf")
-    return False, msg + f": NOT equal (SP/TP {ratio:.3f}; paper: each all-reduce = reduce-scatter + all-gather)"
+    name = "activation-memory"
+    label = "activation memory"
+
+    def applies(self, case: Case, config: CheckConfig) -> str | None:
+        # the formulas model the reference GPT block; a case without a TP baseline has no twin
+        if "megatron" not in case.tags or not case.baseline:
+            return f"no activation-memory model for {case.name} (Megatron-family SP cases with a TP baseline)"
+        if config.tp <= 1:
+            return "tp = 1: SP and TP save the same activations"
+        return None
+
+    def run(self, config: CheckConfig, runner) -> Outcome:
+        from sp_harness.config.case import get_case
+
+        case = get_case(config.case)
+        why = self.applies(case, config)
+        if why is not None:
+            return not_applicable(self.name, why)
+        report = activation_report(config, runner, tp_case=case.baseline)
+        ok, message = activation_gate(report)
+        return Outcome(check=self.name, status="pass" if ok else "fail", caught_by="" if ok else self.label,
+                       detail=message, repro=config.repro() + " --memory", figures=report)
+
+    def render(self, outcome: Outcome) -> str:
+        return outcome.detail
 
 
-__all__ = ["SavedTensorMeter", "LayerMemory", "activation_rank", "measure_reference_layer", "paper_bytes",
-           "adjusted_terms", "adjusted_bytes", "activation_report", "activation_gate", "memory_gate", "format_activation_report",
-           "comm_gate", "ADJUSTMENTS", "memory_config"]
+CHECK = ActivationMemory()

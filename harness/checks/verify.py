@@ -9,11 +9,11 @@ loss < input grad < grad < param), the worst ones, and the one-line repro.
 from __future__ import annotations
 
 import dataclasses
-import json
 import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from sp_harness.capture.comm import CommRow
 from sp_harness.capture.trace import Divergence
 from sp_harness.checks.sidebyside import Drift, RankResult
 from sp_harness.compare.tolerance import KIND_ORDER, TensorCheck
@@ -34,7 +34,7 @@ class CheckResult:
     worst: dict[str, TensorCheck] = field(default_factory=dict)
     drift: list[Drift] = field(default_factory=list)
     losses: list[float] = field(default_factory=list)
-    comm: list[dict] = field(default_factory=list)
+    comm: list[CommRow] = field(default_factory=list)
     """Collective rows of step 0 on rank 0 (every step and rank count the same in a correct run)."""
     error: str = ""
     """For a crash or hang: the ranks' tracebacks."""
@@ -96,7 +96,7 @@ class CheckResult:
         return {
             "verdict": self.verdict, "reason": self.reason, "first_failure": self.first_failure if self.verdict == FAIL else "",
             "config": conv(self.config), "repro": self.config.repro(), "failures": conv(self.failures),
-            "worst": conv(self.worst), "drift": conv(self.drift), "losses": self.losses, "comm": self.comm,
+            "worst": conv(self.worst), "drift": conv(self.drift), "losses": self.losses, "comm": conv(self.comm),
             "error": self.error, "wall_s": self.wall_s, "num_checks": self.num_checks,
             "divergence": conv(self.divergence),
         }
@@ -202,15 +202,10 @@ def _tail(text: str, n: int) -> str:
     return "\n".join(rows if len(rows) <= n else ["  ..."] + rows[-n:])
 
 
-def format_comm(rows: list[dict]) -> str:
+def format_comm(rows: list[CommRow]) -> str:
     if not rows:
         return "collectives per step (rank 0): none"
     lines = ["collectives per step (rank 0):", f"  {'phase':<10} {'kind':<15} {'group':<7} {'count':>5} {'bytes':>10}"]
     for r in rows:
-        lines.append(f"  {r['phase']:<10} {r['kind']:<15} {r['group']:<7} {r['count']:>5} {r['bytes']:>10}")
+        lines.append(f"  {r.phase:<10} {r.kind:<15} {r.group:<7} {r.count:>5} {r.bytes:>10}")
     return "\n".join(lines)
-
-
-def dump_json(results: list[CheckResult], path: str) -> None:
-    with open(path, "w") as f:
-        json.dump([r.to_json() for r in results], f, indent=1, default=str)

@@ -10,7 +10,7 @@ One run measures, on this machine:
   (c) cost per example of megatron-gpt-sp vs world size 1..8 and vs sequence length;
   (d) activation memory of one layer (sp_harness.checks.memory) for no parallelism, TP and TP+SP at every
       world size, against the paper's and the adjusted formulas; communication TP vs TP+SP
-      (sp_harness.checks.memory.comm_gate); the full-sequence mutant's verdicts beside them;
+      (sp_harness.compare.comm_volume); the full-sequence mutant's verdicts beside them;
   (e) wall time of the default convergence job (`ConvergeOptions()`, 2 ranks); target < 3 min.
 
 An "example" is one `check(config)`: one side-by-side verification (default 2 optimizer steps).
@@ -139,16 +139,10 @@ def spawn_example(config: CheckConfig) -> dict:
 
 def run_bench(*, quick: bool = False, spawn_reps: int = 1, reps: int | None = None, converge_steps: int | None = None,
               log=print) -> dict:
-    from sp_harness.checks.memory import (
-        activation_gate,
-        activation_report,
-        adjusted_bytes,
-        comm_gate,
-        measure_reference_layer,
-        memory_config,
-        paper_bytes,
-    )
+    from sp_harness.capture.memory import measure_reference_layer, memory_config
+    from sp_harness.checks.memory import activation_gate, activation_report, adjusted_bytes, paper_bytes
     from sp_harness.checks.verify import check
+    from sp_harness.compare.comm_volume import paper_check
     from sp_harness.launch.pool import PoolManager
     from sp_harness.suites.converge import ConvergeOptions, converge
 
@@ -211,19 +205,19 @@ def run_bench(*, quick: bool = False, spawn_reps: int = 1, reps: int | None = No
                 memory_rows.append({"t": 1, "mode": "none", "paper": paper_bytes("none", **dims), "adjusted": adj,
                                     "measured": ref.activation_bytes, "ratio": ref.activation_bytes / adj})
             for case in (("megatron-gpt-sp", "mutant-sp-full-sequence-norms") if ws in speed_ws else ("megatron-gpt-sp",)):
-                rep = activation_report(mcfg.replace(case=case), manager)
+                rep = activation_report(mcfg.replace(case=case), manager, tp_case="megatron-gpt-tp")
                 ok, msg = activation_gate(rep)
-                row = rep["rows"][0]
+                row = rep.rows[0]
                 memory_rows.append({
                     "t": ws, "mode": "sp" if case == "megatron-gpt-sp" else "mutant", "case": case,
                     "paper_tp": paper_bytes("tp", t=ws, **dims), "paper_sp": paper_bytes("sp", t=ws, **dims),
-                    "tp_adjusted": row["tp_adjusted"], "tp_measured": row["tp_bytes"], "tp_ratio": row["tp_vs_adjusted"],
-                    "sp_adjusted": row["sp_adjusted"], "sp_measured": row["sp_bytes"], "sp_ratio": row["sp_vs_adjusted"],
-                    "sp_tp": row["sp_tp_ratio"], "sp_tp_adjusted": row["sp_tp_expected"],
-                    "sp_tp_paper": rep["paper_sp_tp_ratio"], "norm_ratio": row["norm_ratio"],
-                    "norm_expected": row["norm_ratio_expected"], "gate_ok": ok, "gate": msg,
-                    "worst_ratio_all_ranks": max(max(abs(r["sp_vs_adjusted"] - 1), abs(r["tp_vs_adjusted"] - 1))
-                                                 for r in rep["rows"]),
+                    "tp_adjusted": row.tp_adjusted, "tp_measured": row.tp_bytes, "tp_ratio": row.tp_vs_adjusted,
+                    "sp_adjusted": row.sp_adjusted, "sp_measured": row.sp_bytes, "sp_ratio": row.sp_vs_adjusted,
+                    "sp_tp": row.sp_tp_ratio, "sp_tp_adjusted": row.sp_tp_expected,
+                    "sp_tp_paper": rep.paper_sp_tp_ratio, "norm_ratio": row.norm_ratio,
+                    "norm_expected": row.norm_ratio_expected, "gate_ok": ok, "gate": msg,
+                    "worst_ratio_all_ranks": max(max(abs(r.sp_vs_adjusted - 1), abs(r.tp_vs_adjusted - 1))
+                                                 for r in rep.rows),
                 })
             # communication TP vs TP+SP (and the mutant) at the speed world sizes
             if ws in speed_ws:
@@ -231,12 +225,10 @@ def run_bench(*, quick: bool = False, spawn_reps: int = 1, reps: int | None = No
                 tp_res = check(base, manager)
                 for case in ("megatron-gpt-sp", "mutant-sp-full-sequence-norms"):
                     res = check(base.replace(case=case), manager)
-                    ok, msg = comm_gate(tp_res.comm, res.comm, ws)
-                    from sp_harness.capture.comm import paper_check
-
                     fig = paper_check(tp_res.comm, res.comm, tp=ws)
-                    comm_rows.append({"case": case, "world_size": ws, "verdict": res.verdict, "ok": ok, "message": msg,
-                                      "tp_ring_bytes": fig["tp_ring_bytes"], "sp_ring_bytes": fig["sp_ring_bytes"]})
+                    comm_rows.append({"case": case, "world_size": ws, "verdict": res.verdict, "ok": fig.matches,
+                                      "message": fig.describe(), "tp_ring_bytes": fig.tp_ring_bytes,
+                                      "sp_ring_bytes": fig.sp_ring_bytes})
     finally:
         manager.close()
 

@@ -1,0 +1,64 @@
+"""Stage: checks. What a check is: a name, which configs it applies to, and a run that returns an
+`Outcome` carrying the check's own figures.
+
+`sp-harness check`, the mutant battery, the benchmark and the reports all take the checks from
+one list (`sp_harness.checks.all_checks`); adding a check is adding one module to this package
+that defines `CHECK`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Literal, Protocol, runtime_checkable
+
+from sp_harness.config.case import Case
+from sp_harness.config.check_config import CheckConfig
+
+Status = Literal["pass", "fail", "n/a"]
+
+
+@dataclass(kw_only=True, frozen=True)
+class Outcome:
+    """What one check concluded on one config."""
+
+    check: str
+    """The check's name."""
+    status: Status
+    """'pass', 'fail', or 'n/a' where the check does not apply (or the case declared the config
+    UNSUPPORTED)."""
+    caught_by: str = ""
+    """For a fail: the part of the check that caught it first ('grad', 'replica drift', 'crash',
+    'collective accounting', ...)."""
+    detail: str = ""
+    """One line: the first failure, or why the check does not apply."""
+    repro: str = ""
+    """The one-line command that reruns exactly this check."""
+    figures: Any = None
+    """The check's own result dataclass (CheckResult, PaperComparison, MemoryReport, ...)."""
+
+    @property
+    def passed(self) -> bool | None:
+        return None if self.status == "n/a" else self.status == "pass"
+
+
+def not_applicable(check: str, why: str, repro: str = "") -> Outcome:
+    return Outcome(check=check, status="n/a", detail=why, repro=repro)
+
+
+@runtime_checkable
+class Check(Protocol):
+    """A pluggable check (the pytest-xdist `Scheduling` pattern: a Protocol, not a base class)."""
+
+    name: str
+    """Stable identifier: battery entries and `--json` records name checks by it."""
+    label: str
+    """How a fail is named in tables ('collective accounting')."""
+
+    def applies(self, case: Case, config: CheckConfig) -> str | None:
+        """None where the check applies to `config` of `case`, else why not (one line)."""
+
+    def run(self, config: CheckConfig, runner) -> Outcome:
+        """Run the check on a runner (a PoolManager or the torchrun world); never raises on a fail."""
+
+    def render(self, outcome: Outcome) -> str:
+        """The human text of an outcome (one rendering per check)."""
