@@ -27,7 +27,7 @@ from sp_harness.cases.common import (
     require_chunk_split,
     token_loss_sum,
 )
-from sp_harness.config.case import Case, Layout, RankContext, Sharded, Unsupported, register
+from sp_harness.config.case import Case, Example, Layout, RankContext, Sharded, Unsupported, register
 from sp_harness.config.check_config import CheckConfig
 from sp_harness.reference.toy_mlp import ToyModel
 
@@ -69,6 +69,13 @@ def _seed_shard(model: ToyModel, ctx: RankContext) -> Sharded:
     return Sharded(module=module, input_layout=layout, output_layout=layout)
 
 
+def _seed_expect(config: CheckConfig) -> str:
+    # torch 2.13: every split even, or the upstream failure (README "What it found")
+    tp = config.tp
+    even = config.seq_len % tp == 0 and config.hidden % tp == 0
+    return "PASS" if even and config.hidden > 1 else "FAIL"
+
+
 SEED_MLP = register(Case(
     name="seed-mlp",
     description="the seed's DTensor plan: ColwiseParallel(input_layouts=Shard(0)) + RowwiseParallel(output_layouts=Shard(0)) on ToyModel 10->32->5",
@@ -81,6 +88,13 @@ SEED_MLP = register(Case(
     defaults=dict(seq_len=12, hidden=32),
     input_layout=Layout(seq_dim=0),
     tags=("dtensor", "seed"),
+    expect=_seed_expect,
+    examples=(
+        Example(fields=(("world_size", 2),), note="even: 12 tokens, 32 columns over 2"),
+        Example(fields=(("world_size", 3),), note="upstream: 32 columns 11/11/10 fail sharding propagation"),
+        Example(fields=(("world_size", 3), ("seq_len", 10), ("hidden", 33)),
+                note="upstream: 10 tokens 4/4/2 abort gloo (from_local assumes even shards)"),
+    ),
 ))
 
 
@@ -136,10 +150,21 @@ def _gpt_validate(config: CheckConfig) -> None:
 
 def _gpt_shard(model, ctx: RankContext) -> Sharded:
     module = parallelize_module(model, ctx.device_mesh, gpt_plan(ctx.config.num_layers))
-    # the embeddings stay plain tensors, whole on every rank
+    # modules the plan leaves alone (the embeddings) stay plain and whole on every rank
     return Sharded(module=module, input_layout=Layout(seq_dim=1, batch_dim=0, seq_sharded=False),
-                   output_layout=Layout(seq_dim=1, batch_dim=0, seq_sharded=False),
-                   replicated=("tok_emb.weight", "pos_emb.weight"))
+                   output_layout=Layout(seq_dim=1, batch_dim=0, seq_sharded=False), replicated=("*",))
+
+
+def _gpt_expect(config: CheckConfig) -> str:
+    # every split: the sequence, fc1/fc2's ffn, q/k/v and out-proj's hidden columns; and a vocab
+    # of at least tp rows (2 rows over 3 ranks: AdamW's exp_avg.lerp_ fails sharding propagation
+    # between an S(0) state and an R grad; 4 rows over 3, also 2/2/0, pass; found by the
+    # false-alarm run, pinned as measured). A RowwiseParallel linear whose input width is 1 fails
+    # even on one rank (sharding propagation on `aten.view` of a [1, 1] Shard(1) grad).
+    tp = config.tp
+    even = (config.seq_len % tp == 0 and config.ffn % tp == 0 and config.hidden % tp == 0
+            and config.vocab >= tp)
+    return "PASS" if even and config.ffn > 1 and config.hidden > 1 else "FAIL"
 
 
 DTENSOR_GPT = register(Case(
@@ -154,4 +179,9 @@ DTENSOR_GPT = register(Case(
     defaults=GPT_DEFAULTS,
     input_layout=Layout(seq_dim=1, batch_dim=0),
     tags=("dtensor",),
+    expect=_gpt_expect,
+    examples=(
+        Example(fields=(("world_size", 2),), note="even"),
+        Example(fields=(("world_size", 3),), note="Colwise cuts 32 columns 11/11/10, not whole heads"),
+    ),
 ))

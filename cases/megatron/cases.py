@@ -12,13 +12,15 @@ tp > 1.
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 from torch import nn
 
 from sp_harness.cases.common import GPT_DEFAULTS, build_reference_gpt, gpt_batch, gpt_tokens, token_loss_sum
 from sp_harness.cases.megatron.impl import CORRECT, Impl, all_reduce_coalesced
 from sp_harness.cases.megatron.model import build_sharded
-from sp_harness.config.case import Case, Layout, RankContext, Sharded, Unsupported, register
+from sp_harness.config.case import Case, Example, Layout, RankContext, Sharded, Unsupported, register
 from sp_harness.config.check_config import CheckConfig
 
 DEFAULTS = dict(GPT_DEFAULTS)
@@ -132,21 +134,36 @@ REF = register(
         defaults=DEFAULTS,
         input_layout=INPUT_LAYOUT,
         tags=("megatron", "reference"),
+        examples=(Example(fields=(("world_size", 2), ("dp", 2)), note="reference mode on 2 DP replicas"),),
     )
 )
-TP = register(
+TP = register(dataclasses.replace(
     megatron_case(
         "megatron-gpt-tp",
         "tp",
         description="Megatron-style tensor parallel GPT (heads/ffn split, no SP)",
-    )
-)
-SP = register(
+    ),
+    examples=(
+        Example(fields=(("world_size", 2),), note="even"),
+        Example(fields=(("world_size", 3), ("seq_len", 10), ("num_heads", 4), ("ffn", 50)),
+                note="uneven heads 2/1/1 and ffn 17/17/16"),
+    ),
+))
+SP = register(dataclasses.replace(
     megatron_case(
         "megatron-gpt-sp",
         "sp",
         description="Megatron-style TP + sequence parallel GPT (all-gather/reduce-scatter)",
-    )
-)
+    ),
+    examples=(
+        Example(fields=(("world_size", 2),), note="even"),
+        Example(fields=(("world_size", 3), ("seq_len", 10)), note="uneven: 10 tokens 4/4/2, heads 2/2/0"),
+        Example(fields=(("world_size", 3), ("seq_len", 10), ("layout", "sbh"), ("norm", "rmsnorm")),
+                note="uneven, [s, b, h], RMSNorm"),
+        Example(fields=(("world_size", 4), ("dp", 2)), note="2 x 2 DP x TP mesh"),
+        Example(fields=(("world_size", 4), ("dp", 2), ("seq_len", 7), ("dtype", "float32")),
+                note="2 x 2 mesh, 7 tokens 4/3, float32"),
+    ),
+))
 
 __all__ = ["megatron_case", "REF", "TP", "SP", "CORRECT", "Impl"]

@@ -26,7 +26,8 @@ def _gpt_shard(plan_edit=None, before=None):
             plan_edit(plan)
         module = parallelize_module(model, ctx.device_mesh, plan)
         io = Layout(seq_dim=1, batch_dim=0, seq_sharded=False)
-        return Sharded(module=module, input_layout=io, output_layout=io)
+        # modules the plan leaves alone stay plain and whole on every rank: replicated copies
+        return Sharded(module=module, input_layout=io, output_layout=io, replicated=("*",))
 
     return shard
 

@@ -173,6 +173,19 @@ class Sharded:
 
 
 @dataclass(kw_only=True, frozen=True)
+class Example:
+    """One config the main job (`sp-harness nightly`) checks a case on, with why it is there."""
+
+    fields: tuple[tuple[str, Any], ...]
+    """CheckConfig fields besides the case, as pairs: (("world_size", 3), ("seq_len", 10))."""
+    note: str
+    """What this config exercises (uneven heads, a 2 x 2 mesh, an upstream failure, ...)."""
+
+    def config(self, case: str) -> CheckConfig:
+        return CheckConfig(case=case, **dict(self.fields))
+
+
+@dataclass(kw_only=True, frozen=True)
 class Case:
     """A system under test: reference + sharded twin + data."""
 
@@ -214,6 +227,8 @@ class Case:
     expect: Callable[[CheckConfig], str] | None = None
     """The verdict this case should reach on a resolved, validated config ('PASS' or 'FAIL'):
     where upstream code is pinned to what it does. None: PASS (a correct case)."""
+    examples: tuple[Example, ...] = ()
+    """The configs the main job checks this case on (each against its expected verdict)."""
 
     def resolve(self, config: CheckConfig) -> CheckConfig:
         """Fill the config's None fields from the case defaults and check shard sizes."""

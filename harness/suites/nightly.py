@@ -19,33 +19,21 @@ from sp_harness.config.check_config import CheckConfig
 
 GOLDEN = Path(__file__).resolve().parent.parent / "reports" / "golden" / "megatron-gpt-sp.json"
 
-# (config, expected verdict, why) -- the upstream FAILs are torch 2.13's DTensor behaviour
-NIGHTLY_CHECKS: list[tuple[CheckConfig, str, str]] = [
-    (CheckConfig(case="seed-mlp", world_size=2), "PASS", "even: 12 tokens, 32 columns over 2"),
-    (CheckConfig(case="seed-mlp", world_size=3), "FAIL", "upstream: 32 columns 11/11/10 fail sharding propagation"),
-    (CheckConfig(case="seed-mlp", world_size=3, seq_len=10, hidden=33), "FAIL",
-     "upstream: 10 tokens 4/4/2 abort gloo (from_local assumes even shards)"),
-    (CheckConfig(case="dtensor-gpt", world_size=2), "PASS", "even"),
-    (CheckConfig(case="dtensor-gpt", world_size=3), "UNSUPPORTED", "Colwise cuts 32 columns 11/11/10, not whole heads"),
-    (CheckConfig(case="megatron-gpt-tp", world_size=2), "PASS", "even"),
-    (CheckConfig(case="megatron-gpt-tp", world_size=3, seq_len=10, num_heads=4, ffn=50), "PASS",
-     "uneven heads 2/1/1... and ffn 17/17/16"),
-    (CheckConfig(case="megatron-gpt-sp", world_size=2), "PASS", "even"),
-    (CheckConfig(case="megatron-gpt-sp", world_size=3, seq_len=10), "PASS", "uneven: 10 tokens 4/4/2, heads 2/2/0"),
-    (CheckConfig(case="megatron-gpt-sp", world_size=3, seq_len=10, layout="sbh", norm="rmsnorm"), "PASS",
-     "uneven, [s, b, h], RMSNorm"),
-    (CheckConfig(case="megatron-gpt-sp", world_size=4, dp=2), "PASS", "2 x 2 DP x TP mesh"),
-    (CheckConfig(case="megatron-gpt-sp", world_size=4, dp=2, seq_len=7, dtype="float32"), "PASS",
-     "2 x 2 mesh, 7 tokens 4/3, float32"),
-    (CheckConfig(case="megatron-gpt-ref", world_size=2, dp=2), "PASS", "reference mode on 2 DP replicas"),
-]
+def nightly_examples() -> list[tuple[CheckConfig, str]]:
+    """(config, why) for every example every correct case declares (`Case.examples`)."""
+    from sp_harness.config.case import all_cases
+
+    return [(ex.config(name), ex.note) for name, case in sorted(all_cases().items())
+            if "mutant" not in case.tags for ex in case.examples]
 
 
 def run_checks(runner) -> list[dict]:
     from sp_harness.checks.verify import check, format_result
+    from sp_harness.judge.expect import expected_verdict
 
     rows = []
-    for config, expected, why in NIGHTLY_CHECKS:
+    for config, why in nightly_examples():
+        expected = expected_verdict(config)
         res = check(config, runner)
         rows.append({"case": config.case, "config": res.config.short(), "expected": expected, "verdict": res.verdict,
                      "ok": res.verdict == expected, "why": why, "reason": res.reason.splitlines()[0][:300] if res.reason else "",
@@ -86,7 +74,7 @@ def cmd_nightly(args) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     runner = _runner()
-    print(f"[1/2] case checks ({len(NIGHTLY_CHECKS)} configs)")
+    print(f"[1/2] case checks ({len(nightly_examples())} configs)")
     rows = run_checks(runner)
     (out / "checks.json").write_text(json.dumps(rows, indent=1))
     (out / "checks.md").write_text(checks_markdown(rows) + "\n")
