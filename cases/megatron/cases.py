@@ -87,6 +87,11 @@ def _shard_single(ref: nn.Module, ctx: RankContext) -> Sharded:
     return Sharded(module=ref, input_layout=io, output_layout=io, sync_grads=sync, replicated=("*",))
 
 
+def megatron_shard(impl: Impl, *, sequence_parallel: bool):
+    """The sharded factory of the Megatron GPT built from `impl`."""
+    return lambda ref, ctx: build_sharded(ref, ctx, impl, sequence_parallel=sequence_parallel)
+
+
 def megatron_case(
     name: str,
     mode: str,
@@ -109,7 +114,7 @@ def megatron_case(
         make_batch=make_batch,
         loss_sum=token_loss_sum,
         tokens=gpt_tokens,
-        shard=lambda ref, ctx: build_sharded(ref, ctx, impl, sequence_parallel=sp),
+        shard=megatron_shard(impl, sequence_parallel=sp),
         validate=validate_parallel,
         defaults=DEFAULTS,
         input_layout=INPUT_LAYOUT,
@@ -166,4 +171,4 @@ SP = register(dataclasses.replace(
     ),
 ))
 
-__all__ = ["megatron_case", "REF", "TP", "SP", "CORRECT", "Impl"]
+__all__ = ["megatron_case", "megatron_shard", "REF", "TP", "SP", "CORRECT", "Impl"]

@@ -6,15 +6,13 @@ mutant battery can see it: the side-by-side checks step without clipping.
 
 from __future__ import annotations
 
-import dataclasses
-
 import torch
 import torch.distributed as dist
 
 from sp_harness.cases.megatron.cases import SP
 from sp_harness.cases.megatron.impl import CORRECT
 from sp_harness.cases.megatron.model import build_sharded
-from sp_harness.config.case import RankContext, Sharded, register
+from sp_harness.config.case import RankContext, Sharded, mutant
 
 
 def _shard_counting_replicas(ref, ctx: RankContext) -> Sharded:
@@ -40,12 +38,13 @@ def _shard_counting_replicas(ref, ctx: RankContext) -> Sharded:
     return sharded
 
 
-CLIP_COUNTS_REPLICAS = register(dataclasses.replace(
-    SP, name="mutant-sp-clip-norm-counts-replicas", twin="megatron-gpt-sp", tags=("mutant", "megatron"),
-    description="MUTANT megatron-gpt-sp: global grad norm for clipping counts replicated params tp times",
-    models_bug="grad norm for clipping counting replicated params TP times: each TP rank adds the squares of "
+CLIP_COUNTS_REPLICAS = mutant(
+    SP, name="mutant-sp-clip-norm-counts-replicas",
+    summary="global grad norm for clipping counts replicated params tp times",
+    bug="grad norm for clipping counting replicated params TP times: each TP rank adds the squares of "
                "the replicated (norm, bias, embedding) grads before the TP all-reduce, inflating the norm and "
                "over-clipping (the NeMo-RL / Megatron get_grad_norm family: replicated params must be "
                "counted once, as Megatron's param_is_not_tensor_parallel_duplicate filter does)",
+    source="Megatron-LM get_grad_norm_fp32 and param_is_not_tensor_parallel_duplicate; NeMo-RL grad-norm fixes",
     shard=_shard_counting_replicas,
-))
+)

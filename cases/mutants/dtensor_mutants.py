@@ -5,16 +5,12 @@ Stage: build sharded. Each is the correct plan (cases/dtensor_plans.py) with one
 
 from __future__ import annotations
 
-import dataclasses
-
 import torch
 from torch.distributed.tensor import Shard
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
 from sp_harness.cases.dtensor_plans import DTENSOR_GPT, SEED_MLP, gpt_plan
-from sp_harness.config.case import Layout, RankContext, Sharded, register
-
-TAGS = ("mutant", "dtensor")
+from sp_harness.config.case import Layout, RankContext, Sharded, mutant
 
 
 def _gpt_shard(plan_edit=None, before=None):
@@ -46,24 +42,26 @@ def _init_norms_per_rank(model, ctx: RankContext) -> None:
                 p.add_(1e-3 * torch.randn(p.shape, generator=gen, dtype=torch.float64).to(p.dtype))
 
 
-NORM_MISSING_SP = register(dataclasses.replace(
-    DTENSOR_GPT, name="mutant-dtensor-norm-missing-sp", twin="dtensor-gpt", tags=TAGS,
-    description="MUTANT dtensor-gpt: blocks.0.norm2 left out of the plan",
-    models_bug="a norm missing SequenceParallel in the plan: it runs as a plain module on the local sequence "
+NORM_MISSING_SP = mutant(
+    DTENSOR_GPT, name="mutant-dtensor-norm-missing-sp", tags=("dtensor",),
+    summary="blocks.0.norm2 left out of the plan",
+    bug="a norm missing SequenceParallel in the plan: it runs as a plain module on the local sequence "
                "shard, so its weight grads are partial sums never reduced over TP (the DTensor form of "
                "GPT-NeoX #1257; torchtitan's plans list every norm for this reason)",
+    source="GPT-NeoX PR #1257 (the DTensor form); torchtitan's parallelize plans list every norm",
     shard=_gpt_shard(plan_edit=_drop_norm2_sp),
-))
+)
 
-NORM_INIT_PER_RANK = register(dataclasses.replace(
-    DTENSOR_GPT, name="mutant-dtensor-norm-init-per-rank", twin="dtensor-gpt", tags=TAGS,
-    description="MUTANT dtensor-gpt: norm weights differ per rank before parallelize_module",
-    models_bug="norm weights initialised differently per rank: SequenceParallel wraps them with "
+NORM_INIT_PER_RANK = mutant(
+    DTENSOR_GPT, name="mutant-dtensor-norm-init-per-rank", tags=("dtensor",),
+    summary="norm weights differ per rank before parallelize_module",
+    bug="norm weights initialised differently per rank: SequenceParallel wraps them with "
                "DTensor.from_local(..., Replicate(), run_check=False) and never broadcasts, so replicas "
                "silently start (and stay) different (PyTorch's SequenceParallel docstring: the weights "
                "are assumed to be initialised identically)",
+    source="PyTorch SequenceParallel docstring (torch/distributed/tensor/parallel/style.py): norm weights must be initialised identically on every rank",
     shard=_gpt_shard(before=_init_norms_per_rank),
-))
+)
 
 
 def _seed_wrong_output_dim(model, ctx: RankContext) -> Sharded:
@@ -73,11 +71,12 @@ def _seed_wrong_output_dim(model, ctx: RankContext) -> Sharded:
     return Sharded(module=module, input_layout=Layout(seq_dim=0), output_layout=Layout(seq_dim=0))
 
 
-SEED_WRONG_DIM = register(dataclasses.replace(
-    SEED_MLP, name="mutant-dtensor-output-wrong-dim", twin="seed-mlp", tags=TAGS,
-    description="MUTANT seed-mlp: RowwiseParallel(output_layouts=Shard(1))",
-    models_bug="output sharded on the wrong dim: the reduce-scatter splits features instead of the "
+SEED_WRONG_DIM = mutant(
+    SEED_MLP, name="mutant-dtensor-output-wrong-dim", tags=("dtensor",),
+    summary="RowwiseParallel(output_layouts=Shard(1))",
+    bug="output sharded on the wrong dim: the reduce-scatter splits features instead of the "
                "sequence (Shard(1) for Shard(0)), so every rank holds a feature slice of all tokens; "
                "shapes still line up for a loss that sums everything",
+    source="the wrong-dim collective class of GPT-NeoX PR #1260, as a RowwiseParallel output_layouts",
     shard=_seed_wrong_output_dim,
-))
+)

@@ -14,28 +14,20 @@ import torch.distributed as dist
 from torch.nn import functional as F
 
 from sp_harness.cases.megatron import mappings as mp
-from sp_harness.cases.megatron.cases import megatron_case
+from sp_harness.cases.megatron.cases import SP, TP, megatron_shard
 from sp_harness.cases.megatron.impl import CORRECT, SP_KINDS, sync_grads
-from sp_harness.config.case import register
+from sp_harness.config.case import mutant
 from sp_harness.reference.gpt import token_loss_sum
 
 TAGS = ("mutant", "megatron")
 
 
-def _mutant(name: str, mode: str, short: str, bug: str, **swap):
-    """Register `CORRECT` with the fields in `swap` replaced, as a mutant Case."""
+def _mutant(name: str, mode: str, short: str, bug: str, *, source: str, **swap):
+    """`CORRECT` with the `Impl` fields in `swap` replaced, as a mutant of the TP or SP case."""
     impl = dataclasses.replace(CORRECT, **swap)
-    return register(
-        megatron_case(
-            name,
-            mode,
-            impl,
-            description=f"MUTANT megatron-gpt-{mode}: {short}",
-            tags=TAGS,
-            models_bug=bug,
-            twin=f"megatron-gpt-{mode}",
-        )
-    )
+    base = SP if mode == "sp" else TP
+    return mutant(base, name=name, summary=short, bug=bug, source=source,
+                  shard=megatron_shard(impl, sequence_parallel=mode == "sp"))
 
 
 # ----------------------------------------------------------------- grad sync of SP params
@@ -50,6 +42,7 @@ NO_NORM_SYNC = _mutant(
     "without the sync, fixed in PR #1259 'Fix LayerNorm all reduce gradient hook'; Megatron's "
     "allreduce_layernorm_grads, see NVIDIA/Megatron-LM#443, NVIDIA/TransformerEngine#435)",
     sequence_parallel_kinds=SP_KINDS - {"norm"},
+    source="GPT-NeoX PR #1257 / #1259; NVIDIA/Megatron-LM#443; NVIDIA/TransformerEngine#435",
 )
 
 def _sync_grads_rebuilt_bucket(module, ctx, impl, sequence_parallel):
@@ -79,6 +72,7 @@ NORM_SYNC_LOST_AT_STEP_3 = _mutant(
     "schemes that rebuild or re-register hooks later can leave params out of the new bucket; "
     "a check of only two steps never sees it (GPT-NeoX #1257's unsynced norms, appearing late)",
     sync_grads=_sync_grads_rebuilt_bucket,
+    source="PyTorch DDP Reducer::rebuild_buckets; GPT-NeoX #1257's unsynced norms",
 )
 
 
@@ -90,6 +84,7 @@ NORM_SYNC_DP = _mutant(
     "the right collective on the wrong process group (the group= mix-up class; GPT-NeoX PR #1259 "
     "also had to fix that hook, which averaged instead of summing)",
     sp_grad_group=lambda ctx: ctx.dp_group,
+    source="GPT-NeoX PR #1259 (the hook's group and reduction)",
 )
 
 NO_ROW_BIAS_SYNC = _mutant(
@@ -100,6 +95,7 @@ NO_ROW_BIAS_SYNC = _mutant(
     "added after the reduce-scatter, on each rank's shard, so its grad is partial (Megatron marks "
     "it `sequence_parallel` in RowParallelLinear for this reason)",
     sequence_parallel_kinds=SP_KINDS - {"row_bias"},
+    source="Megatron-LM RowParallelLinear marks its bias `sequence_parallel` for this sync",
 )
 
 NO_EMBEDDING_SYNC = _mutant(
@@ -110,6 +106,7 @@ NO_EMBEDDING_SYNC = _mutant(
     "sequence-sharded: Megatron embeds the full sequence then scatters, so porting its sync list "
     "to an embed-the-shard model forgets the embeddings",
     sequence_parallel_kinds=SP_KINDS - {"embedding"},
+    source="Megatron-LM embeds the full sequence, then scatters: its sync list has no embedding entry for SP",
 )
 
 
@@ -137,6 +134,7 @@ RS_WORLD = _mutant(
         "ReduceScatterNoGroup", _reduce_scatter_no_group, mp.all_gather_seq,
         "forward: reduce-scatter over WORLD (BUG: no group=); backward: all-gather",
     ),
+    source="missing group= call sites (Megatron-DeepSpeed / GPT-NeoX mpu)",
 )
 
 
@@ -165,6 +163,7 @@ TP_ALL_REDUCE_WORLD = _mutant(
     "row-parallel all-reduce without group=: sums the partial products over WORLD, i.e. also "
     "over the DP replicas' different micro-batches; identical when dp == 1",
     reduce_from_tp=lambda x, group: _ReduceFromTPWorld.apply(x, group),
+    source="missing group= call sites (Megatron-DeepSpeed / GPT-NeoX mpu)",
 )
 
 
@@ -228,6 +227,7 @@ GATHER_DIM0 = _mutant(
         "ReduceScatterNoMovedim", _reduce_scatter_no_movedim, _gather_no_movedim,
         "forward: reduce-scatter on dim 0 (BUG for [b, s, h]); backward: all-gather on dim 0",
     ),
+    source="GPT-NeoX PR #1260 'Fix gather and reduce scatter ops on sequence dimension'",
 )
 
 
@@ -270,6 +270,7 @@ EVEN_COLLECTIVES = _mutant(
         "ReduceScatterAssumeEven", _reduce_scatter_assume_even, _gather_assume_even,
         "forward: reduce-scatter assuming even shards; backward: all-gather assuming even shards",
     ),
+    source="Megatron-LM mappings.py _gather_along_first_dim / _reduce_scatter_along_first_dim (assume seq_len % tp == 0)",
 )
 
 
@@ -312,6 +313,7 @@ GATHER_ORDER = _mutant(
         "GatherWrongOrder", _gather_reversed, _reduce_scatter_reversed,
         "forward: all-gather in reversed rank order; backward: its adjoint reduce-scatter",
     ),
+    source="the rank-map class of hybrid meshes: a gather ordered by global rank, not the TP group's order",
 )
 
 GATHER_SPLIT_BACKWARD = _mutant(
@@ -326,6 +328,7 @@ GATHER_SPLIT_BACKWARD = _mutant(
         "GatherSplitBackward", mp.all_gather_seq, mp.split_seq,
         "forward: all-gather on seq dim; backward: split (BUG: no reduce-scatter)",
     ),
+    source="Megatron-LM mappings.py gather_from_sequence_parallel_region(tensor_parallel_output_grad=False); awslabs/slapo PR #20",
 )
 
 
@@ -343,6 +346,7 @@ ROW_BIAS_BEFORE = _mutant(
     "row-parallel bias added on every rank before the reduce-scatter, so the output carries "
     "tp x bias (Megatron's RowParallelLinear adds the bias after the reduction for this reason)",
     row_parallel=_bias_before_reduce,
+    source="Megatron-LM RowParallelLinear adds the bias after the reduction",
 )
 
 TP_ROW_BIAS_BEFORE = _mutant(
@@ -352,6 +356,7 @@ TP_ROW_BIAS_BEFORE = _mutant(
     "row-parallel bias added on every rank before the all-reduce, so the output carries "
     "tp x bias (Megatron's RowParallelLinear adds the bias after the reduction for this reason)",
     row_parallel=_bias_before_reduce,
+    source="Megatron-LM RowParallelLinear adds the bias after the reduction",
 )
 
 
@@ -370,6 +375,7 @@ LOCAL_POSITIONS = _mutant(
     "rank but the first embeds the wrong positions (the position_ids-not-offset bug class of "
     "sequence/context-parallel ports)",
     positions=_local_positions,
+    source="the position_ids-not-offset class of sequence/context-parallel ports",
 )
 
 
@@ -385,6 +391,7 @@ EVEN_POSITIONS = _mutant(
     "shard offset computed as tp_rank * local_len (assumes even shards): right when seq_len % tp "
     "== 0, wrong positions on a short last shard (10 over 3 = 4/4/2: rank 2 starts at 4, not 8)",
     positions=_even_offset_positions,
+    source="the even-shard assumption of SP/CP ports (PyTorch's CP tests assert seq_len % world_size == 0)",
 )
 
 
@@ -400,4 +407,5 @@ LOSS_MEAN = _mutant(
     "loss averaged over each rank's own tokens, then averaged across the TP ranks: a mean of "
     "means, which weights tokens on short shards more; right only for even shards",
     local_loss=_loss_mean_per_rank,
+    source="DeepSpeed #7672 (SP loss aggregation); ms-swift PR #10185",
 )

@@ -21,13 +21,12 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from sp_harness.cases.common import gpt_tokens, token_loss_sum
 from sp_harness.cases.megatron import mappings as mp
-from sp_harness.cases.megatron.cases import DEFAULTS, INPUT_LAYOUT, build_reference, make_batch, validate_parallel
+from sp_harness.cases.megatron.cases import SP
 from sp_harness.cases.megatron.impl import CORRECT
 from sp_harness.cases.megatron.layers import Parallel
 from sp_harness.cases.megatron.model import ParallelBlock, ParallelGPT, param_specs
-from sp_harness.config.case import Case, Layout, RankContext, Sharded, register
+from sp_harness.config.case import Layout, RankContext, Sharded, mutant
 from sp_harness.config.shards import chunk_sizes, shard
 
 # forward: all-gather on seq; backward: keep this rank's piece (the grad is replicated over TP
@@ -77,23 +76,14 @@ def _shard_full_sequence(ref: nn.Module, ctx: RankContext) -> Sharded:
                    sync_grads=lambda: CORRECT.sync_grads(model, ctx, CORRECT, True))
 
 
-FULL_SEQUENCE_NORMS = register(Case(
-    name="mutant-sp-full-sequence-norms",
-    description="MUTANT megatron-gpt-sp: all-gathers the sequence before the norms (numerically exact)",
-    build_reference=build_reference,
-    make_batch=make_batch,
-    loss_sum=token_loss_sum,
-    tokens=gpt_tokens,
-    shard=_shard_full_sequence,
-    validate=validate_parallel,
-    defaults=DEFAULTS,
-    input_layout=INPUT_LAYOUT,
-    tags=("mutant", "megatron", "memory"),
-    twin="megatron-gpt-sp",
-    baseline="megatron-gpt-tp",
-    models_bug="keeps full-sequence activations: each layer all-gathers the sequence before its norms and runs "
+FULL_SEQUENCE_NORMS = mutant(
+    SP, name="mutant-sp-full-sequence-norms", tags=("memory",),
+    summary="all-gathers the sequence before the norms (numerically exact)",
+    bug="keeps full-sequence activations: each layer all-gathers the sequence before its norms and runs "
                "norms, residuals and dropout regions on all s tokens (replicated over TP, all-reduce after "
                "each row-parallel linear), so numerics match SP but activations per layer are TP's "
                "(norm inputs sbh instead of sbh/t) and communication differs; the SP memory saving of "
                "Korthikanti et al. 2022 (arXiv 2205.05198, section 4.2.2) is silently lost",
-))
+    source="Korthikanti et al. 2022, arXiv 2205.05198, section 4.2.2",
+    shard=_shard_full_sequence,
+)

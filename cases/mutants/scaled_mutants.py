@@ -25,16 +25,15 @@ implementation and must PASS (no false alarm from the hook machinery itself).
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import weakref
 
 import torch
 
-from sp_harness.cases.megatron.cases import megatron_case
+from sp_harness.cases.megatron.cases import SP
 from sp_harness.cases.megatron.impl import CORRECT
 from sp_harness.cases.megatron.model import build_sharded
-from sp_harness.config.case import Case, RankContext, Sharded, register
+from sp_harness.config.case import Case, RankContext, Sharded, mutant
 
 ENV = "SP_HARNESS_SCALE_D"
 DEFAULT_D = 1e-3
@@ -183,9 +182,8 @@ def _shard(shape: str):
 
 def _scaled_mutant(shape: str, short: str, bug: str) -> Case:
     name = f"mutant-scaled-{shape}"
-    case = megatron_case(name, "sp", CORRECT, description=f"MUTANT {BASE}: {short} ({ENV}, default {DEFAULT_D:g})",
-                         tags=TAGS, models_bug=bug, twin=BASE)
-    return register(dataclasses.replace(case, shard=_shard(shape)))
+    return mutant(SP, name=name, summary=f"{short} ({ENV}, default {DEFAULT_D:g})", bug=bug, tags=("scaled",),
+                  source="constructed: a bug of adjustable size d, for the sensitivity table", shard=_shard(shape))
 
 
 FORWARD = _scaled_mutant(

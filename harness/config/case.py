@@ -12,6 +12,7 @@ that goes wrong, wrong numbers, a hang or a crash in the parallel code, is FAIL.
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import importlib.util
 import sys
@@ -218,6 +219,8 @@ class Case:
     """Free labels: 'dtensor', 'megatron', 'mutant', 'upstream-bug', ..."""
     models_bug: str = ""
     """For mutants: the real bug this models, with its public reference."""
+    source: str = ""
+    """For a mutant: where the bug it models was shipped, reported or fixed (PR, issue, paper)."""
     twin: str = ""
     """For a mutant: the correct case it is a variation of (a battery entry only counts as a kill
     if the twin passes it)."""
@@ -237,6 +240,20 @@ class Case:
             config = config.replace(seq_len=sum(config.seq_shards))
         filled = {k: v for k, v in self.defaults.items() if getattr(config, k, None) is None}
         return config.replace(**filled) if filled else config
+
+
+def mutant(base: Case, *, name: str, summary: str, bug: str, source: str, tags: tuple[str, ...] = (),
+           **changes: Any) -> Case:
+    """The one way to define a mutant: `base` (its correct twin) with `changes` (Case fields, usually
+    `shard`), the bug it models and its public source. Registered under `name`."""
+    if not name.startswith("mutant-"):
+        raise ValueError(f"mutant names start with 'mutant-', got {name!r}")
+    if not bug or not source:
+        raise ValueError(f"mutant {name} needs the bug it models and its public source")
+    all_tags = tuple(dict.fromkeys(base.tags + ("mutant",) + tags))
+    return register(dataclasses.replace(
+        base, name=name, description=f"MUTANT {base.name}: {summary}", models_bug=bug, source=source,
+        twin=base.name, tags=all_tags, expect=None, examples=(), **changes))
 
 
 _REGISTRY: dict[str, Case] = {}
