@@ -77,7 +77,7 @@ def config_from_args(args) -> CheckConfig:
 
 def _runner():
     from sp_harness.checks.verify import default_manager
-    from sp_harness.launch.pool import TorchrunWorld, under_torchrun
+    from sp_harness.launch.torchrun import TorchrunWorld, under_torchrun
 
     return TorchrunWorld() if under_torchrun() else default_manager()
 
