@@ -3,8 +3,8 @@
 import pytest
 import torch
 
-from sp_harness.config import shards
 from sp_harness.compare.tolerance import FACTOR, FLOOR_ULPS, check_tensor
+from sp_harness.config import shards
 from sp_harness.config.check_config import CheckConfig
 
 
