@@ -1,8 +1,9 @@
-"""User-style case file for the pool's failure paths: a rank that raises, hangs, or desyncs.
+"""User-style case file for the pool's failure paths: a rank that raises, hangs, desyncs or crashes.
 
 Loaded as `tests/faulty_cases.py:NAME`, the way a user verifies their own implementation.
 """
 
+import ctypes
 import time
 
 import torch
@@ -36,6 +37,13 @@ def _shard_desync(model, ctx):
     return Sharded(module=model, input_layout=Layout(seq_dim=0), output_layout=Layout(seq_dim=0))
 
 
+def _shard_segfault(model, ctx):
+    if ctx.rank == 1:
+        ctypes.string_at(0)  # a real invalid read in native code, as a broken extension would make
+    dist.barrier()  # the others block, as real ranks would
+    return Sharded(module=model, input_layout=Layout(seq_dim=0), output_layout=Layout(seq_dim=0))
+
+
 def _shard_unsupported_late(model, ctx):
     raise Unsupported("found out on the rank, before any collective")
 
@@ -55,5 +63,6 @@ def _variant(name, shard):
 RAISING = _variant("raising", _shard_raising)
 HANGING = _variant("hanging", _shard_hanging)
 DESYNC = _variant("desync", _shard_desync)
+SEGFAULT = _variant("segfault", _shard_segfault)
 UNSUPPORTED_LATE = _variant("unsupported-late", _shard_unsupported_late)
 REPLICATED = _variant("replicated", _replicated)

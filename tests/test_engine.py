@@ -4,6 +4,7 @@ the public case API, and the pool's failure paths (raise, hang, desync, death)."
 import os
 import subprocess
 import sys
+import tempfile
 import time
 
 import pytest
@@ -33,11 +34,9 @@ def test_seed_mlp_uneven_hidden_is_the_upstream_sharding_propagation_failure(sp_
 def test_seed_mlp_uneven_sequence_kills_the_process_group(sp_check):
     # pinned upstream behaviour: 10 tokens over 3 ranks (4/4/2) with hidden 33 (even 11/11/11);
     # DTensor.from_local assumes even shards, gloo aborts a rank on the size mismatch
-    t0 = time.monotonic()
     res = sp_check(CheckConfig(case="seed-mlp", world_size=3, seq_len=10, hidden=33))
-    assert res.verdict == FAIL
+    assert res.verdict == FAIL and res.first_check == "crash"
     assert "Received data size doesn't match expected size" in res.error or "Connection reset" in res.error
-    assert time.monotonic() - t0 < 30
 
 
 @pytest.mark.parametrize("world_size", [1, 2, 4])
@@ -75,6 +74,8 @@ def test_rank_that_raises_is_named_with_its_traceback(sp_check):
     res = sp_check(CheckConfig(case=f"{FAULTY}:RAISING", world_size=2, timeout_s=20))
     assert res.verdict == FAIL
     assert "rank(s) 1 raised" in res.reason
+    assert res.crash_kind == "raised" and res.first_check == "crash"
+    assert [(e.rank, e.kind, e.exc_type) for e in res.rank_errors] == [(1, "raised", "RuntimeError")]
     assert "boom on purpose in rank 1" in res.error and "faulty_cases.py" in res.error
     assert f"{FAULTY}:RAISING" in res.reason and "ws=2" in res.reason
     # the pool is rebuilt: the next job on the same world size works
@@ -82,10 +83,9 @@ def test_rank_that_raises_is_named_with_its_traceback(sp_check):
 
 
 def test_hanging_rank_becomes_a_timeout_naming_case_config_and_rank(sp_check):
-    t0 = time.monotonic()
     res = sp_check(CheckConfig(case=f"{FAULTY}:HANGING", world_size=2, timeout_s=3))
-    assert time.monotonic() - t0 < 15
-    assert res.verdict == FAIL
+    assert res.verdict == FAIL and res.crash_kind == "timeout" and res.first_check == "hang (timeout)"
+    assert res.rank_errors[0].rank == 1 and res.rank_errors[0].kind == "timeout"
     assert "timed out after 3s" in res.reason and "rank(s) 1 did not finish" in res.reason
     assert "HANGING" in res.reason and "ws=2" in res.reason
     assert "_shard_hanging" in res.error  # the hung rank's Python stack, from faulthandler
@@ -93,10 +93,19 @@ def test_hanging_rank_becomes_a_timeout_naming_case_config_and_rank(sp_check):
 
 
 def test_desync_is_a_failure_not_a_hang(sp_check):
-    t0 = time.monotonic()
     res = sp_check(CheckConfig(case=f"{FAULTY}:DESYNC", world_size=2, timeout_s=10))
     assert res.verdict == FAIL
-    assert time.monotonic() - t0 < 20
+    assert sp_check(CheckConfig(case="seed-mlp", world_size=2)).verdict == PASS
+
+
+def test_rank_killed_by_a_signal_is_named_with_the_signal_and_its_python_stack(sp_check):
+    res = sp_check(CheckConfig(case=f"{FAULTY}:SEGFAULT", world_size=2, timeout_s=20))
+    assert res.verdict == FAIL and res.crash_kind == "signal" and res.first_check == "crash"
+    first = res.rank_errors[0]  # the crashed rank before rank 0's secondary error
+    assert (first.rank, first.kind, first.signal_name) == (1, "signal", "SIGSEGV")
+    assert "faulty_cases.py" in first.traceback and "_shard_segfault" in first.traceback
+    assert "rank 1 killed by SIGSEGV" in res.reason
+    assert "_shard_segfault" in res.error  # the human report carries the stack too
     assert sp_check(CheckConfig(case="seed-mlp", world_size=2)).verdict == PASS
 
 
@@ -108,6 +117,31 @@ def test_unsupported_raised_on_every_rank_is_unsupported(sp_check):
 def test_unsupported_declared_up_front_never_starts_ranks(sp_check):
     res = sp_check(CheckConfig(case="seed-mlp", world_size=2, dp=2))
     assert res.verdict == UNSUPPORTED and "dp(2) must be 1" in res.reason
+
+
+def test_pool_scratch_dir_is_removed_on_close():
+    from sp_harness.launch.pool import RankPool
+
+    pool = RankPool(2)
+    try:
+        assert pool.run("sp_harness.launch.worker:health_check", None, timeout_s=60, label="scratch") == [2, 2]
+        scratch = pool.scratch_dir
+        assert scratch and os.path.isdir(scratch)
+    finally:
+        pool.close()
+    assert not os.path.exists(scratch) and pool.scratch_dir is None
+
+
+def test_pool_scratch_dir_is_removed_at_exit_without_close():
+    script = ("from sp_harness.launch.pool import RankPool\n"
+              "pool = RankPool(1)\n"
+              "pool.run('sp_harness.launch.worker:health_check', None, timeout_s=60, label='exit')\n"
+              "print(pool.scratch_dir)\n")
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    scratch = out.stdout.strip().splitlines()[-1]
+    assert scratch.startswith(os.path.join(tempfile.gettempdir(), "sp-harness-stacks-"))
+    assert not os.path.exists(scratch)
 
 
 def _children(pid: int) -> list[int]:

@@ -19,7 +19,7 @@ from sp_harness.checks.sidebyside import Drift, RankResult
 from sp_harness.compare.tolerance import KIND_ORDER, TensorCheck
 from sp_harness.config.case import Unsupported, get_case
 from sp_harness.config.check_config import CheckConfig
-from sp_harness.launch.pool import RankFailure
+from sp_harness.launch.failure import RankError, RankFailure
 from sp_harness.launch.runner import default_manager
 
 PASS, FAIL, UNSUPPORTED = "PASS", "FAIL", "UNSUPPORTED"
@@ -38,6 +38,11 @@ class CheckResult:
     """Collective rows of step 0 on rank 0 (every step and rank count the same in a correct run)."""
     error: str = ""
     """For a crash or hang: the ranks' tracebacks."""
+    crash_kind: str = ""
+    """For a crash or hang: how the first failing rank failed, 'raised', 'exited', 'signal' or
+    'timeout' (sp_harness.launch.failure.RankFailure.kind); '' otherwise."""
+    rank_errors: tuple[RankError, ...] = ()
+    """For a crash or hang: each failing rank's error, the first to fail first."""
     wall_s: float = 0.0
     num_checks: int = 0
     divergence: Divergence | None = None
@@ -63,7 +68,7 @@ class CheckResult:
         """Which check caught a FAIL first: a tensor check's kind ('init', 'forward', ..., 'param'),
         'replica drift' where that came at an earlier step, 'crash', 'hang (timeout)'; '' if none."""
         if self.error:
-            return "hang (timeout)" if "timed out" in self.reason else "crash"
+            return "hang (timeout)" if self.crash_kind == "timeout" else "crash"
         if self.failures:
             first = self.failures[0]
             if self.drift and self.drift[0].step < first.step:
@@ -97,7 +102,7 @@ class CheckResult:
             "verdict": self.verdict, "reason": self.reason, "first_failure": self.first_failure if self.verdict == FAIL else "",
             "config": conv(self.config), "repro": self.config.repro(), "failures": conv(self.failures),
             "worst": conv(self.worst), "drift": conv(self.drift), "losses": self.losses, "comm": conv(self.comm),
-            "error": self.error, "wall_s": self.wall_s, "num_checks": self.num_checks,
+            "error": self.error, "crash_kind": self.crash_kind, "rank_errors": conv(self.rank_errors), "wall_s": self.wall_s, "num_checks": self.num_checks,
             "divergence": conv(self.divergence),
         }
 
@@ -121,12 +126,13 @@ def check(config: CheckConfig, runner=None) -> CheckResult:
         results: list[RankResult] = runner.run(config.world_size, "sp_harness.checks.sidebyside:run_rank", config,
                                                timeout_s=config.timeout_s, label=label)
     except RankFailure as exc:
-        if exc.kind == "raised" and len(exc.failures) == config.world_size and all(
-                "Unsupported" in t for t in exc.failures.values()):
+        # UNSUPPORTED only when every rank declared it: one rank alone may be a symptom of a bug
+        if len(exc.errors) == config.world_size and all(e.is_unsupported for e in exc.errors):
             return CheckResult(config=config, verdict=UNSUPPORTED, reason=exc.summary_line(),
                                wall_s=time.perf_counter() - t0)
         return CheckResult(config=config, verdict=FAIL, reason=exc.describe(with_traces=False) + ": " + exc.summary_line(),
-                           error=exc.describe(), wall_s=time.perf_counter() - t0)
+                           error=exc.describe(), crash_kind=exc.kind, rank_errors=exc.errors,
+                           wall_s=time.perf_counter() - t0)
     return merge(config, results, wall_s=time.perf_counter() - t0)
 
 

@@ -14,11 +14,8 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
-import importlib.util
-import sys
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -26,6 +23,7 @@ import torch.distributed as dist
 from torch import nn
 
 from sp_harness.config.check_config import CheckConfig
+from sp_harness.config.loading import load_case_file
 
 
 class Unsupported(Exception):
@@ -279,16 +277,7 @@ def get_case(name: str) -> Case:
     """A registered case by name, or `path/to/file.py:NAME` for a case in a user's file."""
     if ":" in name and name.split(":", 1)[0].endswith(".py"):
         path, attr = name.split(":", 1)
-        file = Path(path).resolve()
-        if not file.is_file():
-            raise ValueError(f"case file {path!r} does not exist")
-        mod_name = "sp_harness_user_" + file.stem
-        module = sys.modules.get(mod_name)
-        if module is None:
-            spec = importlib.util.spec_from_file_location(mod_name, file)
-            module = importlib.util.module_from_spec(spec)
-            sys.modules[mod_name] = module
-            spec.loader.exec_module(module)
+        module = load_case_file(path)
         case = getattr(module, attr, None)
         if not isinstance(case, Case):
             found = sorted(k for k, v in vars(module).items() if isinstance(v, Case))

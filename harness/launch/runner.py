@@ -3,7 +3,8 @@ world it was started in."""
 
 from __future__ import annotations
 
-from sp_harness.launch.pool import PoolManager, TorchrunWorld, under_torchrun
+from sp_harness.launch.pool import PoolManager
+from sp_harness.launch.torchrun import TorchrunWorld, under_torchrun
 
 _DEFAULT_MANAGER: PoolManager | None = None
 

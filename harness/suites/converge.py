@@ -231,7 +231,7 @@ def train(spec: TrainSpec, runner, *, chunk: int = 25, progress: bool = True,
 
     A run that crashes or hangs stops there: its records so far are returned and, if `crashes`
     is given, crashes[run] = (step reached, the failure) -- the gate reports it as a FAIL."""
-    from sp_harness.launch.pool import RankFailure
+    from sp_harness.launch.failure import RankFailure
 
     cfg = spec.config
     label = f"converge {spec.run}: case {cfg.case} [{cfg.short()}]"

@@ -1,0 +1,180 @@
+"""Stage: launch ranks. How a job failed, per rank, as data: `RankError` and `RankFailure`.
+
+Callers decide on the fields (`kind`, `exc_type`, `is_unsupported`, `signal_name`), never on text;
+the text (`describe`, `summary_line`) is for people. The one place that reads text is
+`_frames`: a faulthandler dump is only available as text, so its parsing lives here and nowhere
+else.
+"""
+
+from __future__ import annotations
+
+import signal
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Literal
+
+ErrorKind = Literal["raised", "exited", "signal", "timeout"]
+
+# root causes first: a rank that died explains the others' secondary 'connection reset' errors,
+# and any error explains a hang elsewhere
+_KIND_ORDER = {"signal": 0, "exited": 0, "raised": 1, "timeout": 2}
+
+
+class JobError(Exception):
+    """Raised inside a rank to report a failure whose traceback is noise (a clean message)."""
+
+
+@dataclass(kw_only=True, frozen=True)
+class RankError:
+    """What went wrong on one rank."""
+
+    rank: int
+    kind: ErrorKind
+    """'raised': the job raised; 'exited': the process ended without a result; 'signal': the
+    process was killed by a signal; 'timeout': the rank did not answer in time."""
+    exc_type: str = ""
+    """For 'raised': the exception's class name, e.g. 'RuntimeError'."""
+    is_unsupported: bool = False
+    """For 'raised': the exception is the case API's `Unsupported`."""
+    exit_code: int | None = None
+    """For 'exited' and 'signal': the process's return code (negative: minus the signal number)."""
+    signal_name: str = ""
+    """For 'signal': e.g. 'SIGSEGV'."""
+    traceback: str = ""
+    """For 'raised': the Python traceback. For 'signal' and 'timeout': the rank's Python stack as
+    faulthandler dumped it (innermost frame first)."""
+    log_tail: str = ""
+    """For 'exited' and 'signal': the last lines the rank printed (a C++ abort prints only there)."""
+    detail: str = ""
+    """What happened where no traceback tells it, e.g. 'did not connect' while starting."""
+
+    @property
+    def blocked_in_collective(self) -> bool:
+        """A hung rank whose innermost frames are inside a collective: waiting for a culprit."""
+        return self.kind == "timeout" and any("torch/distributed" in f or "c10d" in f
+                                              for f in _frames(self.traceback)[:4])
+
+    @property
+    def innermost_frame(self) -> str:
+        frames = _frames(self.traceback)
+        return frames[0] if frames else ""
+
+    def headline(self) -> str:
+        if self.kind == "signal":
+            return f"killed by {self.signal_name}"
+        if self.kind == "exited":
+            return f"exited with code {self.exit_code}"
+        if self.kind == "raised":
+            return f"raised {self.exc_type}"
+        return self.detail or "hung"
+
+    def describe(self) -> str:
+        parts = [f"--- rank {self.rank}: {self.headline()} ---"]
+        if self.detail and self.kind != "timeout":
+            parts.append(self.detail)
+        if self.traceback.strip():
+            if self.kind == "signal":
+                parts.append("its Python stack at the crash (faulthandler):")
+            elif self.kind == "timeout":
+                parts.append("its Python stack at the timeout (faulthandler):")
+            parts.append(self.traceback.rstrip())
+        elif self.kind in ("signal", "timeout") and not self.detail:
+            parts.append("(no Python stack available)")
+        if self.log_tail.strip():
+            parts.append("last lines of its output:\n" + self.log_tail.rstrip())
+        return "\n".join(parts)
+
+
+def _frames(stack: str) -> list[str]:
+    """The 'File ...' lines of a faulthandler dump or traceback, in their listed order."""
+    return [ln.strip() for ln in stack.splitlines() if ln.strip().startswith("File ")]
+
+
+def process_ended(rank: int, returncode: int | None, *, stack: str = "", log_tail: str = "",
+                  detail: str = "") -> RankError:
+    """The error for a rank process that ended without a result: killed by a signal, or exited."""
+    if returncode is not None and returncode < 0:
+        try:
+            name = signal.Signals(-returncode).name
+        except ValueError:
+            name = f"signal {-returncode}"
+        return RankError(rank=rank, kind="signal", exit_code=returncode, signal_name=name, traceback=stack,
+                         log_tail=log_tail, detail=detail)
+    return RankError(rank=rank, kind="exited", exit_code=returncode, log_tail=log_tail, detail=detail)
+
+
+class RankFailure(Exception):
+    """A job failed on one or more ranks: raised, timed out, or the rank process died."""
+
+    def __init__(self, label: str, errors: Iterable[RankError], timeout_s: float | None = None):
+        self.label = label
+        # stable: within a kind, the order the caller saw them in (the first to fail first)
+        self.errors: tuple[RankError, ...] = tuple(sorted(
+            errors, key=lambda e: (_KIND_ORDER[e.kind], e.blocked_in_collective)))
+        if not self.errors:
+            raise ValueError("a RankFailure needs at least one RankError")
+        self.timeout_s = timeout_s
+        super().__init__(self.describe())
+
+    def __reduce__(self):
+        return (type(self), (self.label, self.errors, self.timeout_s))
+
+    @property
+    def kind(self) -> ErrorKind:
+        """The root cause's kind: 'raised', 'exited', 'signal' or 'timeout'."""
+        return self.errors[0].kind
+
+    @property
+    def first_rank(self) -> int:
+        return self.errors[0].rank
+
+    @property
+    def ranks(self) -> list[int]:
+        return [e.rank for e in self.errors]
+
+    @property
+    def waiting(self) -> list[int]:
+        """Hung ranks that are only blocked in a collective, waiting for the culprits."""
+        return [e.rank for e in self.errors if e.blocked_in_collective]
+
+    @property
+    def culprits(self) -> list[int]:
+        blocked = set(self.waiting)
+        return [r for r in self.ranks if r not in blocked] or self.ranks
+
+    def describe(self, *, with_traces: bool = True) -> str:
+        head = f"{self.label}: {self._what()}"
+        if not with_traces:
+            return head
+        return "\n".join([head] + [e.describe() for e in self.errors])
+
+    def _what(self) -> str:
+        if self.kind == "timeout":
+            what = f"timed out after {self.timeout_s:g}s; rank(s) {_join(self.culprits)} did not finish"
+            waiting = [r for r in self.ranks if r not in self.culprits]
+            if waiting:
+                what += f" (rank(s) {_join(waiting)} blocked in a collective, waiting for them)"
+            return what
+        parts = [f"rank {e.rank} {e.headline()}" for e in self.errors if e.kind in ("signal", "exited")]
+        raised = [e.rank for e in self.errors if e.kind == "raised"]
+        if raised:
+            parts.append(f"rank(s) {_join(raised)} raised")
+        return "; ".join(parts)
+
+    def summary_line(self) -> str:
+        """The exception (last traceback line); for a hang or a signal, the culprit's innermost
+        frame; for an exit, the rank's last output line."""
+        first = self.errors[0]
+        if first.kind in ("timeout", "signal"):
+            rank = self.culprits[0] if first.kind == "timeout" else first.rank
+            frame = next(e for e in self.errors if e.rank == rank).innermost_frame
+            return f"rank {rank} at {frame}" if frame else first.detail or "no stack available"
+        if first.kind == "exited":
+            rows = first.log_tail.strip().splitlines()
+            return rows[-1] if rows else first.detail or f"exit code {first.exit_code}"
+        rows = first.traceback.strip().splitlines()
+        return rows[-1] if rows else first.exc_type
+
+
+def _join(ranks: Iterable[int]) -> str:
+    return ", ".join(map(str, ranks))

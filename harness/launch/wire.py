@@ -1,0 +1,115 @@
+"""Stage: launch ranks. What travels between the driver and its rank processes.
+
+The spawn spec goes to a rank as JSON on its command line; every later message is one of the
+frozen dataclasses below, pickled over a multiprocessing.connection pipe. Both sides dispatch on
+the message's type, never on its position in a tuple or on text inside it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass(kw_only=True, frozen=True)
+class PoolOptions:
+    backend: str = "gloo"
+    """'gloo' on CPU, 'nccl' when each rank has its own GPU."""
+    devices: tuple[int, ...] | None = None
+    """GPU index per rank for nccl; None on CPU."""
+    env: tuple[tuple[str, str], ...] = ()
+    """Extra environment for the rank processes, e.g. (("ATEN_CPU_CAPABILITY", "avx2"),): torch
+    reads its kernel family at import, so a pool is how one process runs another CPU's kernels."""
+    num_threads: int | None = None
+    """torch intra-op threads per rank; None: OMP_NUM_THREADS where set (how a user varies the
+    intra-op split, and with it reduction order), else 1, which keeps ranks off each other's cores."""
+
+
+@dataclass(kw_only=True, frozen=True)
+class WorkerSpec:
+    """Everything a rank process needs to join its pool, passed as JSON on its command line."""
+
+    rank: int
+    world_size: int
+    store_port: int
+    """Port of the TCPStore the driver hosts for the rendezvous."""
+    address: tuple[str, int]
+    """Where the driver's Listener waits for this rank's job pipe."""
+    stack_path: str
+    """File the rank's faulthandler writes its all-thread stack to on SIGUSR1 (a hang)."""
+    fatal_path: str
+    """File the rank's faulthandler writes its stack to on a fatal signal (SIGSEGV, SIGABRT...)."""
+    options: PoolOptions
+    sys_path: tuple[str, ...]
+    """The driver's import path, so ranks resolve case files and their imports as it does."""
+
+    def to_json(self) -> str:
+        return json.dumps(dataclasses.asdict(self))
+
+    @classmethod
+    def from_json(cls, text: str) -> WorkerSpec:
+        raw = json.loads(text)
+        opts = raw.pop("options")
+        devices = opts.pop("devices")
+        options = PoolOptions(devices=None if devices is None else tuple(devices),
+                              env=tuple(tuple(kv) for kv in opts.pop("env")), **opts)
+        return cls(options=options, address=tuple(raw.pop("address")), sys_path=tuple(raw.pop("sys_path")), **raw)
+
+
+@dataclass(kw_only=True, frozen=True)
+class Hello:
+    """Rank -> driver, first message on a new pipe: which rank this pipe belongs to."""
+
+    rank: int
+
+
+@dataclass(kw_only=True, frozen=True)
+class Ready:
+    """Rank -> driver: the default process group is up; jobs may come."""
+
+
+@dataclass(kw_only=True, frozen=True)
+class StartFailed:
+    """Rank -> driver: joining the process group raised."""
+
+    exc_type: str
+    traceback: str
+
+
+@dataclass(kw_only=True, frozen=True)
+class Job:
+    """Driver -> rank: run `fn_ref(payload)` ("module:function")."""
+
+    job_id: int
+    fn_ref: str
+    payload: Any
+
+
+@dataclass(kw_only=True, frozen=True)
+class JobDone:
+    """Rank -> driver: the job returned `result`."""
+
+    job_id: int
+    result: Any
+
+
+@dataclass(kw_only=True, frozen=True)
+class JobRaised:
+    """Rank -> driver: the job raised."""
+
+    job_id: int
+    exc_type: str
+    """Class name of the exception, e.g. 'RuntimeError'."""
+    traceback: str
+    """The formatted traceback (or, for a JobError, just its message)."""
+    is_unsupported: bool = False
+    """The exception is a `sp_harness.config.case.Unsupported`: the case declared the config out
+    of scope from inside the rank (decided with isinstance on the rank, where the object lives)."""
+
+
+@dataclass(kw_only=True, frozen=True)
+class Shutdown:
+    """Driver -> rank: leave the process group and exit."""
+
