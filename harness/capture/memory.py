@@ -140,12 +140,12 @@ def memory_config(config: CheckConfig) -> CheckConfig:
 
 
 def measure_reference_layer(config: CheckConfig) -> LayerMemory:
-    """No parallelism, in-process: `reference.gpt.Block` fed [b, s, h] in the run dtype."""
-    from sp_harness.cases.common import gpt_config
-    from sp_harness.reference.gpt import Block
+    """No parallelism, in-process: the first layer of the case's reference fed [b, s, h] in the run
+    dtype."""
+    from sp_harness.config.case import get_case
 
     cfg = memory_config(config)
-    block = Block(gpt_config(cfg)).to(cfg.torch_dtype)
+    block = find_layer(get_case(cfg.case).build_reference(cfg)).to(cfg.torch_dtype)
     gen = torch.Generator().manual_seed(cfg.seed)
     x = torch.randn(cfg.dp * cfg.batch, cfg.seq_len, cfg.hidden, generator=gen, dtype=torch.float64)
     x = x.to(cfg.torch_dtype).requires_grad_(True)

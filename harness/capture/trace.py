@@ -18,38 +18,8 @@ step computes anyway, so a passing step costs a dict insert per module.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 from torch import nn
-
-from sp_harness.compare.tolerance import check_tensor
-from sp_harness.config import shards as sh
-
-
-@dataclass(kw_only=True)
-class Divergence:
-    step: int
-    rank: int
-    phase: str
-    """'forward' (the module's output), 'backward' (its input grad), or 'none' (every traced
-    module agrees: the error is in the param grads or their sync)."""
-    module: str
-    ratio: float
-    """max |error| / allowed at this module."""
-    order: int = 0
-    """Position in its phase's execution order (for picking the earliest across ranks)."""
-
-    def sort_key(self):
-        return (self.step, ("forward", "backward", "none").index(self.phase), self.order, self.rank)
-
-    def describe(self) -> str:
-        if self.phase == "none":
-            return (f"every traced module's output and input grad is within its bound at step {self.step} "
-                    f"(rank {self.rank}): the error enters after backward, in the grad sync or the param grads")
-        what = "output" if self.phase == "forward" else "input grad"
-        return (f"first diverging module: {self.module} ({what}, {self.phase}, step {self.step}, rank {self.rank}, "
-                f"{self.ratio:.3g}x its bound)")
 
 
 class Recorder:
@@ -93,38 +63,3 @@ class Recorder:
     def remove(self) -> None:
         for h in self._handles:
             h.remove()
-
-
-def _line_up(got: torch.Tensor, ref: torch.Tensor, seq_len: int, seq_shards, tp_rank: int):
-    """`ref` cut to `got`'s piece (whole, or this rank's slice of a sequence dim), or None."""
-    if got.shape == ref.shape:
-        return lambda t: t
-    if got.dim() != ref.dim():
-        return None
-    for dim in range(ref.dim()):
-        if ref.shape[dim] == seq_len and got.shape[dim] == seq_shards[tp_rank] and all(
-                got.shape[d] == ref.shape[d] for d in range(ref.dim()) if d != dim):
-            return lambda t, dim=dim: sh.shard(t, dim, seq_shards, tp_rank)
-    return None
-
-
-def first_divergence(*, step: int, rank: int, sharded: Recorder, ref64: Recorder, ref_lp: Recorder,
-                     ref_alt: Recorder, dtype: torch.dtype, seq_len: int, seq_shards, tp_rank: int
-                     ) -> Divergence:
-    for phase in ("forward", "backward"):
-        got_side = getattr(sharded, phase)
-        for order, (name, got) in enumerate(got_side.items()):
-            want = getattr(ref64, phase).get(name)
-            want_lp = getattr(ref_lp, phase).get(name)
-            want_alt = getattr(ref_alt, phase).get(name)
-            if want is None or want_lp is None:
-                continue
-            cut = _line_up(got, want, seq_len, seq_shards, tp_rank)
-            if cut is None:
-                continue
-            chk = check_tensor(kind=phase, name=name, step=step, rank=rank, got=got, ref64=cut(want),
-                               ref_lp=cut(want_lp), dtype=dtype,
-                               ref_alt=None if want_alt is None else cut(want_alt))
-            if not chk.ok:
-                return Divergence(step=step, rank=rank, phase=phase, module=name, ratio=chk.ratio, order=order)
-    return Divergence(step=step, rank=rank, phase="none", module="", ratio=0.0)

@@ -22,7 +22,8 @@ import torch
 from torch import nn
 
 from sp_harness.capture.comm import CommCounter
-from sp_harness.capture.trace import Divergence, Recorder, first_divergence
+from sp_harness.capture.trace import Recorder
+from sp_harness.compare.divergence import Divergence, first_divergence
 from sp_harness.compare.tolerance import FACTOR, TensorCheck, check_bounded, check_tensor, lp_dtype
 from sp_harness.config.case import RankContext, as_batch
 from sp_harness.config.check_config import CheckConfig

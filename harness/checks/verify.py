@@ -14,8 +14,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from sp_harness.capture.comm import CommRow
-from sp_harness.capture.trace import Divergence
 from sp_harness.checks.sidebyside import Drift, RankResult
+from sp_harness.compare.divergence import Divergence
 from sp_harness.compare.tolerance import KIND_ORDER, TensorCheck
 from sp_harness.config.case import Unsupported, get_case
 from sp_harness.config.check_config import CheckConfig
