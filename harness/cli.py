@@ -9,7 +9,16 @@ import argparse
 import os
 import sys
 
-from sp_harness.config.check_config import ADVERSARIES, DEFAULT_STEPS, DTYPES, LAYOUTS, NORMS, OPTIMIZERS, CheckConfig
+from sp_harness.config.check_config import (
+    ADVERSARIES,
+    DEFAULT_STEPS,
+    DTYPES,
+    ENGINE_DEFAULTS,
+    LAYOUTS,
+    NORMS,
+    OPTIMIZERS,
+    CheckConfig,
+)
 from sp_harness.launch.runner import is_leader as _is_leader
 from sp_harness.launch.runner import runner as _runner
 
@@ -46,26 +55,29 @@ def add_config_args(p: argparse.ArgumentParser, *, require_case: bool = True) ->
     g = p.add_argument_group("config")
     g.add_argument("--case", required=require_case, help="case name (see `sp-harness list`) or path/to/file.py:NAME")
     g.add_argument("--world-size", type=_positive_int, default=2, help="ranks (default 2)")
-    g.add_argument("--dp", type=_positive_int, default=1, help="data-parallel degree; tp = world-size / dp")
-    g.add_argument("--seq-len", type=_positive_int, help="global sequence length")
-    g.add_argument("--seq-shards", type=_shards, help="explicit tokens per TP rank, e.g. 4,4,2")
-    g.add_argument("--batch", type=_positive_int, default=2, help="sequences per DP replica")
-    g.add_argument("--hidden", type=_positive_int)
-    g.add_argument("--ffn", type=_positive_int)
-    g.add_argument("--num-heads", type=_positive_int)
-    g.add_argument("--num-layers", type=_positive_int)
-    g.add_argument("--vocab", type=_positive_int)
-    g.add_argument("--norm", choices=NORMS, default="layernorm")
-    g.add_argument("--layout", choices=LAYOUTS, default="bsh")
-    g.add_argument("--dtype", choices=sorted(DTYPES), default="float64")
-    g.add_argument("--steps", type=_positive_int, default=DEFAULT_STEPS,
-                   help=f"optimizer steps to run and compare (default {DEFAULT_STEPS})")
-    g.add_argument("--seed", type=int, default=0)
-    g.add_argument("--lr", type=float, default=1e-2)
-    g.add_argument("--optimizer", choices=OPTIMIZERS, default="adamw")
+    g.add_argument("--dp", type=_positive_int, default=1, help="data-parallel degree; tp = world-size / dp (default 1)")
+    g.add_argument("--seq-len", type=_positive_int, help="global sequence length (default: the case's)")
+    g.add_argument("--seq-shards", type=_shards, help="explicit tokens per TP rank, e.g. 4,4,2 (default: torch.chunk's)")
+    g.add_argument("--batch", type=_positive_int, help=f"sequences per DP replica (default: the case's, else {ENGINE_DEFAULTS['batch']})")
+    g.add_argument("--hidden", type=_positive_int, help="model width (default: the case's)")
+    g.add_argument("--ffn", type=_positive_int, help="MLP inner width (default: the case's)")
+    g.add_argument("--num-heads", type=_positive_int, help="attention heads (default: the case's)")
+    g.add_argument("--num-layers", type=_positive_int, help="transformer blocks (default: the case's)")
+    g.add_argument("--vocab", type=_positive_int, help="vocabulary size (default: the case's)")
+    g.add_argument("--norm", choices=NORMS, help=f"norm of cases that have one (default: the case's, else {ENGINE_DEFAULTS['norm']})")
+    g.add_argument("--layout", choices=LAYOUTS,
+                   help=f"activation layout, [b, s, h] or [s, b, h] (default: the case's, else {ENGINE_DEFAULTS['layout']})")
+    g.add_argument("--dtype", choices=sorted(DTYPES),
+                   help=f"dtype of the sharded run; the judge is float64 (default: the case's, else {ENGINE_DEFAULTS['dtype']})")
+    g.add_argument("--steps", type=_positive_int,
+                   help=f"optimizer steps to run and compare (default: the case's, else {DEFAULT_STEPS})")
+    g.add_argument("--seed", type=int, default=0, help="seeds the weights and the data (default 0)")
+    g.add_argument("--lr", type=float, help=f"learning rate (default: the case's, else {ENGINE_DEFAULTS['lr']})")
+    g.add_argument("--optimizer", choices=OPTIMIZERS, help=f"optimizer (default: the case's, else {ENGINE_DEFAULTS['optimizer']})")
     g.add_argument("--adversary", choices=ADVERSARIES, default="off",
-                   help="make the sharded side reduce in random legal orders (specificity across platforms)")
-    g.add_argument("--timeout", type=float, default=30.0, dest="timeout_s", help="seconds per job before it counts as hung")
+                   help="make the sharded side reduce in random legal orders (specificity across platforms; default off)")
+    g.add_argument("--timeout", type=float, default=30.0, dest="timeout_s",
+                   help="seconds a job may run before it counts as hung (default 30)")
 
 
 def config_from_args(args) -> CheckConfig:

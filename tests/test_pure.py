@@ -5,6 +5,7 @@ import torch
 
 from sp_harness.compare.tolerance import FACTOR, FLOOR_ULPS, check_tensor
 from sp_harness.config import shards
+from sp_harness.config.case import get_case, register
 from sp_harness.config.check_config import CheckConfig
 
 
@@ -40,7 +41,42 @@ def test_repro_round_trips_through_the_cli_parser():
                       dtype="float32", seed=7, layout="sbh", timeout_s=12.5, lr=0.003, dp=1, optimizer="sgd",
                       norm="rmsnorm", steps=3, batch=1, num_layers=1, vocab=9, ffn=7, num_heads=3)
     argv = cfg.repro().split()[1:]
-    assert config_from_args(build_parser().parse_args(argv)) == cfg
+    case = get_case(cfg.case)
+    # what the rerun runs is the resolved config: every field, the defaults filled in
+    assert case.resolve(config_from_args(build_parser().parse_args(argv))) == case.resolve(cfg)
+
+
+def test_repro_names_values_that_differ_from_the_case_default_only():
+    from sp_harness.config.case import Case
+
+    base = get_case("seed-mlp")
+    tuned = Case(**{**{f: getattr(base, f) for f in base.__dataclass_fields__}, "name": "tuned-mlp",
+                    "defaults": dict(base.defaults, steps=5, lr=0.5)})
+    register(tuned)
+    try:
+        explicit_engine_default = tuned.resolve(CheckConfig(case="tuned-mlp", steps=3, lr=0.01))
+        repro = explicit_engine_default.repro()
+        # the engine's defaults are not this case's: a rerun must be told them
+        assert "--steps 3" in repro and "--lr 0.01" in repro, repro
+        assert "--steps" not in tuned.resolve(CheckConfig(case="tuned-mlp")).repro()
+    finally:
+        from sp_harness.config import case as case_module
+
+        case_module._REGISTRY.pop("tuned-mlp")
+
+
+def test_a_case_default_overrides_every_engine_default():
+    from sp_harness.config.case import Case
+
+    base = get_case("seed-mlp")
+    fields = {f: getattr(base, f) for f in base.__dataclass_fields__}
+    tuned = Case(**{**fields, "name": "t", "defaults": dict(base.defaults, steps=5, batch=3, dtype="float32",
+                                                              lr=0.5, optimizer="sgd")})
+    cfg = tuned.resolve(CheckConfig(case="t"))
+    assert (cfg.steps, cfg.batch, cfg.dtype, cfg.lr, cfg.optimizer) == (5, 3, "float32", 0.5, "sgd")
+    assert tuned.resolve(CheckConfig(case="t", steps=2)).steps == 2  # the user's value wins
+    with pytest.raises(ValueError, match="unknown config fields"):
+        Case(**{**fields, "name": "u", "defaults": dict(stpes=5)})
 
 
 def _ref(seed=0, n=100):

@@ -3,6 +3,7 @@
 from sp_harness.cases.mutants import (
     clip_mutants,  # noqa: F401
     dtensor_mutants,  # noqa: F401
+    megatron_collective_mutants,  # noqa: F401
     megatron_mutants,  # noqa: F401
     memory_mutants,  # noqa: F401
     scaled_mutants,  # noqa: F401  (sensitivity probes, tagged 'scaled': not in the battery)

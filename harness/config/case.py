@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from sp_harness.config.check_config import CheckConfig
+from sp_harness.config.check_config import ENGINE_DEFAULTS, CheckConfig
 from sp_harness.config.loading import load_case_file
 
 
@@ -207,7 +207,8 @@ class Case:
     """Raise `Unsupported` (clear message with the numbers) for configs the case cannot handle,
     ValueError for configs that make no sense. Runs in the driver before any rank starts."""
     defaults: Mapping[str, Any] = field(default_factory=dict)
-    """Values for the config fields left as None (seq_len, hidden, ...)."""
+    """Values for the config fields left as None: shapes (seq_len, hidden, ...) and any engine
+    default (steps, batch, dtype, lr, optimizer, norm, layout); unknown names are an error."""
     input_layout: Layout = Layout(seq_dim=0)
     """Layout of the global input and target: where seq and batch dims are."""
     replicated_hint: tuple[str, ...] = ()
@@ -232,12 +233,21 @@ class Case:
     """The configs the main job checks this case on (each against its expected verdict)."""
 
     def resolve(self, config: CheckConfig) -> CheckConfig:
-        """Fill the config's None fields from the case defaults and check shard sizes."""
+        """Fill the config's None fields: the case's defaults first, then the engine's."""
         # explicit shards fix the sequence length before any default can
         if config.seq_len is None and config.seq_shards is not None:
             config = config.replace(seq_len=sum(config.seq_shards))
-        filled = {k: v for k, v in self.defaults.items() if getattr(config, k, None) is None}
+        defaults = {**ENGINE_DEFAULTS, **self.defaults}
+        filled = {k: v for k, v in defaults.items() if getattr(config, k, None) is None}
         return config.replace(**filled) if filled else config
+
+    def __post_init__(self) -> None:
+        unknown = sorted(set(self.defaults) - {f.name for f in dataclasses.fields(CheckConfig)})
+        if unknown:
+            raise ValueError(f"case {self.name}: defaults for unknown config fields {unknown}")
+        fixed = sorted(set(self.defaults) & {"case", "world_size", "dp", "seq_shards"})
+        if fixed:
+            raise ValueError(f"case {self.name}: {fixed} describe the run, not the case; they cannot default")
 
 
 def mutant(base: Case, *, name: str, summary: str, bug: str, source: str, tags: tuple[str, ...] = (),

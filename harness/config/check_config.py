@@ -27,6 +27,11 @@ DEFAULT_STEPS = 3
 behind it and the first after a DDP-style grad-bucket rebuild (tests/test_conventions.py)."""
 
 
+ENGINE_DEFAULTS: dict[str, object] = dict(batch=2, norm="layernorm", layout="bsh", dtype="float64",
+                                         steps=DEFAULT_STEPS, lr=1e-2, optimizer="adamw")
+"""What a field left as None becomes when the case sets no default of its own (`Case.resolve`)."""
+
+
 @dataclass(kw_only=True, frozen=True)
 class CheckConfig:
     case: str
@@ -39,8 +44,8 @@ class CheckConfig:
     """Global sequence length (tokens per sequence); None means the case's default."""
     seq_shards: tuple[int, ...] | None = None
     """Explicit tokens per TP rank (sums to seq_len); None means torch.chunk's split."""
-    batch: int = 2
-    """Sequences per DP replica; the reference sees dp * batch."""
+    batch: int | None = None
+    """Sequences per DP replica; the reference sees dp * batch. None: the case's default, else 2."""
     hidden: int | None = None
     """Model width; None means the case's default."""
     ffn: int | None = None
@@ -51,20 +56,22 @@ class CheckConfig:
     """Transformer blocks; None means the case's default."""
     vocab: int | None = None
     """Vocabulary size; None means the case's default."""
-    norm: str = "layernorm"
-    """'layernorm' or 'rmsnorm' for cases that have norms."""
-    layout: str = "bsh"
-    """Activation layout for cases that support both: 'bsh' (GPT-NeoX) or 'sbh' (Megatron)."""
-    dtype: str = "float64"
-    """Dtype of the sharded run and of the same-dtype reference; the judge is always float64."""
-    steps: int = DEFAULT_STEPS
-    """Optimizer steps to run and compare."""
+    norm: str | None = None
+    """'layernorm' or 'rmsnorm' for cases that have norms. None: the case's default, else layernorm."""
+    layout: str | None = None
+    """Activation layout for cases that support both: 'bsh' (GPT-NeoX) or 'sbh' (Megatron). None:
+    the case's default, else bsh."""
+    dtype: str | None = None
+    """Dtype of the sharded run and of the same-dtype reference; the judge is always float64.
+    None: the case's default, else float64."""
+    steps: int | None = None
+    """Optimizer steps to run and compare. None: the case's default, else DEFAULT_STEPS."""
     seed: int = 0
     """Seeds the initial weights and the data."""
-    lr: float = 1e-2
-    """Learning rate of the optimizer."""
-    optimizer: str = "adamw"
-    """'adamw' or 'sgd'."""
+    lr: float | None = None
+    """Learning rate of the optimizer. None: the case's default, else 1e-2."""
+    optimizer: str | None = None
+    """'adamw' or 'sgd'. None: the case's default, else adamw."""
     adversary: str = "off"
     """'reorder': the sharded side reduces in random legal orders (sp_harness.step.adversary);
     'reorder-tf32': also TF32-rounded float32 matmul inputs on both sides (a GPU platform)."""
@@ -76,23 +83,23 @@ class CheckConfig:
             raise ValueError(f"world_size must be >= 1, got {self.world_size}")
         if self.dp < 1 or self.world_size % self.dp:
             raise ValueError(f"dp({self.dp}) does not divide world_size({self.world_size})")
-        if self.dtype not in DTYPES:
+        if self.dtype is not None and self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
-        if self.norm not in NORMS:
+        if self.norm is not None and self.norm not in NORMS:
             raise ValueError(f"norm must be one of {NORMS}, got {self.norm!r}")
-        if self.layout not in LAYOUTS:
+        if self.layout is not None and self.layout not in LAYOUTS:
             raise ValueError(f"layout must be one of {LAYOUTS}, got {self.layout!r}")
         if self.adversary not in ADVERSARIES:
             raise ValueError(f"adversary must be one of {ADVERSARIES}, got {self.adversary!r}")
-        if self.optimizer not in OPTIMIZERS:
+        if self.optimizer is not None and self.optimizer not in OPTIMIZERS:
             raise ValueError(f"optimizer must be one of {OPTIMIZERS}, got {self.optimizer!r}")
-        if self.steps < 1:
+        if self.steps is not None and self.steps < 1:
             raise ValueError(f"steps must be >= 1, got {self.steps}")
-        if self.batch < 1:
+        if self.batch is not None and self.batch < 1:
             raise ValueError(f"batch must be >= 1, got {self.batch}")
         if not math.isfinite(self.timeout_s) or self.timeout_s <= 0:
             raise ValueError(f"timeout_s must be a finite number of seconds > 0, got {self.timeout_s}")
-        if not math.isfinite(self.lr) or self.lr <= 0:
+        if self.lr is not None and (not math.isfinite(self.lr) or self.lr <= 0):
             raise ValueError(f"lr must be a finite number > 0, got {self.lr}")
         for field in ("seq_len", "hidden", "ffn", "num_heads", "num_layers", "vocab"):
             value = getattr(self, field)
@@ -118,6 +125,7 @@ class CheckConfig:
 
     @property
     def torch_dtype(self) -> torch.dtype:
+        assert self.dtype is not None, "torch_dtype of an unresolved config (Case.resolve fills dtype)"
         return DTYPES[self.dtype]
 
     def replace(self, **changes) -> "CheckConfig":
@@ -126,17 +134,17 @@ class CheckConfig:
     def repro(self) -> str:
         """The one-line command that reruns exactly this config."""
         args = ["sp-harness", "check", "--case", self.case, "--world-size", str(self.world_size)]
-        default = CheckConfig(case=self.case)
+        default = _resolved_default(self)
         for field in dataclasses.fields(self):
             if field.name in ("case", "world_size"):
                 continue
             value = getattr(self, field.name)
-            if value is None or value == getattr(default, field.name):
-                continue
+            if value is None or (value == getattr(default, field.name) and field.name != "seq_shards"):
+                continue  # what the rerun fills in anyway: the same case's default at this mesh
             if isinstance(value, tuple):
                 value = ",".join(map(str, value))
             flag = "--timeout" if field.name == "timeout_s" else "--" + field.name.replace("_", "-")
-            args += [flag, f"{value:g}" if isinstance(value, float) else str(value)]
+            args += [flag, repr(value) if isinstance(value, float) else str(value)]
         return shlex.join(args)
 
     def short(self) -> str:
@@ -151,7 +159,18 @@ class CheckConfig:
         if self.seq_shards is not None:
             parts.append("shards=" + "/".join(map(str, self.seq_shards)))
         for name, default in (("layout", "bsh"), ("norm", "layernorm"), ("optimizer", "adamw"), ("adversary", "off")):
-            if getattr(self, name) != default:
+            if getattr(self, name) not in (default, None):
                 parts.append(getattr(self, name))
-        parts += [self.dtype, f"steps={self.steps}", f"seed={self.seed}"]
+        parts += [str(self.dtype), f"steps={self.steps}", f"seed={self.seed}"]
         return " ".join(parts)
+
+
+def _resolved_default(config: CheckConfig) -> CheckConfig:
+    """The config a rerun with no flags but case, world size and dp resolves to."""
+    from sp_harness.config.case import get_case
+
+    bare = CheckConfig(case=config.case, world_size=config.world_size, dp=config.dp, seq_shards=config.seq_shards)
+    try:
+        return get_case(config.case).resolve(bare)
+    except ValueError:  # a case file that no longer loads: name every field
+        return CheckConfig(case=config.case)
