@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 import sys
 
 from sp_harness.config.check_config import (
@@ -169,20 +170,32 @@ def _extra_commands():
     return out
 
 
+class _Terminated(KeyboardInterrupt):
+    """SIGTERM (a CI runner cancelling the job): cleaned up exactly like Ctrl-C."""
+
+
+def _on_sigterm(signum, frame):
+    raise _Terminated()
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    signal.signal(signal.SIGTERM, _on_sigterm)
     try:
         return args.func(args)
     except ValueError as exc:  # user errors: the message names the value and what is valid
         print(f"sp-harness: error: {exc}", file=sys.stderr)
         return EXIT_USAGE
-    except KeyboardInterrupt:
+    except KeyboardInterrupt as exc:
         from sp_harness.launch.runner import default_manager
 
+        # a second Ctrl-C must not cut the cleanup short (and print its traceback)
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
         default_manager().close()
         print("sp-harness: interrupted; ranks stopped", file=sys.stderr)
-        return 130
+        return 143 if isinstance(exc, _Terminated) else 130
     except BrokenPipeError:
         # `sp-harness list | head`: the reader left; say nothing more, as cat and ls do
         devnull = os.open(os.devnull, os.O_WRONLY)

@@ -183,22 +183,56 @@ def test_cli_leaves_no_process_behind_and_exit_codes(tmp_path):
     assert _tagged_processes(tag) == [], "rank processes outlived the CLI"
 
 
-def test_ctrl_c_leaves_no_rank_behind(tmp_path):
+def _interrupt_mid_run(sig, tmp_path, *, times: int = 1, after_s: float = 1.0):
+    """Start a hanging check, send `sig` `times` once its ranks exist; (driver, stderr, ranks
+    still alive). Its temporary files go to `tmp_path`, which must end up empty."""
     import signal
 
-    env = dict(os.environ, PYTHONPATH=os.path.dirname(os.path.dirname(__file__)))
+    env = dict(os.environ, PYTHONPATH=os.path.dirname(os.path.dirname(__file__)), TMPDIR=str(tmp_path))
+    # pytest-xdist workers run with SIGINT ignored, which a child inherits; a terminal never does
     proc = subprocess.Popen([sys.executable, "-m", "sp_harness.cli", "check", "--case", f"{FAULTY}:HANGING",
                              "--world-size", "2", "--timeout", "60"], env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
+                            stderr=subprocess.PIPE, text=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline and len(_children(proc.pid)) < 2:
         time.sleep(0.2)
     ranks = _children(proc.pid)
     assert len(ranks) == 2
-    time.sleep(1.0)
-    proc.send_signal(signal.SIGINT)
-    proc.wait(timeout=30)
+    time.sleep(after_s)
+    for _ in range(times):
+        proc.send_signal(sig)
+        time.sleep(0.1)
+    _, err = proc.communicate(timeout=60)
     time.sleep(0.5)
     alive = [pid for pid in ranks if os.path.exists(f"/proc/{pid}") and
              open(f"/proc/{pid}/stat").read().split()[2] != "Z"]
+    assert not list(tmp_path.iterdir()), f"left behind: {list(tmp_path.iterdir())}"
+    return proc, err, alive
+
+
+@pytest.mark.parametrize("times", [1, 3])
+def test_ctrl_c_leaves_no_rank_behind(times, tmp_path):
+    import signal
+
+    proc, err, alive = _interrupt_mid_run(signal.SIGINT, tmp_path, times=times)
+    assert not alive, f"rank processes {alive} outlived the driver"
+    assert proc.returncode == 130
+    assert "Traceback" not in err, err
+
+
+def test_sigterm_leaves_no_rank_behind(tmp_path):
+    import signal
+
+    proc, err, alive = _interrupt_mid_run(signal.SIGTERM, tmp_path)
+    assert not alive, f"rank processes {alive} outlived the driver"
+    assert proc.returncode == 143
+    assert "Traceback" not in err, err
+
+
+def test_ctrl_c_while_ranks_start_leaves_nothing_behind(tmp_path):
+    import signal
+
+    # at once: the ranks are still importing torch
+    proc, err, alive = _interrupt_mid_run(signal.SIGINT, tmp_path, after_s=0.0)
     assert not alive, f"rank processes {alive} outlived the driver"

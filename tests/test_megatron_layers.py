@@ -146,15 +146,16 @@ def test_validate_rejects_with_numbers():
 
 def test_each_mutant_swaps_one_piece():
     from sp_harness.cases.megatron.impl import CORRECT
-    from sp_harness.cases.mutants import megatron_mutants as mm
+    from sp_harness.cases.mutants import megatron_collective_mutants, megatron_mutants
     from sp_harness.config.case import Case
 
-    mutants = [v for v in vars(mm).values() if isinstance(v, Case)]
+    mutants = [v for mm in (megatron_mutants, megatron_collective_mutants) for v in vars(mm).values()
+               if isinstance(v, Case) and "mutant" in v.tags]
     assert len(mutants) >= 10
     names = {c.name for c in mutants}
     assert "mutant-sp-no-norm-grad-sync" in names
     for case in mutants:
-        assert "mutant" in case.tags and case.models_bug, case.name
+        assert case.models_bug and case.source and case.twin, case.name
         impl = case.shard.__closure__  # the Impl the case was built from
         found = [c.cell_contents for c in impl if type(c.cell_contents) is type(CORRECT)]
         assert len(found) == 1, case.name

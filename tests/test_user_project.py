@@ -59,7 +59,7 @@ FILES = {
         def shard(model, ctx):
             # replicated: every rank runs the whole model on the whole sequence
             layout = Layout(seq_dim=0, seq_sharded=False)
-            return Sharded(module=model, input_layout=layout, output_layout=layout)
+            return Sharded(module=model, input_layout=layout, output_layout=layout, replicated=("*",))
 
 
         USER_CASE = Case(name="user-mlp", description="the user's replicated MLP", build_reference=reference,
