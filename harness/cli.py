@@ -112,7 +112,7 @@ def _check_names(args) -> list[str]:
 
 
 def cmd_check(args) -> int:
-    from sp_harness.checks import get_check
+    from sp_harness.checks import get_check, run_check
     from sp_harness.config.case import get_case
     from sp_harness.report.text import check_writable, dump_json, format_outcomes
 
@@ -122,10 +122,10 @@ def cmd_check(args) -> int:
     case = get_case(config.case)  # unknown case: ValueError -> exit 2 before any rank starts
     checks = [get_check(name) for name in _check_names(args)]  # unknown check: exit 2 as well
     runner = _runner()
-    outcomes = [checks[0].run(config, runner)]
+    outcomes = [run_check(checks[0], config, runner)]
     if outcomes[0].passed:
         # the other checks build on a passing side-by-side run (a crash would only repeat)
-        outcomes += [c.run(config, runner) for c in checks[1:] if c.applies(case, config) is None]
+        outcomes += [run_check(c, config, runner) for c in checks[1:] if c.applies(case, config) is None]
     if _is_leader():
         print(format_outcomes(outcomes, verbose=args.verbose))
         if args.json:

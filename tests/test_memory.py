@@ -12,7 +12,7 @@ import pytest
 
 from sp_harness.capture.comm import CommRow
 from sp_harness.capture.memory import measure_reference_layer, memory_config
-from sp_harness.checks import get_check
+from sp_harness.checks import get_check, run_check
 from sp_harness.checks.memory import activation_gate, activation_report, adjusted_bytes, paper_bytes
 from sp_harness.checks.verify import PASS
 from sp_harness.compare.comm_volume import paper_check
@@ -84,16 +84,16 @@ def test_comm_comparison_on_rows():
 
 def test_comm_check_fails_the_mutant_and_passes_sp(sp_pool):
     comm = get_check("comm-vs-baseline")
-    assert comm.run(CheckConfig(case="megatron-gpt-sp", world_size=2), sp_pool).passed is True
-    assert comm.run(CheckConfig(case=MUTANT, world_size=2), sp_pool).passed is False
+    assert run_check(comm, CheckConfig(case="megatron-gpt-sp", world_size=2), sp_pool).passed is True
+    assert run_check(comm, CheckConfig(case=MUTANT, world_size=2), sp_pool).passed is False
     # uneven shards are padded: the figures are reported, not judged
-    assert comm.run(CheckConfig(case="megatron-gpt-sp", world_size=3, seq_len=10), sp_pool).passed is None
+    assert run_check(comm, CheckConfig(case="megatron-gpt-sp", world_size=3, seq_len=10), sp_pool).passed is None
 
 
 def test_memory_check_applies_to_sp_cases_only(sp_pool):
     memory = get_check("activation-memory")
-    assert memory.run(CheckConfig(case="megatron-gpt-tp", world_size=2), sp_pool).passed is None
-    assert memory.run(CheckConfig(case="seed-mlp", world_size=2), sp_pool).passed is None
-    assert memory.run(CheckConfig(case="megatron-gpt-sp", world_size=1), sp_pool).passed is None
-    outcome = memory.run(CheckConfig(case="megatron-gpt-sp", world_size=2), sp_pool)  # float64, ffn 4h
+    assert run_check(memory, CheckConfig(case="megatron-gpt-tp", world_size=2), sp_pool).passed is None
+    assert run_check(memory, CheckConfig(case="seed-mlp", world_size=2), sp_pool).passed is None
+    assert run_check(memory, CheckConfig(case="megatron-gpt-sp", world_size=1), sp_pool).passed is None
+    outcome = run_check(memory, CheckConfig(case="megatron-gpt-sp", world_size=2), sp_pool)  # float64, ffn 4h
     assert outcome.passed is True, outcome.detail

@@ -6,7 +6,7 @@ from __future__ import annotations
 import importlib
 import pkgutil
 
-from sp_harness.checks.base import Check, Outcome, not_applicable
+from sp_harness.checks.base import Check, Outcome, not_applicable, run_check
 
 _CHECKS: dict[str, Check] | None = None
 
@@ -34,4 +34,4 @@ def get_check(name: str) -> Check:
     return checks[name]
 
 
-__all__ = ["Check", "Outcome", "all_checks", "get_check", "not_applicable"]
+__all__ = ["Check", "Outcome", "all_checks", "get_check", "not_applicable", "run_check"]

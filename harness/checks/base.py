@@ -45,6 +45,16 @@ def not_applicable(check: str, why: str, repro: str = "") -> Outcome:
     return Outcome(check=check, status="n/a", detail=why, repro=repro)
 
 
+def run_check(check: "Check", config: CheckConfig, runner) -> Outcome:
+    """The one way a check runs: n/a where it does not apply to the case and config, else its run."""
+    from sp_harness.config.case import get_case
+
+    why = check.applies(get_case(config.case), config)
+    if why is not None:
+        return not_applicable(check.name, why)
+    return check.run(config, runner)
+
+
 @runtime_checkable
 class Check(Protocol):
     """A pluggable check (the pytest-xdist `Scheduling` pattern: a Protocol, not a base class)."""
@@ -58,7 +68,8 @@ class Check(Protocol):
         """None where the check applies to `config` of `case`, else why not (one line)."""
 
     def run(self, config: CheckConfig, runner) -> Outcome:
-        """Run the check on a runner (a PoolManager or the torchrun world); never raises on a fail."""
+        """Run the check where it applies (callers go through `run_check`) on a runner (a
+        PoolManager or the torchrun world); never raises on a fail."""
 
     def render(self, outcome: Outcome) -> str:
         """The human text of an outcome (one rendering per check)."""

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import tempfile
 
-from sp_harness.checks.base import Outcome, not_applicable
+from sp_harness.checks.base import Outcome
 from sp_harness.config.case import Case, get_case
 from sp_harness.config.check_config import CheckConfig
 
@@ -27,9 +27,6 @@ class Lockstep:
         from sp_harness.suites.converge import ConvergeOptions, converge
 
         case = get_case(config.case)
-        why = self.applies(case, config)
-        if why is not None:
-            return not_applicable(self.name, why)
         opts = ConvergeOptions(case=case.name, baseline=case.baseline, world_size=config.world_size, steps=STEPS,
                                seq_len=SEQ_LEN, batch=BATCH, warmup_steps=WARMUP)
         with tempfile.TemporaryDirectory(prefix="sp-harness-lockstep-") as out_dir:

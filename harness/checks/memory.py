@@ -64,8 +64,8 @@ from dataclasses import asdict, dataclass
 import torch
 
 from sp_harness.capture.memory import LayerMemory, memory_config
-from sp_harness.checks.base import Outcome, not_applicable
-from sp_harness.config.case import Case
+from sp_harness.checks.base import Outcome
+from sp_harness.config.case import Case, get_case
 from sp_harness.config.check_config import CheckConfig
 from sp_harness.config.shards import chunk_sizes
 
@@ -202,8 +202,6 @@ def activation_report(config: CheckConfig, runner, *, tp_case: str) -> MemoryRep
     """Measure one layer of `config.case` (claimed TP+SP) and of its TP twin `tp_case` at the same
     config, per rank, next to the paper's and the adjusted formulas; see `activation_gate` for the
     verdict and `format_activation_report` for the table."""
-    from sp_harness.config.case import get_case
-
     cfg = memory_config(config)
     get_case(cfg.case).validate(cfg)
     label = f"activation memory: case {cfg.case} [{cfg.short()}]"
@@ -276,12 +274,7 @@ class ActivationMemory:
         return None
 
     def run(self, config: CheckConfig, runner) -> Outcome:
-        from sp_harness.config.case import get_case
-
         case = get_case(config.case)
-        why = self.applies(case, config)
-        if why is not None:
-            return not_applicable(self.name, why)
         report = activation_report(config, runner, tp_case=case.baseline)
         ok, message = activation_gate(report)
         return Outcome(check=self.name, status="pass" if ok else "fail", caught_by="" if ok else self.label,

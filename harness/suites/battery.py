@@ -17,7 +17,7 @@ import json
 import time
 from dataclasses import asdict, dataclass
 
-from sp_harness.checks import Outcome, get_check
+from sp_harness.checks import Outcome, get_check, run_check
 from sp_harness.config.case import all_cases, get_case
 from sp_harness.config.check_config import CheckConfig
 
@@ -72,7 +72,7 @@ class Battery:
         self._twin: dict[tuple[str, str], Outcome] = {}
 
     def evaluate(self, case_name: str, entry: Entry) -> Outcome:
-        return get_check(entry.check).run(entry.config(case_name), self.runner)
+        return run_check(get_check(entry.check), entry.config(case_name), self.runner)
 
     def twin_outcome(self, twin: str, entry: Entry) -> Outcome:
         key = (twin, entry.name)
