@@ -20,6 +20,7 @@ from sp_harness.config.check_config import (
     OPTIMIZERS,
     CheckConfig,
 )
+from sp_harness.launch.runner import check_world_size
 from sp_harness.launch.runner import is_leader as _is_leader
 from sp_harness.launch.runner import runner as _runner
 
@@ -121,6 +122,7 @@ def cmd_check(args) -> int:
         check_writable(args.json)
     case = get_case(config.case)  # unknown case: ValueError -> exit 2 before any rank starts
     checks = [get_check(name) for name in _check_names(args)]  # unknown check: exit 2 as well
+    check_world_size(config.world_size)
     runner = _runner()
     outcomes = [run_check(checks[0], config, runner)]
     if outcomes[0].passed:

@@ -236,3 +236,18 @@ def test_ctrl_c_while_ranks_start_leaves_nothing_behind(tmp_path):
     # at once: the ranks are still importing torch
     proc, err, alive = _interrupt_mid_run(signal.SIGINT, tmp_path, after_s=0.0)
     assert not alive, f"rank processes {alive} outlived the driver"
+
+
+def test_a_jobs_timeout_does_not_count_the_ranks_start(tmp_path):
+    # a fresh pool: its ranks import torch, DTensor (sympy) and the cases on start-up, under the
+    # start budget; the job's own timeout only has to cover seed-mlp's three small steps
+    from sp_harness.checks.verify import check
+    from sp_harness.launch.pool import PoolManager
+
+    manager = PoolManager()
+    try:
+        res = check(CheckConfig(case="seed-mlp", world_size=2, timeout_s=5), manager)
+        assert res.verdict == PASS, res.reason
+        assert manager.get(2).start_s > 0
+    finally:
+        manager.close()

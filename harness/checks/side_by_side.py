@@ -5,7 +5,7 @@ sp_harness.checks.verify on the driver)."""
 
 from __future__ import annotations
 
-from sp_harness.checks.base import Outcome, not_applicable
+from sp_harness.checks.base import Outcome
 from sp_harness.checks.verify import FAIL, UNSUPPORTED, CheckResult, check, format_result
 from sp_harness.config.case import Case
 from sp_harness.config.check_config import CheckConfig
@@ -16,8 +16,8 @@ KIND_LABEL = {"init": "init", "forward": "forward", "loss": "forward (loss)", "i
 
 
 def outcome_of(res: CheckResult, name: str = "side-by-side") -> Outcome:
-    if res.verdict == UNSUPPORTED:
-        return not_applicable(name, res.reason, res.config.repro())
+    if res.verdict == UNSUPPORTED:  # the case's own declaration, shown as its verdict
+        return Outcome(check=name, status="n/a", detail=res.reason, repro=res.config.repro(), figures=res)
     if res.verdict == FAIL:
         kind = res.first_check
         return Outcome(check=name, status="fail", caught_by=KIND_LABEL.get(kind, kind) or "?",

@@ -81,6 +81,8 @@ class RankPool:
         self._store = None
         self._job_id = 0
         self.num_starts = 0
+        self.start_s = 0.0
+        """Seconds the last start took, warm-up job included (reported, never a job's timeout)."""
 
     @property
     def alive(self) -> bool:
@@ -98,6 +100,7 @@ class RankPool:
         import torch.distributed as dist
 
         self.close()
+        self._started_at = time.monotonic()
         label = f"starting {self.world_size} ranks"
         # the driver hosts the store on an OS-chosen port: no fixed ports, no xdist collisions
         self._store = dist.TCPStore("127.0.0.1", 0, self.world_size + 1, is_master=True, wait_for_workers=False)
@@ -119,6 +122,9 @@ class RankPool:
         finally:
             listener.close()
         self.num_starts += 1
+        # start-up has its own budget: a job's --timeout measures the job, not the imports
+        self.run("sp_harness.launch.worker:warm_up", None, timeout_s=START_TIMEOUT_S, label=label + " (warm-up)")
+        self.start_s = time.monotonic() - self._started_at
 
     def _spawn(self, rank: int, address: tuple[str, int], env: dict[str, str]) -> subprocess.Popen:
         spec = WorkerSpec(rank=rank, world_size=self.world_size, store_port=self._store.port, address=tuple(address),

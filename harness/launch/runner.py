@@ -27,3 +27,28 @@ def is_leader() -> bool:
     import torch.distributed as dist
 
     return not dist.is_initialized() or dist.get_rank() == 0
+
+
+def max_world_size() -> int:
+    """The most ranks this machine runs: one per GPU under nccl; on CPU 4 per core (at least 8),
+    or SP_HARNESS_MAX_WORLD_SIZE where set."""
+    import os
+
+    import torch
+
+    text = os.environ.get("SP_HARNESS_MAX_WORLD_SIZE", "").strip()
+    if text:
+        if not text.isdigit() or int(text) < 1:
+            raise ValueError(f"SP_HARNESS_MAX_WORLD_SIZE must be a whole number >= 1, got {text!r}")
+        return int(text)
+    if torch.cuda.is_available():
+        return torch.cuda.device_count()
+    return max(8, 4 * (os.cpu_count() or 1))
+
+
+def check_world_size(world_size: int) -> None:
+    """A usage error, before any rank starts, for more ranks than this machine runs."""
+    limit = max_world_size()
+    if world_size > limit:
+        raise ValueError(f"world_size {world_size} is more ranks than this machine runs (at most {limit}; "
+                         f"set SP_HARNESS_MAX_WORLD_SIZE to change the limit)")

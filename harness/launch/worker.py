@@ -66,6 +66,17 @@ def run_job(job: Job) -> JobDone | JobRaised:
                          is_unsupported=_is_unsupported(exc))
 
 
+def warm_up(_: object = None) -> int:
+    """What every first job would otherwise pay against its own timeout: DTensor's imports (sympy
+    among them, seconds on a loaded machine), the case registry, and a first collective."""
+    import torch.distributed.tensor.parallel  # noqa: F401
+
+    from sp_harness.config.case import all_cases
+
+    all_cases()
+    return health_check()
+
+
 def health_check(_: object = None) -> int:
     import torch
     import torch.distributed as dist

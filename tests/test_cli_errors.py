@@ -1,0 +1,61 @@
+"""Exit codes mean one thing each (issue 13): 2 is a usage or setup error, reported as one line
+naming the value and what is valid, before any rank starts; 1 is a FAIL verdict; 0 verdicts as
+expected."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _run(*argv: str, cwd: str = ROOT) -> subprocess.CompletedProcess:
+    env = dict(os.environ)
+    env.pop("SP_HARNESS_MAX_WORLD_SIZE", None)
+    return subprocess.run([sys.executable, "-m", "sp_harness.cli", *argv], cwd=cwd, env=env, capture_output=True,
+                          text=True, timeout=300)
+
+
+def _one_line_usage_error(proc: subprocess.CompletedProcess, *needles: str) -> None:
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert "Traceback" not in proc.stderr, proc.stderr
+    lines = [ln for ln in proc.stderr.splitlines() if ln.strip()]
+    assert len(lines) == 1, proc.stderr
+    for needle in needles:
+        assert needle in lines[0], lines[0]
+    # nothing ran: no verdict was printed
+    assert "PASS" not in proc.stdout and "FAIL" not in proc.stdout
+
+
+@pytest.mark.parametrize(("argv", "needles"), [
+    (["check", "--case", "nope"], ["'nope'", "known cases"]),
+    (["check", "--case", "seed-mlp", "--timeout", "nan"], ["timeout_s", "nan"]),
+    (["check", "--case", "seed-mlp", "--lr", "inf"], ["lr", "inf"]),
+    (["check", "--case", "seed-mlp", "--world-size", "1000"], ["1000", "at most"]),
+    (["check", "--case", "seed-mlp", "--world-size", "3", "--seq-shards", "4,4"], ["seq_shards", "tp=3"]),
+    (["check", "--case", "seed-mlp", "--json", "/proc/nope/v.json"], ["/proc/nope/v.json", "cannot be written"]),
+    (["check", "--case", "seed-mlp", "--also", "no-such-check"], ["no-such-check", "checks:"]),
+    (["check", "--case", "no_such_file.py:CASE"], ["no_such_file.py"]),
+])
+def test_usage_errors_exit_2_with_one_line_before_any_rank(argv, needles):
+    _one_line_usage_error(_run(*argv), *needles)
+
+
+def test_a_directory_as_json_output_is_a_usage_error(tmp_path):
+    _one_line_usage_error(_run("check", "--case", "seed-mlp", "--json", str(tmp_path)), str(tmp_path))
+
+
+def test_a_fail_verdict_exits_1_and_an_upstream_pin_is_still_a_fail():
+    proc = _run("check", "--case", "mutant-sp-local-positions", "--world-size", "2", "--no-compare-comm")
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert "FAIL" in proc.stdout and "repro: sp-harness check" in proc.stdout
+
+
+def test_unsupported_exits_0():
+    proc = _run("check", "--case", "dtensor-gpt", "--world-size", "3")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "UNSUPPORTED" in proc.stdout
