@@ -15,7 +15,14 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from sp_harness.cases.common import GPT_DEFAULTS, build_reference_gpt, gpt_batch, gpt_tokens, token_loss_sum
+from sp_harness.cases.common import (
+    GPT_DEFAULTS,
+    MARKOV_TRAINING,
+    build_reference_gpt,
+    gpt_batch,
+    gpt_tokens,
+    token_loss_sum,
+)
 from sp_harness.cases.megatron.impl import CORRECT, Impl, all_reduce_coalesced
 from sp_harness.cases.megatron.model import build_sharded
 from sp_harness.config.case import Case, Layout, RankContext, Sharded, Unsupported, register
@@ -116,6 +123,7 @@ def megatron_case(
         twin=twin,
         # an SP implementation must match its TP twin's communication volume and training curve
         baseline="megatron-gpt-tp" if sp else "",
+        training=MARKOV_TRAINING,
     )
 
 
@@ -132,6 +140,7 @@ REF = register(
         defaults=DEFAULTS,
         input_layout=INPUT_LAYOUT,
         tags=("megatron", "reference"),
+        training=MARKOV_TRAINING,
     )
 )
 TP = register(

@@ -21,7 +21,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from sp_harness.cases.common import gpt_tokens, token_loss_sum
+from sp_harness.cases.common import MARKOV_TRAINING, gpt_tokens, token_loss_sum
 from sp_harness.cases.megatron import mappings as mp
 from sp_harness.cases.megatron.cases import DEFAULTS, INPUT_LAYOUT, build_reference, make_batch, validate_parallel
 from sp_harness.cases.megatron.impl import CORRECT
@@ -90,6 +90,7 @@ FULL_SEQUENCE_NORMS = register(Case(
     input_layout=INPUT_LAYOUT,
     tags=("mutant", "megatron", "memory"),
     twin="megatron-gpt-sp",
+    training=MARKOV_TRAINING,
     models_bug="keeps full-sequence activations: each layer all-gathers the sequence before its norms and runs "
                "norms, residuals and dropout regions on all s tokens (replicated over TP, all-reduce after "
                "each row-parallel linear), so numerics match SP but activations per layer are TP's "

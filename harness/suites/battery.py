@@ -105,7 +105,8 @@ def _memory_verdict(case: str, entry: Entry, runner):
 
 
 def _converge_verdict(case: str, baseline: str, entry: Entry, runner, out_dir: str):
-    from sp_harness.suites.converge import ConvergeOptions, converge
+    """(passed, detail, repro line) of a short lockstep convergence run through the gate."""
+    from sp_harness.suites.converge import ConvergeOptions, converge, repro_line
 
     opts = ConvergeOptions(case=case, baseline=baseline, world_size=dict(entry.fields)["world_size"], steps=6,
                            seq_len=12, batch=2, warmup_steps=2)
@@ -114,7 +115,7 @@ def _converge_verdict(case: str, baseline: str, entry: Entry, runner, out_dir: s
     detail = f"first failing step {result.first_failing_step}, {result.first_failing_metric}" if first else ""
     if first is not None and result.first_failing_param:
         detail += f" ({result.first_failing_param})"
-    return result.passed, detail
+    return result.passed, detail, repro_line("converge", opts)
 
 
 class Battery:
@@ -146,10 +147,9 @@ class Battery:
         if entry.kind == "converge":
             if family_tp is None:
                 return None, "", "no convergence setup for this family", ""
-            ok, detail = _converge_verdict(case_name, family_tp, entry, self.runner,
-                                           f"{self.work_dir}/{case_name}")
-            return ok, "lockstep gate", detail, (f"sp-harness converge --case {case_name} --world-size 2 --steps 6 "
-                                                 f"--seq-len 12 --batch 2 --warmup-steps 2")
+            ok, detail, repro = _converge_verdict(case_name, family_tp, entry, self.runner,
+                                                  f"{self.work_dir}/{case_name}")
+            return ok, "lockstep gate", detail, repro
         raise AssertionError(entry.kind)
 
     def twin_outcome(self, base: str, entry: Entry) -> tuple[bool | None, str]:
