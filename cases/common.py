@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import functools
+
 import torch
 from torch.nn import functional as F
 
-from sp_harness.config.case import Unsupported
+from sp_harness.config.case import Training, Unsupported
 from sp_harness.config.check_config import CheckConfig
 from sp_harness.config.shards import chunk_sizes
 from sp_harness.reference.gpt import GPTConfig, build_gpt, token_loss_sum
+from sp_harness.step.data import MarkovChain
 
 GPT_DEFAULTS = dict(seq_len=12, hidden=32, ffn=64, num_heads=4, num_layers=2, vocab=64)
 
@@ -39,6 +42,31 @@ def gpt_batch(config: CheckConfig, step: int, gen: torch.Generator):
     return tokens[:, :-1], tokens[:, 1:]
 
 
+@functools.lru_cache(maxsize=8)
+def _chain(vocab: int, seed: int, concentration: float) -> MarkovChain:
+    # every step of a run asks for the same chain: draw it (and its alias tables) once
+    return MarkovChain.from_seed(vocab=vocab, seed=seed, concentration=concentration)
+
+
+def markov_training(concentration: float = 0.1) -> Training:
+    """Train on a fixed random Markov chain over the model's vocabulary (config.vocab), drawn
+    from the data seed; its entropy rate is the exact floor of the next-token loss
+    (sp_harness.step.data). Lower `concentration`: more predictable rows, a lower floor."""
+
+    def batches(config: CheckConfig, step: int, data_seed: int):
+        gen = torch.Generator().manual_seed(data_seed * 1_000_003 + step)
+        return _chain(config.vocab, data_seed, concentration).sample(config.dp * config.batch, config.seq_len, gen)
+
+    def loss_floor(config: CheckConfig, data_seed: int) -> float:
+        return _chain(config.vocab, data_seed, concentration).entropy_rate
+
+    return Training(batches=batches, loss_floor=loss_floor, floor_label="entropy rate of the Markov chain")
+
+
+MARKOV_TRAINING = markov_training()
+"""The GPT cases' convergence data: vocab from the config, concentration 0.1."""
+
+
 def gpt_tokens(target: torch.Tensor) -> int:
     return target.numel()
 
@@ -57,5 +85,5 @@ def require_chunk_split(config: CheckConfig, what: str) -> None:
         )
 
 
-__all__ = ["GPT_DEFAULTS", "gpt_config", "build_reference_gpt", "gpt_batch", "gpt_tokens", "mse_sum",
+__all__ = ["GPT_DEFAULTS", "MARKOV_TRAINING", "markov_training", "gpt_config", "build_reference_gpt", "gpt_batch", "gpt_tokens", "mse_sum",
            "require_chunk_split", "token_loss_sum"]

@@ -4,7 +4,7 @@ Flow: config -> launch ranks (pool) -> build reference + sharded (case) -> step 
 compare -> record -> report -> gate. The public API for users' own cases is re-exported here.
 """
 
-from sp_harness.config.case import Case, Layout, ParamSpec, RankContext, Sharded, Unsupported, register
+from sp_harness.config.case import Case, Layout, ParamSpec, RankContext, Sharded, Training, Unsupported, register
 from sp_harness.config.check_config import CheckConfig
 
 
@@ -15,4 +15,5 @@ def check(config: CheckConfig, runner=None):
     return _check(config, runner)
 
 
-__all__ = ["Case", "CheckConfig", "Layout", "ParamSpec", "RankContext", "Sharded", "Unsupported", "check", "register"]
+__all__ = ["Case", "CheckConfig", "Layout", "ParamSpec", "RankContext", "Sharded", "Training", "Unsupported", "check",
+           "register"]

@@ -1,8 +1,11 @@
 """Convergence runs end to end on real ranks: the gate passes correct SP, fails a copy with unsynced
 norm grads by step 2 naming the parameter, and fails a reduce-scatter over the wrong group on a
-DP x TP mesh; the report files are produced and parse; golden curves round-trip."""
+DP x TP mesh; a user's float-input case with no baseline and no loss floor trains and passes; a
+report's repro line repeats its run bit for bit; the report files are produced and parse; golden
+curves round-trip."""
 
 import json
+import shlex
 import subprocess
 import sys
 from pathlib import Path
@@ -11,6 +14,8 @@ from sp_harness.record.records import read_run_dir
 from sp_harness.suites.converge import ConvergeOptions, converge
 
 SHORT = dict(steps=6, seq_len=12, batch=2, warmup_steps=2)
+ROOT = Path(__file__).resolve().parent.parent
+MY_MLP = f"{ROOT / 'examples' / 'my_case.py'}:MY_MLP"
 
 
 def test_correct_sp_passes_and_report_parses(sp_pool, tmp_path):
@@ -76,3 +81,36 @@ def test_torchrun_entry_runs_on_the_env_world(tmp_path):
                          timeout=300, env={**__import__("os").environ, "PYTHONPATH": str(root)})
     assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
     assert json.loads((tmp_path / "summary.json").read_text())["verdict"] == "PASS"
+
+
+def test_users_float_case_trains_without_baseline_or_floor(sp_pool, tmp_path):
+    """The README's own case (float inputs, no `training`, no baseline) gets a PASS report."""
+    result, html, runs = converge(ConvergeOptions(case=MY_MLP, steps=30), sp_pool, tmp_path, progress=False)
+    assert result.passed, result.reasons
+    assert list(runs) == ["ref", "sp"] and result.pairs == (("sp", "ref"),)
+    records, meta = read_run_dir(tmp_path)
+    assert meta["floor"] is None and meta["baseline"] is None
+    assert len(records["sp"]) == 30 and all(r.max_replica_drift == 0.0 for r in records["sp"])
+    # it trained: the loss fell, and the sharded run followed its reference copy
+    assert records["sp"][-1].loss < 0.9 * records["sp"][0].loss
+    assert max(r.param_err_vs_ref for r in records["sp"]) < 1e-4
+    assert html.name == "report.html" and "no known loss floor" in html.read_text()
+    assert json.loads((tmp_path / "summary.json").read_text())["verdict"] == "PASS"
+
+
+def test_repro_line_repeats_a_non_default_run_bit_for_bit(sp_pool, tmp_path):
+    opts = ConvergeOptions(case=MY_MLP, steps=5, seq_len=10, lr=0.1 / 3, optimizer="sgd", seed=3, data_seed=7,
+                           warmup_steps=1, clip_grad_norm=None, timeout_s=90.5)
+    _, _, runs = converge(opts, sp_pool, tmp_path / "first", progress=False)
+    _, meta = read_run_dir(tmp_path / "first")
+    argv = shlex.split(meta["repro"])
+    assert argv[:2] == ["sp-harness", "converge"] and "0.03333333333333333" in argv
+    again = subprocess.run([sys.executable, "-m", "sp_harness.cli", *argv[1:], "--out", str(tmp_path / "again")],
+                           cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert again.returncode == 0, again.stdout + again.stderr
+    assert f"repro: {meta['repro']}" in again.stdout
+    repeated, _ = read_run_dir(tmp_path / "again")
+    assert set(repeated) == set(runs)
+    for name in runs:
+        assert [r.loss for r in repeated[name]] == [r.loss for r in runs[name]], name
+        assert [r.grad_norm for r in repeated[name]] == [r.grad_norm for r in runs[name]], name

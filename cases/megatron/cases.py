@@ -17,7 +17,14 @@ import dataclasses
 import torch
 from torch import nn
 
-from sp_harness.cases.common import GPT_DEFAULTS, build_reference_gpt, gpt_batch, gpt_tokens, token_loss_sum
+from sp_harness.cases.common import (
+    GPT_DEFAULTS,
+    MARKOV_TRAINING,
+    build_reference_gpt,
+    gpt_batch,
+    gpt_tokens,
+    token_loss_sum,
+)
 from sp_harness.cases.megatron.impl import CORRECT, Impl, all_reduce_coalesced
 from sp_harness.cases.megatron.model import build_sharded
 from sp_harness.config.case import Case, Example, Layout, RankContext, Sharded, Unsupported, register
@@ -123,6 +130,7 @@ def megatron_case(
         twin=twin,
         # an SP implementation must match its TP twin's communication volume and training curve
         baseline="megatron-gpt-tp" if sp else "",
+        training=MARKOV_TRAINING,
     )
 
 
@@ -140,6 +148,7 @@ REF = register(
         input_layout=INPUT_LAYOUT,
         tags=("megatron", "reference"),
         examples=(Example(fields=(("world_size", 2), ("dp", 2)), note="reference mode on 2 DP replicas"),),
+        training=MARKOV_TRAINING,
     )
 )
 TP = register(dataclasses.replace(

@@ -185,6 +185,23 @@ class Example:
 
 
 @dataclass(kw_only=True, frozen=True)
+class Training:
+    """How a case trains in a lockstep convergence run (`sp-harness converge`). Every run of one
+    convergence job (reference, baseline, case) trains on the case under test's stream."""
+
+    batches: Callable[[CheckConfig, int, int], Batch | tuple[torch.Tensor, torch.Tensor]] | None = None
+    """(config, step, data_seed) -> one step's global batch (a `Batch` or `(input, target)`), a
+    function of its arguments only: every rank and every run must draw the same batch. None: the
+    case's own `make_batch(config, step, generator)`, the generator seeded from (data_seed, step)."""
+    loss_floor: Callable[[CheckConfig, int], float | None] = lambda config, data_seed: None
+    """(config, data_seed) -> the data's ideal mean loss where it is known (a Markov chain's
+    entropy rate; a teacher-plus-noise regression's noise variance), else None. Drawn in the
+    report and summarised as each run's distance to it; never gated."""
+    floor_label: str = "the data's ideal loss"
+    """What the floor is, for the report's legend and captions."""
+
+
+@dataclass(kw_only=True, frozen=True)
 class Case:
     """A system under test: reference + sharded twin + data."""
 
@@ -231,6 +248,9 @@ class Case:
     where upstream code is pinned to what it does. None: PASS (a correct case)."""
     examples: tuple[Example, ...] = ()
     """The configs the main job checks this case on (each against its expected verdict)."""
+    training: Training | None = None
+    """How convergence runs train this case; None: `Training()`, the case's own `make_batch`
+    stream with no known loss floor."""
 
     def resolve(self, config: CheckConfig) -> CheckConfig:
         """Fill the config's None fields: the case's defaults first, then the engine's."""

@@ -28,7 +28,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from sp_harness.judge.gate import EPS, Failure, GateBands, summarize
+from sp_harness.judge.bands import EPS, Failure, GateBands, summarize
 from sp_harness.record.records import StepRecord, series
 
 DEFAULT_METRICS = ("loss", "grad_norm")

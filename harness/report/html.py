@@ -3,7 +3,7 @@
 Input: the runs' step records, the run metadata (sp_harness.record.records) and the gate's decision
 (sp_harness.judge.gate). Output, all in one directory:
 
-  loss.png       loss curves of every run, the data's loss floor (entropy rate) dashed;
+  loss.png       loss curves of every run, the data's loss floor (where known) dashed;
   lockstep.png   |difference| between runs per step (log y) against the gate's band;
   drift.png      max cross-rank difference of replicated parameters per step (log y);
   gradnorm.png   grad-norm ratio between runs per step;
@@ -151,7 +151,7 @@ def _plot_loss(runs, meta, gate: GateResult, colors, golden) -> Figure:
         ax.plot(xs, ys, color=colors[name], label=name, **_style(i), **_markers(xs))
     floor = meta.get("floor")
     if floor is not None and math.isfinite(floor):
-        ax.axhline(floor, color="gray", ls="--", lw=1.2, label=f"floor (entropy rate) {floor:.4f} nats")
+        ax.axhline(floor, color="gray", ls="--", lw=1.2, label=f"floor ({_floor_label(meta)}) {floor:.4f}")
     if golden is not None and "loss" in golden.get("metrics", {}):
         from sp_harness.judge.golden import golden_band
 
@@ -161,7 +161,7 @@ def _plot_loss(runs, meta, gate: GateResult, colors, golden) -> Figure:
         hi = [gb[s][0] + gb[s][1] for s in gx]
         ax.fill_between(gx, lo, hi, color="tab:green", alpha=0.25, label="golden band")
     ax.set_xlabel("step")
-    ax.set_ylabel("loss (nats / token)")
+    ax.set_ylabel("loss (per loss term)")
     ax.set_title(f"Loss: {_title(meta)}")
     _mark_failure(ax, gate, lambda f: f.metric == "loss")
     ax.legend(loc="upper right")
@@ -460,7 +460,8 @@ pre{background:#f6f8fa;padding:8px;font-size:12px;overflow:auto}.muted{color:#66
 """
 
 _CAPTIONS = {
-    "loss": "Loss per step for every run; dashed: the data's loss floor (entropy rate of the Markov chain).",
+    "loss": "Loss per step for every run; dashed: the data's loss floor, where the case's training data has a "
+    "known one (the entropy rate of the GPT cases' Markov chain).",
     "lockstep": "Absolute difference between runs per step (log scale) against the gate's band; "
     "points on the dotted line are exactly 0.",
     "drift": "Largest cross-rank difference of any replicated parameter after each step's update "
@@ -519,7 +520,12 @@ def _floor_text(meta) -> str:
     floor = meta.get("floor")
     if floor is None or not math.isfinite(floor):
         return "no known loss floor"
-    return f"loss floor (entropy rate) {floor:.6f} nats"
+    return f"loss floor ({_floor_label(meta)}) {floor:.6f}"
+
+
+def _floor_label(meta) -> str:
+    # runs recorded before cases declared their training all trained on the Markov chain
+    return str(meta.get("floor_label") or "entropy rate")
 
 
 def _drift_text(f: Mapping[str, Any], long: bool = False) -> str:

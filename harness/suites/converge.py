@@ -1,284 +1,54 @@
-"""Stage: step -> capture -> record (training). Lockstep convergence runs of a case.
+"""Stage: suites. The convergence commands: `converge` (train reference, baseline and case in
+lockstep, record, gate, report), `gate` (re-gate a report directory) and `golden` (store a
+golden curve from repeated runs). Each parses its arguments into an options dataclass and calls
+one function; the training itself is sp_harness.train.
 
-Three runs of one model from one initial state on one stream of batches: the single-device
-reference, the tensor-parallel baseline and the case under test (TP + SP). Each sharded run
-trains a reference copy alongside it on every rank, so max |param - reference param| is known
-at every step; the reference's own curve is recorded from that copy, so the same command works
-under torchrun, where there is no one-rank world to run it in. Per step and run the records hold
-loss, grad norm (replicated parameters counted once), LR, the cross-rank drift of every
-replicated parameter, the distance to the reference, step time and tokens/s (JSONL, full
-precision). Batches come from a fixed random Markov chain whose entropy rate is the loss floor.
+Runs: the single-device reference, the case's baseline (`Case.baseline`, its tensor-parallel
+twin; none when it declares none) and the case under test, all from one initial state on the
+batch stream the case declares (`Case.training`; by default its own `make_batch`). Per step and
+run the records hold loss, grad norm (replicated parameters counted once), LR, the cross-rank
+drift of every replicated parameter, the distance to the reference, step time and tokens/s
+(JSONL, full precision); meta.json holds the data's loss floor where the case declares one.
 
-State lives in the rank processes between jobs, so the driver advances training in chunks and
-shows progress; under `torchrun -m sp_harness.suites.converge` every rank runs the same chunks in-process.
+Under `torchrun -m sp_harness.suites.converge` every rank runs the same training in-process.
 """
 
 from __future__ import annotations
 
 import argparse
-import math
+import dataclasses
 import os
+import shlex
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
-import torch
 import torch.distributed as dist
 
 from sp_harness.config.case import get_case
 from sp_harness.config.check_config import CheckConfig
 from sp_harness.record.records import StepRecord
-from sp_harness.step.data import MarkovChain
-
-DEFAULT_REFERENCE = "megatron-gpt-ref"
-DEFAULT_BASELINE = "megatron-gpt-tp"
-
-
-@dataclass(kw_only=True, frozen=True)
-class TrainSpec:
-    """One training run, as shipped to every rank."""
-
-    run: str
-    """Run name in the records: 'tp', 'sp', ..."""
-    config: CheckConfig
-    """Case, mesh, shapes, dtype, seed, lr, optimizer (seq_len/batch per DP replica)."""
-    steps: int
-    """Optimizer steps in total."""
-    warmup_steps: int = 10
-    """Linear LR warmup, then cosine decay to 10% of lr at the last step."""
-    clip_grad_norm: float | None = None
-    """Clip the global grad norm to this value; None: no clipping."""
-    vocab: int = 64
-    """Markov chain states = the model's vocabulary."""
-    concentration: float = 0.1
-    """Dirichlet concentration of the chain's rows: lower is more predictable (lower floor)."""
-    data_seed: int = 1234
-    """Seeds the chain and the batch stream, independently of the weights' seed."""
-
-
-def lr_at(spec: TrainSpec, step: int) -> float:
-    base = spec.config.lr
-    if step < spec.warmup_steps:
-        return base * (step + 1) / spec.warmup_steps
-    span = max(1, spec.steps - spec.warmup_steps)
-    progress = min(1.0, (step - spec.warmup_steps) / span)
-    return base * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress)))
-
-
-def batch_at(chain: MarkovChain, spec: TrainSpec, step: int) -> tuple[torch.Tensor, torch.Tensor]:
-    gen = torch.Generator().manual_seed(spec.data_seed * 1_000_003 + step)
-    cfg = spec.config
-    return chain.sample(cfg.dp * cfg.batch, cfg.seq_len, gen)
-
-
-# ---- rank side -----------------------------------------------------------------------------
-
-_STATE: dict = {}
-
-
-def _grad_norm_sq_local(params, ctx) -> torch.Tensor:
-    """This rank's share of the squared global grad norm: sharded pieces in full, replicated
-    params only on TP rank 0 so that the TP sum counts each once."""
-    total = torch.zeros((), dtype=torch.float64)
-    for p in params:
-        g = p.param.grad
-        if g is None:
-            continue
-        g = p.local(g)
-        if p.replicated_tp and ctx.tp_rank != 0:
-            continue
-        total += g.detach().to(torch.float64).pow(2).sum()
-    return total
-
-
-def train_start(spec: TrainSpec) -> dict:
-    from sp_harness.step.build import build
-    from sp_harness.step.optim_ref import make_optimizer
-
-    config = spec.config
-    built = build(config, reference_dtype=config.torch_dtype)
-    case, ctx, ref, sharded, params, device = (built.case, built.ctx, built.reference, built.sharded, built.params,
-                                               built.device)
-    _STATE.clear()
-    _STATE.update(
-        spec=spec, case=case, ctx=ctx, ref=ref, sharded=sharded, params=params, device=device,
-        opt=make_optimizer(config.optimizer, config.lr, sharded.module.parameters()), ref_opt=make_optimizer(config.optimizer, config.lr, ref.parameters()),
-        ref_params=dict(ref.named_parameters()), step=0,
-        chain=MarkovChain.from_seed(vocab=spec.vocab, seed=spec.data_seed, concentration=spec.concentration),
-    )
-    return {"num_params": sum(p.numel() for p in ref.parameters())}
-
-
-def _set_lr(opt, lr: float) -> None:
-    for group in opt.param_groups:
-        group["lr"] = lr
-
-
-def train_steps(num_steps: int) -> list[dict]:
-    """Advance `num_steps`; returns (on every rank) the records of the runs for those steps."""
-    from sp_harness.config.case import Batch
-    from sp_harness.step.inputs import forward_loss, global_loss, rank_batch
-    from sp_harness.step.params import replica_drift
-
-    s = _STATE
-    spec, case, ctx, sharded, params = s["spec"], s["case"], s["ctx"], s["sharded"], s["params"]
-    ref, device = s["ref"], s["device"]
-    out: list[dict] = []
-    for _ in range(num_steps):
-        step = s["step"]
-        lr = lr_at(spec, step)
-        inp, tgt = (t.to(device) for t in batch_at(s["chain"], spec, step))
-        tokens = tgt.numel()
-
-        # the reference alongside: one device, the global batch
-        t0 = time.perf_counter()
-        ref_loss = case.loss_sum(ref(inp), tgt) / case.tokens(tgt)
-        ref_loss.backward()
-        ref_norm = torch.sqrt(sum(p.grad.detach().double().pow(2).sum() for p in ref.parameters() if p.grad is not None))
-        if spec.clip_grad_norm is not None:
-            torch.nn.utils.clip_grad_norm_(ref.parameters(), spec.clip_grad_norm)
-        _set_lr(s["ref_opt"], lr)
-        s["ref_opt"].step()
-        s["ref_opt"].zero_grad(set_to_none=True)
-        ref_time = time.perf_counter() - t0
-
-        t0 = time.perf_counter()
-        batch = Batch(inputs={"input": inp}, target=tgt, positional=True)
-        local = rank_batch(batch, sharded, ctx, spec.config.torch_dtype)
-        _, loss = forward_loss(case, sharded, local, tgt, ctx)
-        loss.backward()
-        sharded.sync_grads()
-        norm_sq = _grad_norm_sq_local(params, ctx)
-        if ctx.tp > 1:
-            dist.all_reduce(norm_sq, group=ctx.tp_group)
-        grad_norm = float(norm_sq.sqrt())
-        if spec.clip_grad_norm is not None:
-            if sharded.clip_grad_norm is not None:
-                sharded.clip_grad_norm(spec.clip_grad_norm)
-            else:
-                coef = min(1.0, spec.clip_grad_norm / (grad_norm + 1e-6))
-                for p in params:
-                    if p.param.grad is not None:
-                        p.param.grad.mul_(coef)
-        _set_lr(s["opt"], lr)
-        s["opt"].step()
-        s["opt"].zero_grad(set_to_none=True)
-        step_time = time.perf_counter() - t0
-
-        total = global_loss(loss, sharded, ctx)
-        drifts = replica_drift(step, params, ctx, set(case.replicated_hint))
-        drift_by_name: dict[str, float] = {}
-        for d in drifts:
-            drift_by_name[d.name] = max(drift_by_name.get(d.name, 0.0), d.max_abs)
-        # replicated params that did not drift are recorded as exact zeros
-        for p in params:
-            if p.replicated_tp and ctx.tp > 1:
-                drift_by_name.setdefault(p.spec.ref_name, 0.0)
-        param_err = torch.zeros((), dtype=torch.float64)
-        for p in params:
-            want = p.piece_of(s["ref_params"][p.spec.ref_name].detach(), ctx)
-            got = p.full(p.param.detach())
-            if want.numel():
-                param_err = torch.maximum(param_err, (got.double() - want.double()).abs().max())
-        dist.all_reduce(param_err, op=dist.ReduceOp.MAX)
-        out.append({
-            "step": step, "lr": lr, "tokens": tokens,
-            "run": dict(loss=float(total), grad_norm=grad_norm, replica_drift=drift_by_name,
-                        max_replica_drift=max(drift_by_name.values(), default=0.0), param_err_vs_ref=float(param_err),
-                        step_time_s=step_time, tokens_per_s=tokens / step_time if step_time else float("nan")),
-            "ref": dict(loss=float(ref_loss.detach()), grad_norm=float(ref_norm), replica_drift={}, max_replica_drift=0.0,
-                        param_err_vs_ref=0.0, step_time_s=ref_time, tokens_per_s=tokens / ref_time if ref_time else float("nan")),
-        })
-        s["step"] += 1
-    return out
-
-
-def train_end(_: object = None) -> None:
-    _STATE.clear()
-
-
-# ---- driver side ---------------------------------------------------------------------------
-
-
-@dataclass
-class Progress:
-    """A progress bar per run on a terminal; a line per quarter in logs (CI)."""
-
-    run: str
-    total: int
-    stream: object = field(default_factory=lambda: sys.stderr)
-    _last_quarter: int = -1
-
-    def update(self, done: int, loss: float) -> None:
-        tty = getattr(self.stream, "isatty", lambda: False)()
-        if tty:
-            filled = int(30 * done / self.total)
-            self.stream.write(f"\r  {self.run:<4} [{'#' * filled}{'.' * (30 - filled)}] {done}/{self.total} steps  loss {loss:.4f}")
-            if done == self.total:
-                self.stream.write("\n")
-        else:
-            quarter = 4 * done // self.total
-            if quarter != self._last_quarter:
-                self._last_quarter = quarter
-                self.stream.write(f"  {self.run:<4} {done}/{self.total} steps  loss {loss:.4f}\n")
-        self.stream.flush()
-
-
-def train(spec: TrainSpec, runner, *, chunk: int = 25, progress: bool = True,
-          crashes: dict | None = None) -> tuple[list[StepRecord], list[StepRecord]]:
-    """Run one lockstep training; returns (records of the run, records of its reference copy).
-
-    A run that crashes or hangs stops there: its records so far are returned and, if `crashes`
-    is given, crashes[run] = (step reached, the failure) -- the gate reports it as a FAIL."""
-    from sp_harness.launch.failure import RankFailure
-
-    cfg = spec.config
-    label = f"converge {spec.run}: case {cfg.case} [{cfg.short()}]"
-    bar = Progress(spec.run, spec.steps) if progress else None
-    run_records: list[StepRecord] = []
-    ref_records: list[StepRecord] = []
-    done = 0
-    try:
-        runner.run(cfg.world_size, "sp_harness.suites.converge:train_start", spec, timeout_s=cfg.timeout_s, label=label)
-        while done < spec.steps:
-            n = min(chunk, spec.steps - done)
-            rows = runner.run(cfg.world_size, "sp_harness.suites.converge:train_steps", n,
-                              timeout_s=cfg.timeout_s + n * 5.0, label=label)[0]
-            for row in rows:
-                run_records.append(StepRecord(run=spec.run, step=row["step"], lr=row["lr"], **row["run"]))
-                ref_records.append(StepRecord(run="ref", step=row["step"], lr=row["lr"], **row["ref"]))
-            done += n
-            if bar:
-                bar.update(done, run_records[-1].loss)
-    except RankFailure as exc:
-        if crashes is None:
-            raise
-        crashes[spec.run] = (len(run_records), exc)
-    finally:
-        try:
-            runner.run(cfg.world_size, "sp_harness.suites.converge:train_end", None, timeout_s=cfg.timeout_s, label=label)
-        except Exception:
-            pass
-    return run_records, ref_records
+from sp_harness.train.driver import TrainOutcome, train
+from sp_harness.train.spec import TrainSpec, loss_floor, training_of
 
 
 @dataclass(kw_only=True, frozen=True)
 class ConvergeOptions:
     case: str = "megatron-gpt-sp"
-    """The case under test (SP)."""
-    baseline: str | None = DEFAULT_BASELINE
-    """The TP baseline case trained beside it; None: no baseline run."""
+    """The case under test (a registry name or path/to/file.py:NAME)."""
+    baseline: str | None = None
+    """The baseline case trained beside it; None: the case's own `Case.baseline`; '': none."""
     world_size: int = 2
-    """Ranks of the TP and SP runs."""
+    """Ranks of the baseline and case runs."""
     dp: int = 1
-    """Data-parallel degree of the TP and SP runs."""
+    """Data-parallel degree of the baseline and case runs."""
     steps: int = 200
     """Optimizer steps."""
     seq_len: int = 32
-    """Tokens per sequence."""
+    """Sequence length (tokens per sequence for the GPT cases)."""
     batch: int = 8
-    """Sequences per DP replica and step."""
+    """Sequences per DP replica and step (for cases whose batches have a batch dim)."""
     dtype: str = "float32"
     """Training dtype of every run (the gate's bands follow it)."""
     optimizer: str = "adamw"
@@ -292,14 +62,87 @@ class ConvergeOptions:
     seed: int = 0
     """Initial weights."""
     data_seed: int = 1234
-    """Markov chain and batch stream."""
+    """The batch stream (and, for the GPT cases, the Markov chain)."""
     timeout_s: float = 120.0
     """Seconds per job (setup, or one chunk of steps) before it counts as hung."""
+
+    def baseline_case(self) -> str:
+        return get_case(self.case).baseline if self.baseline is None else self.baseline
+
+
+# option field -> its flag where the flag is not the field's name; the value a None takes
+_FLAGS = {"timeout_s": "--timeout"}
+_NONE_ARG = {"clip_grad_norm": "0"}
+
+
+def repro_line(command: str, opts, *positional: str, **extra) -> str:
+    """The `sp-harness` command line that repeats a run: every field of the options dataclass
+    `opts` that differs from its default (floats by repr, so they parse back bit for bit), then
+    the `extra` flags that are not None. The report directory is not part of it."""
+    default = type(opts)()
+    args = ["sp-harness", command, *positional]
+    for f in dataclasses.fields(opts):
+        value = getattr(opts, f.name)
+        if value != getattr(default, f.name):
+            args += [_FLAGS.get(f.name, "--" + f.name.replace("_", "-")), _arg(f.name, value)]
+    for name, value in extra.items():
+        if value is not None:
+            args += ["--" + name.replace("_", "-"), _arg(name, value)]
+    return shlex.join(args)
+
+
+def _arg(name: str, value) -> str:
+    if value is None:
+        return _NONE_ARG[name]
+    return repr(value) if isinstance(value, float) else str(value)
+
+
+def base_config(opts: ConvergeOptions) -> CheckConfig:
+    """The case run's config, resolved and validated (ValueError / Unsupported)."""
+    case = get_case(opts.case)
+    config = case.resolve(CheckConfig(case=opts.case, world_size=opts.world_size, dp=opts.dp, seq_len=opts.seq_len,
+                                      batch=opts.batch, dtype=opts.dtype, optimizer=opts.optimizer, lr=opts.lr,
+                                      seed=opts.seed, timeout_s=opts.timeout_s))
+    case.validate(config)
+    return config
+
+
+def train_runs(opts: ConvergeOptions, runner, *, progress: bool = True) -> dict[str, TrainOutcome]:
+    """Train the case (with its reference copy) and its baseline: run name -> outcome. When the
+    case's job crashes, 'ref' is a reference-only run (the copy inside the job is lost)."""
+    base = base_config(opts)
+    common = dict(steps=opts.steps, warmup_steps=opts.warmup_steps, clip_grad_norm=opts.clip_grad_norm,
+                  data_case=opts.case, data_seed=opts.data_seed)
+    runs = {"sp": train(TrainSpec(run="sp", config=base, **common), runner, progress=progress, catch_failures=True)}
+    if runs["sp"].failure is not None:
+        spec = TrainSpec(run="ref", config=base.replace(world_size=opts.dp), reference_only=True, **common)
+        runs["ref"] = train(spec, runner, progress=progress, catch_failures=True)
+    baseline = opts.baseline_case()
+    if baseline:
+        runs["tp"] = train(TrainSpec(run="tp", config=base.replace(case=baseline), **common), runner,
+                           progress=progress, catch_failures=True)
+    return runs
+
+
+def to_records(outcomes: dict[str, TrainOutcome]) -> dict[str, list[StepRecord]]:
+    """Step records in report order (ref, tp, sp): the reference from the case run's copy unless
+    it was trained alone."""
+    def records(name: str, outcome: TrainOutcome, reference: bool) -> list[StepRecord]:
+        return [StepRecord(run=name, step=s.step, lr=s.lr, **dataclasses.asdict(s.ref if reference else s.run))
+                for s in outcome.steps]
+
+    alone = outcomes.get("ref")
+    runs = {"ref": records("ref", alone or outcomes["sp"], True)}
+    if "tp" in outcomes:
+        runs["tp"] = records("tp", outcomes["tp"], False)
+    runs["sp"] = records("sp", outcomes["sp"], False)
+    return runs
 
 
 def converge(opts: ConvergeOptions, runner, out_dir: str | os.PathLike, *, golden: str | None = None,
              progress: bool = True):
-    """Train reference, baseline and case in lockstep, write records, gate, write the report."""
+    """Train reference, baseline and case in lockstep, write records, gate, write the report.
+    Returns (gate result, report.html path, records by run)."""
     from sp_harness.judge.gate import evaluate
     from sp_harness.judge.golden import load_golden
     from sp_harness.record.records import make_meta, write_run_dir
@@ -307,35 +150,18 @@ def converge(opts: ConvergeOptions, runner, out_dir: str | os.PathLike, *, golde
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    base = CheckConfig(case=opts.case, world_size=opts.world_size, dp=opts.dp, seq_len=opts.seq_len, batch=opts.batch,
-                       vocab=64, dtype=opts.dtype, optimizer=opts.optimizer, lr=opts.lr, seed=opts.seed,
-                       timeout_s=opts.timeout_s)
-    base = get_case(opts.case).resolve(base)
-    get_case(opts.case).validate(base)
-    common = dict(steps=opts.steps, warmup_steps=opts.warmup_steps, clip_grad_norm=opts.clip_grad_norm,
-                  vocab=base.vocab, data_seed=opts.data_seed)
-    runs: dict[str, list[StepRecord]] = {}
-    crashes: dict = {}
     t0 = time.perf_counter()
-    sp_records, ref_records = train(TrainSpec(run="sp", config=base, **common), runner, progress=progress,
-                                    crashes=crashes)
-    if "sp" in crashes:
-        # the reference copy trained inside the crashed job: train it alone for a full curve
-        _, ref_records = train(TrainSpec(run="ref", config=base.replace(case=DEFAULT_REFERENCE, world_size=opts.dp),
-                                         **common), runner, progress=progress, crashes=crashes)
-    runs["ref"] = ref_records
-    if opts.baseline:
-        runs["tp"], _ = train(TrainSpec(run="tp", config=base.replace(case=opts.baseline), **common), runner,
-                              progress=progress, crashes=crashes)
-    runs["sp"] = sp_records
-    chain = MarkovChain.from_seed(vocab=base.vocab, seed=opts.data_seed, concentration=0.1)
+    outcomes = train_runs(opts, runner, progress=progress)
+    runs = to_records(outcomes)
+    base, case = base_config(opts), get_case(opts.case)
     meta = make_meta(case=opts.case, config=_plain(base), world_size=opts.world_size, dp=opts.dp, tp=base.tp,
-                     optimizer=opts.optimizer, dtype=opts.dtype, floor=chain.entropy_rate, runs=list(runs),
-                     baseline=opts.baseline, steps=opts.steps, wall_s=time.perf_counter() - t0,
-                     repro=f"sp-harness converge --case {opts.case} --world-size {opts.world_size} --dp {opts.dp} "
-                           f"--steps {opts.steps} --dtype {opts.dtype}")
+                     optimizer=opts.optimizer, dtype=opts.dtype, floor=loss_floor(case, base, opts.data_seed),
+                     floor_label=training_of(case).floor_label, runs=list(runs),
+                     baseline=opts.baseline_case() or None, steps=opts.steps, wall_s=time.perf_counter() - t0,
+                     repro=repro_line("converge", opts, golden=golden))
     golden_doc = load_golden(golden) if golden else None
     result = evaluate(runs, dtype=opts.dtype, golden=golden_doc)
+    crashes = {name: o for name, o in outcomes.items() if o.failure is not None}
     if crashes:
         result = _with_crashes(result, crashes)
     html = out / "report.html"
@@ -345,28 +171,26 @@ def converge(opts: ConvergeOptions, runner, out_dir: str | os.PathLike, *, golde
     return result, html, runs
 
 
-def _with_crashes(result, crashes: dict):
-    import dataclasses
-
+def _with_crashes(result, crashes: dict[str, TrainOutcome]):
     from sp_harness.judge.gate import Failure
 
-    extra = tuple(Failure(rule="crash", metric="step", run=run, step=step, value=float("nan"), band=0.0,
-                          detail=f"{exc.describe(with_traces=False)}: {exc.summary_line()}")
-                  for run, (step, exc) in sorted(crashes.items()))
+    extra = tuple(Failure(rule="crash", metric="step", run=run, step=len(o.steps), value=float("nan"), band=0.0,
+                          detail=f"{o.failure.describe(with_traces=False)}: {o.failure.summary_line()}")
+                  for run, o in sorted(crashes.items()))
     failures = tuple(sorted(extra + tuple(result.failures), key=lambda f: f.sort_key))
     return dataclasses.replace(result, verdict="FAIL", failures=failures)
 
 
 def _plain(config: CheckConfig) -> dict:
-    import dataclasses
-
     return {k: (list(v) if isinstance(v, tuple) else v) for k, v in dataclasses.asdict(config).items()}
 
 
-def format_gate(result, html) -> str:
+def format_gate(result, html, repro: str | None = None) -> str:
     lines = [f"gate: {result.verdict}   report: {html}"]
     for reason in result.reasons[:10]:
         lines.append(f"  - {reason}")
+    if repro:
+        lines.append(f"repro: {repro}")
     return "\n".join(lines)
 
 
@@ -376,7 +200,8 @@ def format_gate(result, html) -> str:
 def _add_converge_args(p: argparse.ArgumentParser) -> None:
     d = ConvergeOptions()
     p.add_argument("--case", default=d.case, help=f"case under test (default {d.case})")
-    p.add_argument("--baseline", default=d.baseline, help=f"TP baseline case (default {d.baseline}); 'none' to skip")
+    p.add_argument("--baseline", default=d.baseline,
+                   help="baseline case (default: the case's declared baseline); 'none' to skip")
     p.add_argument("--world-size", type=int, default=d.world_size)
     p.add_argument("--dp", type=int, default=d.dp)
     p.add_argument("--steps", type=int, default=d.steps)
@@ -399,7 +224,7 @@ def options_from_args(args) -> ConvergeOptions:
     if args.world_size % args.dp:
         raise ValueError(f"dp({args.dp}) does not divide world_size({args.world_size})")
     get_case(args.case)
-    baseline = None if args.baseline in (None, "none", "") else args.baseline
+    baseline = "" if args.baseline in ("none", "") else args.baseline
     if baseline:
         get_case(baseline)
     return ConvergeOptions(case=args.case, baseline=baseline, world_size=args.world_size, dp=args.dp, steps=args.steps,
@@ -413,10 +238,9 @@ def cmd_converge(args) -> int:
     from sp_harness.launch.runner import runner as _runner
 
     opts = options_from_args(args)
-    runner = _runner()
-    result, html, _ = converge(opts, runner, args.out, golden=args.golden, progress=_is_leader())
+    result, html, _ = converge(opts, _runner(), args.out, golden=args.golden, progress=_is_leader())
     if _is_leader():
-        print(format_gate(result, html))
+        print(format_gate(result, html, repro_line("converge", opts, golden=args.golden)))
     return 0 if result.passed else 1
 
 
@@ -426,7 +250,8 @@ def cmd_gate(args) -> int:
 
     golden = load_golden(args.golden) if args.golden else None
     result, html = report_from_dir(args.dir, golden=golden)
-    print(format_gate(result, html))
+    print(format_gate(result, html, shlex.join(["sp-harness", "gate", args.dir]
+                                               + (["--golden", args.golden] if args.golden else []))))
     return 0 if result.passed else 1
 
 
@@ -440,16 +265,19 @@ def cmd_golden(args) -> int:
     for i in range(args.repeats):
         _, _, runs = converge(opts, runner, Path(args.work_dir) / f"repeat{i}", progress=True)
         repeats.append(runs[args.run])
+    repro = repro_line("golden", opts, repeats=args.repeats, run=args.run, out=args.out, work_dir=args.work_dir)
     doc = make_golden(repeats, meta={"case": opts.case, "run": args.run, "dtype": opts.dtype, "steps": opts.steps,
-                                     "world_size": opts.world_size, "dp": opts.dp, "repeats": args.repeats})
+                                     "world_size": opts.world_size, "dp": opts.dp, "repeats": args.repeats,
+                                     "repro": repro})
     path = save_golden(args.out, doc)
     spread = max((max(m["spread"]) if m["spread"] else 0.0) for m in doc["metrics"].values())
-    print(f"golden written to {path}: {args.repeats} repeat(s) of run '{args.run}', max spread {spread:.3g}")
+    print(f"golden written to {path}: {args.repeats} repeat(s) of run '{args.run}', max spread {spread:.3g}\n"
+          f"repro: {repro}")
     return 0
 
 
 def add_subcommands(sub) -> None:
-    p = sub.add_parser("converge", help="lockstep convergence report: reference vs TP vs SP, gated")
+    p = sub.add_parser("converge", help="lockstep convergence report: reference vs baseline vs case, gated")
     _add_converge_args(p)
     p.add_argument("--out", default="reports/latest", help="report directory (default reports/latest)")
     p.add_argument("--golden", help="golden curve JSON to gate against")

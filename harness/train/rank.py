@@ -1,0 +1,219 @@
+"""Stage: train (rank side). The job functions a runner calls on every rank: `train_start`
+builds the models, `train_steps` advances them, `train_end` drops them.
+
+State lives in the rank process between jobs (one `_Trainer` per process), so the driver can
+advance training in chunks and show progress. Each sharded run trains a copy of the reference
+alongside it on every rank, on the whole global batch: max |param - reference param| is known
+at every step, and the reference's own curve comes from that copy, so the same code works
+under torchrun, where there is no one-rank world to run the reference in.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+from sp_harness.config.case import Batch, get_case
+from sp_harness.step.build import build
+from sp_harness.step.context import rank_device
+from sp_harness.step.inputs import call, forward_loss, global_loss, rank_batch
+from sp_harness.step.optim_ref import make_optimizer
+from sp_harness.step.params import replica_drift
+from sp_harness.train.spec import TrainSpec, batch_at, lr_at
+
+
+@dataclass(kw_only=True, frozen=True)
+class Measured:
+    """What one run measured at one step (the fields of a record.StepRecord but run/step/lr)."""
+
+    loss: float
+    """Global mean loss, before the step's update."""
+    grad_norm: float
+    """Global grad norm before clipping, replicated parameters counted once."""
+    replica_drift: dict[str, float] = field(default_factory=dict)
+    """Reference name -> max cross-rank difference of a replicated parameter after the update."""
+    max_replica_drift: float = 0.0
+    """Max of `replica_drift`."""
+    param_err_vs_ref: float = 0.0
+    """max |param - reference copy's param| after the update (0.0 for the reference itself)."""
+    step_time_s: float
+    """Wall time of forward, backward and update."""
+    tokens_per_s: float
+    """Loss terms (`Case.tokens`) of the global batch per second of `step_time_s`."""
+
+
+@dataclass(kw_only=True, frozen=True)
+class StepResult:
+    """One step of a lockstep run, as every rank returns it."""
+
+    step: int
+    lr: float
+    """LR of this step's update."""
+    tokens: int
+    """Loss terms in the global batch."""
+    run: Measured | None
+    """The sharded run; None for a reference-only run."""
+    ref: Measured
+    """The reference copy trained alongside."""
+
+
+@dataclass(kw_only=True, frozen=True)
+class StartInfo:
+    num_params: int
+    """Parameters of the reference model."""
+
+
+def _run_dtype(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    # the reference copy runs in the run dtype: a float64 input would promote its whole forward
+    return t.to(dtype) if t.is_floating_point() else t
+
+
+def _per_s(tokens: int, seconds: float) -> float:
+    return tokens / seconds if seconds else float("nan")
+
+
+class _Trainer:
+    def __init__(self, spec: TrainSpec):
+        config = spec.config
+        self.spec = spec
+        self.case = get_case(config.case)
+        self.data_case = get_case(spec.data_case) if spec.data_case else self.case
+        self.built = None
+        if spec.reference_only:
+            self.device = rank_device()
+            self.ref = self.case.build_reference(config).to(device=self.device, dtype=config.torch_dtype)
+        else:
+            self.built = build(config, reference_dtype=config.torch_dtype)
+            self.device, self.ref = self.built.device, self.built.reference
+            self.opt = make_optimizer(config.optimizer, config.lr, self.built.sharded.module.parameters())
+        self.ref_opt = make_optimizer(config.optimizer, config.lr, self.ref.parameters())
+        self.ref_params = dict(self.ref.named_parameters())
+        self.step = 0
+
+    def advance(self) -> StepResult:
+        step, spec = self.step, self.spec
+        lr = lr_at(spec, step)
+        batch = batch_at(self.data_case, spec.config, step, spec.data_seed)
+        batch = Batch(inputs={k: v.to(self.device) for k, v in batch.inputs.items()},
+                      target=batch.target.to(self.device), positional=batch.positional)
+        tokens = self.case.tokens(batch.target)
+        ref = self._ref_step(batch, lr, tokens)
+        run = None if self.built is None else self._sharded_step(batch, lr, tokens)
+        self.step += 1
+        return StepResult(step=step, lr=lr, tokens=tokens, run=run, ref=ref)
+
+    def _ref_step(self, batch: Batch, lr: float, tokens: int) -> Measured:
+        """The reference alongside: one device, the global batch."""
+        dtype = self.spec.config.torch_dtype
+        inputs = {k: _run_dtype(v, dtype) for k, v in batch.inputs.items()}
+        target = _run_dtype(batch.target, dtype)
+        t0 = time.perf_counter()
+        loss = self.case.loss_sum(call(self.ref, inputs, batch.positional), target) / self.case.tokens(target)
+        loss.backward()
+        norm = torch.sqrt(sum(p.grad.detach().double().pow(2).sum() for p in self.ref.parameters()
+                              if p.grad is not None))
+        if self.spec.clip_grad_norm is not None:
+            torch.nn.utils.clip_grad_norm_(self.ref.parameters(), self.spec.clip_grad_norm)
+        _set_lr(self.ref_opt, lr)
+        self.ref_opt.step()
+        self.ref_opt.zero_grad(set_to_none=True)
+        seconds = time.perf_counter() - t0
+        return Measured(loss=float(loss.detach()), grad_norm=float(norm), step_time_s=seconds,
+                        tokens_per_s=_per_s(tokens, seconds))
+
+    def _sharded_step(self, batch: Batch, lr: float, tokens: int) -> Measured:
+        built, spec = self.built, self.spec
+        sharded, ctx, params = built.sharded, built.ctx, built.params
+        t0 = time.perf_counter()
+        local = rank_batch(batch, sharded, ctx, spec.config.torch_dtype)
+        _, loss = forward_loss(self.case, sharded, local, batch.target, ctx)
+        loss.backward()
+        sharded.sync_grads()
+        norm_sq = _grad_norm_sq_local(params, ctx)
+        if ctx.tp > 1:
+            dist.all_reduce(norm_sq, group=ctx.tp_group)
+        grad_norm = float(norm_sq.sqrt())
+        if spec.clip_grad_norm is not None:
+            self._clip(grad_norm)
+        _set_lr(self.opt, lr)
+        self.opt.step()
+        self.opt.zero_grad(set_to_none=True)
+        seconds = time.perf_counter() - t0
+        drift = self._drift()
+        return Measured(loss=float(global_loss(loss, sharded, ctx)), grad_norm=grad_norm, replica_drift=drift,
+                        max_replica_drift=max(drift.values(), default=0.0), param_err_vs_ref=self._param_err(),
+                        step_time_s=seconds, tokens_per_s=_per_s(tokens, seconds))
+
+    def _clip(self, grad_norm: float) -> None:
+        sharded, max_norm = self.built.sharded, self.spec.clip_grad_norm
+        if sharded.clip_grad_norm is not None:
+            sharded.clip_grad_norm(max_norm)  # the implementation's own clipping is under test
+            return
+        coef = min(1.0, max_norm / (grad_norm + 1e-6))  # torch.nn.utils.clip_grad_norm_'s formula
+        for p in self.built.params:
+            if p.param.grad is not None:
+                p.param.grad.mul_(coef)
+
+    def _drift(self) -> dict[str, float]:
+        ctx, params = self.built.ctx, self.built.params
+        by_name: dict[str, float] = {}
+        for d in replica_drift(self.step, params, ctx, set(self.case.replicated_hint)):
+            by_name[d.name] = max(by_name.get(d.name, 0.0), d.max_abs)
+        # replicated params that did not drift are recorded as exact zeros
+        for p in params:
+            if p.replicated_tp and ctx.tp > 1:
+                by_name.setdefault(p.spec.ref_name, 0.0)
+        return by_name
+
+    def _param_err(self) -> float:
+        ctx = self.built.ctx
+        err = torch.zeros((), dtype=torch.float64)
+        for p in self.built.params:
+            want = p.piece_of(self.ref_params[p.spec.ref_name].detach(), ctx)
+            got = p.full(p.param.detach())
+            if want.numel():
+                err = torch.maximum(err, (got.double() - want.double()).abs().max())
+        dist.all_reduce(err, op=dist.ReduceOp.MAX)
+        return float(err)
+
+
+def _grad_norm_sq_local(params, ctx) -> torch.Tensor:
+    """This rank's share of the squared global grad norm: sharded pieces in full, replicated
+    params only on TP rank 0 so that the TP sum counts each once."""
+    total = torch.zeros((), dtype=torch.float64)
+    for p in params:
+        g = p.param.grad
+        if g is None:
+            continue
+        g = p.local(g)
+        if p.replicated_tp and ctx.tp_rank != 0:
+            continue
+        total += g.detach().to(torch.float64).pow(2).sum()
+    return total
+
+
+def _set_lr(opt, lr: float) -> None:
+    for group in opt.param_groups:
+        group["lr"] = lr
+
+
+_STATE: dict[str, _Trainer] = {}
+
+
+def train_start(spec: TrainSpec) -> StartInfo:
+    _STATE.clear()
+    trainer = _STATE["trainer"] = _Trainer(spec)
+    return StartInfo(num_params=sum(p.numel() for p in trainer.ref.parameters()))
+
+
+def train_steps(num_steps: int) -> list[StepResult]:
+    """Advance `num_steps`; returns (on every rank) every run's results for those steps."""
+    trainer = _STATE["trainer"]
+    return [trainer.advance() for _ in range(num_steps)]
+
+
+def train_end(_: object = None) -> None:
+    _STATE.clear()
