@@ -1,17 +1,174 @@
-"""Stage: checks. A short lockstep training run of the case beside its TP baseline and the
-reference, through the convergence gate: catches bugs no single step shows (a clipping norm that
-counts replicas, say), which the side-by-side check judges away by re-anchoring every step."""
+"""Stage: checks. Lockstep training: the case under test, its baseline (`Case.baseline`) and the
+single-device reference trained from one initial state on the case's batch stream
+(`Case.training`), gated against the bands (and a golden curve where given). As a check (a
+short run of every case that declares a baseline) it catches bugs no single step shows, a
+clipping norm that counts replicas, say, which the side-by-side check judges away by
+re-anchoring every step; `sp-harness converge` runs it long and writes the report.
+"""
 
 from __future__ import annotations
 
-import tempfile
+import dataclasses
+import shlex
+import time
+from dataclasses import dataclass
 
 from sp_harness.checks.base import Outcome
 from sp_harness.config.case import Case, get_case
 from sp_harness.config.check_config import CheckConfig
+from sp_harness.judge.gate import GateResult, evaluate
+from sp_harness.record.records import StepRecord
+from sp_harness.train.driver import TrainOutcome, train
+from sp_harness.train.spec import TrainSpec
+
+
+@dataclass(kw_only=True, frozen=True)
+class ConvergeOptions:
+    case: str = "megatron-gpt-sp"
+    """The case under test (a registry name or path/to/file.py:NAME)."""
+    baseline: str | None = None
+    """The baseline case trained beside it; None: the case's own `Case.baseline`; '': none."""
+    world_size: int = 2
+    """Ranks of the baseline and case runs."""
+    dp: int = 1
+    """Data-parallel degree of the baseline and case runs."""
+    steps: int = 200
+    """Optimizer steps."""
+    seq_len: int = 32
+    """Sequence length (tokens per sequence for the GPT cases)."""
+    batch: int = 8
+    """Sequences per DP replica and step (for cases whose batches have a batch dim)."""
+    dtype: str = "float32"
+    """Training dtype of every run (the gate's bands follow it)."""
+    optimizer: str = "adamw"
+    """'adamw' or 'sgd'."""
+    lr: float = 1e-2
+    """Peak learning rate."""
+    warmup_steps: int = 10
+    """Linear warmup steps."""
+    clip_grad_norm: float | None = 1.0
+    """Global grad-norm clipping; None: off."""
+    seed: int = 0
+    """Initial weights."""
+    data_seed: int = 1234
+    """The batch stream (and, for the GPT cases, the Markov chain)."""
+    timeout_s: float = 120.0
+    """Seconds per job (setup, or one chunk of steps) before it counts as hung."""
+
+    def baseline_case(self) -> str:
+        return get_case(self.case).baseline if self.baseline is None else self.baseline
+
+
+# option field -> its flag where the flag is not the field's name; the value a None takes
+_FLAGS = {"timeout_s": "--timeout"}
+_NONE_ARG = {"clip_grad_norm": "0"}
+
+
+def repro_line(command: str, opts, *positional: str, **extra) -> str:
+    """The `sp-harness` command line that repeats a run: every field of the options dataclass
+    `opts` that differs from its default (floats by repr, so they parse back bit for bit), then
+    the `extra` flags that are not None. The report directory is not part of it."""
+    default = type(opts)()
+    args = ["sp-harness", command, *positional]
+    for f in dataclasses.fields(opts):
+        value = getattr(opts, f.name)
+        if value != getattr(default, f.name):
+            args += [_FLAGS.get(f.name, "--" + f.name.replace("_", "-")), _arg(f.name, value)]
+    for name, value in extra.items():
+        if value is not None:
+            args += ["--" + name.replace("_", "-"), _arg(name, value)]
+    return shlex.join(args)
+
+
+def _arg(name: str, value) -> str:
+    if value is None:
+        return _NONE_ARG[name]
+    return repr(value) if isinstance(value, float) else str(value)
+
+
+def base_config(opts: ConvergeOptions) -> CheckConfig:
+    """The case run's config, resolved and validated (ValueError / Unsupported)."""
+    case = get_case(opts.case)
+    config = case.resolve(CheckConfig(case=opts.case, world_size=opts.world_size, dp=opts.dp, seq_len=opts.seq_len,
+                                      batch=opts.batch, dtype=opts.dtype, optimizer=opts.optimizer, lr=opts.lr,
+                                      seed=opts.seed, timeout_s=opts.timeout_s))
+    case.validate(config)
+    return config
+
+
+def train_runs(opts: ConvergeOptions, runner, *, progress: bool = True) -> dict[str, TrainOutcome]:
+    """Train the case (with its reference copy) and its baseline: run name -> outcome. When the
+    case's job crashes, 'ref' is a reference-only run (the copy inside the job is lost)."""
+    base = base_config(opts)
+    common = dict(steps=opts.steps, warmup_steps=opts.warmup_steps, clip_grad_norm=opts.clip_grad_norm,
+                  data_case=opts.case, data_seed=opts.data_seed)
+    runs = {"sp": train(TrainSpec(run="sp", config=base, **common), runner, progress=progress, catch_failures=True)}
+    if runs["sp"].failure is not None:
+        spec = TrainSpec(run="ref", config=base.replace(world_size=opts.dp), reference_only=True, **common)
+        runs["ref"] = train(spec, runner, progress=progress, catch_failures=True)
+    baseline = opts.baseline_case()
+    if baseline:
+        runs["tp"] = train(TrainSpec(run="tp", config=base.replace(case=baseline), **common), runner,
+                           progress=progress, catch_failures=True)
+    return runs
+
+
+def to_records(outcomes: dict[str, TrainOutcome]) -> dict[str, list[StepRecord]]:
+    """Step records in report order (ref, tp, sp): the reference from the case run's copy unless
+    it was trained alone."""
+    def records(name: str, outcome: TrainOutcome, reference: bool) -> list[StepRecord]:
+        return [StepRecord(run=name, step=s.step, lr=s.lr, **dataclasses.asdict(s.ref if reference else s.run))
+                for s in outcome.steps]
+
+    alone = outcomes.get("ref")
+    runs = {"ref": records("ref", alone or outcomes["sp"], True)}
+    if "tp" in outcomes:
+        runs["tp"] = records("tp", outcomes["tp"], False)
+    runs["sp"] = records("sp", outcomes["sp"], False)
+    return runs
+
+
+def _with_crashes(result, crashes: dict[str, TrainOutcome]):
+    from sp_harness.judge.gate import Failure
+
+    extra = tuple(Failure(rule="crash", metric="step", run=run, step=len(o.steps), value=float("nan"), band=0.0,
+                          detail=f"{o.failure.describe(with_traces=False)}: {o.failure.summary_line()}")
+                  for run, o in sorted(crashes.items()))
+    failures = tuple(sorted(extra + tuple(result.failures), key=lambda f: f.sort_key))
+    return dataclasses.replace(result, verdict="FAIL", failures=failures)
+
+
+def plain_config(config: CheckConfig) -> dict:
+    return {k: (list(v) if isinstance(v, tuple) else v) for k, v in dataclasses.asdict(config).items()}
+
+
+@dataclass(kw_only=True)
+class LockstepRun:
+    """One lockstep run, gated."""
+
+    result: GateResult
+    runs: dict[str, list[StepRecord]]
+    """Step records by run name ('ref', 'tp', 'sp')."""
+    outcomes: dict[str, TrainOutcome]
+    wall_s: float
+
+
+def run_lockstep(opts: ConvergeOptions, runner, *, golden_doc: dict | None = None,
+                 progress: bool = True) -> LockstepRun:
+    """Train reference, baseline and case in lockstep and gate the records (a crash is a FAIL)."""
+    t0 = time.perf_counter()
+    outcomes = train_runs(opts, runner, progress=progress)
+    runs = to_records(outcomes)
+    result = evaluate(runs, dtype=opts.dtype, golden=golden_doc)
+    crashes = {name: o for name, o in outcomes.items() if o.failure is not None}
+    if crashes:
+        result = _with_crashes(result, crashes)
+    return LockstepRun(result=result, runs=runs, outcomes=outcomes, wall_s=time.perf_counter() - t0)
+
 
 STEPS, SEQ_LEN, BATCH, WARMUP = 6, 12, 2, 2
-"""Long enough for the LR warmup to end and clipping to bite; short enough for every mutant."""
+"""The check's run: long enough for the LR warmup to end and clipping to bite; short enough for
+every mutant."""
 
 
 class Lockstep:
@@ -24,22 +181,18 @@ class Lockstep:
         return None
 
     def run(self, config: CheckConfig, runner) -> Outcome:
-        from sp_harness.suites.converge import ConvergeOptions, converge
-
-        case = get_case(config.case)
-        opts = ConvergeOptions(case=case.name, baseline=case.baseline, world_size=config.world_size, steps=STEPS,
-                               seq_len=SEQ_LEN, batch=BATCH, warmup_steps=WARMUP)
-        with tempfile.TemporaryDirectory(prefix="sp-harness-lockstep-") as out_dir:
-            result, _, _ = converge(opts, runner, out_dir, progress=False)
-        repro = (f"sp-harness converge --case {case.name} --world-size {config.world_size} --steps {STEPS} "
-                 f"--seq-len {SEQ_LEN} --batch {BATCH} --warmup-steps {WARMUP}")
-        if result.passed:
-            return Outcome(check=self.name, status="pass", repro=repro, figures=result)
-        detail = f"first failing step {result.first_failing_step}, {result.first_failing_metric}"
-        if result.first_failing_param:
-            detail += f" ({result.first_failing_param})"
+        opts = ConvergeOptions(case=config.case, world_size=config.world_size, steps=STEPS, seq_len=SEQ_LEN,
+                               batch=BATCH, warmup_steps=WARMUP)
+        run = run_lockstep(opts, runner, progress=False)
+        repro = repro_line("converge", opts)
+        if run.result.passed:
+            return Outcome(check=self.name, status="pass", repro=repro, figures=run.result)
+        res = run.result
+        detail = f"first failing step {res.first_failing_step}, {res.first_failing_metric}"
+        if res.first_failing_param:
+            detail += f" ({res.first_failing_param})"
         return Outcome(check=self.name, status="fail", caught_by=self.label, detail=detail, repro=repro,
-                       figures=result)
+                       figures=res)
 
     def render(self, outcome: Outcome) -> str:
         return f"lockstep: {outcome.status} {outcome.detail}".rstrip()
