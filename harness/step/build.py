@@ -20,6 +20,8 @@ class Built:
     """One rank's models for one job."""
 
     case: Case
+    config: CheckConfig
+    """The job's config, resolved (every default filled in)."""
     ctx: RankContext
     device: torch.device
     reference: nn.Module
@@ -32,10 +34,11 @@ class Built:
 
 def build(config: CheckConfig, *, reference_dtype: torch.dtype = torch.float64) -> Built:
     case = get_case(config.case)
+    config = case.resolve(config)  # idempotent: a job handed an unresolved config runs what a check would
     device = rank_device()
     ctx = make_context(config, device)
     reference = case.build_reference(config).to(device=device, dtype=reference_dtype)
     # the sharded factory starts from the reference's weights, cast to the run dtype
     sharded = case.shard(copy.deepcopy(reference).to(config.torch_dtype), ctx)
     params = map_params(sharded, {n for n, _ in reference.named_parameters()}, case.name)
-    return Built(case=case, ctx=ctx, device=device, reference=reference, sharded=sharded, params=params)
+    return Built(case=case, config=config, ctx=ctx, device=device, reference=reference, sharded=sharded, params=params)

@@ -58,7 +58,7 @@ def bare_rank(config: CheckConfig) -> dict:
 
     t_start = time.perf_counter()
     built = build(config)
-    case, ctx, ref, sharded = built.case, built.ctx, built.reference, built.sharded
+    config, case, ctx, ref, sharded = built.config, built.case, built.ctx, built.reference, built.sharded
     opt_ref = make_optimizer(config.optimizer, config.lr, ref.parameters())
     opt = make_optimizer(config.optimizer, config.lr, sharded.module.parameters())
     gen = torch.Generator().manual_seed(config.seed + 7919)
