@@ -40,6 +40,10 @@ def _one_line_usage_error(proc: subprocess.CompletedProcess, *needles: str) -> N
     (["check", "--case", "seed-mlp", "--json", "/proc/nope/v.json"], ["/proc/nope/v.json", "cannot be written"]),
     (["check", "--case", "seed-mlp", "--also", "no-such-check"], ["no-such-check", "checks:"]),
     (["check", "--case", "no_such_file.py:CASE"], ["no_such_file.py"]),
+    (["nightly", "--case", "nope", "--out", "/tmp"], ["'nope'", "known cases"]),
+    (["converge", "--case", "seed-mlp", "--out", "/proc/nope/run"], ["/proc/nope/run", "cannot be written"]),
+    (["converge", "--case", "megatron-gpt-sp", "--world-size", "1000"], ["1000", "at most"]),
+    (["converge", "--case", "megatron-gpt-sp", "--world-size", "3", "--baseline", "nope"], ["'nope'"]),
 ])
 def test_usage_errors_exit_2_with_one_line_before_any_rank(argv, needles):
     _one_line_usage_error(_run(*argv), *needles)

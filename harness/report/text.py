@@ -55,6 +55,16 @@ def check_writable(path: str, what: str = "--json") -> None:
         raise ValueError(f"{what} {path!r} cannot be written (need a file path in an existing, writable folder)")
 
 
+def check_output_dir(path: str, what: str = "--out") -> None:
+    """A usage error (exit 2) before any work if the folder `path` cannot be made or written into."""
+    try:
+        os.makedirs(path, exist_ok=True)
+    except OSError as exc:
+        raise ValueError(f"{what} {path!r} cannot be written ({exc.strerror})") from None
+    if not os.access(path, os.W_OK):
+        raise ValueError(f"{what} {path!r} cannot be written (not a writable folder)")
+
+
 def dump_json(outcomes: Sequence[Outcome], path: str) -> None:
     with open(path, "w") as f:
         json.dump(outcomes_json(outcomes), f, indent=1, default=str)

@@ -101,11 +101,29 @@ def options_from_args(args) -> ConvergeOptions:
                            data_seed=args.data_seed, timeout_s=args.timeout_s)
 
 
+def validate_options(opts: ConvergeOptions, out: str) -> None:
+    """Usage errors (ValueError, exit 2) before any rank starts: the case, its config, the world
+    size, the baseline, the output folder."""
+    from sp_harness.config.case import Unsupported
+    from sp_harness.launch.runner import check_world_size
+    from sp_harness.report.text import check_output_dir
+
+    check_output_dir(out)
+    check_world_size(opts.world_size)
+    try:
+        base_config(opts)
+        if opts.baseline_case():
+            get_case(opts.baseline_case())
+    except Unsupported as exc:
+        raise ValueError(f"{opts.case} cannot train this config: {exc}") from None
+
+
 def cmd_converge(args) -> int:
     from sp_harness.launch.runner import is_leader as _is_leader
     from sp_harness.launch.runner import runner as _runner
 
     opts = options_from_args(args)
+    validate_options(opts, args.out)
     result, html, _ = converge(opts, _runner(), args.out, golden=args.golden, progress=_is_leader())
     if _is_leader():
         print(format_gate(result, html, repro_line("converge", opts, golden=args.golden)))

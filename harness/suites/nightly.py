@@ -17,7 +17,8 @@ from pathlib import Path
 
 from sp_harness.config.check_config import CheckConfig
 
-GOLDEN = Path(__file__).resolve().parent.parent / "reports" / "golden" / "megatron-gpt-sp.json"
+GOLDEN_DIR = Path(__file__).resolve().parent.parent.parent / "reports" / "golden"
+"""Golden curves by case name (`sp-harness golden --out reports/golden/CASE.json`)."""
 
 def nightly_examples() -> list[tuple[CheckConfig, str]]:
     """(config, why) for every example every correct case declares (`Case.examples`)."""
@@ -68,9 +69,11 @@ def _append_checks_to_html(html_path: Path, rows: list[dict]) -> None:
 
 def cmd_nightly(args) -> int:
     from sp_harness.launch.runner import runner as _runner
-    from sp_harness.suites.converge import ConvergeOptions, converge, format_gate
+    from sp_harness.suites.converge import ConvergeOptions, converge, format_gate, validate_options
 
     t0 = time.perf_counter()
+    opts = ConvergeOptions(case=args.case, world_size=args.world_size, steps=args.steps)
+    validate_options(opts, args.out)  # a bad --case or --out is exit 2 now, not after the checks
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     runner = _runner()
@@ -79,12 +82,14 @@ def cmd_nightly(args) -> int:
     (out / "checks.json").write_text(json.dumps(rows, indent=1))
     (out / "checks.md").write_text(checks_markdown(rows) + "\n")
     checks_ok = all(r["ok"] for r in rows)
-    print(f"[2/2] convergence: {args.case} vs megatron-gpt-tp vs reference, {args.world_size} ranks, {args.steps} steps")
-    golden = str(GOLDEN) if GOLDEN.exists() and not args.no_golden and args.case == "megatron-gpt-sp" else None
-    opts = ConvergeOptions(case=args.case, world_size=args.world_size, steps=args.steps)
+    baseline = opts.baseline_case()
+    print(f"[2/2] convergence: {args.case}{f' vs {baseline}' if baseline else ''} vs reference, "
+          f"{args.world_size} ranks, {args.steps} steps")
+    golden_file = GOLDEN_DIR / f"{args.case}.json"
+    golden = str(golden_file) if golden_file.exists() and not args.no_golden else None
     result, html_path, _ = converge(opts, runner, out, golden=golden)
     _append_checks_to_html(html_path, rows)
-    print(format_gate(result, html_path) + (f"   (golden: {GOLDEN.name})" if golden else "   (no golden)"))
+    print(format_gate(result, html_path) + (f"   (golden: {golden_file.name})" if golden else "   (no golden)"))
     ok = checks_ok and result.passed
     with open(out / "summary.md", "a") as f:
         f.write("\n### Case checks\n\n" + checks_markdown(rows) + "\n")
