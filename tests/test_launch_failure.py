@@ -138,3 +138,23 @@ def test_a_desync_error_survives_pickling():
 
     failure = RankFailure("job", [RankError(rank=1, kind="desync", collective=_c(3))])
     assert pickle.loads(pickle.dumps(failure)).errors == failure.errors
+
+
+def test_point_to_point_is_not_announced_so_a_send_and_its_recv_never_look_desynced():
+    from sp_harness.launch import announce
+
+    class Pipe:
+        sent = []
+
+        def send(self, msg):
+            self.sent.append(msg)
+
+    pipe = Pipe()
+    announce.open_job(pipe, 7)
+    try:
+        announce.collective("send", 16, (0, 1))
+        announce.collective("all_reduce", 16, (0, 1))
+    finally:
+        announce.close_job()
+    assert [(m.job_id, m.collective.kind, m.collective.index, m.collective.group_index) for m in pipe.sent] == [
+        (7, "all_reduce", 0, 0)]

@@ -30,6 +30,10 @@ class _Channel:
 
 _CHANNEL: _Channel | None = None
 
+_POINT_TO_POINT = frozenset({"send", "recv"})
+"""Not announced: a send pairs with a recv on one peer, not with the group's n-th collective, so
+counting them per group would misalign the group's sequence on the ranks not involved."""
+
 
 def open_job(conn: Any, job_id: int) -> None:
     """Announcements from now on go to `conn`, for job `job_id`, counted from 0."""
@@ -45,7 +49,7 @@ def close_job() -> None:
 def collective(kind: str, nbytes: int, group: tuple[int, ...]) -> None:
     """The rank is about to issue a collective `kind` of `nbytes` on the ranks `group`."""
     channel = _CHANNEL
-    if channel is None:
+    if channel is None or kind in _POINT_TO_POINT:
         return
     with channel.lock:
         index = channel.per_group.get(group, 0)
