@@ -20,7 +20,7 @@ from sp_harness.config.check_config import (
     OPTIMIZERS,
     CheckConfig,
 )
-from sp_harness.launch.runner import check_world_size
+from sp_harness.launch.runner import WithProgress, check_world_size
 from sp_harness.launch.runner import is_leader as _is_leader
 from sp_harness.launch.runner import runner as _runner
 
@@ -124,6 +124,8 @@ def cmd_check(args) -> int:
     checks = [get_check(name) for name in _check_names(args)]  # unknown check: exit 2 as well
     check_world_size(config.world_size)
     runner = _runner()
+    if sys.stderr.isatty() or os.environ.get("SP_HARNESS_PROGRESS"):  # pytest and pipes stay quiet
+        runner = WithProgress(runner, lambda line: print(f"sp-harness: {line}", file=sys.stderr, flush=True))
     outcomes = [run_check(checks[0], config, runner)]
     if outcomes[0].passed:
         # the other checks build on a passing side-by-side run (a crash would only repeat)

@@ -37,6 +37,13 @@ def _shard_desync(model, ctx):
     return Sharded(module=model, input_layout=Layout(seq_dim=0), output_layout=Layout(seq_dim=0))
 
 
+def _shard_desync_sizes(model, ctx):
+    # the same collective, different sizes: rank 0 all-reduces 4 floats, rank 1 8 (gloo may hang
+    # or abort on it; the driver must say desync either way)
+    dist.all_reduce(torch.ones(4 if ctx.rank == 0 else 8))
+    return Sharded(module=model, input_layout=Layout(seq_dim=0), output_layout=Layout(seq_dim=0))
+
+
 def _shard_segfault(model, ctx):
     if ctx.rank == 1:
         ctypes.string_at(0)  # a real invalid read in native code, as a broken extension would make
@@ -63,6 +70,7 @@ def _variant(name, shard):
 RAISING = _variant("raising", _shard_raising)
 HANGING = _variant("hanging", _shard_hanging)
 DESYNC = _variant("desync", _shard_desync)
+DESYNC_SIZES = _variant("desync-sizes", _shard_desync_sizes)
 SEGFAULT = _variant("segfault", _shard_segfault)
 UNSUPPORTED_LATE = _variant("unsupported-late", _shard_unsupported_late)
 REPLICATED = _variant("replicated", _replicated)

@@ -31,12 +31,15 @@ def test_seed_mlp_uneven_hidden_is_the_upstream_sharding_propagation_failure(sp_
     assert "Sharding propagation failed" in res.error
 
 
-def test_seed_mlp_uneven_sequence_kills_the_process_group(sp_check):
+def test_seed_mlp_uneven_sequence_is_a_desync(sp_check):
     # pinned upstream behaviour: 10 tokens over 3 ranks (4/4/2) with hidden 33 (even 11/11/11);
-    # DTensor.from_local assumes even shards, gloo aborts a rank on the size mismatch
+    # DTensor.from_local assumes even shards, so the ranks all-gather different sizes (gloo then
+    # aborts a rank on the mismatch): the announced collectives show it first
     res = sp_check(CheckConfig(case="seed-mlp", world_size=3, seq_len=10, hidden=33))
-    assert res.verdict == FAIL and res.first_check == "crash"
-    assert "Received data size doesn't match expected size" in res.error or "Connection reset" in res.error
+    assert res.verdict == FAIL and res.first_check == "crash" and res.crash_kind == "desync", res.reason
+    kinds = {e.collective.kind for e in res.rank_errors if e.collective is not None}
+    sizes = {e.collective.nbytes for e in res.rank_errors if e.collective is not None}
+    assert kinds == {"all_gather"} and len(sizes) == 2
 
 
 @pytest.mark.parametrize("world_size", [1, 2, 4])
@@ -92,10 +95,43 @@ def test_hanging_rank_becomes_a_timeout_naming_case_config_and_rank(sp_check):
     assert sp_check(CheckConfig(case="seed-mlp", world_size=2)).verdict == PASS
 
 
-def test_desync_is_a_failure_not_a_hang(sp_check):
-    res = sp_check(CheckConfig(case=f"{FAULTY}:DESYNC", world_size=2, timeout_s=10))
-    assert res.verdict == FAIL
+def _desynced(res):
+    """(rank, kind, bytes, group) per rank of a desync report, ranks in order."""
+    return sorted((e.rank, e.collective.kind, e.collective.nbytes, e.collective.group) for e in res.rank_errors
+                  if e.kind == "desync" and e.collective is not None)
+
+
+def test_desync_is_reported_as_desync_before_the_timeout(sp_check):
+    # gloo hangs on this mismatch: with a 60 s timeout only the detection can make it "desync"
+    res = sp_check(CheckConfig(case=f"{FAULTY}:DESYNC", world_size=2, timeout_s=60))
+    assert res.verdict == FAIL and res.crash_kind == "desync", res.reason
+    assert _desynced(res) == [(0, "all_reduce", 16, (0, 1)), (1, "all_gather", 64, (0, 1))]
+    assert all(e.collective.index == 0 and e.collective.group_index == 0 for e in res.rank_errors if e.collective)
+    assert "collective desync" in res.reason and "_shard_desync" in res.error  # where each rank issued it
     assert sp_check(CheckConfig(case="seed-mlp", world_size=2)).verdict == PASS
+
+
+def test_same_collective_with_different_sizes_is_a_desync(sp_check):
+    res = sp_check(CheckConfig(case=f"{FAULTY}:DESYNC_SIZES", world_size=2, timeout_s=60))
+    assert res.verdict == FAIL and res.crash_kind == "desync", res.reason
+    assert _desynced(res) == [(0, "all_reduce", 16, (0, 1)), (1, "all_reduce", 32, (0, 1))]
+    assert sp_check(CheckConfig(case="seed-mlp", world_size=2)).verdict == PASS
+
+
+@pytest.mark.parametrize("case", ["seed-mlp", "megatron-gpt-sp"])
+def test_correct_cases_are_never_a_desync(sp_check, case):
+    res = sp_check(CheckConfig(case=case, world_size=2))
+    assert res.verdict == PASS and res.crash_kind == "", res.reason
+
+
+def test_progress_lines_come_from_the_pool_and_rank_0(sp_pool):
+    from sp_harness.checks.verify import check
+    from sp_harness.launch.runner import WithProgress
+
+    lines = []
+    res = check(CheckConfig(case="seed-mlp", world_size=2, steps=2), WithProgress(sp_pool, lines.append))
+    assert res.verdict == PASS, res.reason
+    assert [ln for ln in lines if ln.startswith("step")] == ["step 1/2", "step 2/2"]
 
 
 def test_rank_killed_by_a_signal_is_named_with_the_signal_and_its_python_stack(sp_check):

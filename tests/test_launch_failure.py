@@ -43,3 +43,118 @@ def test_rank_failure_survives_pickling():
     failure = RankFailure("job", [RankError(rank=0, kind="raised", exc_type="Unsupported", is_unsupported=True)])
     again = pickle.loads(pickle.dumps(failure))
     assert again.errors == failure.errors and again.label == "job"
+
+
+def _c(index, kind="all_reduce", nbytes=16, group=(0, 1), group_index=None):
+    from sp_harness.launch.wire import Collective
+
+    return Collective(index=index, group_index=index if group_index is None else group_index, kind=kind,
+                      nbytes=nbytes, group=group)
+
+
+def test_the_same_position_with_another_kind_or_size_is_a_desync_naming_both():
+    from sp_harness.launch.desync import DesyncWatch
+
+    for theirs in (_c(1, kind="all_gather", nbytes=64), _c(1, nbytes=32)):
+        watch = DesyncWatch()
+        watch.collective(0, _c(0))
+        watch.collective(1, _c(0))
+        watch.collective(0, _c(1))
+        assert not watch.found
+        watch.collective(1, theirs)
+        assert [(e.rank, e.kind, e.collective) for e in watch.found] == [(0, "desync", _c(1)), (1, "desync", theirs)]
+        failure = RankFailure("job", watch.found)
+        assert failure.kind == "desync" and failure.ranks == [0, 1]
+        assert failure.describe(with_traces=False).startswith("job: collective desync: rank 0 issued all_reduce of 16 bytes")
+
+
+def test_uneven_all_to_all_and_other_groups_are_not_a_desync():
+    from sp_harness.launch.desync import DesyncWatch
+
+    watch = DesyncWatch()
+    watch.collective(0, _c(0, kind="all_to_all", nbytes=8))
+    watch.collective(1, _c(0, kind="all_to_all", nbytes=24))
+    watch.collective(0, _c(1, group=(0, 2), group_index=0))  # rank 1 is not in that group
+    watch.done(1)
+    assert not watch.found
+
+
+def test_a_rank_that_finished_with_fewer_collectives_on_a_group_is_a_desync():
+    from sp_harness.launch.desync import DesyncWatch
+
+    watch = DesyncWatch()
+    watch.collective(0, _c(0))
+    watch.collective(1, _c(0))
+    watch.done(1)
+    assert not watch.found
+    watch.collective(0, _c(1))
+    assert [(e.rank, e.collective) for e in watch.found] == [(0, _c(1)), (1, None)]
+    assert "finished the job after 1 collective(s) on ranks 0,1" in watch.found[1].detail
+
+
+def test_a_stall_is_a_desync_only_when_every_pending_rank_waits_in_a_collective():
+    from sp_harness.launch.desync import DesyncWatch
+
+    watch = DesyncWatch(stall_s=2.0)
+    for rank in (0, 1):
+        watch.heard(rank, 0.0)
+    watch.collective(0, _c(0))
+    assert not watch.should_probe({0, 1}, 1.0)  # not silent long enough
+    assert watch.should_probe({0, 1}, 2.5)
+    watch.probed({0, 1}, waiting={0})  # rank 1 is computing: it may still get there
+    assert not watch.found
+    assert not watch.should_probe({0, 1}, 3.0)  # looked 0.5 s ago
+    watch.heard(1, 3.0)
+    assert not watch.should_probe({0, 1}, 4.5)  # rank 1 spoke 1.5 s ago
+    assert watch.should_probe({0, 1}, 5.0)
+    watch.probed({0, 1}, waiting={0, 1})
+    assert [(e.rank, e.collective) for e in watch.found] == [(0, _c(0)), (1, None)]
+    assert "blocked in an unannounced collective" in watch.found[1].detail
+
+
+def test_even_counts_never_ask_for_stacks():
+    from sp_harness.launch.desync import DesyncWatch
+
+    watch = DesyncWatch()
+    watch.heard(0, 0.0)
+    watch.heard(1, 0.0)
+    watch.collective(0, _c(0))
+    watch.collective(1, _c(0))
+    assert not watch.should_probe({0, 1}, 10.0)
+
+
+def test_waiting_in_collective_reads_c10d_and_functional_waits_not_dtensor_compute():
+    from sp_harness.launch.failure import waiting_in_collective
+
+    c10d = '  File "/v/torch/distributed/distributed_c10d.py", line 9 in all_reduce\n  File "/u/m.py", line 1 in f\n'
+    funcol = '  File "/v/torch/distributed/_functional_collectives.py", line 9 in wait_tensor\n'
+    dtensor = '  File "/v/torch/distributed/tensor/_sharding_prop.py", line 9 in propagate\n'
+    assert waiting_in_collective(c10d) and waiting_in_collective(funcol)
+    assert not waiting_in_collective(dtensor) and not waiting_in_collective("")
+
+
+def test_a_desync_error_survives_pickling():
+    import pickle
+
+    failure = RankFailure("job", [RankError(rank=1, kind="desync", collective=_c(3))])
+    assert pickle.loads(pickle.dumps(failure)).errors == failure.errors
+
+
+def test_point_to_point_is_not_announced_so_a_send_and_its_recv_never_look_desynced():
+    from sp_harness.launch import announce
+
+    class Pipe:
+        sent = []
+
+        def send(self, msg):
+            self.sent.append(msg)
+
+    pipe = Pipe()
+    announce.open_job(pipe, 7)
+    try:
+        announce.collective("send", 16, (0, 1))
+        announce.collective("all_reduce", 16, (0, 1))
+    finally:
+        announce.close_job()
+    assert [(m.job_id, m.collective.kind, m.collective.index, m.collective.group_index) for m in pipe.sent] == [
+        (7, "all_reduce", 0, 0)]

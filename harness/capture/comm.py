@@ -1,5 +1,8 @@
 """Stage: capture. Collective accounting: count and bytes per collective kind, group and phase.
 
+Every collective counted is also announced to the pool's driver before it is issued
+(sp_harness.launch.announce), which compares the ranks' sequences to catch a desync in seconds.
+
 A TorchDispatchMode sees both the raw `torch.distributed` calls of hand-written layers (the
 `c10d.*` ops behind `dist.all_reduce` and friends) and DTensor's functional collectives
 (`_c10d_functional.*`). Like DTensor's CommDebugMode it steps aside for DTensor arguments, so
@@ -17,6 +20,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 from torch.utils._python_dispatch import TorchDispatchMode
+
+from sp_harness.launch import announce
 
 # op name -> (kind, which argument carries the payload, how to size it)
 _RAW = {
@@ -100,8 +105,7 @@ class CommCounter(TorchDispatchMode):
         self.stats: dict[tuple[str, str, str], CommStat] = defaultdict(CommStat)
         self._labels: dict[tuple[int, ...], str] = {}
 
-    def _label(self, group) -> str:
-        ranks = _group_ranks(group)
+    def _label(self, ranks: tuple[int, ...]) -> str:
         if ranks not in self._labels:
             self._labels[ranks] = self.group_label(ranks) if ranks else "unknown"
         return self._labels[ranks]
@@ -128,7 +132,10 @@ class CommCounter(TorchDispatchMode):
         return func(*args, **kwargs)
 
     def _add(self, kind: str, group, size: int) -> None:
-        stat = self.stats[(self.phase, kind, self._label(group))]
+        ranks = _group_ranks(group)
+        # before the collective is issued: a rank that blocks in it has said where (desync detection)
+        announce.collective(kind, size, ranks)
+        stat = self.stats[(self.phase, kind, self._label(ranks))]
         stat.count += 1
         stat.bytes += size
 

@@ -8,7 +8,8 @@ loss, backward, the case's grad sync, optimizer step. Each rank judges its own p
 input grads, param grads, params after the update) against the matching slices of the
 reference, so every mismatch names its rank. Parameters that must stay replicated are compared
 bit for bit across the ranks that hold them. Collectives of the sharded model are counted per
-phase; the engine's own bookkeeping collectives run outside the counter.
+phase (and, with the case's sharded factory, announced to the driver for desync detection); the
+engine's own bookkeeping collectives run outside the counter.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from sp_harness.compare.divergence import Divergence, first_divergence
 from sp_harness.compare.tolerance import FACTOR, TensorCheck, check_bounded, check_tensor, lp_dtype
 from sp_harness.config.case import RankContext, as_batch
 from sp_harness.config.check_config import CheckConfig
+from sp_harness.launch import announce
 from sp_harness.step.adversary import ReorderAdversary
 from sp_harness.step.anchor import gather_full
 from sp_harness.step.build import Built, build
@@ -100,7 +102,9 @@ class _SideBySide:
     def __init__(self, config: CheckConfig):
         self.config = config
         self.dtype = config.torch_dtype
-        self.built = build(config)
+        # a throwaway counter around the sharded factory: its collectives are announced (desync
+        # detection) but not counted, so the per-step rows stay what the model does per step
+        self.built = build(config, around_shard=CommCounter())
         self.ctx, self.case, self.sharded = self.built.ctx, self.built.case, self.built.sharded
         self.params = self.built.params
         self.refs = _references(self.built, config)
@@ -237,6 +241,7 @@ def run_rank(config: CheckConfig) -> RankResult:
     gen = torch.Generator().manual_seed(config.seed + 7919)
     for step in range(config.steps):
         run.step(step, gen)
+        announce.progress("step", step + 1, config.steps)
     for r in run.recorders:
         r.remove()
     run.result.timings["compute_s"] = run.compute_s

@@ -39,8 +39,10 @@ class CheckResult:
     error: str = ""
     """For a crash or hang: the ranks' tracebacks."""
     crash_kind: str = ""
-    """For a crash or hang: how the first failing rank failed, 'raised', 'exited', 'signal' or
-    'timeout' (sp_harness.launch.failure.RankFailure.kind); '' otherwise."""
+    """For a crash or hang: how the first failing rank failed, 'desync' (its collectives did not
+    pair up with another rank's), 'raised', 'exited', 'signal' or 'timeout'
+    (sp_harness.launch.failure.RankFailure.kind); '' otherwise. `first_check` calls every one but
+    a timeout a 'crash': the run could not complete."""
     rank_errors: tuple[RankError, ...] = ()
     """For a crash or hang: each failing rank's error, the first to fail first."""
     wall_s: float = 0.0

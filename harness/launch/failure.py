@@ -13,11 +13,14 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Literal
 
-ErrorKind = Literal["raised", "exited", "signal", "timeout"]
+from sp_harness.launch.wire import Collective
 
-# root causes first: a rank that died explains the others' secondary 'connection reset' errors,
-# and any error explains a hang elsewhere
-_KIND_ORDER = {"signal": 0, "exited": 0, "raised": 1, "timeout": 2}
+ErrorKind = Literal["desync", "raised", "exited", "signal", "timeout"]
+
+# root causes first: a desync explains the crash or abort it leads to (gloo's size enforce), a
+# rank that died explains the others' secondary 'connection reset' errors, and any error
+# explains a hang elsewhere
+_KIND_ORDER = {"desync": -1, "signal": 0, "exited": 0, "raised": 1, "timeout": 2}
 
 
 class JobError(Exception):
@@ -31,7 +34,8 @@ class RankError:
     rank: int
     kind: ErrorKind
     """'raised': the job raised; 'exited': the process ended without a result; 'signal': the
-    process was killed by a signal; 'timeout': the rank did not answer in time."""
+    process was killed by a signal; 'timeout': the rank did not answer in time; 'desync': the
+    rank's collectives do not pair up with another rank's (sp_harness.launch.desync)."""
     exc_type: str = ""
     """For 'raised': the exception's class name, e.g. 'RuntimeError'."""
     is_unsupported: bool = False
@@ -46,7 +50,11 @@ class RankError:
     log_tail: str = ""
     """For 'exited' and 'signal': the last lines the rank printed (a C++ abort prints only there)."""
     detail: str = ""
-    """What happened where no traceback tells it, e.g. 'did not connect' while starting."""
+    """What happened where no traceback tells it, e.g. 'did not connect' while starting; for
+    'desync' without a collective, where the rank was instead (finished, blocked elsewhere)."""
+    collective: Collective | None = None
+    """For 'desync': the collective this rank announced at the position where the other rank's
+    differs; None where it announced none there (see `detail`)."""
 
     @property
     def blocked_in_collective(self) -> bool:
@@ -60,6 +68,8 @@ class RankError:
         return frames[0] if frames else ""
 
     def headline(self) -> str:
+        if self.kind == "desync":
+            return "desync: " + self.desync_where()
         if self.kind == "signal":
             return f"killed by {self.signal_name}"
         if self.kind == "exited":
@@ -68,15 +78,21 @@ class RankError:
             return f"raised {self.exc_type}"
         return self.detail or "hung"
 
+    def desync_where(self) -> str:
+        """For 'desync': the collective it issued, or where it was instead."""
+        return f"issued {self.collective.describe()}" if self.collective else self.detail
+
     def describe(self) -> str:
         parts = [f"--- rank {self.rank}: {self.headline()} ---"]
-        if self.detail and self.kind != "timeout":
+        if self.detail and self.kind not in ("timeout", "desync"):
             parts.append(self.detail)
         if self.traceback.strip():
             if self.kind == "signal":
                 parts.append("its Python stack at the crash (faulthandler):")
             elif self.kind == "timeout":
                 parts.append("its Python stack at the timeout (faulthandler):")
+            elif self.kind == "desync":
+                parts.append("its Python stack when the desync was found (faulthandler):")
             parts.append(self.traceback.rstrip())
         elif self.kind in ("signal", "timeout") and not self.detail:
             parts.append("(no Python stack available)")
@@ -88,6 +104,14 @@ class RankError:
 def _frames(stack: str) -> list[str]:
     """The 'File ...' lines of a faulthandler dump or traceback, in their listed order."""
     return [ln.strip() for ln in stack.splitlines() if ln.strip().startswith("File ")]
+
+
+def waiting_in_collective(stack: str) -> bool:
+    """Whether a faulthandler dump (innermost frame first) shows a rank waiting for a collective
+    to complete: c10d's blocking calls and the functional collectives' wait. Narrower than
+    `blocked_in_collective`: DTensor's own Python (sharding propagation, seconds on a first call)
+    also lives under torch/distributed, and there the rank is computing, not waiting."""
+    return any("distributed_c10d.py" in f or "_functional_collectives.py" in f for f in _frames(stack)[:3])
 
 
 def process_ended(rank: int, returncode: int | None, *, stack: str = "", log_tail: str = "",
@@ -121,7 +145,7 @@ class RankFailure(Exception):
 
     @property
     def kind(self) -> ErrorKind:
-        """The root cause's kind: 'raised', 'exited', 'signal' or 'timeout'."""
+        """The root cause's kind: 'desync', 'raised', 'exited', 'signal' or 'timeout'."""
         return self.errors[0].kind
 
     @property
@@ -149,6 +173,9 @@ class RankFailure(Exception):
         return "\n".join([head] + [e.describe() for e in self.errors])
 
     def _what(self) -> str:
+        if self.kind == "desync":
+            ranks = [e for e in self.errors if e.kind == "desync"]
+            return "collective desync: " + "; ".join(f"rank {e.rank} {e.desync_where()}" for e in ranks)
         if self.kind == "timeout":
             what = f"timed out after {self.timeout_s:g}s; rank(s) {_join(self.culprits)} did not finish"
             waiting = [r for r in self.ranks if r not in self.culprits]
@@ -165,6 +192,9 @@ class RankFailure(Exception):
         """The exception (last traceback line); for a hang or a signal, the culprit's innermost
         frame; for an exit, the rank's last output line."""
         first = self.errors[0]
+        if first.kind == "desync":
+            frame = first.innermost_frame
+            return f"rank {first.rank} at {frame}" if frame else first.headline()
         if first.kind in ("timeout", "signal"):
             rank = self.culprits[0] if first.kind == "timeout" else first.rank
             frame = next(e for e in self.errors if e.rank == rank).innermost_frame

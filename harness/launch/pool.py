@@ -9,7 +9,9 @@ Rendezvous uses a TCPStore hosted by the driver on an OS-chosen port, so pools i
 pytest-xdist workers never collide. Each job has a timeout; a rank that raises, hangs, exits or
 is killed by a signal becomes a `RankFailure` (sp_harness.launch.failure) naming the job label
 (case and config), each failing rank, what happened to it and its traceback or Python stack, and
-the pool is torn down and rebuilt on next use. Rank processes (sp_harness.launch.worker) die with
+the pool is torn down and rebuilt on next use. A desync (ranks whose collectives cannot pair up)
+is found from the collectives the ranks announce while the job runs (sp_harness.launch.desync),
+within seconds rather than at the timeout. Rank processes (sp_harness.launch.worker) die with
 the driver, so nothing is left running after success, failure, timeout or Ctrl-C; the pool's
 scratch directory (stack dumps, rank logs) goes with `close()`, which also runs at exit.
 
@@ -20,6 +22,7 @@ in-process behind the same `run` interface.
 from __future__ import annotations
 
 import atexit
+import dataclasses
 import os
 import secrets
 import shutil
@@ -32,18 +35,23 @@ import threading
 import time
 import weakref
 from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from multiprocessing.connection import Listener
 from multiprocessing.connection import wait as wait_conns
 from typing import Any
 
-from sp_harness.launch.failure import JobError, RankError, RankFailure, process_ended
+from sp_harness.launch.desync import DesyncWatch
+from sp_harness.launch.failure import JobError, RankError, RankFailure, process_ended, waiting_in_collective
 from sp_harness.launch.torchrun import TorchrunWorld, under_torchrun
 from sp_harness.launch.wire import (
+    CollectiveIssued,
     Hello,
     Job,
     JobDone,
     JobRaised,
     PoolOptions,
+    Progress,
     Ready,
     Shutdown,
     StartFailed,
@@ -57,6 +65,26 @@ __all__ = ["JobError", "PoolManager", "PoolOptions", "RankError", "RankFailure",
 
 # after one rank fails, how long the others get to report before they count as hung
 _FAILURE_GRACE_S = 2.0
+# how often the wait loop looks for a stall, and how long every pending rank must have been
+# silent before their stacks are sampled (a desync where counts differ: sp_harness.launch.desync)
+_POLL_S = 0.5
+_STALL_S = 2.0
+
+
+@dataclass(kw_only=True)
+class _Replies:
+    """What came back for the current job so far."""
+
+    pending: dict[int, Any]
+    """Rank -> its pipe, for ranks that have not replied."""
+    watch: DesyncWatch
+    results: dict[int, Any] = field(default_factory=dict)
+    errors: list[RankError] = field(default_factory=list)
+    """In the order they came."""
+
+    @property
+    def desync(self) -> list[RankError]:
+        return self.watch.found
 
 
 def _import_path() -> list[str]:
@@ -174,54 +202,86 @@ class RankPool:
             if not isinstance(msg, Ready):
                 raise TypeError(f"rank {rank} sent {msg!r} instead of Ready")
 
-    def run(self, fn_ref: str, payload: Any, *, timeout_s: float, label: str) -> list[Any]:
-        """Run `fn_ref(payload)` ("module:function") on every rank; results indexed by rank."""
+    def run(self, fn_ref: str, payload: Any, *, timeout_s: float, label: str,
+            progress: Callable[[str], None] | None = None) -> list[Any]:
+        """Run `fn_ref(payload)` ("module:function") on every rank; results indexed by rank.
+        `progress`, if given, gets a line for a person as the pool starts and as rank 0 reports."""
         if not self.alive:
+            if progress:
+                progress(f"starting {self.world_size} ranks...")
             self.start()
+            if progress:
+                progress(f"started {self.world_size} ranks in {self.start_s:.1f}s")
         self._job_id += 1
         for conn in self._conns:
             conn.send(Job(job_id=self._job_id, fn_ref=fn_ref, payload=payload))
-        results, errors, pending = self._collect(timeout_s)
-        if not pending and not errors:
-            return [results[r] for r in range(self.world_size)]
+        got = self._collect(timeout_s, progress)
+        if got.desync:
+            # the desynced ranks are blocked or about to fail: say where they are, then rebuild
+            found = [dataclasses.replace(e, traceback=self._stack_now(e.rank)) if e.rank in got.pending else e
+                     for e in got.desync]
+            self.close()
+            raise RankFailure(label, found + got.errors)
+        if not got.pending and not got.errors:
+            return [got.results[r] for r in range(self.world_size)]
         # a hang on the others is a consequence of an error: report the root cause only
-        hung = [] if errors else [self._dump_stack(r) for r in sorted(pending)]
-        every_rank_raised = not pending and all(e.kind == "raised" for e in errors) and self.alive
+        hung = [] if got.errors else [self._dump_stack(r) for r in sorted(got.pending)]
+        every_rank_raised = not got.pending and all(e.kind == "raised" for e in got.errors) and self.alive
         if not (every_rank_raised and self._healthy()):
             self.close()  # the process group's state is unknown: rebuild on next use
-        if errors:
-            raise RankFailure(label, errors)
+        if got.errors:
+            raise RankFailure(label, got.errors)
         raise RankFailure(label, hung, timeout_s)
 
-    def _collect(self, timeout_s: float) -> tuple[dict[int, Any], list[RankError], set[int]]:
-        """Replies to the current job: results by rank, errors in the order they came, and the
-        ranks that did not answer in time (or within the grace period after an error)."""
-        results: dict[int, Any] = {}
-        errors: list[RankError] = []
-        pending = dict(enumerate(self._conns))
-        deadline = time.monotonic() + timeout_s
-        while pending:
-            if errors:
+    def _collect(self, timeout_s: float, progress: Callable[[str], None] | None) -> _Replies:
+        """Replies to the current job, the ranks that did not answer in time (or within the grace
+        period after an error), or a desync found in the collectives the ranks announced."""
+        got = _Replies(pending=dict(enumerate(self._conns)), watch=DesyncWatch(stall_s=_STALL_S))
+        now = time.monotonic()
+        deadline = now + timeout_s
+        for rank in range(self.world_size):
+            got.watch.heard(rank, now)
+        while got.pending and not got.watch.found:
+            if got.errors:
                 deadline = min(deadline, time.monotonic() + _FAILURE_GRACE_S)
-            ready = wait_conns(list(pending.values()), timeout=max(0.0, deadline - time.monotonic()))
-            if not ready:
+            # wake at least every _POLL_S to look for a stall while results are pending
+            wait_s = min(_POLL_S, max(0.0, deadline - time.monotonic()))
+            for conn in wait_conns(list(got.pending.values()), timeout=wait_s):
+                self._receive(self._conns.index(conn), got, progress)
+            now = time.monotonic()
+            pending = set(got.pending)
+            if got.watch.should_probe(pending, now):
+                got.watch.probed(pending, {r for r in pending if waiting_in_collective(self._stack_now(r))})
+            if now >= deadline:
                 break
-            for conn in ready:
-                rank = self._conns.index(conn)
-                del pending[rank]
-                try:
-                    msg = conn.recv()
-                except (EOFError, OSError):
-                    errors.append(self._ended(rank))
-                    continue
-                if isinstance(msg, JobDone) and msg.job_id == self._job_id:
-                    results[rank] = msg.result
-                elif isinstance(msg, JobRaised) and msg.job_id == self._job_id:
-                    errors.append(RankError(rank=rank, kind="raised", exc_type=msg.exc_type,
-                                            is_unsupported=msg.is_unsupported, traceback=msg.traceback))
-                else:
-                    raise TypeError(f"rank {rank} sent {msg!r}, not a reply to job {self._job_id}")
-        return results, errors, set(pending)
+        return got
+
+    def _receive(self, rank: int, got: _Replies, progress: Callable[[str], None] | None) -> None:
+        """Take one message from `rank`: an announcement, progress, or its reply to the job."""
+        conn = got.pending[rank]
+        try:
+            msg = conn.recv()
+        except (EOFError, OSError):
+            del got.pending[rank]
+            got.errors.append(self._ended(rank))
+            return
+        got.watch.heard(rank, time.monotonic())
+        current = getattr(msg, "job_id", None) == self._job_id
+        if isinstance(msg, CollectiveIssued) and current:
+            got.watch.collective(rank, msg.collective)
+        elif isinstance(msg, Progress) and current:
+            if progress and rank == 0:  # ranks go in lockstep: one line per step is enough
+                progress(f"{msg.what} {msg.done}/{msg.total}")
+        elif isinstance(msg, JobDone) and current:
+            del got.pending[rank]
+            got.results[rank] = msg.result
+            got.watch.done(rank)
+        elif isinstance(msg, JobRaised) and current:
+            del got.pending[rank]
+            got.errors.append(RankError(rank=rank, kind="raised", exc_type=msg.exc_type,
+                                        is_unsupported=msg.is_unsupported, traceback=msg.traceback))
+        else:
+            raise TypeError(f"rank {rank} sent {msg!r}, not a message of job {self._job_id}")
 
     def _ended(self, rank: int, *, detail: str = "") -> RankError:
         """The error for a rank whose process ended (its pipe closed) without a reply."""
@@ -250,9 +310,10 @@ class RankPool:
             return False
         return True
 
-    def _read(self, path: str) -> str:
+    def _read(self, path: str, offset: int = 0) -> str:
         try:
             with open(path, errors="replace") as f:
+                f.seek(offset)
                 return f.read().strip()
         except OSError:
             return ""
@@ -262,23 +323,33 @@ class RankPool:
         return "\n".join(rows[-num_lines:])
 
     def _dump_stack(self, rank: int) -> RankError:
+        if self._procs[rank].poll() is not None:
+            return self._ended(rank)
+        stack = self._stack_now(rank)
+        return RankError(rank=rank, kind="timeout", traceback=stack, detail="" if stack else "hung (no stack available)")
+
+    def _stack_now(self, rank: int) -> str:
+        """The rank's Python stack now (faulthandler on SIGUSR1), or its fatal-signal stack if it
+        died; '' if neither. A rank may be asked more than once (a stall, then a timeout): its
+        dumps append to one file, so only what this dump wrote is read."""
         proc = self._procs[rank]
         if proc.poll() is not None:
-            return self._ended(rank)
+            return self._read(self._path(rank, "fatal.txt"))
         path = self._path(rank, "stack.txt")
+        offset = os.path.getsize(path) if os.path.exists(path) else 0
         try:
             os.kill(proc.pid, signal.SIGUSR1)
         except OSError:
-            return RankError(rank=rank, kind="timeout", detail="hung (no stack available)")
+            return ""
         # faulthandler writes from the signal handler: wait until the dump stops growing
         stack, deadline = "", time.monotonic() + 2.0
         while time.monotonic() < deadline:
             time.sleep(0.1)
-            latest = self._read(path)
+            latest = self._read(path, offset)
             if latest and latest == stack:
                 break
             stack = latest
-        return RankError(rank=rank, kind="timeout", traceback=stack, detail="" if stack else "hung (no stack available)")
+        return stack
 
     def close(self) -> None:
         for conn in self._conns:
@@ -330,8 +401,9 @@ class PoolManager:
                 old.close()
             return pool
 
-    def run(self, world_size: int, fn_ref: str, payload: Any, *, timeout_s: float, label: str) -> list[Any]:
-        return self.get(world_size).run(fn_ref, payload, timeout_s=timeout_s, label=label)
+    def run(self, world_size: int, fn_ref: str, payload: Any, *, timeout_s: float, label: str,
+            progress: Callable[[str], None] | None = None) -> list[Any]:
+        return self.get(world_size).run(fn_ref, payload, timeout_s=timeout_s, label=label, progress=progress)
 
     def close(self) -> None:
         with self._lock:

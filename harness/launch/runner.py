@@ -3,6 +3,9 @@ world it was started in."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 from sp_harness.launch.pool import PoolManager
 from sp_harness.launch.torchrun import TorchrunWorld, under_torchrun
 
@@ -20,6 +23,20 @@ def default_manager() -> PoolManager:
 def runner():
     """The torchrun world under torchrun, else this process's pools."""
     return TorchrunWorld() if under_torchrun() else default_manager()
+
+
+class WithProgress:
+    """A runner whose jobs report progress lines to `progress` (the CLI's stderr)."""
+
+    def __init__(self, inner, progress: Callable[[str], None]):
+        self.inner = inner
+        self.progress = progress
+
+    def run(self, world_size: int, fn_ref: str, payload: Any, *, timeout_s: float, label: str) -> list[Any]:
+        return self.inner.run(world_size, fn_ref, payload, timeout_s=timeout_s, label=label, progress=self.progress)
+
+    def close(self) -> None:
+        self.inner.close()
 
 
 def is_leader() -> bool:

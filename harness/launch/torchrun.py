@@ -5,6 +5,7 @@ interface as `PoolManager`."""
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from typing import Any
 
 from sp_harness.launch.failure import RankError, RankFailure
@@ -28,7 +29,11 @@ class TorchrunWorld:
         self.rank = dist.get_rank()
         self._job_id = 0
 
-    def run(self, world_size: int, fn_ref: str, payload: Any, *, timeout_s: float, label: str) -> list[Any]:
+    def run(self, world_size: int, fn_ref: str, payload: Any, *, timeout_s: float, label: str,
+            progress: Callable[[str], None] | None = None) -> list[Any]:
+        """`progress` is accepted and unused: there is no driver to report to. Nor is a desync
+        detected: each rank runs in-process and a mismatch ends as the backend's own error or
+        timeout, as it would in production."""
         import torch.distributed as dist
 
         if world_size != self.world_size:

@@ -113,3 +113,46 @@ class JobRaised:
 class Shutdown:
     """Driver -> rank: leave the process group and exit."""
 
+
+
+@dataclass(kw_only=True, frozen=True)
+class Collective:
+    """One collective as a rank was about to issue it (announced by sp_harness.capture.comm)."""
+
+    index: int
+    """Its position among the rank's announced collectives in the job, from 0."""
+    group_index: int
+    """Its position among the rank's announced collectives on the same group in the job, from 0:
+    what the driver compares across the group's ranks (c10d pairs collectives up per group)."""
+    kind: str
+    """'all_reduce', 'all_gather', 'reduce_scatter', 'all_to_all', 'send', ..."""
+    nbytes: int
+    """Payload bytes of the full tensor (sp_harness.capture.comm's convention)."""
+    group: tuple[int, ...]
+    """Global ranks of its process group; () where the group could not be resolved."""
+
+    def describe(self) -> str:
+        where = "ranks " + ",".join(map(str, self.group)) if self.group else "an unknown group"
+        return (f"{self.kind} of {self.nbytes} bytes on {where} (collective #{self.index} of the job, "
+                f"#{self.group_index} on that group)")
+
+
+@dataclass(kw_only=True, frozen=True)
+class CollectiveIssued:
+    """Rank -> driver, during a job: the rank is about to issue `collective`. Sent before the
+    collective so the driver knows where a rank that then blocks is."""
+
+    job_id: int
+    collective: Collective
+
+
+@dataclass(kw_only=True, frozen=True)
+class Progress:
+    """Rank -> driver, during a job: how far the job is, for a person watching (nothing decides
+    on it)."""
+
+    job_id: int
+    what: str
+    """What is counted, e.g. 'step'."""
+    done: int
+    total: int

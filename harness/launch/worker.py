@@ -18,6 +18,7 @@ import sys
 import traceback
 from multiprocessing.connection import Client
 
+from sp_harness.launch import announce
 from sp_harness.launch.failure import JobError
 from sp_harness.launch.wire import (
     Hello,
@@ -142,7 +143,13 @@ def _serve(conn) -> None:
         if not isinstance(msg, Job):
             # a protocol bug: exiting shows it (the driver reports the exit and this output)
             raise TypeError(f"rank got an unexpected message: {msg!r}")
-        conn.send(run_job(msg))
+        # the job's collectives and progress go to the driver on this pipe, before its reply
+        announce.open_job(conn, msg.job_id)
+        try:
+            reply = run_job(msg)
+        finally:
+            announce.close_job()
+        conn.send(reply)
 
 
 if __name__ == "__main__":

@@ -3,6 +3,7 @@ training, the benchmark and the memory measurement all start here."""
 
 from __future__ import annotations
 
+import contextlib
 import copy
 from dataclasses import dataclass
 
@@ -32,13 +33,17 @@ class Built:
     """Every local parameter with where it lives in the reference."""
 
 
-def build(config: CheckConfig, *, reference_dtype: torch.dtype = torch.float64) -> Built:
+def build(config: CheckConfig, *, reference_dtype: torch.dtype = torch.float64,
+          around_shard: contextlib.AbstractContextManager | None = None) -> Built:
+    """`around_shard`: a context the case's sharded factory runs in (the check's collective
+    accounting: collectives issued while sharding are the system under test's too)."""
     case = get_case(config.case)
     config = case.resolve(config)  # idempotent: a job handed an unresolved config runs what a check would
     device = rank_device()
     ctx = make_context(config, device)
     reference = case.build_reference(config).to(device=device, dtype=reference_dtype)
     # the sharded factory starts from the reference's weights, cast to the run dtype
-    sharded = case.shard(copy.deepcopy(reference).to(config.torch_dtype), ctx)
+    with around_shard or contextlib.nullcontext():
+        sharded = case.shard(copy.deepcopy(reference).to(config.torch_dtype), ctx)
     params = map_params(sharded, {n for n, _ in reference.named_parameters()}, case.name)
     return Built(case=case, config=config, ctx=ctx, device=device, reference=reference, sharded=sharded, params=params)
