@@ -18,7 +18,8 @@ GPT_DEFAULTS = dict(seq_len=12, hidden=32, ffn=64, num_heads=4, num_layers=2, vo
 
 def gpt_config(config: CheckConfig) -> GPTConfig:
     return GPTConfig(vocab=config.vocab, max_seq_len=max(64, config.seq_len), hidden=config.hidden,
-                     num_heads=config.num_heads, ffn=config.ffn, num_layers=config.num_layers, norm=config.norm)
+                     num_heads=config.num_heads, ffn=config.ffn, num_layers=config.num_layers, norm=config.norm,
+                     num_kv_heads=config.num_kv_heads, causal=True if config.causal is None else config.causal)
 
 
 def build_reference_gpt(config: CheckConfig):
@@ -75,6 +76,15 @@ def mse_sum(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     return F.mse_loss(output, target.to(output.dtype), reduction="sum")
 
 
+def require_plain_attention(config: CheckConfig, what: str) -> None:
+    """Cases that shard heads with full multi-head, causal attention only."""
+    if config.num_kv_heads not in (None, config.num_heads):
+        raise Unsupported(f"{what} shards full multi-head attention: num_kv_heads({config.num_kv_heads}) "
+                          f"must equal num_heads({config.num_heads})")
+    if config.causal is False:
+        raise Unsupported(f"{what} implements causal attention only (causal=False asked)")
+
+
 def require_chunk_split(config: CheckConfig, what: str) -> None:
     """DTensor's Shard(dim) can only split by torch.chunk: reject other explicit splits."""
     if config.seq_shards is not None and tuple(config.seq_shards) != chunk_sizes(config.seq_len, config.tp):
@@ -85,5 +95,5 @@ def require_chunk_split(config: CheckConfig, what: str) -> None:
         )
 
 
-__all__ = ["GPT_DEFAULTS", "MARKOV_TRAINING", "markov_training", "gpt_config", "build_reference_gpt", "gpt_batch", "gpt_tokens", "mse_sum",
+__all__ = ["require_plain_attention", "GPT_DEFAULTS", "MARKOV_TRAINING", "markov_training", "gpt_config", "build_reference_gpt", "gpt_batch", "gpt_tokens", "mse_sum",
            "require_chunk_split", "token_loss_sum"]

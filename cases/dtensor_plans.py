@@ -25,6 +25,7 @@ from sp_harness.cases.common import (
     gpt_tokens,
     mse_sum,
     require_chunk_split,
+    require_plain_attention,
     token_loss_sum,
 )
 from sp_harness.config.case import Case, Example, Layout, RankContext, Sharded, Unsupported, register
@@ -134,6 +135,7 @@ def _gpt_validate(config: CheckConfig) -> None:
     if config.dp != 1:
         raise Unsupported(f"dtensor-gpt runs on a 1-D tp mesh: dp({config.dp}) must be 1")
     require_chunk_split(config, "dtensor-gpt")
+    require_plain_attention(config, "dtensor-gpt")
     if config.hidden % config.num_heads:
         raise ValueError(f"num_heads({config.num_heads}) does not divide hidden({config.hidden})")
     head_dim = config.hidden // config.num_heads

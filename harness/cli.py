@@ -16,6 +16,7 @@ from sp_harness.config.check_config import (
     DTYPES,
     ENGINE_DEFAULTS,
     LAYOUTS,
+    LOAD_BALANCERS,
     NORMS,
     OPTIMIZERS,
     CheckConfig,
@@ -64,6 +65,13 @@ def add_config_args(p: argparse.ArgumentParser, *, require_case: bool = True) ->
     g.add_argument("--hidden", type=_positive_int, help="model width (default: the case's)")
     g.add_argument("--ffn", type=_positive_int, help="MLP inner width (default: the case's)")
     g.add_argument("--num-heads", type=_positive_int, help="attention heads (default: the case's)")
+    g.add_argument("--num-kv-heads", type=_positive_int,
+                   help="key/value heads, grouped-query attention (default: the case's, else num-heads)")
+    g.add_argument("--causal", choices=("yes", "no"), help="causal attention (default: the case's, else yes)")
+    g.add_argument("--load-balancer", choices=LOAD_BALANCERS,
+                   help="context-parallel chunk placement (default: the case's, else none)")
+    g.add_argument("--ring-degree", type=_positive_int,
+                   help="ranks per ring in a Ulysses x ring case (default: the case's, else 1)")
     g.add_argument("--num-layers", type=_positive_int, help="transformer blocks (default: the case's)")
     g.add_argument("--vocab", type=_positive_int, help="vocabulary size (default: the case's)")
     g.add_argument("--norm", choices=NORMS, help=f"norm of cases that have one (default: the case's, else {ENGINE_DEFAULTS['norm']})")
@@ -86,7 +94,9 @@ def config_from_args(args) -> CheckConfig:
     return CheckConfig(
         case=args.case, world_size=args.world_size, dp=args.dp, seq_len=args.seq_len, seq_shards=args.seq_shards,
         batch=args.batch, hidden=args.hidden, ffn=args.ffn, num_heads=args.num_heads, num_layers=args.num_layers,
-        vocab=args.vocab, norm=args.norm, layout=args.layout, dtype=args.dtype, steps=args.steps, seed=args.seed,
+        vocab=args.vocab, num_kv_heads=args.num_kv_heads,
+        causal=None if args.causal is None else args.causal == "yes", load_balancer=args.load_balancer,
+        ring_degree=args.ring_degree, norm=args.norm, layout=args.layout, dtype=args.dtype, steps=args.steps, seed=args.seed,
         lr=args.lr, optimizer=args.optimizer, adversary=args.adversary, timeout_s=args.timeout_s,
     )
 

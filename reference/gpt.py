@@ -26,6 +26,10 @@ class GPTConfig:
     """Model width h."""
     num_heads: int = 4
     """Attention heads a; hidden must be a multiple of num_heads."""
+    num_kv_heads: int | None = None
+    """Key/value heads (grouped-query attention); None: num_heads. Must divide num_heads."""
+    causal: bool = True
+    """Causal (decoder) attention, or full bidirectional attention."""
     ffn: int = 64
     """MLP inner width."""
     num_layers: int = 2
@@ -38,6 +42,8 @@ class GPTConfig:
     def __post_init__(self) -> None:
         if self.hidden % self.num_heads:
             raise ValueError(f"num_heads({self.num_heads}) does not divide hidden({self.hidden})")
+        if self.num_kv_heads is not None and (self.num_kv_heads < 1 or self.num_heads % self.num_kv_heads):
+            raise ValueError(f"num_kv_heads({self.num_kv_heads}) does not divide num_heads({self.num_heads})")
         if self.norm not in ("layernorm", "rmsnorm"):
             raise ValueError(f"norm must be 'layernorm' or 'rmsnorm', got {self.norm!r}")
 
@@ -58,26 +64,39 @@ def make_norm(cfg: GPTConfig) -> nn.Module:
     return RMSNorm(cfg.hidden, cfg.eps)
 
 
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool) -> torch.Tensor:
+    """Softmax attention of (B, a, S, d) queries over (B, a_kv, S, d) keys/values, a_kv dividing a
+    (grouped-query: each k/v head serves a / a_kv consecutive query heads) -> (B, a, S, d)."""
+    group = q.shape[1] // k.shape[1]
+    if group > 1:
+        k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)  # (B, a, S, d)
+    s_q, s_k = q.shape[2], k.shape[2]
+    att = (q @ k.transpose(-2, -1)) / math.sqrt(q.shape[-1])  # (B, a, S, S)
+    if causal:
+        mask = torch.ones(s_q, s_k, dtype=torch.bool, device=q.device).tril()
+        att = att.masked_fill(~mask, float("-inf"))
+    return att.softmax(dim=-1) @ v  # (B, a, S, d)
+
+
 class Attention(nn.Module):
     def __init__(self, cfg: GPTConfig):
         super().__init__()
         self.num_heads = cfg.num_heads
+        self.num_kv_heads = cfg.num_kv_heads or cfg.num_heads
         self.head_dim = cfg.hidden // cfg.num_heads
+        self.causal = cfg.causal
         self.q_proj = nn.Linear(cfg.hidden, cfg.hidden)
-        self.k_proj = nn.Linear(cfg.hidden, cfg.hidden)
-        self.v_proj = nn.Linear(cfg.hidden, cfg.hidden)
+        self.k_proj = nn.Linear(cfg.hidden, self.num_kv_heads * self.head_dim)
+        self.v_proj = nn.Linear(cfg.hidden, self.num_kv_heads * self.head_dim)
         self.out_proj = nn.Linear(cfg.hidden, cfg.hidden)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, s, _ = x.shape  # (B, S, H)
         # -1 instead of num_heads so a tensor-parallel subclass can reuse this with local heads
         q = self.q_proj(x).view(b, s, -1, self.head_dim).transpose(1, 2)  # (B, a, S, d)
-        k = self.k_proj(x).view(b, s, -1, self.head_dim).transpose(1, 2)  # (B, a, S, d)
-        v = self.v_proj(x).view(b, s, -1, self.head_dim).transpose(1, 2)  # (B, a, S, d)
-        att = (q @ k.transpose(-2, -1)) / math.sqrt(self.head_dim)  # (B, a, S, S)
-        causal = torch.ones(s, s, dtype=torch.bool, device=x.device).tril()
-        att = att.masked_fill(~causal, float("-inf")).softmax(dim=-1)
-        y = (att @ v).transpose(1, 2).reshape(b, s, -1)  # (B, S, a*d)
+        k = self.k_proj(x).view(b, s, -1, self.head_dim).transpose(1, 2)  # (B, a_kv, S, d)
+        v = self.v_proj(x).view(b, s, -1, self.head_dim).transpose(1, 2)  # (B, a_kv, S, d)
+        y = attention(q, k, v, causal=self.causal).transpose(1, 2).reshape(b, s, -1)  # (B, S, a*d)
         return self.out_proj(y)  # (B, S, H)
 
 

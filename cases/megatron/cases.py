@@ -23,6 +23,7 @@ from sp_harness.cases.common import (
     build_reference_gpt,
     gpt_batch,
     gpt_tokens,
+    require_plain_attention,
     token_loss_sum,
 )
 from sp_harness.cases.megatron.impl import CORRECT, Impl, all_reduce_coalesced
@@ -59,6 +60,7 @@ def make_batch(config: CheckConfig, step: int, gen: torch.Generator):
 
 def _validate_model(config: CheckConfig) -> CheckConfig:
     config = _filled(config)
+    require_plain_attention(config, "the Megatron-style GPT")
     if config.hidden % config.num_heads:
         raise ValueError(f"num_heads({config.num_heads}) does not divide hidden({config.hidden})")
     return config

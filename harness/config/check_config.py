@@ -27,8 +27,10 @@ DEFAULT_STEPS = 3
 behind it and the first after a DDP-style grad-bucket rebuild (tests/test_conventions.py)."""
 
 
+LOAD_BALANCERS = ("none", "zigzag")
 ENGINE_DEFAULTS: dict[str, object] = dict(batch=2, norm="layernorm", layout="bsh", dtype="float64",
-                                         steps=DEFAULT_STEPS, lr=1e-2, optimizer="adamw")
+                                         steps=DEFAULT_STEPS, lr=1e-2, optimizer="adamw", causal=True,
+                                         load_balancer="none", ring_degree=1)
 """What a field left as None becomes when the case sets no default of its own (`Case.resolve`)."""
 
 
@@ -52,6 +54,17 @@ class CheckConfig:
     """MLP inner width; None means the case's default."""
     num_heads: int | None = None
     """Attention heads; None means the case's default."""
+    num_kv_heads: int | None = None
+    """Key/value heads (grouped-query attention: fewer than num_heads, dividing it); None: the
+    case's default, else num_heads."""
+    causal: bool | None = None
+    """Causal attention (True) or full bidirectional attention; None: the case's default, else True."""
+    load_balancer: str | None = None
+    """How a context-parallel case places sequence chunks: 'none' (contiguous shards) or 'zigzag'
+    (2W chunks, rank i holds chunks i and 2W-1-i); None: the case's default, else 'none'."""
+    ring_degree: int | None = None
+    """For a hybrid Ulysses x ring case: ranks in each ring (the Ulysses degree is tp / ring_degree);
+    None: the case's default, else 1."""
     num_layers: int | None = None
     """Transformer blocks; None means the case's default."""
     vocab: int | None = None
@@ -101,7 +114,9 @@ class CheckConfig:
             raise ValueError(f"timeout_s must be a finite number of seconds > 0, got {self.timeout_s}")
         if self.lr is not None and (not math.isfinite(self.lr) or self.lr <= 0):
             raise ValueError(f"lr must be a finite number > 0, got {self.lr}")
-        for field in ("seq_len", "hidden", "ffn", "num_heads", "num_layers", "vocab"):
+        if self.load_balancer is not None and self.load_balancer not in LOAD_BALANCERS:
+            raise ValueError(f"load_balancer must be one of {LOAD_BALANCERS}, got {self.load_balancer!r}")
+        for field in ("seq_len", "hidden", "ffn", "num_heads", "num_kv_heads", "num_layers", "vocab", "ring_degree"):
             value = getattr(self, field)
             if value is not None and value < 1:
                 raise ValueError(f"{field} must be >= 1, got {value}")
@@ -143,6 +158,8 @@ class CheckConfig:
                 continue  # what the rerun fills in anyway: the same case's default at this mesh
             if isinstance(value, tuple):
                 value = ",".join(map(str, value))
+            if isinstance(value, bool):
+                value = "yes" if value else "no"
             flag = "--timeout" if field.name == "timeout_s" else "--" + field.name.replace("_", "-")
             args += [flag, repr(value) if isinstance(value, float) else str(value)]
         return shlex.join(args)
