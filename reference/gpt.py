@@ -133,9 +133,10 @@ class GPT(nn.Module):
         self.norm_f = make_norm(cfg)
         self.lm_head = nn.Linear(cfg.hidden, cfg.vocab, bias=False)
 
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
         b, s = tokens.shape  # (B, S) int64
-        pos = torch.arange(s, device=tokens.device)
+        # positions as an input: a sequence-sharded twin embeds its tokens' global positions
+        pos = torch.arange(s, device=tokens.device) if positions is None else positions  # (S,) or (B, S)
         x = self.tok_emb(tokens) + self.pos_emb(pos)  # (B, S, H)
         for block in self.blocks:
             x = block(x)
