@@ -147,12 +147,27 @@ def cmd_check(args) -> int:
     return EXIT_FAIL if any(o.passed is False for o in outcomes) else EXIT_OK
 
 
+_EXAMPLES = """examples:
+  sp-harness list                                               the cases and mutants
+  sp-harness check --case megatron-gpt-sp --world-size 3 --seq-len 10
+  sp-harness check --case path/to/my_case.py:MY_CASE --world-size 2 --json verdict.json
+  sp-harness converge --case megatron-gpt-sp --steps 200 --out reports/latest
+  sp-harness nightly                                            the main job
+  sp-harness mutants                                            the mutant catalogue
+
+exit codes: 0 as expected, 1 a FAIL verdict, 2 a usage or setup error (one line, nothing run)"""
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = _Parser(prog="sp-harness", description="Verify sequence-parallel implementations against a single-device reference.")
+    parser = _Parser(prog="sp-harness", description="Verify sequence-parallel implementations against a single-device reference.",
+                     formatter_class=argparse.RawDescriptionHelpFormatter, epilog=_EXAMPLES)
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
     p = sub.add_parser("list", help="list the cases and mutants")
     p.set_defaults(func=cmd_list)
-    p = sub.add_parser("check", help="run one side-by-side check")
+    p = sub.add_parser("check", help="run one side-by-side check", formatter_class=argparse.RawDescriptionHelpFormatter,
+                       epilog="examples:\n  sp-harness check --case megatron-gpt-sp --world-size 3 --seq-shards 4,4,2\n"
+                              "  sp-harness check --case seed-mlp --dtype float32 --adversary reorder --memory\n"
+                              "  sp-harness check --case my_case.py:MY_CASE --world-size 4 --dp 2 --also lockstep")
     add_config_args(p)
     p.add_argument("--json", metavar="FILE", help="write the verdict as JSON")
     p.add_argument("--verbose", "-v", action="store_true", help="every failure and full tracebacks")

@@ -63,3 +63,14 @@ def test_unsupported_exits_0():
     proc = _run("check", "--case", "dtensor-gpt", "--world-size", "3")
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "UNSUPPORTED" in proc.stdout
+
+
+def test_every_option_of_every_command_has_help():
+    import argparse
+
+    from sp_harness.cli import build_parser
+
+    sub = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    bare = {name: [a.dest for a in p._actions if not a.help and not isinstance(a, argparse._HelpAction)]
+            for name, p in sub.choices.items()}
+    assert not any(bare.values()), {k: v for k, v in bare.items() if v}

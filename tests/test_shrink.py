@@ -16,7 +16,6 @@ def test_even_shard_bug_shrinks_to_minimal_uneven_config():
                           "-p", "no:xdist", "-q"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     out = run.stdout + run.stderr
     assert run.returncode == 1, out
-    assert "Draw 1 (config)" in out  # hypothesis prints the minimal example it shrank to
     shards = re.search(r"seq_shards=\((\d+), (\d+)\)", out)
     assert shards, out[-3000:]
     sizes = tuple(map(int, shards.groups()))

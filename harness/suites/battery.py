@@ -147,6 +147,6 @@ def cmd_mutants(args) -> int:
 
 def add_subcommands(sub) -> None:
     p = sub.add_parser("mutants", help="run the default battery against every mutant; exit 1 if any survives")
-    p.add_argument("--json", metavar="FILE")
+    p.add_argument("--json", metavar="FILE", help="write every mutant's outcome as JSON")
     p.add_argument("--only", nargs="*", help="mutant names (default: all)")
     p.set_defaults(func=cmd_mutants)

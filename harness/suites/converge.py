@@ -70,19 +70,23 @@ def _add_converge_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--case", default=d.case, help=f"case under test (default {d.case})")
     p.add_argument("--baseline", default=d.baseline,
                    help="baseline case (default: the case's declared baseline); 'none' to skip")
-    p.add_argument("--world-size", type=int, default=d.world_size)
-    p.add_argument("--dp", type=int, default=d.dp)
-    p.add_argument("--steps", type=int, default=d.steps)
-    p.add_argument("--seq-len", type=int, default=d.seq_len)
-    p.add_argument("--batch", type=int, default=d.batch)
-    p.add_argument("--dtype", default=d.dtype, choices=["float64", "float32", "bfloat16"])
-    p.add_argument("--optimizer", default=d.optimizer, choices=["adamw", "sgd"])
-    p.add_argument("--lr", type=float, default=d.lr)
-    p.add_argument("--warmup-steps", type=int, default=d.warmup_steps)
-    p.add_argument("--clip-grad-norm", type=float, default=d.clip_grad_norm, help="0 disables clipping")
-    p.add_argument("--seed", type=int, default=d.seed)
-    p.add_argument("--data-seed", type=int, default=d.data_seed)
-    p.add_argument("--timeout", type=float, default=d.timeout_s, dest="timeout_s")
+    p.add_argument("--world-size", type=int, default=d.world_size, help=f"ranks of the baseline and case runs (default {d.world_size})")
+    p.add_argument("--dp", type=int, default=d.dp, help=f"data-parallel degree (default {d.dp})")
+    p.add_argument("--steps", type=int, default=d.steps, help=f"optimizer steps (default {d.steps})")
+    p.add_argument("--seq-len", type=int, default=d.seq_len, help=f"tokens per sequence (default {d.seq_len})")
+    p.add_argument("--batch", type=int, default=d.batch, help=f"sequences per DP replica and step (default {d.batch})")
+    p.add_argument("--dtype", default=d.dtype, choices=["float64", "float32", "bfloat16"],
+                   help=f"training dtype of every run; the gate's bands follow it (default {d.dtype})")
+    p.add_argument("--optimizer", default=d.optimizer, choices=["adamw", "sgd"], help=f"optimizer (default {d.optimizer})")
+    p.add_argument("--lr", type=float, default=d.lr, help=f"peak learning rate (default {d.lr})")
+    p.add_argument("--warmup-steps", type=int, default=d.warmup_steps,
+                   help=f"linear warmup steps, then cosine decay (default {d.warmup_steps})")
+    p.add_argument("--clip-grad-norm", type=float, default=d.clip_grad_norm,
+                   help=f"global grad-norm clipping, 0 disables it (default {d.clip_grad_norm})")
+    p.add_argument("--seed", type=int, default=d.seed, help=f"initial weights (default {d.seed})")
+    p.add_argument("--data-seed", type=int, default=d.data_seed, help=f"the batch stream (default {d.data_seed})")
+    p.add_argument("--timeout", type=float, default=d.timeout_s, dest="timeout_s",
+                   help=f"seconds per job (setup, or one chunk of steps) before it counts as hung (default {d.timeout_s:g})")
 
 
 def options_from_args(args) -> ConvergeOptions:
@@ -169,15 +173,15 @@ def add_subcommands(sub) -> None:
     p.add_argument("--golden", help="golden curve JSON to gate against")
     p.set_defaults(func=cmd_converge)
     p = sub.add_parser("gate", help="re-gate a report directory (optionally against a golden curve)")
-    p.add_argument("dir")
-    p.add_argument("--golden")
+    p.add_argument("dir", help="a report directory written by converge or nightly")
+    p.add_argument("--golden", help="golden curve JSON to gate against")
     p.set_defaults(func=cmd_gate)
     p = sub.add_parser("golden", help="make a golden curve file from N repeated runs")
     _add_converge_args(p)
-    p.add_argument("--repeats", type=int, default=2)
+    p.add_argument("--repeats", type=int, default=2, help="runs whose spread sets the band (default 2)")
     p.add_argument("--run", default="sp", help="which run's curve to store (default sp)")
     p.add_argument("--out", required=True, help="golden JSON path, e.g. reports/golden/megatron-gpt-sp.json")
-    p.add_argument("--work-dir", default="reports/golden-work")
+    p.add_argument("--work-dir", default="reports/golden-work", help="where the repeated runs go (default reports/golden-work)")
     p.set_defaults(func=cmd_golden)
 
 

@@ -100,9 +100,9 @@ def cmd_nightly(args) -> int:
 
 def add_subcommands(sub) -> None:
     p = sub.add_parser("nightly", help="the main job: check every case, convergence report, gate")
-    p.add_argument("--out", default="reports/latest")
+    p.add_argument("--out", default="reports/latest", help="report directory (default reports/latest)")
     p.add_argument("--case", default="megatron-gpt-sp", help="case under test in the convergence report")
-    p.add_argument("--world-size", type=int, default=2)
-    p.add_argument("--steps", type=int, default=200)
+    p.add_argument("--world-size", type=int, default=2, help="ranks of the convergence run (default 2)")
+    p.add_argument("--steps", type=int, default=200, help="steps of the convergence run (default 200)")
     p.add_argument("--no-golden", action="store_true", help="skip the golden-curve comparison")
     p.set_defaults(func=cmd_nightly)

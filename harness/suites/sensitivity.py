@@ -184,7 +184,7 @@ def cmd_sensitivity(args) -> int:
 def add_subcommands(sub) -> None:
     p = sub.add_parser("sensitivity", help="bisect the smallest relative error each check catches, per dtype; "
                                            "exit 1 if a target is missed")
-    p.add_argument("--dtype", nargs="+", choices=DTYPES, default=list(DTYPES))
+    p.add_argument("--dtype", nargs="+", choices=DTYPES, default=list(DTYPES), help="dtypes to bisect (default: all)")
     p.add_argument("--shape", nargs="+", choices=SHAPES, default=list(SHAPES),
                    help="bug shapes (scaled mutants) to measure (default: all)")
     p.add_argument("--iterations", type=int, default=ITERATIONS, help=f"bisection steps (default {ITERATIONS})")
