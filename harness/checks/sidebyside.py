@@ -15,15 +15,14 @@ engine's own bookkeeping collectives run outside the counter.
 from __future__ import annotations
 
 import contextlib
-import copy
 import time
 from dataclasses import dataclass, field
 
 import torch
-from torch import nn
 
 from sp_harness.capture.comm import CommCounter
 from sp_harness.capture.trace import Recorder
+from sp_harness.checks.references import KINDS, make_references
 from sp_harness.compare.divergence import Divergence, first_divergence
 from sp_harness.compare.tolerance import FACTOR, TensorCheck, check_bounded, check_tensor, lp_dtype
 from sp_harness.config.case import RankContext, as_batch
@@ -31,12 +30,11 @@ from sp_harness.config.check_config import CheckConfig
 from sp_harness.launch import announce
 from sp_harness.step.adversary import ReorderAdversary
 from sp_harness.step.anchor import gather_full
-from sp_harness.step.build import Built, build
+from sp_harness.step.build import build
 from sp_harness.step.inputs import cut, forward_loss, global_loss, rank_batch, replica_slice
 from sp_harness.step.optim_ref import make_optimizer, reference_step, state_of
 from sp_harness.step.params import Drift, LocalParam, replica_drift
-from sp_harness.step.reference import RefStep, reference_pass
-from sp_harness.step.rounding import RoundingNoise, perturb_
+from sp_harness.step.reference import RefStep
 
 MAX_FAILURES_KEPT = 64
 
@@ -71,31 +69,6 @@ def _loss_allowance(ref64: RefStep, ref_lp: RefStep, ref_alt: RefStep, dtype: to
     return FACTOR * float((ref64.out_grad * out_err).norm())
 
 
-@dataclass(kw_only=True)
-class _References:
-    """The three references of one check (see sp_harness.compare.tolerance): float64, the run's
-    own precision, and float64 with every op's inputs and result perturbed."""
-
-    r64: nn.Module
-    lp: nn.Module
-    alt: nn.Module
-    alt_noise: RoundingNoise
-    alt_gen: torch.Generator
-
-    def params(self, which: str) -> dict[str, nn.Parameter]:
-        return dict(getattr(self, which).named_parameters())
-
-
-def _references(built: Built, config: CheckConfig) -> _References:
-    dtype = config.torch_dtype
-    alt_gen = torch.Generator().manual_seed(config.seed + 104729)
-    accumulator = torch.float32 if dtype in (torch.bfloat16, torch.float16) else dtype
-    noise = RoundingNoise(torch.finfo(dtype).eps, alt_gen, torch.finfo(accumulator).eps,
-                          matmul_input_precision(config, built.device))
-    return _References(r64=built.reference, lp=copy.deepcopy(built.reference).to(lp_dtype(dtype)),
-                       alt=copy.deepcopy(built.reference), alt_noise=noise, alt_gen=alt_gen)
-
-
 class _SideBySide:
     """One check on one rank: the sharded model stepped beside its three references."""
 
@@ -107,12 +80,13 @@ class _SideBySide:
         self.built = build(config, around_shard=CommCounter())
         self.ctx, self.case, self.sharded = self.built.ctx, self.built.case, self.built.sharded
         self.params = self.built.params
-        self.refs = _references(self.built, config)
-        self.ref = {w: self.refs.params(w) for w in ("r64", "lp", "alt")}
+        self.adversary, platform = _adversaries(config, self.ctx)
+        self.refs = make_references(self.built, config, platform, matmul_input_precision(config, self.built.device))
+        self.ref = {w: self.refs.params(w) for w in KINDS}
         self.result = RankResult(rank=self.ctx.rank)
         self.opt = make_optimizer(config.optimizer, config.lr, self.sharded.module.parameters())
         self.counter = CommCounter(self.ctx.group_label)
-        self.adversary, self.platform = _adversaries(config, self.ctx)
+        self.full: dict[str, torch.Tensor] = {}
         traced = not any(p.dtensor for p in self.params)  # DTensor outputs do not line up with plain ones
         # modules holding a TP-sharded param return pieces or partial sums: not comparable
         pieces = frozenset(p.local_name.rpartition(".")[0] for p in self.params if not p.replicated_tp)
@@ -136,13 +110,9 @@ class _SideBySide:
 
     def reference_passes(self, batch) -> tuple[RefStep, RefStep, RefStep]:
         shapes = {n: t.shape for n, t in self.ref["r64"].items()}
-        _anchor(gather_full(self.params, shapes, self.ctx), self.ref["r64"], self.ref["lp"], self.ref["alt"],
-                self.dtype, self.refs.alt_gen)
-        r64 = reference_pass(self.refs.r64, self.case, batch, torch.float64)
-        with self.platform:
-            r_lp = reference_pass(self.refs.lp, self.case, batch, lp_dtype(self.dtype))
-        r_alt = reference_pass(self.refs.alt, self.case, batch, torch.float64, noise=self.refs.alt_noise)
-        return r64, r_lp, r_alt
+        self.full = gather_full(self.params, shapes, self.ctx)
+        steps = self.refs.passes(self.full, self.case, batch)
+        return steps["r64"], steps["lp"], steps["alt"]
 
     def sharded_pass(self, batch):
         local = rank_batch(batch, self.sharded, self.ctx, self.dtype)
@@ -190,8 +160,9 @@ class _SideBySide:
             self.judge("grad", ref, step, got, w64, wlp, off, p.piece_of(self.ref["alt"][ref].grad, self.ctx),
                        dof=tokens)
 
-    def localize(self, step: int) -> None:
+    def localize(self, step: int, batch) -> None:
         """At the first failing step, the first module whose output or input grad diverged."""
+        self.refs.recompute_missing(self.full, self.case, batch)
         rec = self.recorders
         self.result.divergence = first_divergence(
             step=step, rank=self.ctx.rank, sharded=rec[0], ref64=rec[1], ref_lp=rec[2], ref_alt=rec[3],
@@ -228,7 +199,7 @@ class _SideBySide:
         self.judge_outputs(step, batch, local, out, loss, refs)
         self.judge_grads(step, self.case.tokens(batch.target))
         if self.recorders and not failures_before and len(self.result.failures) > failures_before:
-            self.localize(step)
+            self.localize(step, batch)
         self.optimizer_stage(step)
 
 
@@ -284,16 +255,6 @@ def record(result: RankResult, chk: TensorCheck) -> None:
         result.worst[chk.kind] = chk
     if not chk.ok and len(result.failures) < MAX_FAILURES_KEPT:
         result.failures.append(chk)
-
-
-def _anchor(full: dict[str, torch.Tensor], ref64: dict, ref_lp: dict, ref_alt: dict, dtype: torch.dtype,
-            gen: torch.Generator) -> None:
-    """Load the sharded run's current params into the three references (see sp_harness.step.anchor)."""
-    with torch.no_grad():
-        for name, value in full.items():
-            ref64[name].copy_(value)
-            ref_lp[name].copy_(value)
-            perturb_(ref_alt[name].copy_(value), torch.finfo(dtype).eps, gen)
 
 
 def _expected_step(p: LocalParam, opt: torch.optim.Optimizer, config: CheckConfig,
