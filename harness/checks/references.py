@@ -3,8 +3,8 @@ per example.
 
 The float64 reference, the run-precision reference and the perturbed float64 reference (see
 sp_harness.compare.tolerance) are the same for every rank of a job: the global batch, the params
-the sharded run holds (re-anchored each step). Reference k is computed on rank k mod W only and
-broadcast (one pickled header, one flat float64 buffer, exact for every run dtype), so a job on W
+the sharded run holds (re-anchored each step). Each is computed on one rank only (`owner`: by
+cost, to the least loaded rank) and broadcast (one pickled header, one flat float64 buffer, exact for every run dtype), so a job on W
 ranks does each reference once instead of W times. The result is bit for bit what every rank
 used to compute for itself: deterministic CPU code, the perturbed reference's generator drawn by
 its owner alone, the order noise keyed on the op's inputs.
@@ -31,11 +31,22 @@ from sp_harness.step.reference import RefStep, reference_pass
 from sp_harness.step.rounding import RoundingNoise, perturb_
 
 KINDS = ("r64", "lp", "alt")
+COST = {"alt": 3.0, "lp": 1.5, "r64": 1.0}
+"""Relative cost of one pass: the perturbed reference rounds every op's inputs and result and adds
+a worst-order summation error (an extra |A||B| matmul) in float64; the run-precision one adds that
+error at its own precision; the float64 one is a plain pass."""
 
 
 def owner(which: str, world_size: int) -> int:
-    """The rank that computes reference `which`."""
-    return KINDS.index(which) % world_size
+    """The rank that computes reference `which`: the most expensive first, each to the least
+    loaded rank (ties to the lowest), so at 2 ranks the perturbed reference runs alone."""
+    load = [0.0] * world_size
+    placed = {}
+    for kind in sorted(KINDS, key=lambda k: -COST[k]):
+        rank = min(range(world_size), key=lambda r: (load[r], r))
+        placed[kind] = rank
+        load[rank] += COST[kind]
+    return placed[which]
 
 
 @dataclass(kw_only=True)

@@ -342,9 +342,14 @@ def format_bench(r: dict) -> str:
 
 
 def cmd_bench(args) -> int:
+    from sp_harness.suites.bench_realistic import format_realistic, run_realistic
+
     result = run_bench(quick=args.quick, spawn_reps=args.spawn_reps, reps=args.reps,
                        converge_steps=10 if args.quick else None)
-    print(format_bench(result))
+    print(format_bench(result), flush=True)
+    if not args.no_realistic:
+        result["realistic"] = run_realistic(quick=args.quick, suite=args.suite)
+        print(format_realistic(result["realistic"]))
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=1, default=str)
@@ -358,6 +363,8 @@ def add_subcommands(sub) -> None:
     p.add_argument("--quick", action="store_true", help="a small, fast subset (ws 1-2, short convergence): for tests")
     p.add_argument("--reps", type=int, default=None, help="timed repetitions per warm cell (default 3, quick 2)")
     p.add_argument("--spawn-reps", type=int, default=1, help="spawn-per-example samples per cell (default 1)")
+    p.add_argument("--no-realistic", action="store_true", help="skip the realistic-size cost and memory tables")
+    p.add_argument("--suite", action="store_true", help="also time the whole test suite (pytest -n auto)")
     p.set_defaults(func=cmd_bench)
 
 
