@@ -86,8 +86,8 @@ def add_config_args(p: argparse.ArgumentParser, *, require_case: bool = True) ->
     g.add_argument("--optimizer", choices=OPTIMIZERS, help=f"optimizer (default: the case's, else {ENGINE_DEFAULTS['optimizer']})")
     g.add_argument("--adversary", choices=ADVERSARIES, default="off",
                    help="make the sharded side reduce in random legal orders (specificity across platforms; default off)")
-    g.add_argument("--timeout", type=float, default=30.0, dest="timeout_s",
-                   help="seconds a job may run before it counts as hung (default 30)")
+    g.add_argument("--timeout", type=float, dest="timeout_s",
+                   help="seconds a job may run before it counts as hung (default $SP_HARNESS_TIMEOUT, else 30)")
 
 
 def config_from_args(args) -> CheckConfig:

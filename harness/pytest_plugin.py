@@ -24,7 +24,7 @@ from sp_harness.launch.pool import PoolManager, PoolOptions
 POOL_KEY = pytest.StashKey[PoolManager]()
 OPTIONS = {
     # name: (type, default, help)
-    "sp_timeout": (float, 60.0, "seconds per job before it counts as hung"),
+    "sp_timeout": (float, 120.0, "seconds per job before it counts as hung (generous: CI runners are loaded)"),
     "sp_max_world_size": (int, 4, "largest world size the tests may start"),
     "sp_max_pools": (int, 4, "pools (one per world size) kept warm per xdist worker"),
 }
@@ -52,6 +52,8 @@ def option(config: pytest.Config, name: str):
 
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "sp_case(case, **fields): run this sp-harness case; the test gets `sp_result`")
+    # every check a test runs (the battery's too) resolves its timeout from here, unless it sets one
+    os.environ["SP_HARNESS_TIMEOUT"] = repr(option(config, "sp_timeout"))
 
 
 def _pool_options(config: pytest.Config) -> PoolOptions:
@@ -88,12 +90,8 @@ def sp_check(sp_pool, request: pytest.FixtureRequest):
     """sp_check(config) -> CheckResult, run on this worker's warm pool with the suite's timeout."""
     from sp_harness.checks.verify import check
 
-    timeout = option(request.config, "sp_timeout")
-
     def run(config):
-        if config.timeout_s == 30.0:  # the CheckConfig default: use the suite's setting
-            config = config.replace(timeout_s=timeout)
-        return check(config, sp_pool)
+        return check(config, sp_pool)  # a config without its own timeout takes the suite's
 
     return run
 

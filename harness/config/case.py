@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from sp_harness.config.check_config import ENGINE_DEFAULTS, CheckConfig
+from sp_harness.config.check_config import ENGINE_DEFAULTS, CheckConfig, default_timeout_s
 from sp_harness.config.loading import load_case_file
 
 
@@ -257,7 +257,7 @@ class Case:
         # explicit shards fix the sequence length before any default can
         if config.seq_len is None and config.seq_shards is not None:
             config = config.replace(seq_len=sum(config.seq_shards))
-        defaults = {**ENGINE_DEFAULTS, **self.defaults}
+        defaults = {**ENGINE_DEFAULTS, "timeout_s": default_timeout_s(), **self.defaults}
         filled = {k: v for k, v in defaults.items() if getattr(config, k, None) is None}
         return config.replace(**filled) if filled else config
 
@@ -265,7 +265,7 @@ class Case:
         unknown = sorted(set(self.defaults) - {f.name for f in dataclasses.fields(CheckConfig)})
         if unknown:
             raise ValueError(f"case {self.name}: defaults for unknown config fields {unknown}")
-        fixed = sorted(set(self.defaults) & {"case", "world_size", "dp", "seq_shards"})
+        fixed = sorted(set(self.defaults) & {"case", "world_size", "dp", "seq_shards", "timeout_s"})
         if fixed:
             raise ValueError(f"case {self.name}: {fixed} describe the run, not the case; they cannot default")
 

@@ -31,7 +31,26 @@ LOAD_BALANCERS = ("none", "zigzag")
 ENGINE_DEFAULTS: dict[str, object] = dict(batch=2, norm="layernorm", layout="bsh", dtype="float64",
                                          steps=DEFAULT_STEPS, lr=1e-2, optimizer="adamw", causal=True,
                                          load_balancer="none", ring_degree=1)
-"""What a field left as None becomes when the case sets no default of its own (`Case.resolve`)."""
+"""What a field left as None becomes when the case sets no default of its own (`Case.resolve`);
+the job timeout is `default_timeout_s()`."""
+DEFAULT_TIMEOUT_S = 30.0
+
+
+def default_timeout_s() -> float:
+    """Seconds a job may run: SP_HARNESS_TIMEOUT where set (the pytest plugin sets it from its
+    option, ini or env, so every check a test runs gets it), else DEFAULT_TIMEOUT_S."""
+    import os
+
+    text = os.environ.get("SP_HARNESS_TIMEOUT", "").strip()
+    if not text:
+        return DEFAULT_TIMEOUT_S
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not math.isfinite(value) or value <= 0:
+        raise ValueError(f"SP_HARNESS_TIMEOUT must be a finite number of seconds > 0, got {text!r}")
+    return value
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -88,7 +107,7 @@ class CheckConfig:
     adversary: str = "off"
     """'reorder': the sharded side reduces in random legal orders (sp_harness.step.adversary);
     'reorder-tf32': also TF32-rounded float32 matmul inputs on both sides (a GPU platform)."""
-    timeout_s: float = 30.0
+    timeout_s: float | None = None
     """Seconds before a job is declared hung; the error names case, config and rank."""
 
     def __post_init__(self) -> None:
@@ -110,7 +129,7 @@ class CheckConfig:
             raise ValueError(f"steps must be >= 1, got {self.steps}")
         if self.batch is not None and self.batch < 1:
             raise ValueError(f"batch must be >= 1, got {self.batch}")
-        if not math.isfinite(self.timeout_s) or self.timeout_s <= 0:
+        if self.timeout_s is not None and (not math.isfinite(self.timeout_s) or self.timeout_s <= 0):
             raise ValueError(f"timeout_s must be a finite number of seconds > 0, got {self.timeout_s}")
         if self.lr is not None and (not math.isfinite(self.lr) or self.lr <= 0):
             raise ValueError(f"lr must be a finite number > 0, got {self.lr}")

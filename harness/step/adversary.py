@@ -37,7 +37,7 @@ def round_tf32(x: torch.Tensor) -> torch.Tensor:
     return ((bits + 0x1000) & ~0x1FFF).view(torch.float32).view(x.shape)
 
 
-def order_error(a: torch.Tensor, b: torch.Tensor, op, gen: torch.Generator, u: float) -> torch.Tensor:
+def order_error(a: torch.Tensor, b: torch.Tensor, op, gen: torch.Generator, u: float, pool=None) -> torch.Tensor:
     """An error some legal summation order could make in op(a, b) at unit roundoff u.
 
     Each element of a K-term dot product summed in any order differs from the exact one by at
@@ -47,6 +47,8 @@ def order_error(a: torch.Tensor, b: torch.Tensor, op, gen: torch.Generator, u: f
     loop), not only of the accurate blocked sums the chunking above produces. u is the
     accumulator's: bfloat16 and float16 products accumulate in float32 on every real kernel."""
     scale = op(a.abs(), b.abs()) * (u * a.shape[-1] ** 0.5)
+    if pool is not None:  # sp_harness.step.rounding.NoisePool: windows of one buffer, not fresh draws
+        return scale.mul_(pool.window(scale.shape, scale.dtype, scale.device))
     noise = torch.rand(scale.shape, generator=gen, dtype=torch.float64).to(scale.dtype) * 2 - 1
     return scale * noise
 

@@ -6,10 +6,37 @@ another platform's kernels: the backward-error view of sp_harness.compare.tolera
 
 from __future__ import annotations
 
+import math
+
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from sp_harness.step.adversary import order_error
+
+
+class NoisePool:
+    """Uniform [-1, 1] noise for a whole job from one buffer drawn once: each request is a window
+    of the buffer at a random offset (wrapping). Drawing fresh numbers for every element of every
+    op made the perturbed reference cost more than the model it checks (torch.rand on the CPU is
+    one thread); a window is one copy. Within a request the values are distinct draws; across
+    requests windows may overlap, at offsets unrelated to what the ops compute."""
+
+    SIZE = 1 << 22
+
+    def __init__(self, gen: torch.Generator, size: int = SIZE):
+        self.gen = gen
+        self.values = torch.rand(size, generator=gen, dtype=torch.float64) * 2 - 1
+
+    def window(self, shape: torch.Size, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        numel, size = math.prod(shape), self.values.numel()
+        pieces, left = [], numel
+        while left:
+            start = int(torch.randint(size, (1,), generator=self.gen))
+            take = min(left, size - start)
+            pieces.append(self.values[start:start + take])
+            left -= take
+        flat = pieces[0] if len(pieces) == 1 else torch.cat(pieces)
+        return flat.to(device=device, dtype=dtype).reshape(shape)
 
 
 def perturb_(tensor: torch.Tensor, rel: float, gen: torch.Generator) -> torch.Tensor:
@@ -37,6 +64,7 @@ class RoundingNoise(TorchDispatchMode):
                  matmul_input_rel: float | None = None):
         super().__init__()
         self.rel, self.gen = rel, gen
+        self.pool = NoisePool(gen)
         self.accumulate_rel = rel if accumulate_rel is None else accumulate_rel
         """Unit roundoff x 2 of a matmul's accumulator: float32's for bfloat16 runs."""
         self.matmul_input_rel = rel if matmul_input_rel is None else matmul_input_rel
@@ -44,8 +72,11 @@ class RoundingNoise(TorchDispatchMode):
 
     def _noisy(self, t):
         if isinstance(t, torch.Tensor) and t.is_floating_point() and t.numel():
-            noise = torch.rand(t.shape, generator=self.gen, dtype=torch.float64).to(t.device, t.dtype)
-            return t * (1 + self.rel * (noise * 2 - 1))
+            # t (1 + rel u), a product so that infinities (masked scores) stay infinities; the
+            # window may be a view of the pool: never written to
+            factor = self.pool.window(t.shape, t.dtype, t.device) * self.rel
+            factor += 1
+            return t * factor
         return t
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
@@ -63,7 +94,7 @@ class RoundingNoise(TorchDispatchMode):
         if func in _MATMULS and isinstance(out, torch.Tensor) and out.is_floating_point():
             a, b = args[-2], args[-1]
             op = torch.bmm if func is torch.ops.aten.bmm.default else torch.mm
-            out = out + order_error(a, b, op, self.gen, self.accumulate_rel / 2)
+            out = out + order_error(a, b, op, self.gen, self.accumulate_rel / 2, pool=self.pool)
         return self._noisy(out)
 
 
