@@ -56,6 +56,12 @@ def _kv_heads_tiled(q_heads, num_heads, num_kv_heads):
     return tuple((r % num_kv_heads,) if h else () for r, h in enumerate(q_heads))
 
 
+def _kv_index_interleaved_locally(mine_q, mine_kv, group):
+    # and locally each rank spreads the k/v heads it got over its query heads (repeat_kv by
+    # h_r / kv_r), trusting that it got the right ones
+    return [i * len(mine_kv) // len(mine_q) for i in range(len(mine_q))]
+
+
 GQA_TILED = ulysses_mutant(
     "mutant-ulysses-gqa-kv-heads-tiled",
     "k/v heads replicated by tiling when sp > num_kv_heads",
@@ -65,6 +71,7 @@ GQA_TILED = ulysses_mutant(
     "another group's k/v head; verl's Ulysses requires sp % num_kv_heads == 0 and repeats kv to "
     "sp (verl #1226), VeOmni PR #162 fixed repeat_kv applied along the wrong dim",
     kv_heads=_kv_heads_tiled,
+    kv_index=_kv_index_interleaved_locally,
     source="verl #1226; VeOmni PR #162 (repeat kv bug with ulysses); prime-rl PR #3042 (repeat_interleave index algebra)",
 )
 

@@ -19,6 +19,7 @@ then averages over DP.
 
     seq_to_heads(x, heads_for, seq_sizes, group), heads_to_seq(y, heads_for, seq_sizes, A, group)
     kv_heads(q_heads, num_heads, num_kv_heads) -> heads_for of k/v
+    kv_index(my_q_heads, my_kv_heads, group) -> which received k/v head each query head uses
     seq_sizes(ctx) -> the token counts the all-to-alls are sized with
     positions(positions, ctx) -> the position ids this rank embeds
     sync_grads(module, ctx)                          after backward
@@ -50,6 +51,12 @@ def global_positions(positions: torch.Tensor, ctx: RankContext) -> torch.Tensor:
     return positions
 
 
+def kv_index(mine_q: tuple[int, ...], mine_kv: tuple[int, ...], group: int) -> list[int]:
+    """For each of my query heads, which of the k/v heads I received it uses: query head i uses
+    k/v head i // group, received as the (i // group - first)-th (kv_heads sends a range)."""
+    return [i // group - (mine_kv[0] if mine_kv else 0) for i in mine_q]
+
+
 def all_reduce_coalesced(grads: list[torch.Tensor], group, divide_by: int = 1) -> None:
     """One flat all-reduce (SUM) of a list of grads, in place."""
     if not grads:
@@ -79,6 +86,7 @@ class Impl:
     seq_to_heads: Callable = mappings.seq_to_heads_fn
     heads_to_seq: Callable = mappings.heads_to_seq_fn
     kv_heads: Callable = mappings.kv_heads
+    kv_index: Callable = kv_index
     seq_sizes: Callable = engine_seq_sizes
     positions: Callable = global_positions
     sync_grads: Callable = sync_grads
@@ -103,9 +111,7 @@ class UlyssesAttention(nn.Module):
         self.q_heads = mappings.query_heads(self.num_heads, ctx.tp)
         self.kv_for = impl.kv_heads(self.q_heads, self.num_heads, self.num_kv_heads)
         mine_q, mine_kv = self.q_heads[ctx.tp_rank], self.kv_for[ctx.tp_rank]
-        group = self.num_heads // self.num_kv_heads
-        # my query head i uses k/v head i // group, the (i // group - first)-th k/v head I received
-        self.kv_index = torch.tensor([i // group - (mine_kv[0] if mine_kv else 0) for i in mine_q],
+        self.kv_index = torch.tensor(impl.kv_index(mine_q, mine_kv, self.num_heads // self.num_kv_heads),
                                      dtype=torch.long)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
