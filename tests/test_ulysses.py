@@ -70,7 +70,7 @@ def test_loss_normalisation_and_label_shift_with_an_empty_rank(sp_check):
     for mutant in ("mutant-ulysses-loss-mean-per-rank", "mutant-ulysses-label-shift-per-shard"):
         bad = sp_check(config.replace(case=mutant))
         assert bad.verdict == "FAIL", f"{mutant} passed on shards 4/0/3"
-        assert bad.first_check.startswith("forward"), format_result(bad)  # the loss, before any grad
+        assert bad.first_check == "loss", format_result(bad)  # the loss itself, before any grad
 
 
 def test_mean_of_means_is_right_on_even_shards(sp_check):
@@ -100,7 +100,9 @@ def test_kv_heads_cover_every_query_head():
 
 def test_strategy_rejects_bad_bounds():
     with pytest.raises(ValueError, match="min_world_size"):
-        ulysses_configs(min_world_size=3, max_world_size=2).example()
+        ulysses_configs(min_world_size=3, max_world_size=2)
+    with pytest.raises(ValueError, match="max_tokens"):
+        ulysses_configs(max_tokens=0)
 
 
 @given(data=st.data())
