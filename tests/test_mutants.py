@@ -29,6 +29,13 @@ EXPECTED_KILLER = {
     "mutant-sp-row-bias-before-reduce": ("forward", "even"),
     "mutant-tp-all-reduce-world": ("forward", "dp2xtp2"),
     "mutant-tp-row-bias-before-reduce": ("forward", "even"),
+    "mutant-ulysses-a2a-assumes-even": ("crash", "uneven"),
+    "mutant-ulysses-backward-forward-splits": ("crash", "uneven"),
+    "mutant-ulysses-gqa-kv-heads-tiled": ("forward", "uneven"),
+    "mutant-ulysses-label-shift-per-shard": ("forward (loss)", "even"),
+    "mutant-ulysses-local-positions": ("forward", "even"),
+    "mutant-ulysses-loss-mean-per-rank": ("forward (loss)", "uneven"),
+    "mutant-ulysses-no-sp-grad-sync": ("grad", "even"),
 }
 """mutant -> (check that kills it first, battery entry). Pinned from `sp-harness mutants`."""
 

@@ -7,4 +7,5 @@ from sp_harness.cases.mutants import (
     megatron_mutants,  # noqa: F401
     memory_mutants,  # noqa: F401
     scaled_mutants,  # noqa: F401  (sensitivity probes, tagged 'scaled': not in the battery)
+    ulysses_mutants,  # noqa: F401
 )

@@ -1,0 +1,111 @@
+"""ulysses-gpt: DeepSpeed-Ulysses all-to-all sequence parallelism on the reference GPT.
+
+Stage: build reference + build sharded. `ulysses_shard(impl)` is the sharded factory built from
+an `Impl`; mutants swap one piece of `CORRECT`.
+
+Supported: any dp x sp mesh (world_size = dp x sp; the SP group is the engine's TP group); uneven
+sequence shards (torch.chunk's split or explicit seq_shards), including ranks with one token or
+none; uneven heads (balanced: 4 heads over 3 ranks are 2/1/1; more ranks than heads leaves
+ranks with no heads, which still take part in every all-to-all); grouped-query attention with
+any num_kv_heads dividing num_heads, fewer k/v heads than ranks included (each rank is sent the
+k/v heads its query heads need; one k/v head may go to several ranks); causal or not; both norms.
+Unsupported (declared by `validate`, with the numbers): layout 'sbh' (activations are [b, s, h]
+only), load_balancer other than 'none' (contiguous shards only), ring_degree other than 1 (no
+ring inside; a hybrid case would be another case).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from sp_harness.cases.common import GPT_DEFAULTS, MARKOV_TRAINING, build_reference_gpt, gpt_batch, gpt_tokens
+from sp_harness.cases.ulysses.model import CORRECT, Impl, build_sharded
+from sp_harness.config.case import Batch, Case, Example, Layout, RankContext, Sharded, Training, Unsupported, register
+from sp_harness.config.check_config import CheckConfig
+from sp_harness.reference.gpt import token_loss_sum
+
+DEFAULTS = dict(GPT_DEFAULTS, num_kv_heads=2)
+"""A small GPT: 4 query heads sharing 2 k/v heads (GQA by default, so the default battery's
+3-rank entry already has fewer k/v heads than ranks: 2/1/1 query heads need k/v heads 0/1/1)."""
+INPUT_LAYOUT = Layout(seq_dim=1, batch_dim=0)
+
+
+def with_positions(made) -> Batch:
+    """(tokens, targets) -> Batch with positions = arange(S) per sequence, so each rank's slice
+    of them is its tokens' GLOBAL positions."""
+    tokens, targets = made if not isinstance(made, Batch) else (made.inputs["tokens"], made.target)
+    positions = torch.arange(tokens.shape[1]).expand(tokens.shape[0], -1).contiguous()  # (B, S) int64
+    return Batch(inputs={"tokens": tokens, "positions": positions}, target=targets)
+
+
+def make_batch(config: CheckConfig, step: int, gen: torch.Generator) -> Batch:
+    """int64 tokens and positions [dp*batch, seq_len], next tokens as targets."""
+    return with_positions(gpt_batch(config, step, gen))
+
+
+def build_reference(config: CheckConfig) -> nn.Module:
+    return build_reference_gpt(config)
+
+
+def validate(config: CheckConfig) -> None:
+    a, a_kv = config.num_heads, config.num_kv_heads or config.num_heads
+    if config.hidden % a:
+        raise ValueError(f"num_heads({a}) does not divide hidden({config.hidden})")
+    if a % a_kv:
+        raise ValueError(f"num_kv_heads({a_kv}) does not divide num_heads({a})")
+    if config.layout not in (None, "bsh"):
+        raise Unsupported(f"ulysses-gpt keeps activations [b, s, h]: layout {config.layout!r} asked")
+    if config.load_balancer not in (None, "none"):
+        raise Unsupported(f"ulysses-gpt shards the sequence contiguously: load_balancer {config.load_balancer!r} "
+                          f"asked (a causal load balancer is a ring-attention concern)")
+    if config.ring_degree not in (None, 1):
+        raise Unsupported(f"ulysses-gpt is pure Ulysses: ring_degree({config.ring_degree}) asked, needs 1 "
+                          f"(sp = {config.tp} ranks all in the all-to-all)")
+
+
+def ulysses_shard(impl: Impl):
+    """The sharded factory of the Ulysses GPT built from `impl`."""
+
+    def shard(ref: nn.Module, ctx: RankContext) -> Sharded:
+        return build_sharded(ref, ctx, impl)
+
+    return shard
+
+
+TRAINING = Training(batches=lambda config, step, data_seed: with_positions(
+                        MARKOV_TRAINING.batches(config, step, data_seed)),
+                    loss_floor=MARKOV_TRAINING.loss_floor, floor_label=MARKOV_TRAINING.floor_label)
+"""MARKOV_TRAINING's chain, with the positions input this case's model takes."""
+
+ULYSSES = register(Case(
+    name="ulysses-gpt",
+    description="DeepSpeed-Ulysses SP GPT: sequence-sharded activations, all-to-all seq<->heads around attention",
+    build_reference=build_reference,
+    make_batch=make_batch,
+    loss_sum=token_loss_sum,
+    tokens=gpt_tokens,
+    shard=ulysses_shard(CORRECT),
+    validate=validate,
+    defaults=DEFAULTS,
+    input_layout=INPUT_LAYOUT,
+    tags=("ulysses",),
+    baseline="",
+    training=TRAINING,
+    examples=(
+        Example(fields=(("world_size", 2),), note="even: 12 tokens 6/6, 4 heads 2/2, k/v heads 1/1"),
+        Example(fields=(("world_size", 3), ("seq_len", 10)),
+                note="uneven: 10 tokens 4/4/2, heads 2/1/1, 2 k/v heads over 3 ranks (k/v head 1 on two ranks)"),
+        Example(fields=(("world_size", 3), ("seq_shards", (4, 0, 1))),
+                note="a rank with no tokens and one with one token"),
+        Example(fields=(("world_size", 4), ("num_heads", 6), ("hidden", 36), ("num_kv_heads", 6)),
+                note="uneven heads 2/2/1/1, plain multi-head attention"),
+        Example(fields=(("world_size", 4), ("num_kv_heads", 1)), note="MQA: one k/v head sent to all 4 ranks"),
+        Example(fields=(("world_size", 3), ("num_heads", 2), ("hidden", 16), ("num_kv_heads", 1)),
+                note="more ranks than heads: heads 1/1/0"),
+        Example(fields=(("world_size", 2), ("causal", False), ("seq_len", 9)), note="non-causal, 9 tokens 5/4"),
+        Example(fields=(("world_size", 4), ("dp", 2), ("seq_len", 7)), note="2 x 2 DP x SP mesh, 7 tokens 4/3"),
+    ),
+))
+
+__all__ = ["ULYSSES", "ulysses_shard", "CORRECT", "Impl", "validate", "with_positions"]
