@@ -13,7 +13,6 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
-from torch import nn
 
 from sp_harness.cases.ring.mappings import Ring, keep, ring_shift
 from sp_harness.cases.ring.placement import ORDERS, block_mask
