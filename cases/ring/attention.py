@@ -112,12 +112,13 @@ class RingAttention(Attention):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, s, _ = x.shape  # (B, s, H): this rank's tokens
-        q = self.q_proj(x).view(b, s, -1, self.head_dim).transpose(1, 2)  # (B, a, s, d)
-        k = self.k_proj(x).view(b, s, -1, self.head_dim).transpose(1, 2)  # (B, a_kv, s, d)
-        v = self.v_proj(x).view(b, s, -1, self.head_dim).transpose(1, 2)  # (B, a_kv, s, d)
+        # head counts spelled out: an empty shard (s = 0) cannot infer a -1
+        q = self.q_proj(x).view(b, s, self.num_heads, self.head_dim).transpose(1, 2)  # (B, a, s, d)
+        k = self.k_proj(x).view(b, s, self.num_kv_heads, self.head_dim).transpose(1, 2)  # (B, a_kv, s, d)
+        v = self.v_proj(x).view(b, s, self.num_kv_heads, self.head_dim).transpose(1, 2)  # (B, a_kv, s, d)
         y = ring_attention(q, k, v, ring=self.ring, positions=self.positions, causal=self.causal,
                            balancer=self.balancer, seq_len=self.seq_len, impl=self.impl, work=self.work)
-        return self.out_proj(y.transpose(1, 2).reshape(b, s, -1))  # (B, s, H)
+        return self.out_proj(y.transpose(1, 2).reshape(b, s, self.num_heads * self.head_dim))  # (B, s, H)
 
 
 def to_ring(attn: Attention, **setup) -> RingAttention:
