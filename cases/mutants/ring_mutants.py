@@ -75,6 +75,19 @@ CAUSAL_UNDER_BALANCER = blind_mutant(
 )
 
 
+# (b') zigzag and causal (the battery's every entry): the mask is built in the original order.
+MASK_IGNORES_BALANCER = ring_mutant(
+    "mutant-ring-mask-ignores-zigzag",
+    "causal mask built from contiguous positions while the tokens are zigzag-placed",
+    "causal mask of load-balanced context parallelism built in the original sequence order instead "
+    "of the load balancer's reordered one: each rank masks as if it held a contiguous shard, so "
+    "queries see future keys and miss past ones (the fix for pytorch/pytorch#147793, PR #177583, "
+    "had to reconstruct CP's load-balanced order and build the causal mask in that reordered space)",
+    source="pytorch/pytorch#147793; pytorch/pytorch PR #177583",
+    mask_placement=lambda balancer: contiguous_order,
+)
+
+
 # (c) zigzag with seq_len % 2W != 0 (the battery's uneven entry: 10 tokens over 3 ranks).
 def _tail_dropped(k_pos: torch.Tensor, seq_len: int, world: int, balancer: str) -> torch.Tensor:
     """Keys past the last whole 2W-chunk: what seq_len // (2W)-sized zigzag chunks never cover."""

@@ -72,6 +72,8 @@ class Impl:
     """How two partial attentions combine."""
     keys_dropped: Callable[[torch.Tensor, int, int, str], torch.Tensor] | None = None
     """(k positions, seq_len, W, load_balancer) -> bool per key left out of the ring; None: none."""
+    mask_placement: Callable[[str], Callable[[int, tuple[int, ...]], torch.Tensor]] | None = None
+    """The placement the attention masks assume; None: `placement`, where the tokens really are."""
 
 
 CORRECT = Impl()

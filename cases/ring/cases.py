@@ -91,7 +91,9 @@ def ring_shard(impl: Impl = CORRECT, local_loss=None):
     def shard(ref: nn.Module, ctx: RankContext) -> Sharded:
         config = _filled(ctx.config)
         order = impl.placement(config.load_balancer)
-        positions = rank_positions(order(config.seq_len, ctx.seq_shards), ctx.seq_shards)
+        # the positions the masks are built from: where the placement puts the tokens
+        masked_as = order if impl.mask_placement is None else impl.mask_placement(config.load_balancer)
+        positions = rank_positions(masked_as(config.seq_len, ctx.seq_shards), ctx.seq_shards)
         ring = Ring(rank=ctx.tp_rank, ranks=ctx.tp_ranks, group=ctx.tp_group, seq_shards=ctx.seq_shards)
         for block in ref.blocks:
             to_ring(block.attn, ring=ring, positions=positions, balancer=config.load_balancer,
