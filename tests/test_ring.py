@@ -9,7 +9,7 @@ import torch
 from hypothesis import given, note
 from hypothesis import strategies as st
 
-from sp_harness.cases.mutants import ring_mutants
+from sp_harness.cases.mutants import ring_blind_mutants
 from sp_harness.cases.ring.attention import CORRECT, ring_attention
 from sp_harness.cases.ring.cases import RING
 from sp_harness.cases.ring.mappings import Ring
@@ -29,7 +29,7 @@ from sp_harness.config.shards import chunk_sizes
 from sp_harness.judge.expect import expected_verdict
 from sp_harness.reference.gpt import attention
 
-MUTANTS_FILE = Path(ring_mutants.__file__).resolve()
+MUTANTS_FILE = Path(ring_blind_mutants.__file__).resolve()
 
 
 # ------------------------------------------------------------------ placement and balance
@@ -81,7 +81,7 @@ def _shard_positions(case, config: CheckConfig) -> tuple[torch.Tensor, ...]:
 def test_balance_check_kills_the_unbalanced_placement_mutant():
     config = CheckConfig(case="ring-gpt", world_size=4, seq_len=64)
     assert imbalance(work_of(_shard_positions(RING, config), causal=True)) == 1.0
-    work = work_of(_shard_positions(ring_mutants.UNBALANCED, config), causal=True)
+    work = work_of(_shard_positions(ring_blind_mutants.UNBALANCED, config), causal=True)
     assert imbalance(work) > 6.0, work  # 2W-1 = 7 in the limit; 6.1 at 16 tokens per rank
 
 

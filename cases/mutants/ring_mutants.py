@@ -1,11 +1,8 @@
 """Broken variants of ring-gpt: each is the correct `Impl` (or loss) with one piece swapped.
 
 Stage: build sharded. Which configs expose each one is in the comment next to it. The battery
-runs ring-gpt at its defaults (zigzag, causal). Two bugs are invisible to it: the non-causal one
-needs causal=False, the placement one is numerically correct (only the balance accounting sees
-it). Those two are `blind_mutant`s: built like the others but NOT registered (the catalogue is
-what the battery must kill); tests/test_ring.py kills them, loading them by path
-(`cases/mutants/ring_mutants.py:NAME`, which ranks can load too).
+runs ring-gpt at its defaults (zigzag, causal); the two bugs it cannot see are in
+ring_blind_mutants.py.
 """
 
 from __future__ import annotations
@@ -17,8 +14,8 @@ import torch
 from sp_harness.cases.ring.attention import CORRECT, Partial
 from sp_harness.cases.ring.cases import RING, ring_shard
 from sp_harness.cases.ring.mappings import Ring, exchange
-from sp_harness.cases.ring.placement import block_mask, contiguous_order
-from sp_harness.config.case import Case, mutant
+from sp_harness.cases.ring.placement import contiguous_order
+from sp_harness.config.case import mutant
 
 TAGS = ("ring",)
 
@@ -27,14 +24,6 @@ def ring_mutant(name: str, summary: str, bug: str, *, source: str, local_loss=No
     """`CORRECT` with the `Impl` fields in `swap` replaced, registered as a mutant of ring-gpt."""
     return mutant(RING, name=name, summary=summary, bug=bug, source=source, tags=TAGS,
                   shard=ring_shard(dataclasses.replace(CORRECT, **swap), local_loss=local_loss))
-
-
-def blind_mutant(name: str, summary: str, bug: str, *, source: str, **swap) -> Case:
-    """Like `ring_mutant`, not registered: a bug the default battery cannot see (see above)."""
-    return dataclasses.replace(
-        RING, name=name, description=f"MUTANT {RING.name}: {summary}", models_bug=bug, source=source,
-        twin=RING.name, tags=RING.tags + ("mutant", "battery-blind"), examples=(),
-        shard=ring_shard(dataclasses.replace(CORRECT, **swap)))
 
 
 # (a) any config with cp > 1: k_proj / v_proj grads miss every other rank's queries' share.
@@ -61,19 +50,6 @@ DKV_NOT_SENT_BACK = ring_mutant(
     source="NVIDIA/Megatron-LM#1465; NVIDIA/TransformerEngine#1557",
     shift=lambda kv, ring, recv_len: _ShiftNoGradBack.apply(kv, ring, recv_len),
 )
-
-# (b) only causal=False with load_balancer='zigzag': the mask assumes causal attention whenever
-# the load balancer is on. The battery runs causal; pinned in tests/test_ring.py.
-CAUSAL_UNDER_BALANCER = blind_mutant(
-    "mutant-ring-balancer-assumes-causal",
-    "causal mask applied under the zigzag balancer even for causal=False",
-    "load-balanced (zigzag) ring attention written for causal attention only: with is_causal=False "
-    "the balanced path still masks as if causal (pytorch/pytorch#141429 'non-causal ring attention "
-    "broken' with enable_load_balance; the fix asserted the combination unsupported, PR #141622)",
-    source="pytorch/pytorch#141429; pytorch/pytorch#141622",
-    mask=lambda q_pos, k_pos, causal, balancer: block_mask(q_pos, k_pos, causal or balancer == "zigzag"),
-)
-
 
 # (b') zigzag and causal (the battery's every entry): the mask is built in the original order.
 MASK_IGNORES_BALANCER = ring_mutant(
@@ -145,16 +121,4 @@ PER_RANK_LOSS_NORM = ring_mutant(
     "... even an all-ones mask gives different weights after CP partitioning'; PR #7513)",
     source="NVIDIA/Megatron-LM PR #7498; NVIDIA/Megatron-LM PR #7513",
     local_loss=_per_rank_mean_loss,
-)
-
-# (f) numerically correct: plain contiguous placement while load_balancer says zigzag. Only the
-# balance accounting sees it (tests/test_ring.py pins that), no tensor check can.
-UNBALANCED = blind_mutant(
-    "mutant-ring-zigzag-unbalanced",
-    "contiguous causal shards claimed as zigzag (correct numbers, rank W-1 does ~2W-1x rank 0's work)",
-    "load balancer not applied: the sequence is cut into contiguous shards although zigzag was "
-    "asked, so under causal attention the last rank scores ~2W-1 times the first rank's pairs "
-    "(pytorch/pytorch#189902)",
-    source="pytorch/pytorch#189902",
-    placement=lambda balancer: contiguous_order,
 )
