@@ -40,9 +40,12 @@ CAUSAL_UNDER_BALANCER = blind_mutant(
 UNBALANCED = blind_mutant(
     "mutant-ring-zigzag-unbalanced",
     "contiguous causal shards claimed as zigzag (correct numbers, rank W-1 does ~2W-1x rank 0's work)",
-    "load balancer not applied: the sequence is cut into contiguous shards although zigzag was "
-    "asked, so under causal attention the last rank scores ~2W-1 times the first rank's pairs "
-    "(pytorch/pytorch#189902)",
-    source="pytorch/pytorch#189902",
+    "load balancer whose rearrangement does not survive the contiguous cut, here in its simplest "
+    "form (the identity): with causal attention the last rank scores ~2W-1 times the first rank's "
+    "pairs. Outputs stay exactly right, so no tensor check can see it (pytorch/pytorch PR #189902: "
+    "the per-document head-tail balancer laid its indices out document-major, CP cut them "
+    "contiguously, and some ranks inherited a document's whole causal tail; 'the existing "
+    "correctness tests never caught it')",
+    source="pytorch/pytorch PR #189902",
     placement=lambda balancer: contiguous_order,
 )
