@@ -191,3 +191,38 @@ def test_ring_configs_validates_its_bounds():
         ring_configs(max_tokens=0)
     with pytest.raises(ValueError, match="min_world_size"):
         ring_configs(min_world_size=3, max_world_size=2)
+
+
+# ------------------------------------------------------------------ the engine's Layout.seq_order
+
+def _ctx(rank: int, shards: tuple[int, ...]) -> RankContext:
+    config = CheckConfig(case="ring-gpt", world_size=len(shards), seq_len=sum(shards))
+    return RankContext(config=config, rank=rank, world_size=len(shards), dp_rank=0, tp_rank=rank, tp_group=None,
+                       dp_group=None, tp_ranks=tuple(range(len(shards))), dp_ranks=(rank,), seq_shards=shards,
+                       device=torch.device("cpu"))
+
+
+def test_cut_applies_seq_order_before_the_contiguous_cut():
+    from sp_harness.config.case import Layout
+    from sp_harness.step.inputs import cut, seq_index
+
+    shards, x = (3, 3), torch.arange(24).view(2, 6, 2)  # (B, S, H)
+    layout = Layout(seq_dim=1, batch_dim=0, seq_order=zigzag_order)
+    for r, want in enumerate(([0, 1, 5], [2, 3, 4])):  # fronts of 2, backs of 1
+        piece, offset = cut(x, layout, _ctx(r, shards))
+        assert torch.equal(piece, x[:, want]) and offset == (0, 0, 0)
+        assert seq_index(layout, 6, shards, r).tolist() == want
+    # no seq_order: the contiguous cut and its offset, as before
+    piece, offset = cut(x, Layout(seq_dim=1, batch_dim=0), _ctx(1, shards))
+    assert torch.equal(piece, x[:, 3:]) and offset == (0, 3, 0)
+    with pytest.raises(ValueError, match="not a permutation"):
+        cut(x, Layout(seq_dim=1, seq_order=lambda n, s: torch.zeros(n, dtype=torch.long)), _ctx(0, shards))
+
+
+def test_localisation_lines_up_permuted_pieces():
+    from sp_harness.compare.divergence import _line_up
+
+    ref, index = torch.randn(2, 6, 4), torch.tensor([1, 2, 3])
+    line_up = _line_up(ref[:, index], ref, 6, (3, 3), 1, index)
+    assert torch.equal(line_up(ref), ref[:, index])
+    assert torch.equal(_line_up(ref[:, 3:], ref, 6, (3, 3), 1)(ref), ref[:, 3:])
