@@ -226,3 +226,18 @@ def test_localisation_lines_up_permuted_pieces():
     line_up = _line_up(ref[:, index], ref, 6, (3, 3), 1, index)
     assert torch.equal(line_up(ref), ref[:, index])
     assert torch.equal(_line_up(ref[:, 3:], ref, 6, (3, 3), 1)(ref), ref[:, 3:])
+
+
+def test_load_balance_check_passes_zigzag_and_fails_the_unbalanced_mutant():
+    from sp_harness.checks import get_check, run_check
+
+    check = get_check("load-balance")
+    good = run_check(check, CheckConfig(case="ring-gpt", world_size=4, seq_len=16), runner=None)
+    assert good.status == "pass" and good.figures.ratio == 1.0, good.detail
+    bad = run_check(check, CheckConfig(case=f"{MUTANTS_FILE}:UNBALANCED", world_size=4, seq_len=16), runner=None)
+    assert bad.status == "fail" and bad.caught_by == "load balance", bad.detail
+    assert bad.figures.ratio > 4.0, bad.detail  # 4 tokens per rank: 10 vs 58 pairs
+    # where the claim does not hold exactly, or nothing is claimed: n/a, not a guess
+    for fields in (dict(seq_len=10), dict(seq_len=16, load_balancer="none"), dict(seq_len=16, causal=False)):
+        assert run_check(check, CheckConfig(case="ring-gpt", world_size=4, **fields), runner=None).status == "n/a"
+    assert run_check(check, CheckConfig(case="megatron-gpt-sp", world_size=2), runner=None).status == "n/a"
