@@ -78,7 +78,7 @@ class LoadBalance:
                        detail=fig.describe(), repro=config.repro() + " --also load-balance", figures=fig)
 
     def render(self, outcome: Outcome) -> str:
-        return outcome.detail
+        return f"load balance {outcome.status.upper()}: {outcome.detail}"
 
 
 CHECK = LoadBalance()
