@@ -26,6 +26,7 @@ from sp_harness.checks.verify import format_result
 from sp_harness.config.case import RankContext
 from sp_harness.config.check_config import CheckConfig
 from sp_harness.config.shards import chunk_sizes
+from sp_harness.config.strategies import adversaries
 from sp_harness.judge.expect import expected_verdict
 from sp_harness.reference.gpt import attention
 
@@ -179,7 +180,8 @@ def test_unbalanced_placement_mutant_is_numerically_correct(sp_check):
 
 @given(data=st.data())
 def test_ring_configs_get_their_expected_verdict(sp_check, sp_max_world_size, data):
-    config = data.draw(ring_configs(max_world_size=sp_max_world_size), label="config")
+    config = data.draw(ring_configs(max_world_size=sp_max_world_size, adversary_choices=adversaries(include_off=True)),
+                       label="config")
     res = sp_check(config)
     want = expected_verdict(config)
     note(format_result(res))

@@ -12,11 +12,13 @@ from sp_harness.config.strategies import dtypes, meshes, norms, seeds, shard_siz
 
 def ring_configs(*, case: str = "ring-gpt", min_world_size: int = 1, max_world_size: int = 4,
                  max_dp: int = 2, max_tokens: int = 5, max_heads: int = 4, max_head_dim: int = 4,
-                 max_steps: int = 2, include_sbh: bool = True) -> st.SearchStrategy[CheckConfig]:
+                 max_steps: int = 2, include_sbh: bool = True,
+                 adversary_choices: st.SearchStrategy[str] | None = None) -> st.SearchStrategy[CheckConfig]:
     """ring-gpt configs: dp x cp meshes, per-rank shards from 0 tokens up (empty and 1-token
     shards, seq_len % 2W anything), or torch.chunk's split of a drawn seq_len; causal or not,
     zigzag or contiguous, grouped-query heads (num_kv_heads dividing num_heads); 'sbh' (which the
-    case declares UNSUPPORTED) when `include_sbh`."""
+    case declares UNSUPPORTED) when `include_sbh`; `adversary_choices` draws the reorder-adversary
+    mode (default off)."""
     if not 1 <= min_world_size <= max_world_size:
         raise ValueError(f"need 1 <= min_world_size <= max_world_size, got {min_world_size}, {max_world_size}")
     for label, value in (("max_dp", max_dp), ("max_tokens", max_tokens), ("max_heads", max_heads),
@@ -24,12 +26,12 @@ def ring_configs(*, case: str = "ring-gpt", min_world_size: int = 1, max_world_s
         if value < 1:
             raise ValueError(f"{label} must be >= 1, got {value}")
     return _ring_configs(case, min_world_size, max_world_size, max_dp, max_tokens, max_heads, max_head_dim,
-                         max_steps, include_sbh)
+                         max_steps, include_sbh, adversary_choices)
 
 
 @st.composite
 def _ring_configs(draw, case, min_world_size, max_world_size, max_dp, max_tokens, max_heads, max_head_dim,
-                  max_steps, include_sbh) -> CheckConfig:
+                  max_steps, include_sbh, adversary_choices) -> CheckConfig:
     dp, cp = draw(meshes(min_world_size=min_world_size, max_world_size=max_world_size, max_dp=max_dp))
     if draw(st.booleans()):
         seq_shards = None
@@ -48,4 +50,5 @@ def _ring_configs(draw, case, min_world_size, max_world_size, max_dp, max_tokens
         ffn=draw(st.integers(1, 16)), num_layers=draw(st.integers(1, 2)), vocab=draw(st.integers(2, 16)),
         norm=draw(norms()), layout=draw(st.sampled_from(["bsh", "sbh"] if include_sbh else ["bsh"])),
         dtype=draw(dtypes()), steps=draw(st.integers(1, max_steps)), seed=draw(seeds()),
+        adversary=draw(adversary_choices) if adversary_choices is not None else "off",
     )
