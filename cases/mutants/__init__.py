@@ -6,6 +6,7 @@ from sp_harness.cases.mutants import (
     megatron_collective_mutants,  # noqa: F401
     megatron_mutants,  # noqa: F401
     memory_mutants,  # noqa: F401
+    ring_mutants,  # noqa: F401
     scaled_mutants,  # noqa: F401  (sensitivity probes, tagged 'scaled': not in the battery)
     ulysses_mutants,  # noqa: F401
 )

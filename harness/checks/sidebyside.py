@@ -31,7 +31,7 @@ from sp_harness.launch import announce
 from sp_harness.step.adversary import ReorderAdversary
 from sp_harness.step.anchor import gather_full
 from sp_harness.step.build import build
-from sp_harness.step.inputs import cut, forward_loss, global_loss, rank_batch, replica_slice
+from sp_harness.step.inputs import cut, forward_loss, global_loss, rank_batch, replica_slice, seq_index
 from sp_harness.step.optim_ref import make_optimizer, reference_step, state_of
 from sp_harness.step.params import Drift, LocalParam, replica_drift
 from sp_harness.step.reference import RefStep
@@ -166,7 +166,9 @@ class _SideBySide:
         rec = self.recorders
         self.result.divergence = first_divergence(
             step=step, rank=self.ctx.rank, sharded=rec[0], ref64=rec[1], ref_lp=rec[2], ref_alt=rec[3],
-            dtype=self.dtype, seq_len=self.config.seq_len, seq_shards=self.ctx.seq_shards, tp_rank=self.ctx.tp_rank)
+            dtype=self.dtype, seq_len=self.config.seq_len, seq_shards=self.ctx.seq_shards, tp_rank=self.ctx.tp_rank,
+            seq_index=seq_index(self.sharded.output_layout, self.config.seq_len, self.ctx.seq_shards,
+                                self.ctx.tp_rank))
 
     def optimizer_stage(self, step: int) -> None:
         """The update, judged on the sharded run's own params, grads and state."""

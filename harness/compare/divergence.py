@@ -37,8 +37,10 @@ class Divergence:
                 f"{self.ratio:.3g}x its bound)")
 
 
-def _line_up(got: torch.Tensor, ref: torch.Tensor, seq_len: int, seq_shards, tp_rank: int):
-    """`ref` cut to `got`'s piece (whole, or this rank's slice of a sequence dim), or None."""
+def _line_up(got: torch.Tensor, ref: torch.Tensor, seq_len: int, seq_shards, tp_rank: int,
+             seq_index: torch.Tensor | None = None):
+    """`ref` cut to `got`'s piece (whole, or this rank's slice of a sequence dim: the positions
+    `seq_index` names under a permuted layout), or None."""
     if got.shape == ref.shape:
         return lambda t: t
     if got.dim() != ref.dim():
@@ -46,13 +48,17 @@ def _line_up(got: torch.Tensor, ref: torch.Tensor, seq_len: int, seq_shards, tp_
     for dim in range(ref.dim()):
         if ref.shape[dim] == seq_len and got.shape[dim] == seq_shards[tp_rank] and all(
                 got.shape[d] == ref.shape[d] for d in range(ref.dim()) if d != dim):
+            if seq_index is not None:
+                return lambda t, dim=dim: t.index_select(dim, seq_index.to(t.device))
             return lambda t, dim=dim: sh.shard(t, dim, seq_shards, tp_rank)
     return None
 
 
 def first_divergence(*, step: int, rank: int, sharded: Recorder, ref64: Recorder, ref_lp: Recorder,
-                     ref_alt: Recorder, dtype: torch.dtype, seq_len: int, seq_shards, tp_rank: int
-                     ) -> Divergence:
+                     ref_alt: Recorder, dtype: torch.dtype, seq_len: int, seq_shards, tp_rank: int,
+                     seq_index: torch.Tensor | None = None) -> Divergence:
+    """`seq_index`: the global positions this rank's sequence pieces hold, for a permuted
+    (load-balanced) layout; None for contiguous shards."""
     for phase in ("forward", "backward"):
         got_side = getattr(sharded, phase)
         for order, (name, got) in enumerate(got_side.items()):
@@ -61,7 +67,7 @@ def first_divergence(*, step: int, rank: int, sharded: Recorder, ref64: Recorder
             want_alt = getattr(ref_alt, phase).get(name)
             if want is None or want_lp is None:
                 continue
-            cut = _line_up(got, want, seq_len, seq_shards, tp_rank)
+            cut = _line_up(got, want, seq_len, seq_shards, tp_rank, seq_index)
             if cut is None:
                 continue
             chk = check_tensor(kind=phase, name=name, step=step, rank=rank, got=got, ref64=cut(want),

@@ -40,6 +40,12 @@ class Layout:
     """Dim split across DP replicas; None if the tensor has no batch dim (then dp must be 1)."""
     seq_sharded: bool = True
     """True: each TP rank holds its own slice of `seq_dim` (SP). False: replicated over TP."""
+    seq_order: Callable[[int, tuple[int, ...]], torch.Tensor] | None = None
+    """Load-balanced placement (context parallelism): (seq_len, seq_shards) -> a permutation of
+    the global positions 0..seq_len-1 (int64), applied along `seq_dim` before the contiguous cut
+    by `seq_shards`, so TP rank r holds positions order[off_r : off_r + seq_shards[r]] in that
+    order (zigzag: rank i holds chunks i and 2W-1-i). None: the identity (contiguous shards).
+    A permuted piece's reported offset on `seq_dim` is 0: its rows are not one global range."""
 
 
 @dataclass(kw_only=True, frozen=True)

@@ -14,16 +14,32 @@ from sp_harness.config.case import Batch, Case, Layout, RankContext, Sharded
 from sp_harness.step.context import is_dtensor
 
 
+def seq_index(layout: Layout, seq_len: int, seq_shards: tuple[int, ...], tp_rank: int) -> torch.Tensor | None:
+    """The global positions a TP rank's piece holds, in its order, for a permuted layout; else None."""
+    if layout.seq_order is None or not layout.seq_sharded:
+        return None
+    order = torch.as_tensor(layout.seq_order(seq_len, tuple(seq_shards)), dtype=torch.long)
+    if sorted(order.tolist()) != list(range(seq_len)):
+        raise ValueError(f"Layout.seq_order({seq_len}, {list(seq_shards)}) is not a permutation of "
+                         f"0..{seq_len - 1}: {order.tolist()}")
+    return order.narrow(0, sh.offsets(seq_shards)[tp_rank], seq_shards[tp_rank])
+
+
 def cut(tensor: torch.Tensor, layout: Layout, ctx: RankContext) -> tuple[torch.Tensor, tuple[int, ...]]:
-    """This rank's piece of a global tensor, and the piece's offset in it."""
+    """This rank's piece of a global tensor, and the piece's offset in it (0 on a permuted
+    sequence dim: the piece's rows are `seq_index`'s positions, not one range)."""
     offset = [0] * tensor.dim()
     if layout.batch_dim is not None and ctx.dp > 1:
         sizes = sh.chunk_sizes(tensor.shape[layout.batch_dim], ctx.dp)
         offset[layout.batch_dim] = sh.offsets(sizes)[ctx.dp_rank]
         tensor = sh.shard(tensor, layout.batch_dim, sizes, ctx.dp_rank)
     if layout.seq_dim is not None and layout.seq_sharded:
-        offset[layout.seq_dim] = sh.offsets(ctx.seq_shards)[ctx.tp_rank]
-        tensor = sh.shard(tensor, layout.seq_dim, ctx.seq_shards, ctx.tp_rank)
+        index = seq_index(layout, tensor.shape[layout.seq_dim], ctx.seq_shards, ctx.tp_rank)
+        if index is None:
+            offset[layout.seq_dim] = sh.offsets(ctx.seq_shards)[ctx.tp_rank]
+            tensor = sh.shard(tensor, layout.seq_dim, ctx.seq_shards, ctx.tp_rank)
+        else:
+            tensor = tensor.index_select(layout.seq_dim, index.to(tensor.device))
     return tensor, tuple(offset)
 
 

@@ -1,0 +1,124 @@
+"""Broken variants of ring-gpt: each is the correct `Impl` (or loss) with one piece swapped.
+
+Stage: build sharded. Which configs expose each one is in the comment next to it. The battery
+runs ring-gpt at its defaults (zigzag, causal); the two bugs it cannot see are in
+ring_blind_mutants.py.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from sp_harness.cases.ring.attention import CORRECT, Partial
+from sp_harness.cases.ring.cases import RING, ring_shard
+from sp_harness.cases.ring.mappings import Ring, exchange
+from sp_harness.cases.ring.placement import contiguous_order
+from sp_harness.config.case import mutant
+
+TAGS = ("ring",)
+
+
+def ring_mutant(name: str, summary: str, bug: str, *, source: str, local_loss=None, **swap):
+    """`CORRECT` with the `Impl` fields in `swap` replaced, registered as a mutant of ring-gpt."""
+    return mutant(RING, name=name, summary=summary, bug=bug, source=source, tags=TAGS,
+                  shard=ring_shard(dataclasses.replace(CORRECT, **swap), local_loss=local_loss))
+
+
+# (a) any config with cp > 1: k_proj / v_proj grads miss every other rank's queries' share.
+class _ShiftNoGradBack(torch.autograd.Function):
+    """forward: send the k/v block to the next rank, return the previous rank's; backward: the
+    grad of the received copy is dropped (zeros), never sent back to the rank that owns it."""
+
+    @staticmethod
+    def forward(ctx, kv: torch.Tensor, ring: Ring, recv_len: int) -> torch.Tensor:
+        shape = kv.shape[:-2] + (recv_len, kv.shape[-1])
+        return exchange(kv, ring.next, kv.new_empty(shape), ring.prev, ring.group)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return None, None, None
+
+
+DKV_NOT_SENT_BACK = ring_mutant(
+    "mutant-ring-dkv-not-sent-back",
+    "k/v grads of received blocks not sent back around the ring",
+    "context-parallel backward with wrong dK/dV: the grads of the k/v blocks a rank received are "
+    "never returned to the rank that projected them, so each rank's k/v projections learn only "
+    "from its own queries (wrong dK/dV under CP: NVIDIA/Megatron-LM#1465; TransformerEngine#1557)",
+    source="NVIDIA/Megatron-LM#1465; NVIDIA/TransformerEngine#1557",
+    shift=lambda kv, ring, recv_len: _ShiftNoGradBack.apply(kv, ring, recv_len),
+)
+
+# (b') zigzag and causal (the battery's every entry): the mask is built in the original order.
+MASK_IGNORES_BALANCER = ring_mutant(
+    "mutant-ring-mask-ignores-zigzag",
+    "causal mask built from contiguous positions while the tokens are zigzag-placed",
+    "causal mask of load-balanced context parallelism built in the original sequence order instead "
+    "of the load balancer's reordered one: each rank masks as if it held a contiguous shard, so "
+    "queries see future keys and miss past ones (the fix for pytorch/pytorch#147793, PR #177583, "
+    "had to reconstruct CP's load-balanced order and build the causal mask in that reordered space)",
+    source="pytorch/pytorch#147793; pytorch/pytorch PR #177583",
+    mask_placement=lambda balancer: contiguous_order,
+)
+
+
+# (c) zigzag with seq_len % 2W != 0 (the battery's uneven entry: 10 tokens over 3 ranks).
+def _tail_dropped(k_pos: torch.Tensor, seq_len: int, world: int, balancer: str) -> torch.Tensor:
+    """Keys past the last whole 2W-chunk: what seq_len // (2W)-sized zigzag chunks never cover."""
+    if balancer != "zigzag":
+        return torch.zeros_like(k_pos, dtype=torch.bool)
+    return k_pos >= (seq_len // (2 * world)) * 2 * world
+
+
+TAIL_DROPPED = ring_mutant(
+    "mutant-ring-zigzag-drops-tail",
+    "zigzag chunks of seq_len // 2W tokens: the tail never enters the ring",
+    "zigzag split computing chunk = seq_len // (2 * cp) and slicing whole chunks: when seq_len % (2 * cp) "
+    "!= 0 the tail tokens are silently dropped (NVIDIA-BioNeMo/bionemo-recipes PR #1480 review: "
+    "'If seq_len % (2 * cp_world_size) != 0, the current logic drops tail tokens'); here their "
+    "keys/values never reach any query",
+    source="NVIDIA-BioNeMo/bionemo-recipes PR #1480",
+    keys_dropped=_tail_dropped,
+)
+
+
+# (d) any config: the running normaliser is the larger block's lse, not their log-sum-exp.
+def _max_merge(acc: Partial, part: Partial) -> Partial:
+    (out, lse), (out_b, lse_b) = acc, part
+    new = torch.maximum(lse, lse_b)  # wrong: the merged normaliser is logaddexp, not max
+    return out * (lse - new).exp() + out_b * (lse_b - new).exp(), new
+
+
+MAX_MERGE = ring_mutant(
+    "mutant-ring-merge-by-max",
+    "partial outputs merged by the max of their lse, not their log-sum-exp",
+    "online-softmax merge of ring-attention partials rescaled by the running max only (the flash "
+    "attention statistics m and l conflated): partial outputs are weighted exp(lse_i - max) and "
+    "never renormalised, so rows whose keys span several blocks are off (the merge every ring "
+    "attention implements: Liu et al. 2023 'Ring Attention with Blockwise Transformers', "
+    "zhuzilin/ring-flash-attention update_out_and_lse; Dao 2023 FlashAttention-2 eq. for m, l)",
+    source="arXiv:2310.01889; github.com/zhuzilin/ring-flash-attention utils.py update_out_and_lse",
+    merge=_max_merge,
+)
+
+
+# (e) uneven shards (the battery's uneven entry: 4/4/2).
+def _per_rank_mean_loss(out: torch.Tensor, target: torch.Tensor, ctx) -> torch.Tensor:
+    """Each CP rank's mean over its own tokens, then the ranks' mean: every rank weighs the same
+    whatever its token count, and a rank without tokens adds nothing but still counts."""
+    local = out.new_zeros(()) if target.numel() == 0 else RING.loss_sum(out, target) / target.numel()
+    return local / ctx.tp
+
+
+PER_RANK_LOSS_NORM = ring_mutant(
+    "mutant-ring-loss-per-rank-norm",
+    "loss normalised by each CP rank's own token count",
+    "per-token loss normalised by each context-parallel rank's local token count and then averaged "
+    "over CP ranks: ranks with fewer (or no) targets get the wrong weight, a rank with none drops "
+    "out (NVIDIA/Megatron-LM PR #7498 'a rank with no original LM targets ... discard[s] its gradient "
+    "... even an all-ones mask gives different weights after CP partitioning'; PR #7513)",
+    source="NVIDIA/Megatron-LM PR #7498; NVIDIA/Megatron-LM PR #7513",
+    local_loss=_per_rank_mean_loss,
+)

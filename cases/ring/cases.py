@@ -1,0 +1,135 @@
+"""ring-gpt: the reference GPT with context parallelism by ring attention.
+
+Stage: build reference + build sharded. world_size = dp x cp; the TP group of the engine is the
+context-parallel (CP) group. Every parameter is a replicated copy; each rank embeds and runs its
+own tokens (contiguous or zigzag, `load_balancer`), attention passes k/v around the ring
+(sp_harness.cases.ring.attention). Grads: each rank's loss covers its tokens over the global
+token count (the engine's default local loss), so replicated grads are SUMMED over CP, then
+averaged over DP.
+
+Supported: any dp x cp mesh, any sequence length and shard sizes (uneven, 1-token and empty
+shards; zigzag needs no seq_len % 2W: see placement.py), causal and non-causal, grouped-query
+attention, both norms, every dtype. Unsupported: layout 'sbh' (the GPT is [b, s, h]); a
+ring_degree other than 1 or cp (no hybrid Ulysses x ring here).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+from sp_harness.cases.common import GPT_DEFAULTS, MARKOV_TRAINING, build_reference_gpt, gpt_batch, gpt_tokens
+from sp_harness.cases.megatron.impl import all_reduce_coalesced
+from sp_harness.cases.ring.attention import CORRECT, Impl, to_ring
+from sp_harness.cases.ring.mappings import Ring
+from sp_harness.cases.ring.placement import rank_positions
+from sp_harness.config.case import Batch, Case, Example, Layout, RankContext, Sharded, Training, Unsupported, register
+from sp_harness.config.check_config import CheckConfig
+from sp_harness.reference.gpt import token_loss_sum
+
+DEFAULTS = dict(GPT_DEFAULTS, load_balancer="zigzag", causal=True)
+"""A small GPT; zigzag placement by default (as PyTorch's context_parallel balances by default)."""
+
+
+def _filled(config: CheckConfig) -> CheckConfig:
+    if config.seq_len is None and config.seq_shards is not None:
+        config = config.replace(seq_len=sum(config.seq_shards))
+    filled = {k: v for k, v in DEFAULTS.items() if getattr(config, k, None) is None}
+    return config.replace(**filled) if filled else config
+
+
+def with_positions(tokens: torch.Tensor, target: torch.Tensor) -> Batch:
+    """Tokens (B, S) and their global positions arange(S) per sequence, as named inputs: each
+    rank's piece then embeds its own tokens' global positions."""
+    positions = torch.arange(tokens.shape[1]).expand_as(tokens).contiguous()  # (B, S)
+    return Batch(inputs={"tokens": tokens, "positions": positions}, target=target)
+
+
+def make_batch(config: CheckConfig, step: int, gen: torch.Generator) -> Batch:
+    return with_positions(*gpt_batch(_filled(config), step, gen))
+
+
+def build_reference(config: CheckConfig) -> nn.Module:
+    return build_reference_gpt(_filled(config))
+
+
+def validate(config: CheckConfig) -> None:
+    config = _filled(config)
+    if config.layout == "sbh":
+        raise Unsupported("ring-gpt runs the reference GPT in [b, s, h]: layout 'sbh' asked")
+    if config.ring_degree not in (None, 1, config.tp):
+        raise Unsupported(f"ring-gpt rings the whole CP group: ring_degree({config.ring_degree}) must be 1 or "
+                          f"cp = world_size({config.world_size}) / dp({config.dp}) = {config.tp}")
+    kv = config.num_kv_heads or config.num_heads
+    if config.num_heads % kv or config.hidden % config.num_heads:
+        raise ValueError(f"num_kv_heads({kv}) must divide num_heads({config.num_heads}), which must divide "
+                         f"hidden({config.hidden})")
+
+
+def ring_sync(module: nn.Module, ctx: RankContext) -> Callable[[], None]:
+    """Replicated grads: SUM over CP (each rank's loss is its tokens' share of the global mean),
+    then the DP average. A param this rank's tokens never reached gets a zero grad first."""
+
+    def sync() -> None:
+        for p in module.parameters():
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+        grads = [p.grad for p in module.parameters()]
+        if ctx.tp > 1:
+            all_reduce_coalesced(grads, ctx.tp_group)
+        if ctx.dp > 1:
+            all_reduce_coalesced(grads, ctx.dp_group, divide_by=ctx.dp)
+
+    return sync
+
+
+def ring_shard(impl: Impl = CORRECT, local_loss=None):
+    """The sharded factory of ring-gpt built from `impl` (and an optional broken local loss)."""
+
+    def shard(ref: nn.Module, ctx: RankContext) -> Sharded:
+        config = _filled(ctx.config)
+        order = impl.placement(config.load_balancer)
+        # the positions the masks are built from: where the placement puts the tokens
+        masked_as = order if impl.mask_placement is None else impl.mask_placement(config.load_balancer)
+        positions = rank_positions(masked_as(config.seq_len, ctx.seq_shards), ctx.seq_shards)
+        ring = Ring(rank=ctx.tp_rank, ranks=ctx.tp_ranks, group=ctx.tp_group, seq_shards=ctx.seq_shards)
+        for block in ref.blocks:
+            to_ring(block.attn, ring=ring, positions=positions, balancer=config.load_balancer,
+                    seq_len=config.seq_len, impl=impl)
+        layout = Layout(seq_dim=1, batch_dim=0, seq_order=order)
+        return Sharded(module=ref, input_layout=layout, output_layout=layout, replicated=("*",),
+                       sync_grads=ring_sync(ref, ctx), local_loss=local_loss)
+
+    return shard
+
+
+RING = register(Case(
+    name="ring-gpt",
+    description="context parallel GPT: ring attention (p2p k/v ring, LSE merge), zigzag or contiguous",
+    build_reference=build_reference,
+    make_batch=make_batch,
+    loss_sum=token_loss_sum,
+    tokens=gpt_tokens,
+    shard=ring_shard(),
+    validate=validate,
+    defaults=DEFAULTS,
+    input_layout=Layout(seq_dim=1, batch_dim=0),
+    tags=("ring", "context-parallel"),
+    baseline="",
+    training=Training(batches=lambda config, step, seed: with_positions(*MARKOV_TRAINING.batches(config, step, seed)),
+                      loss_floor=MARKOV_TRAINING.loss_floor, floor_label=MARKOV_TRAINING.floor_label),
+    examples=(
+        Example(fields=(("world_size", 2),), note="even: 12 tokens, zigzag 3+3 per rank"),
+        Example(fields=(("world_size", 3), ("seq_len", 10)), note="uneven 4/4/2, 10 % 6 != 0 under zigzag"),
+        Example(fields=(("world_size", 4), ("seq_len", 3)), note="1-token and empty shards (1/1/1/0)"),
+        Example(fields=(("world_size", 2), ("load_balancer", "none")), note="contiguous causal shards"),
+        Example(fields=(("world_size", 3), ("seq_len", 10), ("causal", False)), note="non-causal under zigzag"),
+        Example(fields=(("world_size", 2), ("num_kv_heads", 2)), note="grouped-query attention (4 q / 2 kv heads)"),
+        Example(fields=(("world_size", 4), ("dp", 2), ("seq_len", 7)), note="2 x 2 dp x cp, 7 tokens 4/3"),
+        Example(fields=(("world_size", 2), ("dtype", "bfloat16")), note="bf16 run, float32 LSE merge"),
+    ),
+))
+
+__all__ = ["RING", "ring_shard", "ring_sync", "CORRECT", "Impl", "make_batch", "with_positions"]
