@@ -7,7 +7,7 @@ import functools
 import torch
 from torch.nn import functional as F
 
-from sp_harness.config.case import Training, Unsupported
+from sp_harness.config.case import Batch, Training, Unsupported
 from sp_harness.config.check_config import CheckConfig
 from sp_harness.config.shards import chunk_sizes
 from sp_harness.reference.gpt import GPTConfig, build_gpt, token_loss_sum
@@ -49,14 +49,23 @@ def _chain(vocab: int, seed: int, concentration: float) -> MarkovChain:
     return MarkovChain.from_seed(vocab=vocab, seed=seed, concentration=concentration)
 
 
-def markov_training(concentration: float = 0.1) -> Training:
+def with_positions(tokens: torch.Tensor, targets: torch.Tensor) -> Batch:
+    """Tokens (B, S) and their global positions arange(S) per sequence, as named inputs: a
+    sequence-sharded model's piece then embeds its own tokens' global positions."""
+    positions = torch.arange(tokens.shape[1]).expand_as(tokens).contiguous()  # (B, S) int64
+    return Batch(inputs={"tokens": tokens, "positions": positions}, target=targets)
+
+
+def markov_training(concentration: float = 0.1, *, positions: bool = False) -> Training:
     """Train on a fixed random Markov chain over the model's vocabulary (config.vocab), drawn
     from the data seed; its entropy rate is the exact floor of the next-token loss
-    (sp_harness.step.data). Lower `concentration`: more predictable rows, a lower floor."""
+    (sp_harness.step.data). Lower `concentration`: more predictable rows, a lower floor.
+    `positions`: batches carry the positions input too (`with_positions`)."""
 
     def batches(config: CheckConfig, step: int, data_seed: int):
         gen = torch.Generator().manual_seed(data_seed * 1_000_003 + step)
-        return _chain(config.vocab, data_seed, concentration).sample(config.dp * config.batch, config.seq_len, gen)
+        made = _chain(config.vocab, data_seed, concentration).sample(config.dp * config.batch, config.seq_len, gen)
+        return with_positions(*made) if positions else made
 
     def loss_floor(config: CheckConfig, data_seed: int) -> float:
         return _chain(config.vocab, data_seed, concentration).entropy_rate
@@ -66,6 +75,8 @@ def markov_training(concentration: float = 0.1) -> Training:
 
 MARKOV_TRAINING = markov_training()
 """The GPT cases' convergence data: vocab from the config, concentration 0.1."""
+MARKOV_TRAINING_WITH_POSITIONS = markov_training(positions=True)
+"""The same chain for models that take their tokens' positions as an input."""
 
 
 def gpt_tokens(target: torch.Tensor) -> int:
@@ -95,5 +106,5 @@ def require_chunk_split(config: CheckConfig, what: str) -> None:
         )
 
 
-__all__ = ["require_plain_attention", "GPT_DEFAULTS", "MARKOV_TRAINING", "markov_training", "gpt_config", "build_reference_gpt", "gpt_batch", "gpt_tokens", "mse_sum",
+__all__ = ["with_positions", "MARKOV_TRAINING_WITH_POSITIONS", "require_plain_attention", "GPT_DEFAULTS", "MARKOV_TRAINING", "markov_training", "gpt_config", "build_reference_gpt", "gpt_batch", "gpt_tokens", "mse_sum",
            "require_chunk_split", "token_loss_sum"]

@@ -20,12 +20,19 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from sp_harness.cases.common import GPT_DEFAULTS, MARKOV_TRAINING, build_reference_gpt, gpt_batch, gpt_tokens
+from sp_harness.cases.common import (
+    GPT_DEFAULTS,
+    MARKOV_TRAINING_WITH_POSITIONS,
+    build_reference_gpt,
+    gpt_batch,
+    gpt_tokens,
+    with_positions,
+)
 from sp_harness.cases.megatron.impl import all_reduce_coalesced
 from sp_harness.cases.ring.attention import CORRECT, Impl, to_ring
 from sp_harness.cases.ring.mappings import Ring
 from sp_harness.cases.ring.placement import rank_positions
-from sp_harness.config.case import Batch, Case, Example, Layout, RankContext, Sharded, Training, Unsupported, register
+from sp_harness.config.case import Batch, Case, Example, Layout, RankContext, Sharded, Unsupported, register
 from sp_harness.config.check_config import CheckConfig
 from sp_harness.reference.gpt import token_loss_sum
 
@@ -38,13 +45,6 @@ def _filled(config: CheckConfig) -> CheckConfig:
         config = config.replace(seq_len=sum(config.seq_shards))
     filled = {k: v for k, v in DEFAULTS.items() if getattr(config, k, None) is None}
     return config.replace(**filled) if filled else config
-
-
-def with_positions(tokens: torch.Tensor, target: torch.Tensor) -> Batch:
-    """Tokens (B, S) and their global positions arange(S) per sequence, as named inputs: each
-    rank's piece then embeds its own tokens' global positions."""
-    positions = torch.arange(tokens.shape[1]).expand_as(tokens).contiguous()  # (B, S)
-    return Batch(inputs={"tokens": tokens, "positions": positions}, target=target)
 
 
 def make_batch(config: CheckConfig, step: int, gen: torch.Generator) -> Batch:
@@ -118,8 +118,7 @@ RING = register(Case(
     input_layout=Layout(seq_dim=1, batch_dim=0),
     tags=("ring", "context-parallel"),
     baseline="",
-    training=Training(batches=lambda config, step, seed: with_positions(*MARKOV_TRAINING.batches(config, step, seed)),
-                      loss_floor=MARKOV_TRAINING.loss_floor, floor_label=MARKOV_TRAINING.floor_label),
+    training=MARKOV_TRAINING_WITH_POSITIONS,
     examples=(
         Example(fields=(("world_size", 2),), note="even: 12 tokens, zigzag 3+3 per rank"),
         Example(fields=(("world_size", 3), ("seq_len", 10)), note="uneven 4/4/2, 10 % 6 != 0 under zigzag"),
@@ -132,4 +131,4 @@ RING = register(Case(
     ),
 ))
 
-__all__ = ["RING", "ring_shard", "ring_sync", "CORRECT", "Impl", "make_batch", "with_positions"]
+__all__ = ["RING", "ring_shard", "ring_sync", "CORRECT", "Impl", "make_batch"]

@@ -19,9 +19,16 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from sp_harness.cases.common import GPT_DEFAULTS, MARKOV_TRAINING, build_reference_gpt, gpt_batch, gpt_tokens
+from sp_harness.cases.common import (
+    GPT_DEFAULTS,
+    MARKOV_TRAINING_WITH_POSITIONS,
+    build_reference_gpt,
+    gpt_batch,
+    gpt_tokens,
+    with_positions,
+)
 from sp_harness.cases.ulysses.model import CORRECT, Impl, build_sharded
-from sp_harness.config.case import Batch, Case, Example, Layout, RankContext, Sharded, Training, Unsupported, register
+from sp_harness.config.case import Batch, Case, Example, Layout, RankContext, Sharded, Unsupported, register
 from sp_harness.config.check_config import CheckConfig
 from sp_harness.reference.gpt import token_loss_sum
 
@@ -31,17 +38,9 @@ DEFAULTS = dict(GPT_DEFAULTS, num_kv_heads=2)
 INPUT_LAYOUT = Layout(seq_dim=1, batch_dim=0)
 
 
-def with_positions(made) -> Batch:
-    """(tokens, targets) -> Batch with positions = arange(S) per sequence, so each rank's slice
-    of them is its tokens' GLOBAL positions."""
-    tokens, targets = made if not isinstance(made, Batch) else (made.inputs["tokens"], made.target)
-    positions = torch.arange(tokens.shape[1]).expand(tokens.shape[0], -1).contiguous()  # (B, S) int64
-    return Batch(inputs={"tokens": tokens, "positions": positions}, target=targets)
-
-
 def make_batch(config: CheckConfig, step: int, gen: torch.Generator) -> Batch:
     """int64 tokens and positions [dp*batch, seq_len], next tokens as targets."""
-    return with_positions(gpt_batch(config, step, gen))
+    return with_positions(*gpt_batch(config, step, gen))
 
 
 def build_reference(config: CheckConfig) -> nn.Module:
@@ -73,11 +72,6 @@ def ulysses_shard(impl: Impl):
     return shard
 
 
-TRAINING = Training(batches=lambda config, step, data_seed: with_positions(
-                        MARKOV_TRAINING.batches(config, step, data_seed)),
-                    loss_floor=MARKOV_TRAINING.loss_floor, floor_label=MARKOV_TRAINING.floor_label)
-"""MARKOV_TRAINING's chain, with the positions input this case's model takes."""
-
 ULYSSES = register(Case(
     name="ulysses-gpt",
     description="DeepSpeed-Ulysses SP GPT: sequence-sharded activations, all-to-all seq<->heads around attention",
@@ -91,7 +85,7 @@ ULYSSES = register(Case(
     input_layout=INPUT_LAYOUT,
     tags=("ulysses",),
     baseline="",
-    training=TRAINING,
+    training=MARKOV_TRAINING_WITH_POSITIONS,
     examples=(
         Example(fields=(("world_size", 2),), note="even: 12 tokens 6/6, 4 heads 2/2, k/v heads 1/1"),
         Example(fields=(("world_size", 3), ("seq_len", 10)),
@@ -108,4 +102,4 @@ ULYSSES = register(Case(
     ),
 ))
 
-__all__ = ["ULYSSES", "ulysses_shard", "CORRECT", "Impl", "validate", "with_positions"]
+__all__ = ["ULYSSES", "ulysses_shard", "CORRECT", "Impl", "validate"]
