@@ -90,6 +90,8 @@ class RoundingNoise(TorchDispatchMode):
         else:
             args = tuple(self._noisy(a) for a in args)
         out = func(*args, **(kwargs or {}))
+        if func is _SOFTMAX_BACKWARD:
+            out = out + self._rowsum_error(*args[:3])
         # a matmul's reduction order is the kernel's choice: add the error of a random order
         if func in _MATMULS and isinstance(out, torch.Tensor) and out.is_floating_point():
             a, b = args[-2], args[-1]
@@ -98,4 +100,18 @@ class RoundingNoise(TorchDispatchMode):
         return self._noisy(out)
 
 
+    def _rowsum_error(self, grad: torch.Tensor, prob: torch.Tensor, dim: int) -> torch.Tensor:
+        """Softmax backward is p (g - D) with D = sum_j p_j g_j. The reference forms D from the
+        same g it subtracts it from, so where the two cancel (one key: p = 1, an exact 0) every
+        reference is exact. FlashAttention-style kernels (a ring's blocks among them) form D as
+        rowsum(dO * O) from the forward's output instead, through other matmuls whose inputs are
+        rounded at the platform's matmul precision (TF32 on GPUs): D then errs by about
+        matmul_input_rel * sum_j p_j |g_j| and p (g - D) by p times that. Found by hypothesis:
+        ring-gpt at seq_len 1 under reorder-tf32, a k-bias grad of 1e-6 where every reference
+        gave 0."""
+        scale = (prob * grad).abs().sum(dim, keepdim=True) * self.matmul_input_rel
+        return prob * scale * self.pool.window(scale.shape, scale.dtype, scale.device)
+
+
+_SOFTMAX_BACKWARD = torch.ops.aten._softmax_backward_data.default
 _MATMULS = (torch.ops.aten.mm.default, torch.ops.aten.bmm.default, torch.ops.aten.addmm.default)
