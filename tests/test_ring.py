@@ -1,15 +1,14 @@
 """ring-gpt (context parallelism by ring attention): placement, balance, ring attention against
-the reference in one process, the collective accounting, the battery-blind mutants, and the
+the reference in one process, the collective accounting, the non-causal and placement mutants, and the
 property test over generated configs."""
 
-from pathlib import Path
 
 import pytest
 import torch
 from hypothesis import given, note
 from hypothesis import strategies as st
 
-from sp_harness.cases.mutants import ring_blind_mutants
+from sp_harness.cases.mutants import ring_mutants
 from sp_harness.cases.ring.attention import CORRECT, ring_attention
 from sp_harness.cases.ring.cases import RING
 from sp_harness.cases.ring.mappings import Ring
@@ -29,9 +28,6 @@ from sp_harness.config.shards import chunk_sizes
 from sp_harness.config.strategies import adversaries
 from sp_harness.judge.expect import expected_verdict
 from sp_harness.reference.gpt import attention
-
-MUTANTS_FILE = Path(ring_blind_mutants.__file__).resolve()
-
 
 # ------------------------------------------------------------------ placement and balance
 
@@ -82,7 +78,7 @@ def _shard_positions(case, config: CheckConfig) -> tuple[torch.Tensor, ...]:
 def test_balance_check_kills_the_unbalanced_placement_mutant():
     config = CheckConfig(case="ring-gpt", world_size=4, seq_len=64)
     assert imbalance(work_of(_shard_positions(RING, config), causal=True)) == 1.0
-    work = work_of(_shard_positions(ring_blind_mutants.UNBALANCED, config), causal=True)
+    work = work_of(_shard_positions(ring_mutants.UNBALANCED, config), causal=True)
     assert imbalance(work) > 6.0, work  # 2W-1 = 7 in the limit; 6.1 at 16 tokens per rank
 
 
@@ -163,18 +159,18 @@ def test_ring_sends_w_minus_1_blocks_per_layer_each_way(sp_check, world, dp):
     assert sum(n for (p, k, g), n in rows.items() if k not in ("send", "recv", "all_reduce")) == 0
 
 
-def test_causal_under_balancer_mutant_is_killed_where_the_battery_cannot_look(sp_check):
+def test_causal_under_balancer_mutant_is_killed_non_causal_only(sp_check):
     fields = dict(world_size=3, seq_len=10, causal=False, steps=1)
     assert sp_check(CheckConfig(case="ring-gpt", **fields)).verdict == "PASS"
-    res = sp_check(CheckConfig(case=f"{MUTANTS_FILE}:CAUSAL_UNDER_BALANCER", **fields))
+    res = sp_check(CheckConfig(case=ring_mutants.CAUSAL_UNDER_BALANCER.name, **fields))
     assert res.verdict == "FAIL" and res.first_check == "forward", format_result(res)
-    # and it is right wherever attention is causal anyway: the battery (causal) cannot see it
-    causal = sp_check(CheckConfig(case=f"{MUTANTS_FILE}:CAUSAL_UNDER_BALANCER", world_size=3, seq_len=10, steps=1))
+    # and it is right wherever attention is causal anyway: only a non-causal run can see it
+    causal = sp_check(CheckConfig(case=ring_mutants.CAUSAL_UNDER_BALANCER.name, world_size=3, seq_len=10, steps=1))
     assert causal.verdict == "PASS", format_result(causal)
 
 
 def test_unbalanced_placement_mutant_is_numerically_correct(sp_check):
-    res = sp_check(CheckConfig(case=f"{MUTANTS_FILE}:UNBALANCED", world_size=2, steps=1))
+    res = sp_check(CheckConfig(case=ring_mutants.UNBALANCED.name, world_size=2, steps=1))
     assert res.verdict == "PASS", format_result(res)
 
 
@@ -230,16 +226,20 @@ def test_localisation_lines_up_permuted_pieces():
     assert torch.equal(_line_up(ref[:, 3:], ref, 6, (3, 3), 1)(ref), ref[:, 3:])
 
 
-def test_load_balance_check_passes_zigzag_and_fails_the_unbalanced_mutant():
+def test_load_balance_check_passes_zigzag_and_fails_the_unbalanced_mutant(sp_pool):
     from sp_harness.checks import get_check, run_check
 
     check = get_check("load-balance")
-    good = run_check(check, CheckConfig(case="ring-gpt", world_size=4, seq_len=16), runner=None)
+    good = run_check(check, CheckConfig(case="ring-gpt", world_size=4, seq_len=16), runner=sp_pool)
     assert good.status == "pass" and good.figures.ratio == 1.0, good.detail
-    bad = run_check(check, CheckConfig(case=f"{MUTANTS_FILE}:UNBALANCED", world_size=4, seq_len=16), runner=None)
+    # measured on the ranks: every layer's attention reported, and what it reported is the
+    # placement's count (2 layers, 4 tokens per rank: 2 x 34 pairs under zigzag)
+    assert all(r.num_meters == 2 for r in good.figures.ranks), good.figures
+    assert good.figures.work == tuple(2 * w for w in attention_work(16, (4, 4, 4, 4), "zigzag", True))
+    bad = run_check(check, CheckConfig(case=ring_mutants.UNBALANCED.name, world_size=4, seq_len=16), runner=sp_pool)
     assert bad.status == "fail" and bad.caught_by == "load balance", bad.detail
-    assert bad.figures.ratio > 4.0, bad.detail  # 4 tokens per rank: 10 vs 58 pairs
+    assert bad.figures.ratio > 4.0, bad.detail  # 4 tokens per rank: 10 vs 58 pairs per layer
     # where the claim does not hold exactly, or nothing is claimed: n/a, not a guess
     for fields in (dict(seq_len=10), dict(seq_len=16, load_balancer="none"), dict(seq_len=16, causal=False)):
-        assert run_check(check, CheckConfig(case="ring-gpt", world_size=4, **fields), runner=None).status == "n/a"
-    assert run_check(check, CheckConfig(case="megatron-gpt-sp", world_size=2), runner=None).status == "n/a"
+        assert run_check(check, CheckConfig(case="ring-gpt", world_size=4, **fields), runner=sp_pool).status == "n/a"
+    assert run_check(check, CheckConfig(case="megatron-gpt-sp", world_size=2), runner=sp_pool).status == "n/a"

@@ -1,8 +1,8 @@
 """Broken variants of ring-gpt: each is the correct `Impl` (or loss) with one piece swapped.
 
 Stage: build sharded. Which configs expose each one is in the comment next to it. The battery
-runs ring-gpt at its defaults (zigzag, causal); the two bugs it cannot see are in
-ring_blind_mutants.py.
+runs ring-gpt at its defaults (zigzag, causal), non-causal in its 'noncausal' entry, and the
+load-balance check in its 'balance' entry.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import torch
 from sp_harness.cases.ring.attention import CORRECT, Partial
 from sp_harness.cases.ring.cases import RING, ring_shard
 from sp_harness.cases.ring.mappings import Ring, exchange
-from sp_harness.cases.ring.placement import contiguous_order
+from sp_harness.cases.ring.placement import block_mask, contiguous_order
 from sp_harness.config.case import mutant
 
 TAGS = ("ring",)
@@ -121,4 +121,32 @@ PER_RANK_LOSS_NORM = ring_mutant(
     "... even an all-ones mask gives different weights after CP partitioning'; PR #7513)",
     source="NVIDIA/Megatron-LM PR #7498; NVIDIA/Megatron-LM PR #7513",
     local_loss=_per_rank_mean_loss,
+)
+
+
+# (g) only causal=False with load_balancer='zigzag': the mask assumes causal attention whenever
+# the load balancer is on. The battery's 'noncausal' entry sees it.
+CAUSAL_UNDER_BALANCER = ring_mutant(
+    "mutant-ring-balancer-assumes-causal",
+    "causal mask applied under the zigzag balancer even for causal=False",
+    "load-balanced (zigzag) ring attention written for causal attention only: with is_causal=False "
+    "the balanced path still masks as if causal (pytorch/pytorch#141429 'non-causal ring attention "
+    "broken' with enable_load_balance; the fix asserted the combination unsupported, PR #141622)",
+    source="pytorch/pytorch#141429; pytorch/pytorch#141622",
+    mask=lambda q_pos, k_pos, causal, balancer: block_mask(q_pos, k_pos, causal or balancer == "zigzag"),
+)
+
+# (h) numerically correct: plain contiguous placement while load_balancer says zigzag. Only the
+# battery's 'balance' entry (the load-balance check) sees it, no tensor check can.
+UNBALANCED = ring_mutant(
+    "mutant-ring-zigzag-unbalanced",
+    "contiguous causal shards claimed as zigzag (correct numbers, rank W-1 does ~2W-1x rank 0's work)",
+    "load balancer whose rearrangement does not survive the contiguous cut, here in its simplest "
+    "form (the identity): with causal attention the last rank scores ~2W-1 times the first rank's "
+    "pairs. Outputs stay exactly right, so no tensor check can see it (pytorch/pytorch PR #189902: "
+    "the per-document head-tail balancer laid its indices out document-major, CP cut them "
+    "contiguously, and some ranks inherited a document's whole causal tail; 'the existing "
+    "correctness tests never caught it')",
+    source="pytorch/pytorch PR #189902",
+    placement=lambda balancer: contiguous_order,
 )

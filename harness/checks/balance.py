@@ -1,23 +1,22 @@
 """Stage: checks. Load balance of a context-parallel placement: does a case that says it balances
-causal attention (`load_balancer='zigzag'`) place its tokens so every rank scores about the same
-number of causal (query, key) pairs?
+causal attention (`load_balancer='zigzag'`) give every rank about the same attention work?
 
 A wrong placement is numerically correct (any permutation gives the same outputs), so no tensor
-check can see it (pytorch/pytorch PR #189902). This check reads the placement the case's sharded
-factory declares (`Layout.seq_order`) and counts, per rank, the unmasked causal pairs of its
-queries: a query at global position p attends p + 1 keys. It runs in the driver, no rank starts:
-it applies to cases tagged 'context-parallel' whose factory only records its process groups.
+check can see it (pytorch/pytorch PR #189902). This check runs one forward of the case's sharded
+model on real ranks and reads the work each rank's attention reports (sp_harness.capture.work:
+unmasked (query, key) pairs scored, with fully masked blocks skipped), then compares the CP
+ranks of each DP replica. It applies to cases tagged 'context-parallel'; a case whose attention
+reports no work is n/a, never a guess.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-import torch
-
+from sp_harness.capture.work import RankWork
 from sp_harness.checks.base import Outcome, not_applicable
 from sp_harness.config import shards as sh
-from sp_harness.config.case import Case, RankContext, get_case
+from sp_harness.config.case import Case, get_case
 from sp_harness.config.check_config import CheckConfig
 
 SLACK = 0.05
@@ -26,30 +25,21 @@ SLACK = 0.05
 
 @dataclass(kw_only=True, frozen=True)
 class Balance:
-    work: tuple[int, ...]
-    """Unmasked causal (query, key) pairs per CP rank, per sequence and head."""
+    ranks: tuple[RankWork, ...]
+    """What each rank reported, by global rank."""
+
+    @property
+    def work(self) -> tuple[int, ...]:
+        """Score elements per CP rank of the first DP replica (the replicas do the same work)."""
+        return tuple(r.score_elements for r in self.ranks if r.dp_rank == 0)
 
     @property
     def ratio(self) -> float:
         return max(self.work) / min(self.work) if min(self.work) > 0 else float("inf")
 
     def describe(self) -> str:
-        return f"causal work per rank {list(self.work)}: max/min {self.ratio:.3g} (allowed {1 + SLACK:.3g})"
-
-
-def placement_work(case: Case, config: CheckConfig) -> Balance:
-    """Per-rank causal work of the placement `case`'s sharded factory declares for `config`."""
-    shards = config.seq_shards or sh.chunk_sizes(config.seq_len, config.tp)
-    work = []
-    for r in range(config.tp):
-        ctx = RankContext(config=config, rank=r, world_size=config.tp, dp_rank=0, tp_rank=r, tp_group=None,
-                          dp_group=None, tp_ranks=tuple(range(config.tp)), dp_ranks=(r,), seq_shards=shards,
-                          device=torch.device("cpu"))
-        layout = case.shard(case.build_reference(config), ctx).input_layout
-        order = torch.arange(config.seq_len) if layout.seq_order is None else layout.seq_order(config.seq_len, shards)
-        positions = order.narrow(0, sh.offsets(shards)[r], shards[r])
-        work.append(int((positions + 1).sum()))
-    return Balance(work=tuple(work))
+        return (f"causal work per rank {list(self.work)} (unmasked score pairs, measured on the ranks): "
+                f"max/min {self.ratio:.3g} (allowed {1 + SLACK:.3g})")
 
 
 class LoadBalance:
@@ -70,7 +60,12 @@ class LoadBalance:
     def run(self, config: CheckConfig, runner) -> Outcome:
         case = get_case(config.case)
         config = case.resolve(config)
-        fig = placement_work(case, config)
+        label = f"load balance: case {config.case} [{config.short()}]"
+        ranks = runner.run(config.world_size, "sp_harness.capture.work:attention_work_rank", config,
+                           timeout_s=config.timeout_s, label=label)
+        fig = Balance(ranks=tuple(ranks))
+        if not any(r.num_meters for r in fig.ranks):
+            return not_applicable(self.name, f"{config.case}'s attention reports no work (no module with a `work` list)")
         ok = fig.ratio <= 1 + SLACK
         if not ok and fig.ratio == float("inf"):
             return not_applicable(self.name, "a rank holds no tokens")

@@ -4,8 +4,9 @@ every realistic broken SP implementation?
 Every mutant gets the same default battery, in order, never tuned per mutant: side-by-side
 checks at an even split, an uneven split, a 2 x 2 DP x TP mesh (even, then uneven), the
 [s, b, h] layout; the collective accounting against the paper (SP must move what TP moves); the
-activation-memory check (where sp_harness.checks.memory provides it); and a short lockstep convergence run
-through the gate. A battery entry counts toward a kill only if the mutant's correct twin
+activation-memory check (where sp_harness.checks.memory provides it); a short lockstep convergence run
+through the gate; non-causal attention at an uneven split; and, for context-parallel cases that
+claim causal load balancing, the work each rank's attention reports (sp_harness.checks.balance). A battery entry counts toward a kill only if the mutant's correct twin
 (`Case.twin`) passes it, so a kill is never an artefact of the config. The first entry that
 fails is the killer; its check (forward, grad, param-after-step, replica drift, crash, collective
 accounting, activation memory, lockstep gate) and config are reported.
@@ -44,6 +45,9 @@ BATTERY: tuple[Entry, ...] = (
     Entry(name="comm-vs-tp", check="comm-vs-baseline", fields=(("world_size", 2),)),
     Entry(name="memory", check="activation-memory", fields=(("world_size", 2),)),
     Entry(name="lockstep", check="lockstep", fields=(("world_size", 2),)),
+    # cases that implement only causal attention declare this UNSUPPORTED: n/a, not a kill
+    Entry(name="noncausal", check="side-by-side", fields=(("world_size", 3), ("seq_len", 10), ("causal", False))),
+    Entry(name="balance", check="load-balance", fields=(("world_size", 4), ("seq_len", 16))),
 )
 
 
