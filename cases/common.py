@@ -13,6 +13,8 @@ from sp_harness.config.shards import chunk_sizes
 from sp_harness.reference.gpt import GPTConfig, build_gpt, token_loss_sum
 from sp_harness.step.data import MarkovChain
 
+IGNORE_INDEX = -100
+"""A target that carries no loss (F.cross_entropy's default ignore_index, as in HF and Megatron)."""
 GPT_DEFAULTS = dict(seq_len=12, hidden=32, ffn=64, num_heads=4, num_layers=2, vocab=64)
 
 
@@ -32,7 +34,8 @@ def gpt_batch(config: CheckConfig, step: int, gen: torch.Generator):
     No token equals its neighbour (each is the previous plus a random 1..vocab-1, mod vocab), so
     every possible shard boundary separates two different tokens and two different targets: a
     bug at a boundary (a label shifted across it, a token dropped or repeated there) always
-    changes the numbers, whatever split the config draws."""
+    changes the numbers, whatever split the config draws. The first `prompt_len` targets of each
+    sequence are IGNORE_INDEX (a fine-tuning prompt)."""
     rows, length = config.dp * config.batch, config.seq_len + 1
     first = torch.randint(0, config.vocab, (rows, 1), generator=gen)
     if config.vocab < 2:
@@ -40,7 +43,9 @@ def gpt_batch(config: CheckConfig, step: int, gen: torch.Generator):
     else:
         steps = torch.randint(1, config.vocab, (rows, length - 1), generator=gen)
         tokens = torch.cat([first, first + steps.cumsum(1)], dim=1) % config.vocab
-    return tokens[:, :-1], tokens[:, 1:]
+    targets = tokens[:, 1:].clone()
+    targets[:, : config.prompt_len or 0] = IGNORE_INDEX  # the prompt carries no loss
+    return tokens[:, :-1], targets
 
 
 @functools.lru_cache(maxsize=8)
@@ -80,7 +85,8 @@ MARKOV_TRAINING_WITH_POSITIONS = markov_training(positions=True)
 
 
 def gpt_tokens(target: torch.Tensor) -> int:
-    return target.numel()
+    """Targets that carry loss: a prompt's IGNORE_INDEX labels do not count."""
+    return int((target != IGNORE_INDEX).sum())
 
 
 def mse_sum(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:

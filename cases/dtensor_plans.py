@@ -61,6 +61,8 @@ def _seed_batch(config: CheckConfig, step: int, gen: torch.Generator):
 def _seed_validate(config: CheckConfig) -> None:
     if config.dp != 1:
         raise Unsupported(f"seed-mlp has no batch dim to split over data parallel ranks: dp({config.dp}) must be 1")
+    if config.prompt_len:
+        raise Unsupported(f"seed-mlp regresses float targets, it has no prompt: prompt_len({config.prompt_len}) must be 0")
     require_chunk_split(config, "seed-mlp")
 
 

@@ -72,6 +72,8 @@ def add_config_args(p: argparse.ArgumentParser, *, require_case: bool = True) ->
                    help="context-parallel chunk placement (default: the case's, else none)")
     g.add_argument("--ring-degree", type=_positive_int,
                    help="ranks per ring in a Ulysses x ring case (default: the case's, else 1)")
+    g.add_argument("--prompt-len", type=int,
+                   help="leading tokens per sequence whose targets carry no loss, < seq-len (default: the case's, else 0)")
     g.add_argument("--num-layers", type=_positive_int, help="transformer blocks (default: the case's)")
     g.add_argument("--vocab", type=_positive_int, help="vocabulary size (default: the case's)")
     g.add_argument("--norm", choices=NORMS, help=f"norm of cases that have one (default: the case's, else {ENGINE_DEFAULTS['norm']})")
@@ -96,7 +98,7 @@ def config_from_args(args) -> CheckConfig:
         batch=args.batch, hidden=args.hidden, ffn=args.ffn, num_heads=args.num_heads, num_layers=args.num_layers,
         vocab=args.vocab, num_kv_heads=args.num_kv_heads,
         causal=None if args.causal is None else args.causal == "yes", load_balancer=args.load_balancer,
-        ring_degree=args.ring_degree, norm=args.norm, layout=args.layout, dtype=args.dtype, steps=args.steps, seed=args.seed,
+        ring_degree=args.ring_degree, prompt_len=args.prompt_len, norm=args.norm, layout=args.layout, dtype=args.dtype, steps=args.steps, seed=args.seed,
         lr=args.lr, optimizer=args.optimizer, adversary=args.adversary, timeout_s=args.timeout_s,
     )
 

@@ -35,6 +35,7 @@ def _one_line_usage_error(proc: subprocess.CompletedProcess, *needles: str) -> N
     (["check", "--case", "nope"], ["'nope'", "known cases"]),
     (["check", "--case", "seed-mlp", "--timeout", "nan"], ["timeout_s", "nan"]),
     (["check", "--case", "seed-mlp", "--lr", "inf"], ["lr", "inf"]),
+    (["check", "--case", "ring-gpt", "--seq-len", "8", "--prompt-len", "8"], ["prompt_len(8)", "seq_len(8)"]),
     (["check", "--case", "seed-mlp", "--world-size", "1000"], ["1000", "at most"]),
     (["check", "--case", "seed-mlp", "--world-size", "3", "--seq-shards", "4,4"], ["seq_shards", "tp=3"]),
     (["check", "--case", "seed-mlp", "--json", "/proc/nope/v.json"], ["/proc/nope/v.json", "cannot be written"]),

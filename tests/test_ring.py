@@ -169,6 +169,24 @@ def test_causal_under_balancer_mutant_is_killed_non_causal_only(sp_check):
     assert causal.verdict == "PASS", format_result(causal)
 
 
+def test_ranks_with_no_target_tokens_count_in_the_loss_normalisation(sp_check):
+    # a 4-token prompt over 8 tokens on 4 contiguous ranks: ranks 0 and 1 hold only ignored targets
+    fields = dict(world_size=4, seq_len=8, prompt_len=4, load_balancer="none", steps=1)
+    assert sp_check(CheckConfig(case="ring-gpt", **fields)).verdict == "PASS"
+    res = sp_check(CheckConfig(case=ring_mutants.PER_RANK_LOSS_NORM.name, **fields))  # Megatron-LM PR #7498
+    assert res.verdict == "FAIL" and res.first_check == "loss", format_result(res)
+
+
+def test_prompt_targets_carry_no_loss():
+    from sp_harness.cases.common import IGNORE_INDEX, gpt_batch, gpt_tokens
+
+    config = CheckConfig(case="ring-gpt", seq_len=6, prompt_len=4, batch=2, vocab=7)
+    tokens, targets = gpt_batch(RING.resolve(config), 0, torch.Generator().manual_seed(0))
+    assert (targets[:, :4] == IGNORE_INDEX).all() and (targets[:, 4:] != IGNORE_INDEX).all()
+    assert torch.equal(targets[:, 4:5], tokens[:, 5:6])  # still the next token
+    assert gpt_tokens(targets) == 4  # 2 sequences x 2 targets that count
+
+
 def test_unbalanced_placement_mutant_is_numerically_correct(sp_check):
     res = sp_check(CheckConfig(case=ring_mutants.UNBALANCED.name, world_size=2, steps=1))
     assert res.verdict == "PASS", format_result(res)

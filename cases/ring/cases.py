@@ -128,6 +128,8 @@ RING = register(Case(
         Example(fields=(("world_size", 2), ("num_kv_heads", 2)), note="grouped-query attention (4 q / 2 kv heads)"),
         Example(fields=(("world_size", 4), ("dp", 2), ("seq_len", 7)), note="2 x 2 dp x cp, 7 tokens 4/3"),
         Example(fields=(("world_size", 2), ("dtype", "bfloat16")), note="bf16 run, float32 LSE merge"),
+        Example(fields=(("world_size", 4), ("seq_len", 8), ("prompt_len", 4), ("load_balancer", "none")),
+                note="a 4-token prompt: ranks 0 and 1 hold no target tokens"),
     ),
 ))
 

@@ -46,6 +46,7 @@ def _ring_configs(draw, case, min_world_size, max_world_size, max_dp, max_tokens
     return CheckConfig(
         case=case, world_size=dp * cp, dp=dp, seq_len=seq_len, seq_shards=seq_shards,
         batch=draw(st.integers(1, 2)), hidden=num_heads * head_dim, num_heads=num_heads, num_kv_heads=num_kv_heads,
+        prompt_len=draw(st.integers(0, max(0, seq_len - 1))),  # 0 first: shrinks to no prompt
         causal=draw(st.sampled_from([True, False])), load_balancer=draw(st.sampled_from(["none", "zigzag"])),
         ffn=draw(st.integers(1, 16)), num_layers=draw(st.integers(1, 2)), vocab=draw(st.integers(2, 16)),
         norm=draw(norms()), layout=draw(st.sampled_from(["bsh", "sbh"] if include_sbh else ["bsh"])),

@@ -99,6 +99,8 @@ ULYSSES = register(Case(
                 note="more ranks than heads: heads 1/1/0"),
         Example(fields=(("world_size", 2), ("causal", False), ("seq_len", 9)), note="non-causal, 9 tokens 5/4"),
         Example(fields=(("world_size", 4), ("dp", 2), ("seq_len", 7)), note="2 x 2 DP x SP mesh, 7 tokens 4/3"),
+        Example(fields=(("world_size", 3), ("seq_len", 9), ("prompt_len", 6)),
+                note="a 6-token prompt: ranks 0 and 1 hold no target tokens"),
     ),
 ))
 

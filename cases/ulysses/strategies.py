@@ -47,6 +47,7 @@ def _ulysses_configs(draw, case, min_world_size, max_world_size, max_dp, max_tok
     return CheckConfig(
         case=case, world_size=dp * sp, dp=dp, seq_len=sum(seq_shards), seq_shards=seq_shards,
         batch=draw(st.integers(1, 2)), hidden=num_heads * head_dim, num_heads=num_heads,
+        prompt_len=draw(st.integers(0, max(0, sum(seq_shards) - 1))),  # 0 first: shrinks to no prompt
         num_kv_heads=num_kv_heads, causal=draw(st.booleans().map(lambda b: not b)),
         ffn=draw(st.integers(1, 16)), num_layers=draw(st.integers(1, 2)), vocab=draw(st.integers(2, 16)),
         norm=draw(norms()), layout=draw(layouts()), dtype=draw(st.sampled_from(["float64", "float32"])),

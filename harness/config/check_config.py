@@ -30,7 +30,7 @@ behind it and the first after a DDP-style grad-bucket rebuild (tests/test_conven
 LOAD_BALANCERS = ("none", "zigzag")
 ENGINE_DEFAULTS: dict[str, object] = dict(batch=2, norm="layernorm", layout="bsh", dtype="float64",
                                          steps=DEFAULT_STEPS, lr=1e-2, optimizer="adamw", causal=True,
-                                         load_balancer="none", ring_degree=1)
+                                         load_balancer="none", ring_degree=1, prompt_len=0)
 """What a field left as None becomes when the case sets no default of its own (`Case.resolve`);
 the job timeout is `default_timeout_s()`."""
 DEFAULT_TIMEOUT_S = 30.0
@@ -84,6 +84,10 @@ class CheckConfig:
     ring_degree: int | None = None
     """For a hybrid Ulysses x ring case: ranks in each ring (the Ulysses degree is tp / ring_degree);
     None: the case's default, else 1."""
+    prompt_len: int | None = None
+    """Leading tokens of every sequence whose targets carry no loss (label -100, the prompt of a
+    fine-tuning sample): a rank holding only prompt tokens has no target tokens, and the loss is
+    normalised by the targets that count. Must be < seq_len. None: the case's default, else 0."""
     num_layers: int | None = None
     """Transformer blocks; None means the case's default."""
     vocab: int | None = None
@@ -139,6 +143,11 @@ class CheckConfig:
             value = getattr(self, field)
             if value is not None and value < 1:
                 raise ValueError(f"{field} must be >= 1, got {value}")
+        if self.prompt_len is not None and self.prompt_len < 0:
+            raise ValueError(f"prompt_len must be >= 0, got {self.prompt_len}")
+        if self.prompt_len and self.seq_len is not None and self.prompt_len >= self.seq_len:
+            raise ValueError(f"prompt_len({self.prompt_len}) must be < seq_len({self.seq_len}): a sequence "
+                             f"needs at least one target")
         if self.seq_shards is not None:
             if len(self.seq_shards) != self.tp:
                 raise ValueError(
