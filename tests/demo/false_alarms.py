@@ -48,6 +48,17 @@ elif case == "megatron-gpt-ref":
         return st.builds(lambda c, dp: c.replace(world_size=dp, dp=dp, seq_shards=None), strategy, st.integers(1, 2))
     small = _ref(gpt_configs(case, max_world_size=1, adversary_choices=adv))
     big = _ref(realistic_gpt_configs(case, max_world_size=1, adversary_choices=adv))
+elif case == "ring-gpt":
+    from sp_harness.cases.ring.strategies import ring_configs
+
+    small = ring_configs(max_world_size=4, adversary_choices=adv)
+    big = ring_configs(max_world_size=4, max_tokens=128, max_head_dim=32, max_steps=3, include_sbh=False,
+                       adversary_choices=adv)
+elif case == "ulysses-gpt":
+    from sp_harness.cases.ulysses.strategies import ulysses_configs
+
+    small = ulysses_configs(max_world_size=4, adversary_choices=adv)
+    big = ulysses_configs(max_world_size=4, max_tokens=128, max_head_dim=32, max_steps=3, adversary_choices=adv)
 else:
     small = gpt_configs(case, max_world_size=4, adversary_choices=adv)
     big = realistic_gpt_configs(case, max_world_size=4, adversary_choices=adv)
