@@ -14,6 +14,7 @@ EXPECTED_KILLER = {
     "mutant-ring-balancer-assumes-causal": ("forward", "noncausal"),
     "mutant-ring-dkv-not-sent-back": ("grad", "even"),
     "mutant-ring-loss-per-rank-norm": ("forward (loss)", "uneven"),
+    "mutant-ring-lse-base2": ("attention lse", "even"),
     "mutant-ring-mask-ignores-zigzag": ("forward", "even"),
     "mutant-ring-merge-by-max": ("forward", "even"),
     "mutant-ring-zigzag-drops-tail": ("forward", "uneven"),

@@ -8,6 +8,7 @@ load-balance check in its 'balance' entry.
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import torch
 
@@ -149,4 +150,18 @@ UNBALANCED = ring_mutant(
     "correctness tests never caught it')",
     source="pytorch/pytorch PR #189902",
     placement=lambda balancer: contiguous_order,
+)
+
+
+# (i) any config: the ring's output is right, the log-sum-exp it returns is in base 2.
+LSE_BASE2 = ring_mutant(
+    "mutant-ring-lse-base2",
+    "log-sum-exp returned in base 2 (the output is right)",
+    "an attention kernel that runs its softmax through exp2 (the fast path) and returns its LSE "
+    "unconverted: base-2 units, 1/ln 2 times the natural-log logsumexp that a ring or hybrid "
+    "merge of partial attentions consumes. The output is right, so only a consumer of the LSE "
+    "sees it (pytorch/pytorch#181645 'flex_attention(BACKEND=FLASH) return_lse=True returns lse "
+    "off by factor ln(2)', labelled correctness (silent); lightseekorg/tokenspeed PR #571)",
+    source="pytorch/pytorch#181645; lightseekorg/tokenspeed PR #571",
+    exposed_lse=lambda lse: lse / math.log(2),
 )

@@ -74,15 +74,19 @@ class Impl:
     """(k positions, seq_len, W, load_balancer) -> bool per key left out of the ring; None: none."""
     mask_placement: Callable[[str], Callable[[int, tuple[int, ...]], torch.Tensor]] | None = None
     """The placement the attention masks assume; None: `placement`, where the tokens really are."""
+    exposed_lse: Callable[[torch.Tensor], torch.Tensor] = lambda lse: lse
+    """The merged (natural-log) log-sum-exp -> what the implementation returns to its callers."""
 
 
 CORRECT = Impl()
 
 
 def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, ring: Ring, positions, causal: bool,
-                   balancer: str, seq_len: int, impl: Impl, work: list[int] | None = None) -> torch.Tensor:
+                   balancer: str, seq_len: int, impl: Impl, work: list[int] | None = None,
+                   lse: list[torch.Tensor] | None = None) -> torch.Tensor:
     """(B, a, s, d) local queries, (B, a_kv, s, d) local keys/values -> (B, a, s, d) local output.
-    `positions[r]` are ring rank r's global positions; `work` gets the unmasked pairs computed."""
+    `positions[r]` are ring rank r's global positions; `work` gets the unmasked pairs computed,
+    `lse` the merged log-sum-exp of each local query (B, a, s), as the implementation exposes it."""
     kv = torch.cat([k, v], dim=1)  # (B, 2 a_kv, s, d): one message per step
     received, acc = [], None
     for step in range(ring.size):
@@ -101,6 +105,10 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, ring: R
         part = block_attention(q, k_blk, v_blk, mask.to(q.device))
         acc = part if acc is None else impl.merge(acc, part)
     out = torch.zeros_like(q) if acc is None else acc[0].to(q.dtype)
+    if lse is not None:
+        final = (torch.full(q.shape[:-1], float("-inf"), dtype=merge_dtype(q.dtype), device=q.device) if acc is None
+                 else impl.exposed_lse(acc[1].squeeze(-1).detach()))  # (B, a, s)
+        lse.append(final)
     return keep(out, q, k, v, *received)
 
 
@@ -118,8 +126,12 @@ class RingAttention(Attention):
         q = self.q_proj(x).view(b, s, self.num_heads, self.head_dim).transpose(1, 2)  # (B, a, s, d)
         k = self.k_proj(x).view(b, s, self.num_kv_heads, self.head_dim).transpose(1, 2)  # (B, a_kv, s, d)
         v = self.v_proj(x).view(b, s, self.num_kv_heads, self.head_dim).transpose(1, 2)  # (B, a_kv, s, d)
+        lse: list[torch.Tensor] = []
         y = ring_attention(q, k, v, ring=self.ring, positions=self.positions, causal=self.causal,
-                           balancer=self.balancer, seq_len=self.seq_len, impl=self.impl, work=self.work)
+                           balancer=self.balancer, seq_len=self.seq_len, impl=self.impl, work=self.work, lse=lse)
+        # exposed for the harness's LSE check: my rows are every head at my tokens' global positions
+        self.lse = lse[0]  # (B, a, s)
+        self.lse_index = (torch.arange(self.num_heads), self.positions[self.ring.rank])
         return self.out_proj(y.transpose(1, 2).reshape(b, s, self.num_heads * self.head_dim))  # (B, s, H)
 
 

@@ -111,6 +111,7 @@ class UlyssesAttention(nn.Module):
         self.q_heads = mappings.query_heads(self.num_heads, ctx.tp)
         self.kv_for = impl.kv_heads(self.q_heads, self.num_heads, self.num_kv_heads)
         mine_q, mine_kv = self.q_heads[ctx.tp_rank], self.kv_for[ctx.tp_rank]
+        self.my_heads = torch.tensor(mine_q, dtype=torch.long)
         self.kv_index = torch.tensor(impl.kv_index(mine_q, mine_kv, self.num_heads // self.num_kv_heads),
                                      dtype=torch.long)
 
@@ -129,7 +130,12 @@ class UlyssesAttention(nn.Module):
         k, v = k.index_select(1, idx), v.index_select(1, idx)  # (B, h_r, S, d)
         # a rank with no heads (more ranks than heads) still sends k/v grads back in backward: the
         # empty k, v stay in its graph so it issues the same all-to-alls as every other rank
-        y = attention(q, k, v, causal=self.causal) if q.shape[1] else q + k + v  # (B, h_r, S, d)
+        if q.shape[1]:
+            y, lse = attention(q, k, v, causal=self.causal, return_lse=True)  # (B, h_r, S, d), (B, h_r, S)
+        else:
+            y, lse = q + k + v, q.new_zeros(q.shape[:-1])
+        # exposed for the harness's LSE check: my heads, every position (in global order)
+        self.lse, self.lse_index = lse, (self.my_heads, torch.arange(q.shape[2]))
         y = self.impl.heads_to_seq(y, self.q_heads, self.seq_sizes, self.num_heads, self.group)  # (B, a, s_r, d)
         return self.out_proj(y.transpose(1, 2).reshape(b, s, a * d))  # (B, s_r, H)
 

@@ -126,9 +126,10 @@ def make_references(built: Built, config: CheckConfig, platform, matmul_input_re
 
 
 def _tensors(step: RefStep, model: nn.Module) -> list[torch.Tensor | None]:
-    """A step's tensors in a fixed order: out, loss, out_grad, input grads (by name), param grads."""
+    """A step's tensors in a fixed order: out, loss, out_grad, input grads (by name), attention
+    log-sum-exps (by module name), param grads."""
     return ([step.out, step.loss, step.out_grad] + [step.input_grads[k] for k in sorted(step.input_grads)]
-            + [p.grad for p in model.parameters()])
+            + [step.lse[k] for k in sorted(step.lse)] + [p.grad for p in model.parameters()])
 
 
 def _share(step: RefStep | None, model: nn.Module, src: int) -> RefStep:
@@ -136,12 +137,13 @@ def _share(step: RefStep | None, model: nn.Module, src: int) -> RefStep:
     device = next(model.parameters()).device
     if step is not None:
         tensors = _tensors(step, model)
-        header = [(sorted(step.input_grads), [None if t is None else (tuple(t.shape), t.dtype) for t in tensors])]
+        header = [(sorted(step.input_grads), sorted(step.lse),
+                   [None if t is None else (tuple(t.shape), t.dtype) for t in tensors])]
         flat = torch.cat([t.detach().reshape(-1).to(torch.float64) for t in tensors if t is not None])
     else:
         header = [None]
     dist.broadcast_object_list(header, src=src, device=device if device.type == "cuda" else None)
-    names, metas = header[0]
+    names, lse_names, metas = header[0]
     if step is None:
         flat = torch.empty(sum(_numel(m[0]) for m in metas if m is not None), dtype=torch.float64, device=device)
     dist.broadcast(flat, src=src)
@@ -157,10 +159,12 @@ def _share(step: RefStep | None, model: nn.Module, src: int) -> RefStep:
         tensors.append(flat[at:at + n].reshape(shape).to(dtype))
         at += n
     out, loss, out_grad = tensors[:3]
-    grads = dict(zip(names, tensors[3:3 + len(names)], strict=True))
-    for p, g in zip(model.parameters(), tensors[3 + len(names):], strict=True):
+    at = 3 + len(names)
+    grads = dict(zip(names, tensors[3:at], strict=True))
+    lse = dict(zip(lse_names, tensors[at:at + len(lse_names)], strict=True))
+    for p, g in zip(model.parameters(), tensors[at + len(lse_names):], strict=True):
         p.grad = g
-    return RefStep(out=out, loss=loss, input_grads=grads, out_grad=out_grad)
+    return RefStep(out=out, loss=loss, input_grads=grads, out_grad=out_grad, lse=lse)
 
 
 def _numel(shape: tuple[int, ...]) -> int:

@@ -10,7 +10,7 @@ from sp_harness.checks.verify import FAIL, UNSUPPORTED, CheckResult, check, form
 from sp_harness.config.case import Case
 from sp_harness.config.check_config import CheckConfig
 
-KIND_LABEL = {"init": "init", "forward": "forward", "loss": "forward (loss)", "input_grad": "input grad", "grad": "grad",
+KIND_LABEL = {"init": "init", "forward": "forward", "lse": "attention lse", "loss": "forward (loss)", "input_grad": "input grad", "grad": "grad",
               "param": "param-after-step"}
 """Table names of the tensor checks (CheckResult.first_check); other parts keep their own."""
 

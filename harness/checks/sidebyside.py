@@ -55,6 +55,13 @@ class RankResult:
     """At the first failing step: the first module whose output or input grad left its bound."""
 
 
+def _lse_piece(full: torch.Tensor, rows: slice, heads: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """A reference's (B, a, S) log-sum-exps at one rank's rows: its DP replica's sequences, the
+    query heads and the positions the rank's module says it holds."""
+    full = full[rows]
+    return full.index_select(1, heads.to(full.device)).index_select(2, positions.to(full.device))
+
+
 def _loss_allowance(ref64: RefStep, ref_lp: RefStep, ref_alt: RefStep, dtype: torch.dtype) -> float:
     """The loss's error propagated from its output's, to first order dL = <dL/dout, d out>: for
     rounding errors independent across elements that sum has a spread of ||dL/dout * d out||_2,
@@ -152,6 +159,25 @@ class _SideBySide:
             self.judge("input_grad", label, step, local.inputs[name].grad, want64, want_lp, in_off, want_alt,
                        dof=local_tokens)
 
+    def judge_lse(self, step: int, refs: tuple[RefStep, RefStep, RefStep]) -> None:
+        """Attention log-sum-exps, where the sharded model exposes them. A module exposes its own
+        by setting, in each forward, `lse` (B, h, s) (the log-sum-exp of each of its query rows'
+        scores) and `lse_index = (heads, positions)`: the global query heads and sequence
+        positions of those rows, for the reference module of the same name. An LSE is what a
+        ring or hybrid merges partial attentions by, so a wrong one can hide behind a right
+        output (pytorch/pytorch#181645: an LSE returned in base 2)."""
+        r64 = refs[0]
+        for name, module in self.sharded.module.named_modules():
+            index = getattr(module, "lse_index", None)
+            if index is None or name not in r64.lse:
+                continue
+            heads, positions = index
+            got = module.lse
+            rows = slice(self.ctx.dp_rank * got.shape[0], (self.ctx.dp_rank + 1) * got.shape[0])
+            want64, want_lp, want_alt = (_lse_piece(r.lse[name], rows, heads, positions) for r in refs)
+            self.judge("lse", f"{name}.lse", step, got, want64, want_lp,
+                       want_alt=want_alt, dof=len(positions))
+
     def judge_grads(self, step: int, tokens: int) -> None:
         for p in self.params:
             ref = p.spec.ref_name
@@ -199,6 +225,7 @@ class _SideBySide:
         refs = self.reference_passes(batch)
         local, out, loss = self.sharded_pass(batch)
         self.judge_outputs(step, batch, local, out, loss, refs)
+        self.judge_lse(step, refs)
         self.judge_grads(step, self.case.tokens(batch.target))
         if self.recorders and not failures_before and len(self.result.failures) > failures_before:
             self.localize(step, batch)

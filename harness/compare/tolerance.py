@@ -67,7 +67,7 @@ NORM_FLOOR_ULPS = 2.0
 """Norm-wise floor: an rms error of 2 ulps of the tensor's rms (a reference that happens to be
 exact still leaves the sharded run its own final roundings)."""
 
-KIND_ORDER = ("init", "forward", "loss", "input_grad", "grad", "param")
+KIND_ORDER = ("init", "forward", "lse", "loss", "input_grad", "grad", "param")
 
 
 def eps(dtype: torch.dtype) -> float:
@@ -98,7 +98,8 @@ def alt_scale(dtype: torch.dtype) -> float:
 @dataclass(kw_only=True)
 class TensorCheck:
     kind: str
-    """'init' (sharded params before step 0 against the reference's), 'forward', 'loss',
+    """'init' (sharded params before step 0 against the reference's), 'forward', 'lse' (an
+    attention module's per-query log-sum-exp, where the sharded one exposes it), 'loss',
     'input_grad', 'grad', or 'param' (after the optimizer step, against that step applied in
     float64 to the sharded run's own params, grads and state: see sp_harness.step.optim_ref)."""
     name: str

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
@@ -23,6 +23,8 @@ class RefStep:
     """d loss / d input for each floating input, by name."""
     out_grad: torch.Tensor | None
     """d loss / d output: what the loss's error bound propagates the output's error through."""
+    lse: dict[str, torch.Tensor] = field(default_factory=dict)
+    """Each attention module's per-query log-sum-exp (B, a, S), by module name (reference.gpt)."""
 
 
 def reference_pass(model: nn.Module, case: Case, batch: Batch, dtype: torch.dtype,
@@ -45,4 +47,5 @@ def reference_pass(model: nn.Module, case: Case, batch: Batch, dtype: torch.dtyp
         loss = case.loss_sum(out, tgt) / case.tokens(tgt)
         loss.backward()
     grads = {name: t.grad for name, t in inputs.items() if t.is_floating_point()}
-    return RefStep(out=out.detach(), loss=loss.detach(), input_grads=grads, out_grad=out.grad)
+    lse = {name: m.lse for name, m in model.named_modules() if isinstance(getattr(m, "lse", None), torch.Tensor)}
+    return RefStep(out=out.detach(), loss=loss.detach(), input_grads=grads, out_grad=out.grad, lse=lse)
