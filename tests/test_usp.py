@@ -156,3 +156,13 @@ def test_usp_configs_get_their_expected_verdict(sp_check, sp_max_world_size, dat
     want = expected_verdict(config)
     note(format_result(res))
     assert res.verdict == want, f"expected {want}, got {res.verdict}: {res.reason}\nrepro: {res.config.repro()}"
+
+
+def test_ring_low_groups_mutant_is_killed_where_u_and_r_are_both_above_1(sp_check):
+    from pathlib import Path
+
+    from sp_harness.cases.mutants import usp_blind_mutants
+
+    path = Path(usp_blind_mutants.__file__).resolve()
+    res = sp_check(_resolved(world_size=4, steps=1).replace(case=f"{path}:RING_LOW_GROUPS"))
+    assert res.verdict == "FAIL" and res.first_check == "forward", format_result(res)
