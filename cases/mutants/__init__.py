@@ -9,4 +9,5 @@ from sp_harness.cases.mutants import (
     ring_mutants,  # noqa: F401
     scaled_mutants,  # noqa: F401  (sensitivity probes, tagged 'scaled': not in the battery)
     ulysses_mutants,  # noqa: F401
+    usp_mutants,  # noqa: F401
 )
