@@ -45,6 +45,7 @@ EXPECTED_KILLER = {
     "mutant-ulysses-loss-mean-per-rank": ("forward (loss)", "uneven"),
     "mutant-ulysses-no-sp-grad-sync": ("grad", "even"),
     "mutant-usp-grad-sync-ring-only": ("grad", "uneven"),
+    "mutant-usp-ring-low-groups": ("forward", "2x2"),
     "mutant-usp-zigzag-over-sp": ("forward", "uneven"),
 }
 """mutant -> (check that kills it first, battery entry). Pinned from `sp-harness mutants`."""

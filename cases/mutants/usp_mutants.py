@@ -1,8 +1,8 @@
 """Broken variants of usp-gpt: each is the correct `Impl` with one piece swapped.
 
 Stage: build sharded. The default battery runs world sizes 2 (sp 2: U = 1, R = 2), 3 (sp 3:
-U = 3, R = 1) and a 2 x 2 DP x SP mesh (sp 2), so it never sees U and R both > 1; these two
-bugs show at its pure-Ulysses (sp 3) entry. Which configs expose each one is next to it.
+U = 3, R = 1), a 2 x 2 DP x SP mesh (sp 2), and, in its '2x2' entry, sp 4 = 2 x 2, the only one
+with U and R both > 1. Which configs expose each one is next to it.
 """
 
 from __future__ import annotations
@@ -13,11 +13,11 @@ from torch import nn
 
 from sp_harness.cases.ring.placement import ORDERS
 from sp_harness.cases.ulysses.model import all_reduce_coalesced
-from sp_harness.cases.usp.cases import USP, usp_shard
-from sp_harness.cases.usp.groups import Grid
-from sp_harness.cases.usp.model import CORRECT
+from sp_harness.cases.usp.cases import USP, default_ring_degree, usp_shard
+from sp_harness.cases.usp.groups import Grid, make_grid
+from sp_harness.cases.usp.model import CORRECT, build_sharded
 from sp_harness.cases.usp.placement import usp_order
-from sp_harness.config.case import RankContext, mutant
+from sp_harness.config.case import RankContext, Sharded, Unsupported, mutant
 
 TAGS = ("usp",)
 
@@ -66,3 +66,32 @@ GRAD_SYNC_RING_ONLY = usp_mutant(
     source="bug class: grad all-reduce over a sub-group of SP (arXiv:2309.14509 section 3; GPT-NeoX PR #1259)",
     sync_grads=_sync_over_ring_only,
 )
+
+
+# (c) U and R both > 1 (the battery's '2x2' entry): where one of them is 1 the two rank layouts of
+# the grid coincide and this is the correct case.
+def _ring_low_groups(ref: nn.Module, ctx: RankContext) -> Sharded:
+    """Process groups laid out ring-low (Ulysses groups strided, rings consecutive) while the
+    tokens, split sizes and mask positions are laid out ulysses-low. At U = R the strided
+    Ulysses groups are exactly the correct ring groups, so swapping the two models it exactly."""
+    grid = make_grid(ctx, ctx.config.ring_degree or default_ring_degree(ctx.tp))
+    if grid.ulysses_degree == 1 or grid.ring_degree == 1:
+        return build_sharded(ref, ctx, grid, CORRECT)
+    if grid.ulysses_degree != grid.ring_degree:
+        raise Unsupported(f"the ring-low mutant is modelled at U = R only: U({grid.ulysses_degree}) != "
+                          f"R({grid.ring_degree})")
+    # each rank's index in the strided group is its ring index, and vice versa
+    swapped = dataclasses.replace(grid, u=grid.r, r=grid.u, ulysses_ranks=grid.ring_ranks,
+                                  ring_ranks=grid.ulysses_ranks, ulysses_group=grid.ring_group,
+                                  ring_group=grid.ulysses_group)
+    return build_sharded(ref, ctx, swapped, CORRECT)
+
+
+RING_LOW_GROUPS = mutant(
+    USP, name="mutant-usp-ring-low-groups", summary="ring-low process groups, ulysses-low tokens",
+    bug="Ulysses and ring process groups laid out the other way round from the token placement: the "
+        "all-to-all runs over strided ranks whose tokens are not the group's combined chunk, and the "
+        "ring passes blocks between ranks of one chunk (yunchang set_seq_parallel_pg's use_ulysses_low "
+        "disagreeing with how the inputs were split)",
+    source="bug class: yunchang set_seq_parallel_pg(use_ulysses_low) vs the input split",
+    tags=TAGS, shard=_ring_low_groups)

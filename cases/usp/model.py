@@ -112,14 +112,19 @@ class USPAttention(nn.Module):
         if self.kv_index is not None:  # a group straddling my heads unevenly: one k/v per q head
             idx = self.kv_index.to(q.device)
             k, v = k.index_select(1, idx), v.index_select(1, idx)  # (B, h_u, S_r, d)
+        lse: list[torch.Tensor] = []
         if q.shape[1]:
             y = ring_attn.ring_attention(q, k, v, ring=self.ring, positions=self.positions, causal=self.causal,
                                          balancer=self.config.load_balancer, seq_len=self.config.seq_len,
-                                         impl=self.impl.ring)  # (B, h_u, S_r, d)
+                                         impl=self.impl.ring, lse=lse)  # (B, h_u, S_r, d)
         else:
             # no heads here (more Ulysses ranks than heads): neither has any rank of my ring, so
             # the ring is skipped by all of them; k, v stay in the graph for the backward all-to-alls
             y = q + k + v  # (B, 0, S_r, d)
+            lse.append(q.new_zeros(q.shape[:-1]))
+        # exposed for the harness's LSE check: my Ulysses heads at my group's tokens' global positions
+        self.lse = lse[0]  # (B, h_u, S_r)
+        self.lse_index = (torch.tensor(self.q_heads[self.grid.u], dtype=torch.long), self.positions[self.ring.rank])
         y = mappings.heads_to_seq_fn(y, self.q_heads, self.seq_sizes, a, group)  # (B, a, s_t, d)
         return self.out_proj(y.transpose(1, 2).reshape(b, s, a * d))  # (B, s_t, H)
 

@@ -48,6 +48,8 @@ BATTERY: tuple[Entry, ...] = (
     # cases that implement only causal attention declare this UNSUPPORTED: n/a, not a kill
     Entry(name="noncausal", check="side-by-side", fields=(("world_size", 3), ("seq_len", 10), ("causal", False))),
     Entry(name="balance", check="load-balance", fields=(("world_size", 4), ("seq_len", 16))),
+    # 4 ranks of one replica: for a hybrid case the only entry with Ulysses and ring degrees both 2
+    Entry(name="2x2", check="side-by-side", fields=(("world_size", 4),)),
 )
 
 
