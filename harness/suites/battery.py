@@ -5,8 +5,9 @@ Every mutant gets the same default battery, in order, never tuned per mutant: si
 checks at an even split, an uneven split, a 2 x 2 DP x TP mesh (even, then uneven), the
 [s, b, h] layout; the collective accounting against the paper (SP must move what TP moves); the
 activation-memory check (where sp_harness.checks.memory provides it); a short lockstep convergence run
-through the gate; non-causal attention at an uneven split; and, for context-parallel cases that
-claim causal load balancing, the work each rank's attention reports (sp_harness.checks.balance). A battery entry counts toward a kill only if the mutant's correct twin
+through the gate; non-causal attention at an uneven split; for context-parallel cases that
+claim causal load balancing, the work each rank's attention reports (sp_harness.checks.balance);
+and 4 ranks of one replica (for a hybrid Ulysses x ring case, both degrees 2). A battery entry counts toward a kill only if the mutant's correct twin
 (`Case.twin`) passes it, so a kill is never an artefact of the config. The first entry that
 fails is the killer; its check (forward, grad, param-after-step, replica drift, crash, collective
 accounting, activation memory, lockstep gate) and config are reported.
