@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from sp_harness.compare.tolerance import alt_rel, lp_dtype
+from sp_harness.compare.tolerance import lp_dtype
 from sp_harness.config.case import Batch, Case
 from sp_harness.config.check_config import CheckConfig
 from sp_harness.step.build import Built
@@ -76,7 +76,7 @@ class References:
             for name, value in full.items():
                 params[name].copy_(value)
                 if which == "alt":
-                    perturb_(params[name], alt_rel(self.dtype), self.alt_gen)
+                    perturb_(params[name], torch.finfo(self.dtype).eps, self.alt_gen)
 
     def compute(self, which: str, case: Case, batch: Batch) -> RefStep:
         if which == "r64":
@@ -118,8 +118,8 @@ class References:
 def make_references(built: Built, config: CheckConfig, platform, matmul_input_rel: float | None) -> References:
     dtype = config.torch_dtype
     alt_gen = torch.Generator().manual_seed(config.seed + 104729)
-    accumulator = torch.float32 if dtype in (torch.bfloat16, torch.float16) else lp_dtype(dtype)
-    noise = RoundingNoise(alt_rel(dtype), alt_gen, torch.finfo(accumulator).eps, matmul_input_rel)
+    accumulator = torch.float32 if dtype in (torch.bfloat16, torch.float16) else dtype
+    noise = RoundingNoise(torch.finfo(dtype).eps, alt_gen, torch.finfo(accumulator).eps, matmul_input_rel)
     return References(r64=built.reference, lp=copy.deepcopy(built.reference).to(lp_dtype(dtype)),
                       alt=copy.deepcopy(built.reference), alt_noise=noise, alt_gen=alt_gen, dtype=dtype,
                       platform=platform)

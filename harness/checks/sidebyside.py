@@ -24,7 +24,7 @@ from sp_harness.capture.comm import CommCounter
 from sp_harness.capture.trace import Recorder
 from sp_harness.checks.references import KINDS, make_references
 from sp_harness.compare.divergence import Divergence, first_divergence
-from sp_harness.compare.tolerance import FACTOR, TensorCheck, alt_scale, check_bounded, check_tensor, lp_dtype
+from sp_harness.compare.tolerance import FACTOR, TensorCheck, check_bounded, check_tensor, lp_dtype
 from sp_harness.config.case import RankContext, as_batch
 from sp_harness.config.check_config import CheckConfig
 from sp_harness.launch import announce
@@ -72,7 +72,7 @@ def _loss_allowance(ref64: RefStep, ref_lp: RefStep, ref_alt: RefStep, dtype: to
         return 0.0
     lp = lp_dtype(dtype)
     out_err = (ref_lp.out.to(torch.float64) - ref64.out).abs() * (torch.finfo(dtype).eps / torch.finfo(lp).eps)
-    out_err = torch.maximum(out_err, (ref_alt.out - ref64.out).abs() * alt_scale(dtype))
+    out_err = torch.maximum(out_err, (ref_alt.out - ref64.out).abs())
     return FACTOR * float((ref64.out_grad * out_err).norm())
 
 

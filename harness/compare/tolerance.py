@@ -10,8 +10,7 @@ more references, both run by sp_harness.checks.sidebyside:
   (sp_harness.step.adversary.order_error): what a correct single-device run on the least accurate legal
   kernel errs by.
 - `ref_alt`, float64 with every weight, float input, and every op's inputs and result perturbed by
-  a random relative eps(dtype), plus the same order error (for a float64 run: eps32, its error
-  scaled by eps64/eps32, see alt_rel): the backward-error view, which covers
+  a random relative eps(dtype), plus the same order error: the backward-error view, which covers
   what ref_lp can miss (a tensor that is a cancellation of much larger terms, rounded exactly by
   ref_lp by luck; a fused kernel's internal rounding).
 
@@ -77,22 +76,6 @@ def eps(dtype: torch.dtype) -> float:
 def lp_dtype(dtype: torch.dtype) -> torch.dtype:
     """The precision the reference's own error is measured in for a run in `dtype`."""
     return torch.float32 if dtype == torch.float64 else dtype
-
-
-def alt_rel(dtype: torch.dtype) -> float:
-    """The relative perturbation the perturbed reference (`ref_alt`, float64) simulates for a
-    run in `dtype`: eps of lp_dtype(dtype), so eps32 for a float64 run, its error then scaled
-    back by alt_scale. Noise at float64's own eps cannot be simulated in float64: 1 + u*eps64
-    rounds to exactly 1 for over a third of u, so a tensor that is a cancellation (a one-key
-    softmax's grad, p * (g - g p) at p = 1) stayed exactly 0 in every reference while a legal
-    implementation rounding it another way (a ring's rowsum(dO * O)) did not: a false alarm at
-    1e27x its bound, found by hypothesis on ring-gpt at seq_len 1."""
-    return eps(lp_dtype(dtype))
-
-
-def alt_scale(dtype: torch.dtype) -> float:
-    """What ref_alt's measured error is multiplied by: eps(dtype) / alt_rel(dtype), 1 below float64."""
-    return eps(dtype) / alt_rel(dtype)
 
 
 @dataclass(kw_only=True)
@@ -171,7 +154,7 @@ def check_tensor(*, kind: str, name: str, step: int, rank: int, got: torch.Tenso
     lp = lp_dtype(dtype)
     ref_err = float((ref_lp.detach().to(torch.float64) - ref64).abs().max()) * (eps(dtype) / eps(lp))
     if ref_alt is not None:
-        ref_err = max(ref_err, float((ref_alt.detach().to(torch.float64) - ref64).abs().max()) * alt_scale(dtype))
+        ref_err = max(ref_err, float((ref_alt.detach().to(torch.float64) - ref64).abs().max()))
     allowed = FACTOR * ref_err + FLOOR_ULPS * eps(dtype) * max(scale, 1e-30) + extra_allowed
     norm_ratio = _norm_ratio(err, ref64, ref_lp, ref_alt, dtype, lp) if dof >= NORM_MIN_DOF else 0.0
     flat = int(err.reshape(-1).argmax())
@@ -196,7 +179,7 @@ def _norm_ratio(err: torch.Tensor, ref64: torch.Tensor, ref_lp: torch.Tensor, re
         return 0.0
     ref_norm = float((ref_lp.detach().to(torch.float64) - ref64).norm()) * (eps(dtype) / eps(lp))
     if ref_alt is not None:
-        ref_norm = max(ref_norm, float((ref_alt.detach().to(torch.float64) - ref64).norm()) * alt_scale(dtype))
+        ref_norm = max(ref_norm, float((ref_alt.detach().to(torch.float64) - ref64).norm()))
     bound = NORM_FACTOR * ref_norm + NORM_FLOOR_ULPS * eps(dtype) * float(ref64.norm())
     got = float(err.norm())
     if got == 0:

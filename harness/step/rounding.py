@@ -106,9 +106,11 @@ class RoundingNoise(TorchDispatchMode):
         reference is exact. FlashAttention-style kernels (a ring's blocks among them) form D as
         rowsum(dO * O) from the forward's output instead, through other matmuls whose inputs are
         rounded at the platform's matmul precision (TF32 on GPUs): D then errs by about
-        matmul_input_rel * sum_j p_j |g_j| and p (g - D) by p times that. Found by hypothesis:
-        ring-gpt at seq_len 1 under reorder-tf32, a k-bias grad of 1e-6 where every reference
-        gave 0."""
+        matmul_input_rel * sum_j p_j |g_j| and p (g - D) by p times that (at least the run's
+        eps: the same sum in another order). Found by hypothesis: ring-gpt at seq_len 1, a k-bias
+        grad of 1e-6 under reorder-tf32 (float32) and of 1.8e-18 under reorder (float64) where
+        every reference gave exactly 0; it also closes the README's last structurally-zero
+        k-bias false alarm (megatron-gpt-tp, 3.2x before, 0.15 with it)."""
         scale = (prob * grad).abs().sum(dim, keepdim=True) * self.matmul_input_rel
         return prob * scale * self.pool.window(scale.shape, scale.dtype, scale.device)
 
