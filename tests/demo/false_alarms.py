@@ -59,6 +59,12 @@ elif case == "ulysses-gpt":
 
     small = ulysses_configs(max_world_size=4, adversary_choices=adv)
     big = ulysses_configs(max_world_size=4, max_tokens=128, max_head_dim=32, max_steps=3, adversary_choices=adv)
+elif case == "usp-gpt":
+    from sp_harness.cases.usp.strategies import usp_configs
+
+    small = usp_configs(max_world_size=4, adversary_choices=adv)
+    big = usp_configs(max_world_size=4, max_tokens=128, max_head_dim=32, max_steps=3, include_unsupported=False,
+                      adversary_choices=adv)
 else:
     small = gpt_configs(case, max_world_size=4, adversary_choices=adv)
     big = realistic_gpt_configs(case, max_world_size=4, adversary_choices=adv)
