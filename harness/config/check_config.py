@@ -177,9 +177,11 @@ class CheckConfig:
     def repro(self) -> str:
         """The one-line command that reruns exactly this config."""
         args = ["sp-harness", "check", "--case", self.case, "--world-size", str(self.world_size)]
+        if self.dp != 1:  # the mesh: never a default to leave out (the rerun's default is built with it)
+            args += ["--dp", str(self.dp)]
         default = _resolved_default(self)
         for field in dataclasses.fields(self):
-            if field.name in ("case", "world_size"):
+            if field.name in ("case", "world_size", "dp"):
                 continue
             value = getattr(self, field.name)
             if value is None or (value == getattr(default, field.name) and field.name != "seq_shards"):
