@@ -1,0 +1,184 @@
+"""Stage: suites. Where a verified example's time goes (issue 14: "the profile that shows where
+the time goes"), per rank, from one instrumented check beside one bare job on the same pool.
+
+`profile_rank` is `sp_harness.checks.sidebyside.run_rank` with wall-clock timers around its
+stages: the sharded forward/backward, each reference pass on the rank that owns it, the
+broadcasts that share them (a non-owner's broadcast time is mostly waiting for the owner), the
+comparisons and the optimizer stage. The perturbed reference (`alt`) is split further by wrapping
+its RoundingNoise: the input/output noise (`_noisy`: pool windows and the multiply), the
+worst-order error of every matmul (`order_error`: |A| @ |B| and its noise), the softmax-backward
+rowsum error; its base float64 compute is timed as a plain pass of the same model on the same
+batch (a copy, outside the check's timers), and Python dispatch is what is left. The timers
+cost a few microseconds per op; the numbers are one run's, on a machine whose load skews them.
+"""
+
+from __future__ import annotations
+
+import copy
+import time
+from collections import defaultdict
+from dataclasses import dataclass, field
+
+import torch
+
+from sp_harness.config.check_config import CheckConfig
+
+STAGES = ("setup", "sharded", "r64", "lp", "alt", "anchor", "broadcast", "gather", "compare", "optimizer")
+"""Per-rank stages, in the order the table prints them; everything else is `other`."""
+ALT_PARTS = ("alt_base", "alt_noise", "alt_order_error", "alt_rowsum", "alt_dispatch")
+
+
+@dataclass(kw_only=True, frozen=True)
+class RankProfile:
+    rank: int
+    total_s: float
+    seconds: dict[str, float]
+    """Stage -> wall seconds on this rank (STAGES, `other`, and ALT_PARTS on the alt owner)."""
+    num_noised_ops: int
+    """Calls of RoundingNoise._noisy on this rank (tensor inputs and results perturbed)."""
+    num_noised_elements: int
+
+
+@dataclass
+class _Clock:
+    seconds: dict[str, float] = field(default_factory=lambda: defaultdict(float))
+    num_noised_ops: int = 0
+    num_noised_elements: int = 0
+
+    def wrap(self, key: str, fn):
+        def timed(*args, **kwargs):
+            t0 = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self.seconds[key] += time.perf_counter() - t0
+        return timed
+
+
+def _instrument_alt(clock: _Clock, refs) -> None:
+    """Time the perturbed reference's parts; its base compute is a plain pass of a copy."""
+    import sp_harness.step.rounding as rounding
+    from sp_harness.step.reference import reference_pass
+
+    noise = refs.alt_noise
+    noisy = noise._noisy
+
+    def counted(t):
+        if isinstance(t, torch.Tensor) and t.is_floating_point() and t.numel():
+            clock.num_noised_ops += 1
+            clock.num_noised_elements += t.numel()
+        return noisy(t)
+
+    noise._noisy = clock.wrap("alt_noise", counted)
+    noise._rowsum_error = clock.wrap("alt_rowsum", noise._rowsum_error)
+    rounding.order_error = clock.wrap("alt_order_error", rounding.order_error)
+    compute = refs.compute
+
+    def compute_timed(which, case, batch):
+        if which != "alt":
+            return clock.wrap(which, compute)(which, case, batch)
+        out = clock.wrap("alt", compute)(which, case, batch)
+        plain = copy.deepcopy(refs.alt)
+        clock.wrap("alt_base", reference_pass)(plain, case, batch, torch.float64)
+        return out
+
+    refs.compute = compute_timed
+
+
+def profile_rank(config: CheckConfig) -> RankProfile:
+    """Rank job: one check, as run_rank runs it, with its stages timed."""
+    import sp_harness.checks.references as references
+    import sp_harness.checks.sidebyside as sidebyside
+    import sp_harness.step.rounding as rounding
+
+    clock = _Clock()
+    saved = (references._share, sidebyside.gather_full, rounding.order_error)
+    references._share = clock.wrap("broadcast", references._share)
+    sidebyside.gather_full = clock.wrap("gather", sidebyside.gather_full)
+    try:
+        t_start = time.perf_counter()
+        run = sidebyside._SideBySide(config)
+        clock.seconds["setup"] = time.perf_counter() - t_start
+        _instrument_alt(clock, run.refs)
+        run.refs.anchor = clock.wrap("anchor", run.refs.anchor)
+        run.sharded_pass = clock.wrap("sharded", run.sharded_pass)
+        run.judge_outputs = clock.wrap("compare", run.judge_outputs)
+        run.judge_grads = clock.wrap("compare", run.judge_grads)
+        run.optimizer_stage = clock.wrap("optimizer", run.optimizer_stage)
+        run.check_init()
+        gen = torch.Generator().manual_seed(config.seed + 7919)
+        for step in range(config.steps):
+            run.step(step, gen)
+        for r in run.recorders:
+            r.remove()
+        total = time.perf_counter() - t_start
+    finally:
+        references._share, sidebyside.gather_full, rounding.order_error = saved
+    seconds = dict(clock.seconds)
+    alt_base = seconds.pop("alt_base", 0.0)
+    total -= alt_base  # the profile's own plain pass is not part of the check
+    seconds["other"] = total - sum(seconds.get(k, 0.0) for k in STAGES)
+    if "alt" in seconds:
+        parts = sum(seconds.get(k, 0.0) for k in ALT_PARTS[1:4])
+        seconds.update(alt_base=alt_base, alt_dispatch=seconds["alt"] - alt_base - parts)
+    return RankProfile(rank=run.ctx.rank, total_s=total, seconds=seconds, num_noised_ops=clock.num_noised_ops,
+                       num_noised_elements=clock.num_noised_elements)
+
+
+def run_profile(config: CheckConfig, runner) -> dict:
+    """One untimed warm-up check, then one profiled check and one bare job, same pool."""
+    from sp_harness.checks.verify import check, resolve
+    from sp_harness.suites.bench import _timed_bare
+
+    config = resolve(config)
+    check(config, runner)
+    t0 = time.perf_counter()
+    ranks = runner.run(config.world_size, "sp_harness.suites.bench_profile:profile_rank", config,
+                       timeout_s=config.timeout_s, label=f"bench profile {config.case}")
+    profiled_s = time.perf_counter() - t0
+    bare = runner.run(config.world_size, "sp_harness.suites.bench:bare_rank", config, timeout_s=config.timeout_s,
+                      label=f"bench bare {config.case}")
+    return {"case": config.case, "world_size": config.world_size, "hidden": config.hidden, "seq_len": config.seq_len,
+            "num_layers": config.num_layers, "dtype": str(config.dtype), "steps": config.steps,
+            "profiled_s": profiled_s, "bare_rank_s": [b["total_s"] for b in bare],
+            "ranks": [_asdict(r) for r in ranks]}
+
+
+def _asdict(r: RankProfile) -> dict:
+    return {"rank": r.rank, "total_s": r.total_s, "seconds": dict(r.seconds), "num_noised_ops": r.num_noised_ops,
+            "num_noised_elements": r.num_noised_elements}
+
+
+_LABELS = {
+    "setup": "build models + references", "sharded": "sharded fwd/bwd/grad sync", "r64": "reference r64 (float64)",
+    "lp": "reference lp (run dtype + order noise)", "alt": "reference alt (perturbed float64)",
+    "alt_base": "  alt: base float64 compute", "alt_noise": "  alt: input/output noise",
+    "alt_order_error": "  alt: order_error (|A||B| matmul)", "alt_rowsum": "  alt: softmax rowsum error",
+    "alt_dispatch": "  alt: Python dispatch + rest", "anchor": "load sharded params into refs", "broadcast": "broadcast refs (incl. waiting)",
+    "gather": "gather sharded params", "compare": "compare outputs/grads", "optimizer": "optimizer + param checks",
+    "other": "other (init checks, batches)",
+}
+
+
+def format_profile(p: dict) -> str:
+    ranks = p["ranks"]
+    head = (f"(i) where the time goes: {p['case']} ws={p['world_size']} hidden {p['hidden']} seq {p['seq_len']} "
+            f"{p['num_layers']} layers {p['dtype']} {p['steps']} steps; wall seconds per rank, one profiled check "
+            f"({p['profiled_s']:.2f}s through the pool) vs bare_rank "
+            + "/".join(f"{s:.2f}" for s in p["bare_rank_s"]) + "s")
+    L = [head, f"  {'stage':<40}" + "".join(f" {'rank ' + str(r['rank']):>15}" for r in ranks)]
+    for key in (*STAGES[:5], *ALT_PARTS, *STAGES[5:], "other"):
+        if not any(key in r["seconds"] for r in ranks):
+            continue
+        cells = []
+        for r in ranks:
+            s = r["seconds"].get(key)
+            cells.append(f" {'-':>15}" if s is None else f" {s:>8.3f} {100 * s / r['total_s']:>4.0f}%")
+        L.append(f"  {_LABELS[key]:<40}" + "".join(cells))
+    L.append(f"  {'total':<40}" + "".join(f" {r['total_s']:>8.3f}      " for r in ranks))
+    owner = [r for r in ranks if r["num_noised_ops"]]
+    for r in owner:
+        L.append(f"  alt on rank {r['rank']}: {r['num_noised_ops']} tensors noised, "
+                 f"{r['num_noised_elements'] / 1e6:.1f}M elements; alt / its base float64 pass: "
+                 f"{r['seconds']['alt'] / max(1e-9, r['seconds']['alt_base']):.2f}x")
+    return "\n".join(L)
