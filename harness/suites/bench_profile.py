@@ -128,7 +128,6 @@ def profile_rank(config: CheckConfig) -> RankProfile:
 def run_profile(config: CheckConfig, runner) -> dict:
     """One untimed warm-up check, then one profiled check and one bare job, same pool."""
     from sp_harness.checks.verify import check, resolve
-    from sp_harness.suites.bench import _timed_bare
 
     config = resolve(config)
     check(config, runner)
