@@ -122,7 +122,7 @@ class ReorderAdversary(TorchDispatchMode):
         order = self._order(len(parts))
         acc = parts[order[0]]
         for i in order[1:]:
-            acc = acc + parts[i]
+            acc = acc.add_(parts[i])  # every part is a fresh result of this call: no copy needed
         return acc.to(dtype)
 
     def _matmul(self, a: torch.Tensor, b: torch.Tensor, op) -> torch.Tensor:

@@ -35,6 +35,9 @@ class NoisePool:
         self._factors: dict[float, torch.Tensor] = {}
         """rel -> 1 + rel * values, made on first use: a perturbation is then one multiply by a
         window of it (bit for bit what scaling a window of `values` computes), not three passes."""
+        self._typed: dict[torch.dtype, torch.Tensor] = {}
+        """The values in another dtype (float32 for a float32 run's order noise), made on first
+        use: a window is then a view, not a cast of every element."""
         self._offsets: list[int] = []
         """Window offsets drawn OFFSETS at a time: one randint per window was a third of the
         perturbed reference's Python time at small sizes. `forget_offsets` drops them, for a
@@ -52,7 +55,12 @@ class NoisePool:
 
     def window(self, shape: torch.Size, dtype: torch.dtype, device: torch.device,
                values: torch.Tensor | None = None) -> torch.Tensor:
-        values = self.values if values is None else values
+        if values is None:
+            values = self.values
+            if dtype != values.dtype and dtype.is_floating_point:
+                if dtype not in self._typed:
+                    self._typed[dtype] = values.to(dtype)
+                values = self._typed[dtype]
         numel, size, end = math.prod(shape), self.size, values.numel()
         pieces, left = [], numel
         while left:
@@ -118,6 +126,10 @@ class RoundingNoise(TorchDispatchMode):
             return t * self.pool.factor_window(t.shape, t.dtype, t.device, self.rel)
         return t
 
+    def _noisy_in_place(self, t: torch.Tensor) -> torch.Tensor:
+        """`_noisy` for a result no one else holds: the same values, without a new tensor."""
+        return t.mul_(self.pool.factor_window(t.shape, t.dtype, t.device, self.rel))
+
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if _passes_through(func):
             return func(*args, **(kwargs or {}))
@@ -146,9 +158,7 @@ class RoundingNoise(TorchDispatchMode):
                 out = order_error(a, b, op, self.gen, u, pool=self.pool, magnitude_dtype=self.magnitude_dtype, into=out)
             else:
                 out = out + order_error(a, b, op, self.gen, u, pool=self.pool, magnitude_dtype=self.magnitude_dtype)
-        if fresh:
-            return out.mul_(self.pool.factor_window(out.shape, out.dtype, out.device, self.rel))
-        return self._noisy(out)
+        return self._noisy_in_place(out) if fresh else self._noisy(out)
 
 
     def _rowsum_error(self, grad: torch.Tensor, prob: torch.Tensor, dim: int) -> torch.Tensor:

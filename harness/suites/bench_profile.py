@@ -8,7 +8,7 @@ comparisons and the optimizer stage. The perturbed reference (`alt`) is split fu
 its RoundingNoise: the input/output noise (`_noisy`: pool windows and the multiply), the
 worst-order error of every matmul (`order_error`: |A| @ |B| and its noise), the softmax-backward
 rowsum error; its base float64 compute is timed as a plain pass of the same model on the same
-batch (a copy, outside the check's timers), and Python dispatch is what is left. The timers
+batches (a copy, after the check), and Python dispatch is what is left. The timers
 cost a few microseconds per op; the numbers are one run's, on a machine whose load skews them.
 """
 
@@ -34,6 +34,10 @@ class RankProfile:
     total_s: float
     seconds: dict[str, float]
     """Stage -> wall seconds on this rank (STAGES, `other`, and ALT_PARTS on the alt owner)."""
+    total_cpu_s: float
+    cpu_seconds: dict[str, float]
+    """The same in this process's CPU seconds: what the stage costs on a loaded machine, where
+    wall time also counts the waits for a core (and a broadcast's waits for its owner)."""
     num_noised_ops: int
     """Calls of RoundingNoise._noisy on this rank (tensor inputs and results perturbed)."""
     num_noised_elements: int
@@ -42,47 +46,58 @@ class RankProfile:
 @dataclass
 class _Clock:
     seconds: dict[str, float] = field(default_factory=lambda: defaultdict(float))
+    cpu_seconds: dict[str, float] = field(default_factory=lambda: defaultdict(float))
     num_noised_ops: int = 0
     num_noised_elements: int = 0
 
     def wrap(self, key: str, fn):
         def timed(*args, **kwargs):
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.process_time()
             try:
                 return fn(*args, **kwargs)
             finally:
                 self.seconds[key] += time.perf_counter() - t0
+                self.cpu_seconds[key] += time.process_time() - c0
         return timed
 
 
-def _instrument_alt(clock: _Clock, refs) -> None:
-    """Time the perturbed reference's parts; its base compute is a plain pass of a copy."""
+def _instrument_alt(clock: _Clock, refs) -> list:
+    """Time the perturbed reference's parts. Returns the list its batches are appended to: its
+    base compute is timed after the check (`_time_alt_base`), so that the other ranks do not
+    wait for a pass the check does not make."""
     import sp_harness.step.rounding as rounding
-    from sp_harness.step.reference import reference_pass
 
     noise = refs.alt_noise
-    noisy = noise._noisy
+    for name in ("_noisy", "_noisy_in_place"):
+        method = getattr(noise, name)
 
-    def counted(t):
-        if isinstance(t, torch.Tensor) and t.is_floating_point() and t.numel():
-            clock.num_noised_ops += 1
-            clock.num_noised_elements += t.numel()
-        return noisy(t)
+        def counted(t, method=method):
+            if isinstance(t, torch.Tensor) and t.is_floating_point() and t.numel():
+                clock.num_noised_ops += 1
+                clock.num_noised_elements += t.numel()
+            return method(t)
 
-    noise._noisy = clock.wrap("alt_noise", counted)
+        setattr(noise, name, clock.wrap("alt_noise", counted))
     noise._rowsum_error = clock.wrap("alt_rowsum", noise._rowsum_error)
     rounding.order_error = clock.wrap("alt_order_error", rounding.order_error)
-    compute = refs.compute
+    compute, batches = refs.compute, []
 
     def compute_timed(which, case, batch):
-        if which != "alt":
-            return clock.wrap(which, compute)(which, case, batch)
-        out = clock.wrap("alt", compute)(which, case, batch)
-        plain = copy.deepcopy(refs.alt)
-        clock.wrap("alt_base", reference_pass)(plain, case, batch, torch.float64)
-        return out
+        if which == "alt":
+            batches.append((case, batch))
+        return clock.wrap(which, compute)(which, case, batch)
 
     refs.compute = compute_timed
+    return batches
+
+
+def _time_alt_base(clock: _Clock, refs, batches: list) -> None:
+    """The perturbed reference's passes again, plain float64 on a copy: its base compute."""
+    from sp_harness.step.reference import reference_pass
+
+    for case, batch in batches:
+        plain = copy.deepcopy(refs.alt)
+        clock.wrap("alt_base", reference_pass)(plain, case, batch, torch.float64)
 
 
 def profile_rank(config: CheckConfig) -> RankProfile:
@@ -96,10 +111,11 @@ def profile_rank(config: CheckConfig) -> RankProfile:
     references._share = clock.wrap("broadcast", references._share)
     sidebyside.gather_full = clock.wrap("gather", sidebyside.gather_full)
     try:
-        t_start = time.perf_counter()
+        t_start, c_start = time.perf_counter(), time.process_time()
         run = sidebyside._SideBySide(config)
         clock.seconds["setup"] = time.perf_counter() - t_start
-        _instrument_alt(clock, run.refs)
+        clock.cpu_seconds["setup"] = time.process_time() - c_start
+        alt_batches = _instrument_alt(clock, run.refs)
         run.refs.anchor = clock.wrap("anchor", run.refs.anchor)
         run.sharded_pass = clock.wrap("sharded", run.sharded_pass)
         run.judge_outputs = clock.wrap("compare", run.judge_outputs)
@@ -111,18 +127,24 @@ def profile_rank(config: CheckConfig) -> RankProfile:
             run.step(step, gen)
         for r in run.recorders:
             r.remove()
-        total = time.perf_counter() - t_start
+        total, total_cpu = time.perf_counter() - t_start, time.process_time() - c_start
+        _time_alt_base(clock, run.refs, alt_batches)
     finally:
         references._share, sidebyside.gather_full, rounding.order_error = saved
-    seconds = dict(clock.seconds)
+    return RankProfile(rank=run.ctx.rank, total_s=total, seconds=_breakdown(clock.seconds, total), total_cpu_s=total_cpu,
+                       cpu_seconds=_breakdown(clock.cpu_seconds, total_cpu), num_noised_ops=clock.num_noised_ops,
+                       num_noised_elements=clock.num_noised_elements)
+
+
+def _breakdown(timed: dict[str, float], total: float) -> dict[str, float]:
+    """The stages, `other` (the rest of the total) and the perturbed reference's parts."""
+    seconds = dict(timed)
     alt_base = seconds.pop("alt_base", 0.0)
-    total -= alt_base  # the profile's own plain pass is not part of the check
     seconds["other"] = total - sum(seconds.get(k, 0.0) for k in STAGES)
     if "alt" in seconds:
         parts = sum(seconds.get(k, 0.0) for k in ALT_PARTS[1:4])
         seconds.update(alt_base=alt_base, alt_dispatch=seconds["alt"] - alt_base - parts)
-    return RankProfile(rank=run.ctx.rank, total_s=total, seconds=seconds, num_noised_ops=clock.num_noised_ops,
-                       num_noised_elements=clock.num_noised_elements)
+    return seconds
 
 
 def run_profile(config: CheckConfig, runner) -> dict:
@@ -144,7 +166,8 @@ def run_profile(config: CheckConfig, runner) -> dict:
 
 
 def _asdict(r: RankProfile) -> dict:
-    return {"rank": r.rank, "total_s": r.total_s, "seconds": dict(r.seconds), "num_noised_ops": r.num_noised_ops,
+    return {"rank": r.rank, "total_s": r.total_s, "seconds": dict(r.seconds), "total_cpu_s": r.total_cpu_s,
+            "cpu_seconds": dict(r.cpu_seconds), "num_noised_ops": r.num_noised_ops,
             "num_noised_elements": r.num_noised_elements}
 
 
@@ -162,22 +185,23 @@ _LABELS = {
 def format_profile(p: dict) -> str:
     ranks = p["ranks"]
     head = (f"(i) where the time goes: {p['case']} ws={p['world_size']} hidden {p['hidden']} seq {p['seq_len']} "
-            f"{p['num_layers']} layers {p['dtype']} {p['steps']} steps; wall seconds per rank, one profiled check "
-            f"({p['profiled_s']:.2f}s through the pool) vs bare_rank "
-            + "/".join(f"{s:.2f}" for s in p["bare_rank_s"]) + "s")
-    L = [head, f"  {'stage':<40}" + "".join(f" {'rank ' + str(r['rank']):>15}" for r in ranks)]
+            f"{p['num_layers']} layers {p['dtype']} {p['steps']} steps, one profiled check "
+            f"({p['profiled_s']:.2f}s wall through the pool; bare_rank " + "/".join(f"{s:.2f}" for s in p["bare_rank_s"])
+            + "s); per rank: CPU seconds (immune to other jobs' load), share, wall seconds")
+    L = [head, f"  {'stage':<40}" + "".join(f" {'rank ' + str(r['rank']) + ' cpu s':>15} {'wall s':>7}" for r in ranks)]
     for key in (*STAGES[:5], *ALT_PARTS, *STAGES[5:], "other"):
         if not any(key in r["seconds"] for r in ranks):
             continue
         cells = []
         for r in ranks:
-            s = r["seconds"].get(key)
-            cells.append(f" {'-':>15}" if s is None else f" {s:>8.3f} {100 * s / r['total_s']:>4.0f}%")
+            cpu, wall = r["cpu_seconds"].get(key), r["seconds"].get(key)
+            cells.append(f" {'-':>15} {'':>7}" if cpu is None else
+                         f" {cpu:>9.3f} {100 * cpu / r['total_cpu_s']:>4.0f}% {wall:>7.3f}")
         L.append(f"  {_LABELS[key]:<40}" + "".join(cells))
-    L.append(f"  {'total':<40}" + "".join(f" {r['total_s']:>8.3f}      " for r in ranks))
-    owner = [r for r in ranks if r["num_noised_ops"]]
-    for r in owner:
-        L.append(f"  alt on rank {r['rank']}: {r['num_noised_ops']} tensors noised, "
-                 f"{r['num_noised_elements'] / 1e6:.1f}M elements; alt / its base float64 pass: "
-                 f"{r['seconds']['alt'] / max(1e-9, r['seconds']['alt_base']):.2f}x")
+    L.append(f"  {'total':<40}" + "".join(f" {r['total_cpu_s']:>9.3f}       {r['total_s']:>7.3f}" for r in ranks))
+    for r in ranks:
+        if "alt" in r["cpu_seconds"]:
+            L.append(f"  alt on rank {r['rank']}: {r['num_noised_ops']} tensors noised, "
+                     f"{r['num_noised_elements'] / 1e6:.1f}M elements; alt / its base float64 pass (CPU): "
+                     f"{r['cpu_seconds']['alt'] / max(1e-9, r['cpu_seconds']['alt_base']):.2f}x")
     return "\n".join(L)
