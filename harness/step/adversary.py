@@ -95,7 +95,8 @@ class ReorderAdversary(TorchDispatchMode):
         if self._pool is None:
             from sp_harness.step.rounding import NoisePool  # rounding imports this module
 
-            self._pool = NoisePool(torch.Generator().manual_seed(self.seed))
+            # a quarter of the perturbed reference's pool: windows beyond it are cut from pieces
+            self._pool = NoisePool(torch.Generator().manual_seed(self.seed), size=1 << 20, tail=1 << 18)
             self._pool.gen = self.gen
         return self._pool
 

@@ -112,11 +112,18 @@ class RoundingNoise(TorchDispatchMode):
         self.magnitude_dtype = magnitude_dtype
         """The dtype of order_error's |A| @ |B| (see there): float32 when the run's is at most that."""
         self.rel, self.gen = rel, gen
-        self.pool = NoisePool(gen)
+        self._pool: NoisePool | None = None
         self.accumulate_rel = rel if accumulate_rel is None else accumulate_rel
         """Unit roundoff x 2 of a matmul's accumulator: float32's for bfloat16 runs."""
         self.matmul_input_rel = rel if matmul_input_rel is None else matmul_input_rel
         """Relative rounding of a matmul's inputs: TF32's 2**-10 where the platform uses it."""
+
+    @property
+    def pool(self) -> NoisePool:
+        """Made on first use: every rank builds the references, only the owner runs this one."""
+        if self._pool is None:
+            self._pool = NoisePool(self.gen)
+        return self._pool
 
     def _noisy(self, t):
         if isinstance(t, torch.Tensor) and t.is_floating_point() and t.numel():
@@ -145,7 +152,7 @@ class RoundingNoise(TorchDispatchMode):
         # a result that shares no storage with the op's inputs is this call's alone: perturbed
         # in place (the same values as out of place, without a new tensor per op); one that does
         # (_unsafe_view declares no alias but is one) is left for whoever holds the input
-        fresh = out.untyped_storage().data_ptr() not in _storages(args)
+        fresh = out.untyped_storage().data_ptr() not in _storages((*args, *(kwargs or {}).values()))
         if func is _SOFTMAX_BACKWARD:
             error = self._rowsum_error(*args[:3])
             out = out.add_(error) if fresh else out + error

@@ -68,7 +68,7 @@ def bare_rank(config: CheckConfig) -> dict:
     from sp_harness.step.optim_ref import make_optimizer
     from sp_harness.step.reference import reference_pass
 
-    t_start = time.perf_counter()
+    t_start, c_start = time.perf_counter(), time.process_time()
     built = build(config)
     config, case, ctx, ref, sharded = built.config, built.case, built.ctx, built.reference, built.sharded
     opt_ref = make_optimizer(config.optimizer, config.lr, ref.parameters())
@@ -85,7 +85,7 @@ def bare_rank(config: CheckConfig) -> dict:
         sharded.sync_grads()
         opt.step()
         opt.zero_grad(set_to_none=True)
-    return {"setup_s": t_setup, "total_s": time.perf_counter() - t_start}
+    return {"setup_s": t_setup, "total_s": time.perf_counter() - t_start, "cpu_s": time.process_time() - c_start}
 
 
 # ------------------------------------------------------------------ driver helpers

@@ -162,6 +162,7 @@ def run_profile(config: CheckConfig, runner) -> dict:
     return {"case": config.case, "world_size": config.world_size, "hidden": config.hidden, "seq_len": config.seq_len,
             "num_layers": config.num_layers, "dtype": str(config.dtype), "steps": config.steps,
             "profiled_s": profiled_s, "bare_rank_s": [b["total_s"] for b in bare],
+            "bare_rank_cpu_s": [b["cpu_s"] for b in bare],
             "ranks": [_asdict(r) for r in ranks]}
 
 
@@ -188,6 +189,7 @@ def format_profile(p: dict) -> str:
             f"{p['num_layers']} layers {p['dtype']} {p['steps']} steps, one profiled check "
             f"({p['profiled_s']:.2f}s wall through the pool; bare_rank " + "/".join(f"{s:.2f}" for s in p["bare_rank_s"])
             + "s); per rank: CPU seconds (immune to other jobs' load), share, wall seconds")
+    check_cpu, bare_cpu = max(r["total_cpu_s"] for r in ranks), max(p["bare_rank_cpu_s"])
     L = [head, f"  {'stage':<40}" + "".join(f" {'rank ' + str(r['rank']) + ' cpu s':>15} {'wall s':>7}" for r in ranks)]
     for key in (*STAGES[:5], *ALT_PARTS, *STAGES[5:], "other"):
         if not any(key in r["seconds"] for r in ranks):
@@ -199,6 +201,8 @@ def format_profile(p: dict) -> str:
                          f" {cpu:>9.3f} {100 * cpu / r['total_cpu_s']:>4.0f}% {wall:>7.3f}")
         L.append(f"  {_LABELS[key]:<40}" + "".join(cells))
     L.append(f"  {'total':<40}" + "".join(f" {r['total_cpu_s']:>9.3f}       {r['total_s']:>7.3f}" for r in ranks))
+    L.append(f"  busiest rank's CPU seconds, check {check_cpu:.3f} / bare_rank {bare_cpu:.3f} = "
+             f"{check_cpu / bare_cpu:.2f}x (the load-free counterpart of the check / bare ratio)")
     for r in ranks:
         if "alt" in r["cpu_seconds"]:
             L.append(f"  alt on rank {r['rank']}: {r['num_noised_ops']} tensors noised, "
