@@ -119,7 +119,9 @@ def make_references(built: Built, config: CheckConfig, platform, matmul_input_re
     dtype = config.torch_dtype
     alt_gen = torch.Generator().manual_seed(config.seed + 104729)
     accumulator = torch.float32 if dtype in (torch.bfloat16, torch.float16) else dtype
-    noise = RoundingNoise(torch.finfo(dtype).eps, alt_gen, torch.finfo(accumulator).eps, matmul_input_rel)
+    # a run of float32 or less cannot hold what would overflow a float32 |A| @ |B|
+    magnitude = torch.float32 if torch.finfo(dtype).bits <= 32 else None
+    noise = RoundingNoise(torch.finfo(dtype).eps, alt_gen, torch.finfo(accumulator).eps, matmul_input_rel, magnitude)
     return References(r64=built.reference, lp=copy.deepcopy(built.reference).to(lp_dtype(dtype)),
                       alt=copy.deepcopy(built.reference), alt_noise=noise, alt_gen=alt_gen, dtype=dtype,
                       platform=platform)

@@ -37,7 +37,8 @@ def round_tf32(x: torch.Tensor) -> torch.Tensor:
     return ((bits + 0x1000) & ~0x1FFF).view(torch.float32).view(x.shape)
 
 
-def order_error(a: torch.Tensor, b: torch.Tensor, op, gen: torch.Generator, u: float, pool=None) -> torch.Tensor:
+def order_error(a: torch.Tensor, b: torch.Tensor, op, gen: torch.Generator, u: float, pool=None,
+                magnitude_dtype: torch.dtype | None = None, into: torch.Tensor | None = None) -> torch.Tensor:
     """An error some legal summation order could make in op(a, b) at unit roundoff u.
 
     Each element of a K-term dot product summed in any order differs from the exact one by at
@@ -45,12 +46,28 @@ def order_error(a: torch.Tensor, b: torch.Tensor, op, gen: torch.Generator, u: f
     like a random walk, u * sqrt(K) * (|a| @ |b|). This returns that walk times U(-1, 1) per
     element: the range of a kernel less accurate than this CPU's (split-K, atomics, a naive
     loop), not only of the accurate blocked sums the chunking above produces. u is the
-    accumulator's: bfloat16 and float16 products accumulate in float32 on every real kernel."""
-    scale = op(a.abs(), b.abs()) * (u * a.shape[-1] ** 0.5)
+    accumulator's: bfloat16 and float16 products accumulate in float32 on every real kernel.
+
+    `magnitude_dtype` (float32 where a float64 pass simulates a run of float32 or less) is the
+    dtype |a| @ |b| is formed in: it is only an error's magnitude, which float32's K * 2**-24
+    relative error does not change, and a run of that precision cannot hold a value that would
+    overflow float32. Half the matmul cost of float64 on a CPU. With `into` (a result this call
+    may write), the error is added to it in place and `into` returned."""
+    if magnitude_dtype is not None and magnitude_dtype != a.dtype:
+        a_abs, b_abs = a.to(magnitude_dtype, copy=True).abs_(), b.to(magnitude_dtype, copy=True).abs_()
+    else:
+        a_abs, b_abs = a.abs(), b.abs()
+    # the scalar rides on the smaller operand (the same product up to rounding, which an error
+    # magnitude does not notice): a pass over an operand, not over a result that may be larger
+    (a_abs if a_abs.numel() <= b_abs.numel() else b_abs).mul_(u * a.shape[-1] ** 0.5)
+    scale = op(a_abs, b_abs)
     if pool is not None:  # sp_harness.step.rounding.NoisePool: windows of one buffer, not fresh draws
-        return scale.mul_(pool.window(scale.shape, scale.dtype, scale.device))
-    noise = torch.rand(scale.shape, generator=gen, dtype=torch.float64).to(scale.dtype) * 2 - 1
-    return scale * noise
+        noise = pool.window(scale.shape, a.dtype, scale.device)
+    else:
+        noise = torch.rand(scale.shape, generator=gen, dtype=torch.float64).to(a.dtype) * 2 - 1
+    if into is not None:  # added where it goes in one pass, a float32 magnitude promoted on the way
+        return into.addcmul_(scale, noise)
+    return scale.mul_(noise) if scale.dtype == noise.dtype else torch.mul(scale, noise)
 
 
 class ReorderAdversary(TorchDispatchMode):
@@ -67,12 +84,30 @@ class ReorderAdversary(TorchDispatchMode):
         self.order_noise = order_noise
         self.gen = torch.Generator()
         self.num_rewritten = 0
+        self._pool = None
+
+    @property
+    def pool(self):
+        """The order noise's uniform values (sp_harness.step.rounding.NoisePool), drawn once from
+        `seed` alone so every rank holds the same; windows are picked by `gen`, which _reseed keys
+        on the op's inputs. Fresh torch.rand for every element of every matmul cost a third of the
+        run-precision reference. Made on first use: a rank that never reorders holds none."""
+        if self._pool is None:
+            from sp_harness.step.rounding import NoisePool  # rounding imports this module
+
+            # a quarter of the perturbed reference's pool: windows beyond it are cut from pieces
+            self._pool = NoisePool(torch.Generator().manual_seed(self.seed), size=1 << 20, tail=1 << 18)
+            self._pool.gen = self.gen
+        return self._pool
 
     def _reseed(self, op: str, tensors) -> None:
         key = [op, self.seed]
         for t in tensors:
-            key += [tuple(t.shape), struct.pack("<d", float(t.detach().double().sum()))]
+            # summed in float64 without a float64 copy of the tensor
+            key += [tuple(t.shape), struct.pack("<d", float(t.detach().sum(dtype=torch.float64)))]
         self.gen.manual_seed(zlib.crc32(repr(key).encode()))
+        if self._pool is not None:
+            self._pool.forget_offsets()  # the order noise follows this op's seed, not earlier ops'
 
     def _cuts(self, n: int) -> list[int]:
         if not self.reorder or n < 2:
@@ -88,7 +123,7 @@ class ReorderAdversary(TorchDispatchMode):
         order = self._order(len(parts))
         acc = parts[order[0]]
         for i in order[1:]:
-            acc = acc + parts[i]
+            acc = acc.add_(parts[i])  # every part is a fresh result of this call: no copy needed
         return acc.to(dtype)
 
     def _matmul(self, a: torch.Tensor, b: torch.Tensor, op) -> torch.Tensor:
@@ -102,7 +137,8 @@ class ReorderAdversary(TorchDispatchMode):
         b_parts = b.split(sizes, dim=-2)
         parts = [op(x.to(acc_dtype), y.to(acc_dtype)) for x, y in zip(a_parts, b_parts, strict=True)]
         if self.order_noise:
-            parts.append(order_error(a.to(acc_dtype), b.to(acc_dtype), op, self.gen, torch.finfo(acc_dtype).eps / 2))
+            parts.append(order_error(a.to(acc_dtype), b.to(acc_dtype), op, self.gen, torch.finfo(acc_dtype).eps / 2,
+                                     pool=self.pool))
         return self._sum(parts, dtype)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):

@@ -6,6 +6,7 @@ another platform's kernels: the backward-error view of sp_harness.compare.tolera
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -19,24 +20,69 @@ class NoisePool:
     of the buffer at a random offset (wrapping). Drawing fresh numbers for every element of every
     op made the perturbed reference cost more than the model it checks (torch.rand on the CPU is
     one thread); a window is one copy. Within a request the values are distinct draws; across
-    requests windows may overlap, at offsets unrelated to what the ops compute."""
+    requests windows may overlap, at offsets unrelated to what the ops compute.
+
+    The buffer repeats its first TAIL values after its end, so a window of up to TAIL values
+    wraps without a copy: a view, where cutting and concatenating two pieces cost a pass."""
 
     SIZE = 1 << 22
+    TAIL = 1 << 20
 
-    def __init__(self, gen: torch.Generator, size: int = SIZE):
-        self.gen = gen
-        self.values = torch.rand(size, generator=gen, dtype=torch.float64) * 2 - 1
+    def __init__(self, gen: torch.Generator, size: int = SIZE, tail: int = TAIL):
+        self.gen, self.size = gen, size
+        values = torch.rand(size, generator=gen, dtype=torch.float64) * 2 - 1
+        self.values = torch.cat([values, values[:tail]])
+        self._factors: dict[float, torch.Tensor] = {}
+        """rel -> 1 + rel * values, made on first use: a perturbation is then one multiply by a
+        window of it (bit for bit what scaling a window of `values` computes), not three passes."""
+        self._typed: dict[torch.dtype, torch.Tensor] = {}
+        """The values in another dtype (float32 for a float32 run's order noise), made on first
+        use: a window is then a view, not a cast of every element."""
+        self._offsets: list[int] = []
+        """Window offsets drawn OFFSETS at a time: one randint per window was a third of the
+        perturbed reference's Python time at small sizes. `forget_offsets` drops them, for a
+        caller that reseeds `gen` and needs the windows to follow the new seed alone."""
 
-    def window(self, shape: torch.Size, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-        numel, size = math.prod(shape), self.values.numel()
+    OFFSETS = 256
+
+    def forget_offsets(self) -> None:
+        self._offsets.clear()
+
+    def _offset(self) -> int:
+        if not self._offsets:
+            self._offsets = torch.randint(self.size, (self.OFFSETS,), generator=self.gen).tolist()[::-1]
+        return self._offsets.pop()
+
+    def window(self, shape: torch.Size, dtype: torch.dtype, device: torch.device,
+               values: torch.Tensor | None = None) -> torch.Tensor:
+        if values is None:
+            values = self.values
+            if dtype != values.dtype and dtype.is_floating_point:
+                if dtype not in self._typed:
+                    self._typed[dtype] = values.to(dtype)
+                values = self._typed[dtype]
+        numel, size, end = math.prod(shape), self.size, values.numel()
         pieces, left = [], numel
         while left:
-            start = int(torch.randint(size, (1,), generator=self.gen))
-            take = min(left, size - start)
-            pieces.append(self.values[start:start + take])
+            start = self._offset()
+            take = min(left, size, end - start)  # at most `size`: distinct draws within a piece
+            pieces.append(values[start:start + take])
             left -= take
-        flat = pieces[0] if len(pieces) == 1 else torch.cat(pieces)
-        return flat.to(device=device, dtype=dtype).reshape(shape)
+        # an empty request (a matmul on a rank holding no tokens) draws nothing
+        flat = values[:0] if not pieces else pieces[0] if len(pieces) == 1 else torch.cat(pieces)
+        if flat.dtype != dtype or flat.device != device:
+            flat = flat.to(device=device, dtype=dtype)
+        return flat.view(shape)
+
+    def factor_window(self, shape: torch.Size, dtype: torch.dtype, device: torch.device, rel: float) -> torch.Tensor:
+        """A window of (1 + rel u): the same offsets a `window` call would draw, so the same noise."""
+        if dtype != self.values.dtype:
+            # the factor rounds in the tensor's own dtype, as `window(...) * rel + 1` would
+            factor = self.window(shape, dtype, device) * rel
+            return factor.add_(1)
+        if rel not in self._factors:
+            self._factors[rel] = self.values * rel + 1
+        return self.window(shape, dtype, device, self._factors[rel])
 
 
 def perturb_(tensor: torch.Tensor, rel: float, gen: torch.Generator) -> torch.Tensor:
@@ -61,27 +107,38 @@ class RoundingNoise(TorchDispatchMode):
     in-place ops are left alone, so aliasing semantics hold."""
 
     def __init__(self, rel: float, gen: torch.Generator, accumulate_rel: float | None = None,
-                 matmul_input_rel: float | None = None):
+                 matmul_input_rel: float | None = None, magnitude_dtype: torch.dtype | None = None):
         super().__init__()
+        self.magnitude_dtype = magnitude_dtype
+        """The dtype of order_error's |A| @ |B| (see there): float32 when the run's is at most that."""
         self.rel, self.gen = rel, gen
-        self.pool = NoisePool(gen)
+        self._pool: NoisePool | None = None
         self.accumulate_rel = rel if accumulate_rel is None else accumulate_rel
         """Unit roundoff x 2 of a matmul's accumulator: float32's for bfloat16 runs."""
         self.matmul_input_rel = rel if matmul_input_rel is None else matmul_input_rel
         """Relative rounding of a matmul's inputs: TF32's 2**-10 where the platform uses it."""
 
+    @property
+    def pool(self) -> NoisePool:
+        """Made on first use: every rank builds the references, only the owner runs this one."""
+        if self._pool is None:
+            self._pool = NoisePool(self.gen)
+        return self._pool
+
     def _noisy(self, t):
         if isinstance(t, torch.Tensor) and t.is_floating_point() and t.numel():
-            # t (1 + rel u), a product so that infinities (masked scores) stay infinities; the
-            # window may be a view of the pool: never written to
-            factor = self.pool.window(t.shape, t.dtype, t.device) * self.rel
-            factor += 1
-            return t * factor
+            # t (1 + rel u), a product so that infinities (masked scores) stay infinities (an
+            # addcmul t + rel t u would turn -inf into nan); the window may be a view of the
+            # pool's factors: never written to
+            return t * self.pool.factor_window(t.shape, t.dtype, t.device, self.rel)
         return t
 
+    def _noisy_in_place(self, t: torch.Tensor) -> torch.Tensor:
+        """`_noisy` for a result no one else holds: the same values, without a new tensor."""
+        return t.mul_(self.pool.factor_window(t.shape, t.dtype, t.device, self.rel))
+
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        schema = func._schema
-        if schema.is_mutable or any(r.alias_info is not None for r in schema.returns):
+        if _passes_through(func):
             return func(*args, **(kwargs or {}))
         if func in _MATMULS and self.matmul_input_rel != self.rel:
             rel, self.rel = self.rel, self.matmul_input_rel
@@ -90,14 +147,25 @@ class RoundingNoise(TorchDispatchMode):
         else:
             args = tuple(self._noisy(a) for a in args)
         out = func(*args, **(kwargs or {}))
+        if not (isinstance(out, torch.Tensor) and out.is_floating_point() and out.numel()):
+            return out
+        # a result that shares no storage with the op's inputs is this call's alone: perturbed
+        # in place (the same values as out of place, without a new tensor per op); one that does
+        # (_unsafe_view declares no alias but is one) is left for whoever holds the input
+        fresh = out.untyped_storage().data_ptr() not in _storages((*args, *(kwargs or {}).values()))
         if func is _SOFTMAX_BACKWARD:
-            out = out + self._rowsum_error(*args[:3])
+            error = self._rowsum_error(*args[:3])
+            out = out.add_(error) if fresh else out + error
         # a matmul's reduction order is the kernel's choice: add the error of a random order
-        if func in _MATMULS and isinstance(out, torch.Tensor) and out.is_floating_point():
+        if func in _MATMULS:
             a, b = args[-2], args[-1]
             op = torch.bmm if func is torch.ops.aten.bmm.default else torch.mm
-            out = out + order_error(a, b, op, self.gen, self.accumulate_rel / 2, pool=self.pool)
-        return self._noisy(out)
+            u = self.accumulate_rel / 2
+            if fresh:
+                out = order_error(a, b, op, self.gen, u, pool=self.pool, magnitude_dtype=self.magnitude_dtype, into=out)
+            else:
+                out = out + order_error(a, b, op, self.gen, u, pool=self.pool, magnitude_dtype=self.magnitude_dtype)
+        return self._noisy_in_place(out) if fresh else self._noisy(out)
 
 
     def _rowsum_error(self, grad: torch.Tensor, prob: torch.Tensor, dim: int) -> torch.Tensor:
@@ -117,3 +185,21 @@ class RoundingNoise(TorchDispatchMode):
 
 _SOFTMAX_BACKWARD = torch.ops.aten._softmax_backward_data.default
 _MATMULS = (torch.ops.aten.mm.default, torch.ops.aten.bmm.default, torch.ops.aten.addmm.default)
+
+
+def _storages(args) -> set[int]:
+    """Data pointers of the storages of every tensor among an op's args (lists included)."""
+    found = set()
+    for a in args:
+        for t in a if isinstance(a, (list, tuple)) else (a,):
+            if isinstance(t, torch.Tensor):
+                found.add(t.untyped_storage().data_ptr())
+    return found
+
+
+@functools.cache
+def _passes_through(func) -> bool:
+    """Views and in-place ops are left alone (aliasing semantics); cached per op, as reading the
+    schema on every call cost as much as the rest of the dispatch."""
+    schema = func._schema
+    return schema.is_mutable or any(r.alias_info is not None for r in schema.returns)
