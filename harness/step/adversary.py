@@ -38,7 +38,8 @@ def round_tf32(x: torch.Tensor) -> torch.Tensor:
 
 
 def order_error(a: torch.Tensor, b: torch.Tensor, op, gen: torch.Generator, u: float, pool=None,
-                magnitude_dtype: torch.dtype | None = None, into: torch.Tensor | None = None) -> torch.Tensor:
+                magnitude_dtype: torch.dtype | None = None, into: torch.Tensor | None = None,
+                scale_out: list | None = None) -> torch.Tensor:
     """An error some legal summation order could make in op(a, b) at unit roundoff u.
 
     Each element of a K-term dot product summed in any order differs from the exact one by at
@@ -52,7 +53,8 @@ def order_error(a: torch.Tensor, b: torch.Tensor, op, gen: torch.Generator, u: f
     dtype |a| @ |b| is formed in: it is only an error's magnitude, which float32's K * 2**-24
     relative error does not change, and a run of that precision cannot hold a value that would
     overflow float32. Half the matmul cost of float64 on a CPU. With `into` (a result this call
-    may write), the error is added to it in place and `into` returned."""
+    may write), the error is added to it in place and `into` returned. `scale_out` gets the
+    error's magnitude u sqrt(K) |a| @ |b| (before the random factor)."""
     if magnitude_dtype is not None and magnitude_dtype != a.dtype:
         a_abs, b_abs = a.to(magnitude_dtype, copy=True).abs_(), b.to(magnitude_dtype, copy=True).abs_()
     else:
@@ -65,9 +67,11 @@ def order_error(a: torch.Tensor, b: torch.Tensor, op, gen: torch.Generator, u: f
         noise = pool.window(scale.shape, a.dtype, scale.device)
     else:
         noise = torch.rand(scale.shape, generator=gen, dtype=torch.float64).to(a.dtype) * 2 - 1
+    if scale_out is not None:
+        scale_out.append(scale)
     if into is not None:  # added where it goes in one pass, a float32 magnitude promoted on the way
         return into.addcmul_(scale, noise)
-    return scale.mul_(noise) if scale.dtype == noise.dtype else torch.mul(scale, noise)
+    return scale.mul_(noise) if scale.dtype == noise.dtype and scale_out is None else torch.mul(scale, noise)
 
 
 class ReorderAdversary(TorchDispatchMode):

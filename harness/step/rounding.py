@@ -117,6 +117,9 @@ class RoundingNoise(TorchDispatchMode):
         """Unit roundoff x 2 of a matmul's accumulator: float32's for bfloat16 runs."""
         self.matmul_input_rel = rel if matmul_input_rel is None else matmul_input_rel
         """Relative rounding of a matmul's inputs: TF32's 2**-10 where the platform uses it."""
+        self._order_scales: dict[int, torch.Tensor] = {}
+        """Recent matmul results' order-error magnitudes, by the result's storage (and the
+        storages of reshapes of it): what softmax's backward needs to know about its grad."""
 
     @property
     def pool(self) -> NoisePool:
@@ -140,6 +143,9 @@ class RoundingNoise(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if _passes_through(func):
             return func(*args, **(kwargs or {}))
+        # looked up before the inputs are noised (a noised input is a new tensor)
+        known = (self._order_scales.get(args[0].untyped_storage().data_ptr())
+                 if func is _SOFTMAX_BACKWARD or func in _RESHAPES else None)
         if func in _MATMULS and self.matmul_input_rel != self.rel:
             rel, self.rel = self.rel, self.matmul_input_rel
             args = tuple(self._noisy(a) for a in args)
@@ -154,21 +160,35 @@ class RoundingNoise(TorchDispatchMode):
         # (_unsafe_view declares no alias but is one) is left for whoever holds the input
         fresh = out.untyped_storage().data_ptr() not in _storages((*args, *(kwargs or {}).values()))
         if func is _SOFTMAX_BACKWARD:
-            error = self._rowsum_error(*args[:3])
+            error = self._rowsum_error(*args[:3], known=known)
             out = out.add_(error) if fresh else out + error
+        if func in _RESHAPES and known is not None and known.numel() == out.numel():
+            self._remember(out, known)
         # a matmul's reduction order is the kernel's choice: add the error of a random order
         if func in _MATMULS:
             a, b = args[-2], args[-1]
             op = torch.bmm if func is torch.ops.aten.bmm.default else torch.mm
-            u = self.accumulate_rel / 2
+            u, scale = self.accumulate_rel / 2, []
             if fresh:
-                out = order_error(a, b, op, self.gen, u, pool=self.pool, magnitude_dtype=self.magnitude_dtype, into=out)
+                out = order_error(a, b, op, self.gen, u, pool=self.pool, magnitude_dtype=self.magnitude_dtype, into=out,
+                                  scale_out=scale)
             else:
-                out = out + order_error(a, b, op, self.gen, u, pool=self.pool, magnitude_dtype=self.magnitude_dtype)
+                out = out + order_error(a, b, op, self.gen, u, pool=self.pool, magnitude_dtype=self.magnitude_dtype,
+                                        scale_out=scale)
+            out = self._noisy_in_place(out) if fresh else self._noisy(out)
+            self._remember(out, scale[0])
+            return out
         return self._noisy_in_place(out) if fresh else self._noisy(out)
 
+    def _remember(self, result: torch.Tensor, scale: torch.Tensor) -> None:
+        # the last few only: a softmax backward follows its grad's matmul within a reshape or two
+        self._order_scales[result.untyped_storage().data_ptr()] = scale
+        while len(self._order_scales) > MAX_REMEMBERED:
+            self._order_scales.pop(next(iter(self._order_scales)))
 
-    def _rowsum_error(self, grad: torch.Tensor, prob: torch.Tensor, dim: int) -> torch.Tensor:
+
+    def _rowsum_error(self, grad: torch.Tensor, prob: torch.Tensor, dim: int,
+                      known: torch.Tensor | None = None) -> torch.Tensor:
         """Softmax backward is p (g - D) with D = sum_j p_j g_j. The reference forms D from the
         same g it subtracts it from, so where the two cancel (one key: p = 1, an exact 0) every
         reference is exact. FlashAttention-style kernels (a ring's blocks among them) form D as
@@ -178,12 +198,25 @@ class RoundingNoise(TorchDispatchMode):
         eps: the same sum in another order). Found by hypothesis: ring-gpt at seq_len 1, a k-bias
         grad of 1e-6 under reorder-tf32 (float32) and of 1.8e-18 under reorder (float64) where
         every reference gave exactly 0; it also closes the README's last structurally-zero
-        k-bias false alarm (megatron-gpt-tp, 3.2x before, 0.15 with it)."""
+        k-bias false alarm (megatron-gpt-tp, 3.2x before, 0.15 with it). D is another dot
+        product over the head dim than the dP it cancels against, so it also carries its own
+        summation-order error, of the magnitude the reference gave dP's matmul (tracked from that
+        matmul through reshapes): the campaign found seq_len-1 usp-gpt / ring-gpt runs at up to
+        9x without it."""
         scale = (prob * grad).abs().sum(dim, keepdim=True) * self.matmul_input_rel
+        if known is not None and known.numel() == grad.numel():
+            # g came out of a matmul dO @ V^T whose summation-order error the reference gave it;
+            # a flash kernel's D = dO . O is another dot product over the same head dim, with an
+            # error of its own of at most sum_j p_j u sqrt(d) |dO| . |v_j|: the same magnitudes
+            scale = scale + (prob * known.reshape(grad.shape).to(prob.dtype)).sum(dim, keepdim=True)
         return prob * scale * self.pool.window(scale.shape, scale.dtype, scale.device)
 
 
 _SOFTMAX_BACKWARD = torch.ops.aten._softmax_backward_data.default
+_RESHAPES = (torch.ops.aten._unsafe_view.default, torch.ops.aten.clone.default, torch.ops.aten.view.default,
+             torch.ops.aten.reshape.default)
+MAX_REMEMBERED = 4
+"""Matmul results whose order-error magnitude is kept for a following softmax backward."""
 _MATMULS = (torch.ops.aten.mm.default, torch.ops.aten.bmm.default, torch.ops.aten.addmm.default)
 
 
