@@ -60,10 +60,10 @@ for case, rs in rows.items():
             for k, v in r["worst"].items():
                 worst[k] = max(worst[k], v)
     worst_lines.append(f"| {case} | " + " | ".join(f"{worst.get(k, 0.0):.3g}" for k in
-                                                      ("forward", "loss", "input_grad", "grad", "param")) + " |")
+                                                      ("forward", "lse", "loss", "input_grad", "grad", "param")) + " |")
 print()
 print("Worst ratio to the bound over the PASSing examples (1.0 would be a false alarm):")
 print()
-print("| case | forward | loss | input grad | grad | param |")
-print("|---|---:|---:|---:|---:|---:|")
+print("| case | forward | lse | loss | input grad | grad | param |")
+print("|---|---:|---:|---:|---:|---:|---:|")
 print("\n".join(worst_lines))
