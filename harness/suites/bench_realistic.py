@@ -73,14 +73,17 @@ def realistic_config(case: str, world_size: int, hidden: int, seq_len: int) -> C
 
 
 def runnable(config: CheckConfig) -> CheckConfig | None:
-    """The resolved config where the case runs it (None where it declares it UNSUPPORTED)."""
+    """The resolved config where the case runs it and is expected to PASS (None where it declares
+    it UNSUPPORTED, or pins an upstream failure there: a crash has no cost per verified example)."""
+    from sp_harness.judge.expect import expected_verdict
+
     case = get_case(config.case)
     try:
         resolved = case.resolve(config)
         case.validate(resolved)
     except (Unsupported, ValueError):
         return None
-    return resolved
+    return resolved if expected_verdict(resolved) == "PASS" else None
 
 
 def peak_rss_mib(_: object = None) -> float:
