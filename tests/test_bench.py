@@ -29,7 +29,7 @@ def test_profile_splits_a_check_by_stage_and_the_perturbed_reference_by_part(sp_
 
 
 def test_every_target_is_printed_with_its_figure_and_verdict():
-    from sp_harness.suites.bench import Target, format_targets, targets
+    from sp_harness.suites.bench_targets import Target, format_targets, targets
 
     r = {"spawn": {"seed-mlp@4": {"speedup": 100.0}, "megatron-gpt-sp@4": {"speedup": 60.0}},
          "overhead": {"seed-mlp@2": {"check_s": 3.0, "bare_s": 1.0}},

@@ -40,14 +40,7 @@ import torch
 
 from sp_harness.config.case import all_cases, get_case
 from sp_harness.config.check_config import CheckConfig
-
-SUBJECT = "megatron-gpt-sp"
-"""The case the issue's figures are about (scaling, memory, communication, the realistic sizes);
-its TP baseline and memory mutants come from case attributes."""
-TARGET_SPEEDUP_SEED = 200.0
-TARGET_SPEEDUP = 50.0
-TARGET_OVERHEAD = 1.5
-TARGET_CONVERGE_S = 180.0
+from sp_harness.suites.bench_targets import SUBJECT, format_targets, targets, worst_memory_ratio
 
 # (c) and the memory table need tp <= num_heads up to 8 ranks: 8 heads
 SCALE = dict(hidden=32, num_heads=8, ffn=64, seq_len=24)
@@ -153,11 +146,6 @@ def speed_cases() -> tuple[str, ...]:
     """The throughput and overhead cells: the seed case(s) and the subject."""
     seeds = sorted(n for n, c in all_cases().items() if "seed" in c.tags and "mutant" not in c.tags)
     return (*seeds, SUBJECT)
-
-
-def speedup_target(case: str) -> float:
-    """The issue's warm-pool target at 4 ranks: 200x for the seed's toy, 50x for the GPT."""
-    return TARGET_SPEEDUP_SEED if "seed" in get_case(case).tags else TARGET_SPEEDUP
 
 
 def memory_mutants() -> tuple[str, ...]:
@@ -307,65 +295,11 @@ def run_bench(*, quick: bool = False, spawn_reps: int = 1, reps: int | None = No
     return out
 
 
-# ------------------------------------------------------------------ targets
-
-
-@dataclasses.dataclass(kw_only=True, frozen=True)
-class Target:
-    """One of the issue's targets, with the figure measured for it."""
-
-    name: str
-    value: float
-    limit: float
-    at_most: bool
-    """True: the figure must not exceed the limit (a cost); False: must reach it (a speedup)."""
-    unit: str = "x"
-
-    @property
-    def met(self) -> bool:
-        return self.value <= self.limit if self.at_most else self.value >= self.limit
-
-    @property
-    def factor(self) -> float:
-        """How far the figure is from the limit, >= 1 where missed."""
-        return self.value / self.limit if self.at_most else self.limit / self.value
-
-    def line(self) -> str:
-        rel = "<=" if self.at_most else ">="
-        verdict = "MET" if self.met else f"MISSED by {self.factor:.2f}x"
-        return f"  {self.name}: {self.value:.2f}{self.unit} vs {rel} {self.limit:g}{self.unit}: {verdict}"
-
-
-def targets(r: dict) -> list[Target]:
-    """Every target the run has a figure for: the bench's and (when run) the realistic sizes'."""
-    from sp_harness.suites.bench_realistic import realistic_targets
-
-    found = [Target(name=f"warm pool vs spawn-per-example, {key[:-2]} at 4 ranks", value=sp["speedup"],
-                    limit=speedup_target(key[:-2]), at_most=False)
-             for key, sp in r["spawn"].items() if key.endswith("@4") and "speedup" in sp]
-    found += [Target(name=f"overhead {key} (small default sizes)", value=o["check_s"] / o["bare_s"],
-                     limit=TARGET_OVERHEAD, at_most=True) for key, o in r["overhead"].items()]
-    c = r["converge"]
-    found.append(Target(name=f"convergence job ({c['steps']} steps{'' if c['steps'] == 200 else ', not the default 200'})",
-                        value=c["s"], limit=TARGET_CONVERGE_S, at_most=True, unit="s"))
-    worst = _worst_memory_ratio(r)
-    found.append(Target(name="activation memory, worst |measured/adjusted - 1|", value=100 * worst, limit=5.0,
-                        at_most=True, unit="%"))
-    if r.get("realistic"):
-        found += realistic_targets(r["realistic"])
-    return found
-
-
 # ------------------------------------------------------------------ the table
 
 
 def _fmt_b(x) -> str:
     return "-" if x is None else f"{x:,.0f}"
-
-
-def _worst_memory_ratio(r: dict) -> float:
-    return max((row.get("worst_ratio_all_ranks", abs(row.get("ratio", 1) - 1)) for row in r["memory"]
-                if row["mode"] != "mutant"), default=0.0)
 
 
 def _format_speed(r: dict) -> list[str]:
@@ -412,7 +346,7 @@ def _format_memory(r: dict) -> list[str]:
                  f"{row['sp_tp']:>6.3f} {row['sp_tp_adjusted']:>6.3f} {row['sp_tp_paper']:>6.3f} "
                  f"{row['norm_ratio']:>6.3f} {row['norm_expected']:>6.3f}  {'PASS' if row['gate_ok'] else 'FAIL'}")
     L.append(f"  worst |measured/adjusted - 1| over all ranks and world sizes (correct cases): "
-             f"{_worst_memory_ratio(r):.2%} (target <= 5%)")
+             f"{worst_memory_ratio(r):.2%} (target <= 5%)")
     L += ["", "    communication per step per rank, TP vs TP+SP (forward + backward activation collectives, ring bytes)"]
     for row in r["comm"]:
         L.append(f"  ws={row['world_size']} {row['case']:<30} numerics {row['verdict']:<5} TP {row['tp_ring_bytes']:>9.0f} "
@@ -421,16 +355,6 @@ def _format_memory(r: dict) -> list[str]:
     L += ["", f"(e) default convergence job (ConvergeOptions(): {c['steps']} steps, {c['world_size']} ranks, ref + TP + SP): "
               f"{c['s']:.1f}s, gate {'PASS' if c['passed'] else 'FAIL'}"]
     return L
-
-
-def format_targets(r: dict) -> str:
-    L = ["targets (one run; ratios within a row measured in the same run)"]
-    L += [t.line() for t in targets(r)]
-    L += ["  why: a verified example IS the check: three references (float64; the run dtype with a worst-order matmul",
-          "  error; a float64 copy under a TorchDispatchMode that perturbs every op's inputs and result), each once per",
-          "  example on its owner rank and broadcast, then every output/grad/param judged on every rank; bare_rank runs",
-          "  one float64 reference. See (i) for where the time goes. Spawn-per-example is pool start + first job."]
-    return "\n".join(L)
 
 
 def format_bench(r: dict) -> str:

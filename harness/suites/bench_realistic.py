@@ -25,14 +25,10 @@ from dataclasses import dataclass
 
 from sp_harness.config.case import Unsupported, all_cases, get_case
 from sp_harness.config.check_config import CheckConfig
+from sp_harness.suites.bench_targets import BIG, SUBJECT
 
 GPT_SIZES = ((256, 512), (1024, 2048), (1024, 512), (256, 2048))
 """(hidden, seq_len) of the GPT cells: 4 layers, float32, head_dim 64, ffn 4h, one sequence."""
-BIG = (1024, 2048)
-TARGET_OVERHEAD = 1.5
-TARGET_BIG = 3.0
-TARGET_MEMORY = 2.0
-TARGET_SUITE_S = 300.0
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -138,8 +134,6 @@ def built_in_cases() -> list[str]:
 
 
 def _cost_rows(manager, world_sizes: tuple[int, ...], gpt_sizes: tuple[tuple[int, int], ...], log) -> list[CostRow]:
-    from sp_harness.suites.bench import SUBJECT
-
     cost = []
     for ws in world_sizes:
         for case in built_in_cases():
@@ -159,7 +153,6 @@ def _cost_rows(manager, world_sizes: tuple[int, ...], gpt_sizes: tuple[tuple[int
 def profile_subject(*, quick: bool, size: tuple[int, int] | None = None, manager=None) -> dict:
     """(i): one profiled check of the subject at 2 ranks (the first GPT size; quick: a small one)."""
     from sp_harness.launch.pool import PoolManager
-    from sp_harness.suites.bench import SUBJECT
     from sp_harness.suites.bench_profile import run_profile
 
     hidden, seq_len = size or ((128, 64) if quick else GPT_SIZES[0])
@@ -176,8 +169,6 @@ def run_realistic(*, quick: bool, suite: bool, log=print, world_sizes: tuple[int
                   gpt_sizes: tuple[tuple[int, int], ...] | None = None) -> dict:
     """The realistic-size figures; `world_sizes` and `gpt_sizes` override the defaults (tests)."""
     from sp_harness.launch.pool import PoolManager
-    from sp_harness.suites.bench import SUBJECT
-
     world_sizes = world_sizes or ((2,) if quick else (2, 4))
     gpt_sizes = gpt_sizes or (GPT_SIZES[:1] if quick else GPT_SIZES)
     manager = PoolManager(max_pools=1)
@@ -198,7 +189,6 @@ def run_realistic(*, quick: bool, suite: bool, log=print, world_sizes: tuple[int
 
 
 def format_realistic(r: dict) -> str:
-    from sp_harness.suites.bench import SUBJECT
     from sp_harness.suites.bench_profile import format_profile
 
     L = ["(f) cost per verified example at realistic sizes (4 layers, float32, head_dim 64, ffn 4h, batch 1, "
@@ -216,23 +206,3 @@ def format_realistic(r: dict) -> str:
                                                   else f"{r['suite_s']:.0f}s"))
     L.append(format_profile(r["profile"]))
     return "\n".join(L)
-
-
-def realistic_targets(r: dict) -> list:
-    """The issue's targets at realistic sizes, each with its figure."""
-    from sp_harness.suites.bench import SUBJECT, Target
-
-    found = []
-    for row in r["cost"]:
-        big = (row["hidden"], row["seq_len"]) == BIG
-        if big and row["world_size"] != 2:
-            continue
-        found.append(Target(name=f"overhead {row['case']} ws={row['world_size']} hidden {row['hidden']} "
-                                 f"seq {row['seq_len']}" + (f" ({SUBJECT} at the big size)" if big else ""),
-                            value=row["ratio"], limit=TARGET_BIG if big else TARGET_OVERHEAD, at_most=True))
-    found += [Target(name=f"peak memory per rank vs bare, ws={row['world_size']}", value=row["ratio"],
-                     limit=TARGET_MEMORY, at_most=True) for row in r["memory"]]
-    if r["suite_s"] is not None:
-        found.append(Target(name="test suite, pytest -n auto", value=r["suite_s"], limit=TARGET_SUITE_S, at_most=True,
-                            unit="s"))
-    return found
