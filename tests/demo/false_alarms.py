@@ -51,7 +51,7 @@ elif case == "megatron-gpt-ref":
 elif case == "ring-gpt":
     from sp_harness.cases.ring.strategies import ring_configs
 
-    small = ring_configs(max_world_size=4, adversary_choices=adv)
+    small = ring_configs(max_world_size=4, include_sbh=False, adversary_choices=adv)
     big = ring_configs(max_world_size=4, max_tokens=128, max_head_dim=32, max_steps=3, include_sbh=False,
                        adversary_choices=adv)
 elif case == "ulysses-gpt":
@@ -62,7 +62,7 @@ elif case == "ulysses-gpt":
 elif case == "usp-gpt":
     from sp_harness.cases.usp.strategies import usp_configs
 
-    small = usp_configs(max_world_size=4, adversary_choices=adv)
+    small = usp_configs(max_world_size=4, include_unsupported=False, adversary_choices=adv)
     big = usp_configs(max_world_size=4, max_tokens=128, max_head_dim=32, max_steps=3, include_unsupported=False,
                       adversary_choices=adv)
 else:
