@@ -169,6 +169,21 @@ def test_pool_scratch_dir_is_removed_on_close():
     assert not os.path.exists(scratch) and pool.scratch_dir is None
 
 
+def test_the_largest_pool_starts():
+    # the most ranks the machine runs, all connecting to the driver at once (the bench's ws=8 pool
+    # once failed to start here: a rank never connected within the start-up budget)
+    from sp_harness.launch.pool import RankPool
+    from sp_harness.launch.runner import max_world_size
+
+    world_size = max_world_size()
+    pool = RankPool(world_size)
+    try:
+        assert pool.run("sp_harness.launch.worker:health_check", None, timeout_s=120, label="largest") == [
+            world_size] * world_size
+    finally:
+        pool.close()
+
+
 def test_pool_scratch_dir_is_removed_at_exit_without_close():
     script = ("from sp_harness.launch.pool import RankPool\n"
               "pool = RankPool(1)\n"

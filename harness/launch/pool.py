@@ -133,7 +133,10 @@ class RankPool:
         # the driver hosts the store on an OS-chosen port: no fixed ports, no xdist collisions
         self._store = dist.TCPStore("127.0.0.1", 0, self.world_size + 1, is_master=True, wait_for_workers=False)
         authkey = secrets.token_bytes(16)
-        listener = Listener(("127.0.0.1", 0), authkey=authkey)
+        # every rank connects at once: with the default backlog of 1 a connect beyond the queue
+        # waits out the kernel's SYN retry backoff (1, 3, 7, ... s); an 8-rank start once lost a
+        # rank that never connected within the start-up budget
+        listener = Listener(("127.0.0.1", 0), backlog=self.world_size, authkey=authkey)
         self._tmpdir = tempfile.mkdtemp(prefix="sp-harness-stacks-")
         # removed by close(), or at interpreter exit for a pool nobody closed
         self._remove_tmpdir = weakref.finalize(self, shutil.rmtree, self._tmpdir, ignore_errors=True)
