@@ -108,6 +108,14 @@ def test_a_stall_is_a_desync_only_when_every_pending_rank_waits_in_a_collective(
     assert not watch.should_probe({0, 1}, 4.5)  # rank 1 spoke 1.5 s ago
     assert watch.should_probe({0, 1}, 5.0)
     watch.probed({0, 1}, waiting={0, 1})
+    assert not watch.found  # one look: an announcement may still be on its way
+    watch.heard(1, 5.5)  # and one arrived: the look before it proves nothing
+    assert watch.should_probe({0, 1}, 7.5)
+    watch.probed({0, 1}, waiting={0, 1})
+    assert not watch.found
+    assert not watch.should_probe({0, 1}, 8.0)
+    assert watch.should_probe({0, 1}, 9.5)
+    watch.probed({0, 1}, waiting={0, 1})  # the same stall, confirmed with nothing heard between
     assert [(e.rank, e.collective) for e in watch.found] == [(0, _c(0)), (1, None)]
     assert "blocked in an unannounced collective" in watch.found[1].detail
 

@@ -8,8 +8,12 @@ each member's announced sequence (sp_harness.launch.announce) and calls it a des
 - a member finished the job having announced fewer collectives on the group than another member:
   the extra ones can never pair up;
 - every rank still running has been silent for `stall_s` and is waiting inside a collective (its
-  stack, which the pool samples), while the members of some group announced different counts:
-  nobody can move, and the counts say who is where.
+  stack, which the pool samples), while the members of some group announced different counts,
+  and the same is seen again at the next look, `stall_s` later, with no word from any rank in
+  between: nobody can move, and the counts say who is where. (One look was not enough: on a
+  machine loaded to 20 runnable processes per core a rank's announcement arrived after a look
+  that found both ranks waiting in a legitimate collective, and a correct seed-mlp run was
+  called a desync.)
 
 Only collectives the accounting sees are announced (sp_harness.capture.comm around the system
 under test); the engine's own bookkeeping collectives are not, so a desync against one of those
@@ -41,9 +45,12 @@ class DesyncWatch:
         self.found: list[RankError] = []
         """The desync, one error per rank involved (the rank ahead first); empty: none yet."""
         self._probed_at = float("-inf")
+        self._suspect: tuple | None = None
+        """The counts the last look found everyone blocked at; a second look must confirm them."""
 
     def heard(self, rank: int, now: float) -> None:
         self.last_heard[rank] = now
+        self._suspect = None
 
     def collective(self, rank: int, c: Collective) -> None:
         if not c.group or self.found:
@@ -78,10 +85,19 @@ class DesyncWatch:
         return True
 
     def probed(self, pending: set[int], waiting: set[int]) -> None:
-        """The stacks say `waiting` are inside a collective; if that is every pending rank,
-        nothing can move and a group whose counts differ is a desync."""
-        if waiting >= pending:
+        """The stacks say `waiting` are inside a collective; if that is every pending rank at two
+        looks in a row with nothing heard between them, nothing can move and a group whose
+        counts differ is a desync."""
+        if not waiting >= pending:
+            self._suspect = None
+            return
+        counts = (frozenset(pending), self._counts())
+        if self._suspect == counts:
             self._behind(self.finished | pending)
+        self._suspect = counts
+
+    def _counts(self) -> tuple:
+        return tuple(sorted((g, r, len(seq)) for g, members in self.sequences.items() for r, seq in members.items()))
 
     def _uneven_group(self) -> tuple[int, ...] | None:
         for group, members in self.sequences.items():
