@@ -32,10 +32,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
-import torch.distributed as dist
 from torch import nn
-from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
+from sp_harness.cases.megatron.impl import all_reduce_coalesced
 from sp_harness.cases.ulysses import mappings
 from sp_harness.config.case import Layout, RankContext, Sharded
 from sp_harness.reference.gpt import GPT, attention
@@ -55,18 +54,6 @@ def kv_index(mine_q: tuple[int, ...], mine_kv: tuple[int, ...], group: int) -> l
     """For each of my query heads, which of the k/v heads I received it uses: query head i uses
     k/v head i // group, received as the (i // group - first)-th (kv_heads sends a range)."""
     return [i // group - (mine_kv[0] if mine_kv else 0) for i in mine_q]
-
-
-def all_reduce_coalesced(grads: list[torch.Tensor], group, divide_by: int = 1) -> None:
-    """One flat all-reduce (SUM) of a list of grads, in place."""
-    if not grads:
-        return
-    flat = _flatten_dense_tensors(grads)
-    dist.all_reduce(flat, group=group)
-    if divide_by != 1:
-        flat /= divide_by
-    for g, synced in zip(grads, _unflatten_dense_tensors(flat, grads), strict=True):
-        g.copy_(synced)
 
 
 def sync_grads(module: nn.Module, ctx: RankContext) -> None:

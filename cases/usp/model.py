@@ -28,10 +28,11 @@ import torch
 from torch import nn
 
 from sp_harness.cases.ring import attention as ring_attn
+from sp_harness.cases.ring.cases import ring_sync
 from sp_harness.cases.ring.mappings import Ring
 from sp_harness.cases.ring.placement import rank_positions
 from sp_harness.cases.ulysses import mappings
-from sp_harness.cases.ulysses.model import all_reduce_coalesced, kv_index
+from sp_harness.cases.ulysses.model import kv_index
 from sp_harness.cases.usp.groups import Grid, group_positions
 from sp_harness.cases.usp.placement import usp_order
 from sp_harness.config.case import Layout, RankContext, Sharded
@@ -41,15 +42,9 @@ from sp_harness.reference.gpt import GPT
 def sync_grads(module: nn.Module, ctx: RankContext, grid: Grid) -> None:
     """Every grad is a partial sum over the whole SP group (each rank's loss covers its tokens,
     and a Ulysses rank's attention grads cover its heads only): SUM over SP, then the DP average.
-    A param this rank's tokens never reached gets a zero grad first (the all-reduce needs it)."""
-    for p in module.parameters():
-        if p.grad is None:
-            p.grad = torch.zeros_like(p)
-    grads = [p.grad for p in module.parameters()]
-    if ctx.tp > 1:
-        all_reduce_coalesced(grads, ctx.tp_group)
-    if ctx.dp > 1:
-        all_reduce_coalesced(grads, ctx.dp_group, divide_by=ctx.dp)
+    A param this rank's tokens never reached gets a zero grad first (the all-reduce needs it):
+    ring-gpt's sync, over the whole SP group."""
+    ring_sync(module, ctx)()
 
 
 @dataclass(frozen=True, kw_only=True)
