@@ -143,9 +143,10 @@ def measure_reference_layer(config: CheckConfig) -> LayerMemory:
     """No parallelism, in-process: the first layer of the case's reference fed [b, s, h] in the run
     dtype."""
     from sp_harness.config.case import get_case
+    from sp_harness.step.build import cast_floating, new_reference
 
     cfg = memory_config(config)
-    block = find_layer(get_case(cfg.case).build_reference(cfg)).to(cfg.torch_dtype)
+    block = cast_floating(find_layer(new_reference(get_case(cfg.case), cfg, None)), cfg.torch_dtype)
     gen = torch.Generator().manual_seed(cfg.seed)
     x = torch.randn(cfg.dp * cfg.batch, cfg.seq_len, cfg.hidden, generator=gen, dtype=torch.float64)
     x = x.to(cfg.torch_dtype).requires_grad_(True)

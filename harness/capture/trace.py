@@ -18,8 +18,19 @@ step computes anyway, so a passing step costs a dict insert per module.
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+
 import torch
 from torch import nn
+
+
+@dataclass(kw_only=True)
+class Trace:
+    """One pass's module outputs and input grads, by module name, in the order they happened
+    (what a Recorder held; it crosses processes where a Recorder's hooks cannot)."""
+
+    forward: dict[str, torch.Tensor] = field(default_factory=dict)
+    backward: dict[str, torch.Tensor] = field(default_factory=dict)
 
 
 class Recorder:
@@ -59,6 +70,9 @@ class Recorder:
     def clear(self) -> None:
         self.forward.clear()
         self.backward.clear()
+
+    def snapshot(self) -> Trace:
+        return Trace(forward=dict(self.forward), backward=dict(self.backward))
 
     def remove(self) -> None:
         for h in self._handles:

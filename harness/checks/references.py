@@ -1,32 +1,42 @@
 """Stage: checks (rank side). The three references of a side-by-side check, each computed once
-per example.
+per example, in a process the code under test never ran in.
 
 The float64 reference, the run-precision reference and the perturbed float64 reference (see
 sp_harness.compare.tolerance) are the same for every rank of a job: the global batch, the params
 the sharded run holds (re-anchored each step). Each is computed on one rank only (`owner`: by
-cost, to the least loaded rank) and broadcast (one pickled header, one flat float64 buffer, exact for every run dtype), so a job on W
-ranks does each reference once instead of W times. The result is bit for bit what every rank
-used to compute for itself: deterministic CPU code, the perturbed reference's generator drawn by
-its owner alone, the order noise keyed on the op's inputs.
+cost, to the least loaded rank) and broadcast (one pickled header, one flat float64 buffer, exact
+for every run dtype), so a job on W ranks does each reference once instead of W times.
+
+Where they are computed: by default in the rank's reference process (sp_harness.checks.refproc),
+a child of the rank that imports the case and builds its references from the case's factory in a
+one-rank world of its own, and never calls the sharded factory. Whatever the code under test
+changes process-wide (a library that registers its SP attention as a framework's global
+attention function, a monkeypatch, a framework's global parallel state set up for TP=2) cannot
+reach the references there. `Inline` computes them in the rank itself (the profiler times their
+parts there). The reference process also lets each rank run its sharded pass while its
+reference computes.
 
 Localising a FAIL needs every reference's module trace on the failing rank: there, and only then,
-the missing references are recomputed locally.
+each reference is recomputed with its modules traced.
 """
 
 from __future__ import annotations
 
 import contextlib
-import copy
+from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
+from sp_harness.capture.trace import Recorder, Trace
 from sp_harness.compare.tolerance import lp_dtype
 from sp_harness.config.case import Batch, Case
 from sp_harness.config.check_config import CheckConfig
-from sp_harness.step.build import Built
+from sp_harness.step.adversary import ReorderAdversary
+from sp_harness.step.build import cast_floating
 from sp_harness.step.reference import RefStep, reference_pass
 from sp_harness.step.rounding import RoundingNoise, perturb_
 
@@ -49,9 +59,39 @@ def owner(which: str, world_size: int) -> int:
     return placed[which]
 
 
+def matmul_input_precision(config: CheckConfig, device: torch.device) -> float | None:
+    """Relative precision float32 matmul inputs are rounded to on this platform, if coarser than
+    float32: TF32 (2**-10) under `--adversary reorder-tf32`, or on a GPU whose
+    `torch.get_float32_matmul_precision()` is 'high' (TF32) or 'medium' (bfloat16, 2**-7)."""
+    if config.torch_dtype != torch.float32:
+        return None
+    if config.adversary == "reorder-tf32":
+        return 2.0 ** -10
+    if device.type == "cuda":
+        return {"high": 2.0 ** -10, "medium": 2.0 ** -7}.get(torch.get_float32_matmul_precision())
+    return None
+
+
+def platform_noise(config: CheckConfig) -> ReorderAdversary:
+    """The mode the same-precision reference runs under: its matmuls with a random worst-order
+    summation error (sp_harness.step.adversary.order_error at its accumulator's precision), so its
+    error is what the least accurate legal kernel would make, not what this CPU's happens to;
+    TF32 under `--adversary reorder-tf32` (a platform setting: both sides)."""
+    return ReorderAdversary(config.seed + 1, reorder=False, order_noise=True, tf32=config.adversary == "reorder-tf32")
+
+
+@dataclass(kw_only=True)
+class RefResult:
+    """One reference's step: its outputs and grads, and its param grads by reference name."""
+
+    step: RefStep
+    grads: dict[str, torch.Tensor | None]
+
+
 @dataclass(kw_only=True)
 class References:
-    """float64, the run's own precision, and float64 with every op's inputs and result perturbed."""
+    """float64, the run's own precision, and float64 with every op's inputs and result perturbed,
+    computed in this process."""
 
     r64: nn.Module
     lp: nn.Module
@@ -66,91 +106,131 @@ class References:
     def model(self, which: str) -> nn.Module:
         return getattr(self, which)
 
-    def params(self, which: str) -> dict[str, nn.Parameter]:
-        return dict(self.model(which).named_parameters())
-
     def anchor(self, which: str, full: dict[str, torch.Tensor]) -> None:
         """Load the sharded run's current params (sp_harness.step.anchor) into one reference."""
-        params = self.params(which)
+        params = dict(self.model(which).named_parameters())
         with torch.no_grad():
             for name, value in full.items():
                 params[name].copy_(value)
                 if which == "alt":
                     perturb_(params[name], torch.finfo(self.dtype).eps, self.alt_gen)
 
-    def compute(self, which: str, case: Case, batch: Batch) -> RefStep:
+    def compute(self, which: str, full: dict[str, torch.Tensor], case: Case, batch: Batch) -> RefResult:
+        """Reference `which` anchored at `full`, one forward and backward on the global batch."""
+        model = self.model(which)
+        self.anchor(which, full)
+        model.zero_grad(set_to_none=True)  # a fresh grad tensor per step: results handed out stay as they were
         if which == "r64":
-            return reference_pass(self.r64, case, batch, torch.float64)
-        if which == "lp":
+            step = reference_pass(model, case, batch, torch.float64)
+        elif which == "lp":
             with self.platform:
-                return reference_pass(self.lp, case, batch, lp_dtype(self.dtype))
-        return reference_pass(self.alt, case, batch, torch.float64, noise=self.alt_noise)
+                step = reference_pass(model, case, batch, lp_dtype(self.dtype))
+        else:
+            step = reference_pass(model, case, batch, torch.float64, noise=self.alt_noise)
+        return RefResult(step=step, grads={n: p.grad for n, p in model.named_parameters()})
 
-    def passes(self, full: dict[str, torch.Tensor], case: Case, batch: Batch) -> dict[str, RefStep]:
-        """Every reference's step, each computed by its owner and shared with the others."""
-        world_size = dist.get_world_size() if dist.is_initialized() else 1
-        rank = dist.get_rank() if dist.is_initialized() else 0
-        steps = {}
-        for which in KINDS:
-            if owner(which, world_size) == rank:
-                self.anchor(which, full)
-                steps[which] = self.compute(which, case, batch)
-        if world_size > 1:
-            for which in KINDS:
-                steps[which] = _share(steps.get(which), self.model(which), owner(which, world_size))
-        return steps
-
-    def recompute_missing(self, full: dict[str, torch.Tensor], case: Case, batch: Batch) -> None:
-        """Run locally the references this rank does not own (their module traces, for localising)."""
-        world_size = dist.get_world_size() if dist.is_initialized() else 1
-        rank = dist.get_rank() if dist.is_initialized() else 0
-        for which in KINDS:
-            if owner(which, world_size) != rank:
-                grads = [p.grad for p in self.model(which).parameters()]
-                for p in self.model(which).parameters():
-                    p.grad = None  # backward accumulates: keep the shared grads out of it
-                self.anchor(which, full)
-                self.compute(which, case, batch)
-                for p, g in zip(self.model(which).parameters(), grads, strict=True):
-                    p.grad = g  # the shared grads stay the ones judged
+    def trace(self, which: str, full: dict[str, torch.Tensor], case: Case, batch: Batch,
+              skip: frozenset[str]) -> Trace:
+        """Reference `which` recomputed with every module's output and input grad recorded."""
+        recorder = Recorder(self.model(which), skip)
+        try:
+            self.compute(which, full, case, batch)
+        finally:
+            recorder.remove()
+        return recorder.snapshot()
 
 
-def make_references(built: Built, config: CheckConfig, platform, matmul_input_rel: float | None) -> References:
+def make_references(reference: nn.Module, build_copy, config: CheckConfig, device: torch.device) -> References:
+    """The three references: `reference` itself (float64) and two more from `build_copy()` (the
+    case's factory, loaded with the reference's state), never deep copies: a framework's module
+    may hold what cannot be copied (process groups)."""
     dtype = config.torch_dtype
     alt_gen = torch.Generator().manual_seed(config.seed + 104729)
     accumulator = torch.float32 if dtype in (torch.bfloat16, torch.float16) else dtype
     # a run of float32 or less cannot hold what would overflow a float32 |A| @ |B|
     magnitude = torch.float32 if torch.finfo(dtype).bits <= 32 else None
+    matmul_input_rel = matmul_input_precision(config, device)
     noise = RoundingNoise(torch.finfo(dtype).eps, alt_gen, torch.finfo(accumulator).eps, matmul_input_rel, magnitude)
-    return References(r64=built.reference, lp=copy.deepcopy(built.reference).to(lp_dtype(dtype)),
-                      alt=copy.deepcopy(built.reference), alt_noise=noise, alt_gen=alt_gen, dtype=dtype,
-                      platform=platform)
+    return References(r64=reference, lp=cast_floating(build_copy(), lp_dtype(dtype)), alt=build_copy(),
+                      alt_noise=noise, alt_gen=alt_gen, dtype=dtype, platform=platform_noise(config))
 
 
-def _tensors(step: RefStep, model: nn.Module) -> list[torch.Tensor | None]:
+class Computes(Protocol):
+    """Where a rank's own references are computed: `start` hands over the work, `finish` waits
+    for it, so the rank may run its sharded pass in between."""
+
+    def start(self, kinds: tuple[str, ...], full: dict[str, torch.Tensor], batch: Batch) -> None: ...
+
+    def finish(self) -> dict[str, RefResult]: ...
+
+    def traces(self, full: dict[str, torch.Tensor], batch: Batch, skip: frozenset[str]) -> dict[str, Trace]: ...
+
+
+class Inline:
+    """The references computed in the rank's own process, when asked."""
+
+    def __init__(self, refs: References, case: Case):
+        self.refs, self.case = refs, case
+        self._done: dict[str, RefResult] = {}
+
+    def start(self, kinds: tuple[str, ...], full: dict[str, torch.Tensor], batch: Batch) -> None:
+        self._done = {w: self.refs.compute(w, full, self.case, batch) for w in kinds}
+
+    def finish(self) -> dict[str, RefResult]:
+        done, self._done = self._done, {}
+        return done
+
+    def traces(self, full: dict[str, torch.Tensor], batch: Batch, skip: frozenset[str]) -> dict[str, Trace]:
+        return {w: self.refs.trace(w, full, self.case, batch, skip) for w in KINDS}
+
+
+class Shared:
+    """Every reference's step on every rank: each computed by its owner and broadcast."""
+
+    def __init__(self, computes: Computes, device: torch.device):
+        self.computes, self.device = computes, device
+        self.world_size = dist.get_world_size() if dist.is_initialized() else 1
+        self.rank = dist.get_rank() if dist.is_initialized() else 0
+        self.mine = tuple(w for w in KINDS if owner(w, self.world_size) == self.rank)
+
+    def start(self, full: dict[str, torch.Tensor], batch: Batch) -> None:
+        self.computes.start(self.mine, full, batch)
+
+    def finish(self) -> dict[str, RefResult]:
+        """A collective: every rank calls it after `start`, in the same order."""
+        done = self.computes.finish()
+        if self.world_size == 1:
+            return done
+        return {w: _share(done.get(w), owner(w, self.world_size), self.device) for w in KINDS}
+
+    def traces(self, full: dict[str, torch.Tensor], batch: Batch, skip: frozenset[str]) -> dict[str, Trace]:
+        return self.computes.traces(full, batch, skip)
+
+
+def _tensors(result: RefResult) -> list[torch.Tensor | None]:
     """A step's tensors in a fixed order: out, loss, out_grad, input grads (by name), attention
-    log-sum-exps (by module name), param grads."""
+    log-sum-exps (by module name), param grads (by name)."""
+    step = result.step
     return ([step.out, step.loss, step.out_grad] + [step.input_grads[k] for k in sorted(step.input_grads)]
-            + [step.lse[k] for k in sorted(step.lse)] + [p.grad for p in model.parameters()])
+            + [step.lse[k] for k in sorted(step.lse)] + [result.grads[k] for k in sorted(result.grads)])
 
 
-def _share(step: RefStep | None, model: nn.Module, src: int) -> RefStep:
-    """Broadcast `src`'s reference step (and its model's param grads) to every rank."""
-    device = next(model.parameters()).device
-    if step is not None:
-        tensors = _tensors(step, model)
-        header = [(sorted(step.input_grads), sorted(step.lse),
+def _share(result: RefResult | None, src: int, device: torch.device) -> RefResult:
+    """Broadcast `src`'s reference result to every rank."""
+    if result is not None:
+        tensors = _tensors(result)
+        header = [(sorted(result.step.input_grads), sorted(result.step.lse), sorted(result.grads),
                    [None if t is None else (tuple(t.shape), t.dtype) for t in tensors])]
-        flat = torch.cat([t.detach().reshape(-1).to(torch.float64) for t in tensors if t is not None])
+        flat = _flat(t for t in tensors if t is not None)
     else:
         header = [None]
     dist.broadcast_object_list(header, src=src, device=device if device.type == "cuda" else None)
-    names, lse_names, metas = header[0]
-    if step is None:
+    names, lse_names, param_names, metas = header[0]
+    if result is None:
         flat = torch.empty(sum(_numel(m[0]) for m in metas if m is not None), dtype=torch.float64, device=device)
     dist.broadcast(flat, src=src)
-    if step is not None:
-        return step
+    if result is not None:
+        return result
     tensors, at = [], 0
     for meta in metas:
         if meta is None:
@@ -164,9 +244,12 @@ def _share(step: RefStep | None, model: nn.Module, src: int) -> RefStep:
     at = 3 + len(names)
     grads = dict(zip(names, tensors[3:at], strict=True))
     lse = dict(zip(lse_names, tensors[at:at + len(lse_names)], strict=True))
-    for p, g in zip(model.parameters(), tensors[at + len(lse_names):], strict=True):
-        p.grad = g
-    return RefStep(out=out, loss=loss, input_grads=grads, out_grad=out_grad, lse=lse)
+    params = dict(zip(param_names, tensors[at + len(lse_names):], strict=True))
+    return RefResult(step=RefStep(out=out, loss=loss, input_grads=grads, out_grad=out_grad, lse=lse), grads=params)
+
+
+def _flat(tensors: Iterable[torch.Tensor]) -> torch.Tensor:
+    return torch.cat([t.detach().reshape(-1).to(torch.float64) for t in tensors])
 
 
 def _numel(shape: tuple[int, ...]) -> int:

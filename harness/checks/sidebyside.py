@@ -22,15 +22,17 @@ import torch
 
 from sp_harness.capture.comm import CommCounter
 from sp_harness.capture.trace import Recorder
-from sp_harness.checks.references import KINDS, make_references
+from sp_harness.checks.references import KINDS, Inline, RefResult, Shared, make_references
+from sp_harness.checks.refproc import Remote
 from sp_harness.compare.divergence import Divergence, first_divergence
 from sp_harness.compare.tolerance import FACTOR, TensorCheck, check_bounded, check_tensor, lp_dtype
-from sp_harness.config.case import RankContext, as_batch
+from sp_harness.config.case import as_batch
 from sp_harness.config.check_config import CheckConfig
 from sp_harness.launch import announce
 from sp_harness.step.adversary import ReorderAdversary
 from sp_harness.step.anchor import gather_full
-from sp_harness.step.build import build
+from sp_harness.step.build import build, reference_copy
+from sp_harness.step.context import reference_context
 from sp_harness.step.inputs import cut, forward_loss, global_loss, rank_batch, replica_slice, seq_index
 from sp_harness.step.optim_ref import make_optimizer, reference_step, state_of
 from sp_harness.step.params import Drift, LocalParam, replica_drift
@@ -79,7 +81,9 @@ def _loss_allowance(ref64: RefStep, ref_lp: RefStep, ref_alt: RefStep, dtype: to
 class _SideBySide:
     """One check on one rank: the sharded model stepped beside its three references."""
 
-    def __init__(self, config: CheckConfig):
+    def __init__(self, config: CheckConfig, *, inline_references: bool = False):
+        """`inline_references`: compute the references in this process (the profiler times their
+        parts) instead of the rank's reference process (sp_harness.checks.refproc)."""
         self.config = config
         self.dtype = config.torch_dtype
         # a throwaway counter around the sharded factory: its collectives are announced (desync
@@ -87,19 +91,28 @@ class _SideBySide:
         self.built = build(config, around_shard=CommCounter())
         self.ctx, self.case, self.sharded = self.built.ctx, self.built.case, self.built.sharded
         self.params = self.built.params
-        self.adversary, platform = _adversaries(config, self.ctx)
-        self.refs = make_references(self.built, config, platform, matmul_input_precision(config, self.built.device))
-        self.ref = {w: self.refs.params(w) for w in KINDS}
+        self.adversary = _adversary(config)
+        self.ref64 = {n: p.detach().clone() for n, p in self.built.reference.named_parameters()}
+        """The reference's params before step 0 (what the sharded factory must start from)."""
+        self.inline = make_references(self.built.reference, self._reference_copy, config,
+                                      self.built.device) if inline_references else None
+        computes = (Inline(self.inline, self.case) if inline_references
+                    else Remote(config, self.built.reference, self.built.device))
+        self.refs = Shared(computes, self.built.device)
         self.result = RankResult(rank=self.ctx.rank)
         self.opt = make_optimizer(config.optimizer, config.lr, self.sharded.module.parameters())
         self.counter = CommCounter(self.ctx.group_label)
         self.full: dict[str, torch.Tensor] = {}
         traced = not any(p.dtensor for p in self.params)  # DTensor outputs do not line up with plain ones
         # modules holding a TP-sharded param return pieces or partial sums: not comparable
-        pieces = frozenset(p.local_name.rpartition(".")[0] for p in self.params if not p.replicated_tp)
-        models = (self.sharded.module, self.refs.r64, self.refs.lp, self.refs.alt)
-        self.recorders = [Recorder(m, pieces) for m in models] if traced else []
+        self.pieces = frozenset(p.local_name.rpartition(".")[0] for p in self.params if not p.replicated_tp)
+        self.recorder = Recorder(self.sharded.module, self.pieces) if traced else None
         self.compute_s = 0.0
+
+    def _reference_copy(self) -> torch.nn.Module:
+        built = self.built
+        return reference_copy(built.case, built.config, reference_context(built.config, built.device),
+                              built.reference, torch.float64, built.device)
 
     def judge(self, kind, name, step, got, want64, want_lp, offset=(), want_alt=None, extra=0.0, dof=0):
         record(self.result, check_tensor(kind=kind, name=name, step=step, rank=self.ctx.rank, got=got, ref64=want64,
@@ -109,17 +122,20 @@ class _SideBySide:
     def check_init(self) -> None:
         """The sharded factory must start from the reference's weights, cast to the run dtype."""
         for p in self.params:
-            w64 = self.ref["r64"][p.spec.ref_name].detach()
+            w64 = self.ref64[p.spec.ref_name]
             got, want, _, off = p.full_or_piece(p.param.detach(), w64, w64, self.ctx)
             record(self.result, check_bounded(kind="init", name=p.spec.ref_name, step=0, rank=self.ctx.rank,
                                               got=got, want=want.to(self.dtype), bound=torch.zeros_like(want),
                                               offset=off))
 
-    def reference_passes(self, batch) -> tuple[RefStep, RefStep, RefStep]:
-        shapes = {n: t.shape for n, t in self.ref["r64"].items()}
+    def start_references(self, batch) -> None:
+        """Anchor the references at the sharded run's params (a collective) and set them going."""
+        shapes = {n: t.shape for n, t in self.ref64.items()}
         self.full = gather_full(self.params, shapes, self.ctx)
-        steps = self.refs.passes(self.full, self.case, batch)
-        return steps["r64"], steps["lp"], steps["alt"]
+        self.refs.start(self.full, batch)
+
+    def finish_references(self) -> dict[str, RefResult]:
+        return self.refs.finish()
 
     def sharded_pass(self, batch):
         local = rank_batch(batch, self.sharded, self.ctx, self.dtype)
@@ -134,9 +150,9 @@ class _SideBySide:
         self.compute_s += time.perf_counter() - t0
         return local, out, loss
 
-    def judge_outputs(self, step, batch, local, out, loss, refs: tuple[RefStep, RefStep, RefStep]) -> None:
+    def judge_outputs(self, step, batch, local, out, loss, refs: dict[str, RefResult]) -> None:
         """Forward output, loss and input grads against the references' matching pieces."""
-        r64, r_lp, r_alt = refs
+        r64, r_lp, r_alt = (refs[w].step for w in KINDS)
         ctx, layout = self.ctx, self.sharded.output_layout
         want64, out_offset = cut(r64.out, layout, ctx)
         local_tokens = self.case.tokens(local.target)
@@ -159,14 +175,14 @@ class _SideBySide:
             self.judge("input_grad", label, step, local.inputs[name].grad, want64, want_lp, in_off, want_alt,
                        dof=local_tokens)
 
-    def judge_lse(self, step: int, refs: tuple[RefStep, RefStep, RefStep]) -> None:
+    def judge_lse(self, step: int, refs: dict[str, RefResult]) -> None:
         """Attention log-sum-exps, where the sharded model exposes them. A module exposes its own
         by setting, in each forward, `lse` (B, h, s) (the log-sum-exp of each of its query rows'
         scores) and `lse_index = (heads, positions)`: the global query heads and sequence
         positions of those rows, for the reference module of the same name. An LSE is what a
         ring or hybrid merges partial attentions by, so a wrong one can hide behind a right
         output (pytorch/pytorch#181645: an LSE returned in base 2)."""
-        r64 = refs[0]
+        r64 = refs["r64"].step
         for name, module in self.sharded.module.named_modules():
             index = getattr(module, "lse_index", None)
             if index is None or name not in r64.lse:
@@ -174,25 +190,24 @@ class _SideBySide:
             heads, positions = index
             got = module.lse
             rows = slice(self.ctx.dp_rank * got.shape[0], (self.ctx.dp_rank + 1) * got.shape[0])
-            want64, want_lp, want_alt = (_lse_piece(r.lse[name], rows, heads, positions) for r in refs)
+            want64, want_lp, want_alt = (_lse_piece(refs[w].step.lse[name], rows, heads, positions) for w in KINDS)
             self.judge("lse", f"{name}.lse", step, got, want64, want_lp,
                        want_alt=want_alt, dof=len(positions))
 
-    def judge_grads(self, step: int, tokens: int) -> None:
+    def judge_grads(self, step: int, tokens: int, refs: dict[str, RefResult]) -> None:
+        grads = {w: refs[w].grads for w in KINDS}
         for p in self.params:
             ref = p.spec.ref_name
-            got, w64, wlp, off = p.full_or_piece(p.param.grad, self.ref["r64"][ref].grad, self.ref["lp"][ref].grad,
-                                                 self.ctx)
-            self.judge("grad", ref, step, got, w64, wlp, off, p.piece_of(self.ref["alt"][ref].grad, self.ctx),
-                       dof=tokens)
+            got, w64, wlp, off = p.full_or_piece(p.param.grad, grads["r64"][ref], grads["lp"][ref], self.ctx)
+            self.judge("grad", ref, step, got, w64, wlp, off, p.piece_of(grads["alt"][ref], self.ctx), dof=tokens)
 
     def localize(self, step: int, batch) -> None:
         """At the first failing step, the first module whose output or input grad diverged."""
-        self.refs.recompute_missing(self.full, self.case, batch)
-        rec = self.recorders
+        traces = self.refs.traces(self.full, batch, self.pieces)
         self.result.divergence = first_divergence(
-            step=step, rank=self.ctx.rank, sharded=rec[0], ref64=rec[1], ref_lp=rec[2], ref_alt=rec[3],
-            dtype=self.dtype, seq_len=self.config.seq_len, seq_shards=self.ctx.seq_shards, tp_rank=self.ctx.tp_rank,
+            step=step, rank=self.ctx.rank, sharded=self.recorder, ref64=traces["r64"], ref_lp=traces["lp"],
+            ref_alt=traces["alt"], dtype=self.dtype, seq_len=self.config.seq_len, seq_shards=self.ctx.seq_shards,
+            tp_rank=self.ctx.tp_rank,
             seq_index=seq_index(self.sharded.output_layout, self.config.seq_len, self.ctx.seq_shards,
                                 self.ctx.tp_rank))
 
@@ -205,29 +220,29 @@ class _SideBySide:
             self.opt.step()
             self.opt.zero_grad(set_to_none=True)
         self.compute_s += time.perf_counter() - t0
-        for m in (self.refs.r64, self.refs.lp, self.refs.alt):
-            m.zero_grad(set_to_none=True)
         self.result.comm.append(self.counter.snapshot())
         self.counter.stats.clear()
         for p, (want, bound) in zip(self.params, expected, strict=True):
             record(self.result, check_bounded(kind="param", name=p.spec.ref_name, step=step, rank=self.ctx.rank,
                                               got=p.full(p.param.detach()), want=want, bound=bound,
-                                              offset=p.offset(self.ref["r64"][p.spec.ref_name], self.ctx)))
+                                              offset=p.offset(self.ref64[p.spec.ref_name], self.ctx)))
         self.result.drift.extend(replica_drift(step, self.params, self.ctx, set(self.case.replicated_hint)))
 
     def step(self, step: int, gen: torch.Generator) -> None:
         batch = as_batch(self.case.make_batch(self.config, step, gen))
         batch = type(batch)(inputs={k: v.to(self.built.device) for k, v in batch.inputs.items()},
                             target=batch.target.to(self.built.device), positional=batch.positional)
-        for r in self.recorders:
-            r.clear()
+        if self.recorder is not None:
+            self.recorder.clear()
         failures_before = len(self.result.failures)
-        refs = self.reference_passes(batch)
+        # the references compute (in their own process) while the sharded model steps
+        self.start_references(batch)
         local, out, loss = self.sharded_pass(batch)
+        refs = self.finish_references()
         self.judge_outputs(step, batch, local, out, loss, refs)
         self.judge_lse(step, refs)
-        self.judge_grads(step, self.case.tokens(batch.target))
-        if self.recorders and not failures_before and len(self.result.failures) > failures_before:
+        self.judge_grads(step, self.case.tokens(batch.target), refs)
+        if self.recorder is not None and not failures_before and len(self.result.failures) > failures_before:
             self.localize(step, batch)
         self.optimizer_stage(step)
 
@@ -242,39 +257,19 @@ def run_rank(config: CheckConfig) -> RankResult:
     for step in range(config.steps):
         run.step(step, gen)
         announce.progress("step", step + 1, config.steps)
-    for r in run.recorders:
-        r.remove()
+    if run.recorder is not None:
+        run.recorder.remove()
     run.result.timings["compute_s"] = run.compute_s
     run.result.timings["total_s"] = time.perf_counter() - t_start
     return run.result
 
 
-def matmul_input_precision(config: CheckConfig, device: torch.device) -> float | None:
-    """Relative precision float32 matmul inputs are rounded to on this platform, if coarser than
-    float32: TF32 (2**-10) under `--adversary reorder-tf32`, or on a GPU whose
-    `torch.get_float32_matmul_precision()` is 'high' (TF32) or 'medium' (bfloat16, 2**-7)."""
-    if config.torch_dtype != torch.float32:
-        return None
-    if config.adversary == "reorder-tf32":
-        return 2.0 ** -10
-    if device.type == "cuda":
-        return {"high": 2.0 ** -10, "medium": 2.0 ** -7}.get(torch.get_float32_matmul_precision())
-    return None
-
-
-def _adversaries(config: CheckConfig, ctx: RankContext):
-    """(mode for the sharded side, mode for the same-precision reference).
-
-    The same-precision reference always runs its matmuls with a random worst-order summation
-    error (sp_harness.step.adversary.order_error at its accumulator's precision): its error is then what
-    the least accurate legal kernel would make, not what this CPU's happens to. Under
-    `--adversary` the sharded side is reordered (and TF32 applies to both sides, a platform
-    setting); see sp_harness.step.adversary."""
-    tf32 = config.adversary == "reorder-tf32"
-    platform = ReorderAdversary(config.seed + 1, reorder=False, order_noise=True, tf32=tf32)
+def _adversary(config: CheckConfig):
+    """The mode the sharded side runs under: under `--adversary` its reductions are reordered
+    (and TF32 applies, a platform setting the references share); see sp_harness.step.adversary."""
     if config.adversary == "off":
-        return contextlib.nullcontext(), platform
-    return ReorderAdversary(config.seed, reorder=True, tf32=tf32), platform
+        return contextlib.nullcontext()
+    return ReorderAdversary(config.seed, reorder=True, tf32=config.adversary == "reorder-tf32")
 
 
 def record(result: RankResult, chk: TensorCheck) -> None:

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
-from sp_harness.capture.trace import Recorder
+from sp_harness.capture.trace import Recorder, Trace
 from sp_harness.compare.tolerance import check_tensor
 from sp_harness.config import shards as sh
 
@@ -54,8 +54,8 @@ def _line_up(got: torch.Tensor, ref: torch.Tensor, seq_len: int, seq_shards, tp_
     return None
 
 
-def first_divergence(*, step: int, rank: int, sharded: Recorder, ref64: Recorder, ref_lp: Recorder,
-                     ref_alt: Recorder, dtype: torch.dtype, seq_len: int, seq_shards, tp_rank: int,
+def first_divergence(*, step: int, rank: int, sharded: Recorder | Trace, ref64: Recorder | Trace,
+                     ref_lp: Recorder | Trace, ref_alt: Recorder | Trace, dtype: torch.dtype, seq_len: int, seq_shards, tp_rank: int,
                      seq_index: torch.Tensor | None = None) -> Divergence:
     """`seq_index`: the global positions this rank's sequence pieces hold, for a permuted
     (load-balanced) layout; None for contiguous shards."""

@@ -1,10 +1,15 @@
 """Stage: build reference + sharded (rank side). The one place a job builds its models: check,
-training, the benchmark and the memory measurement all start here."""
+training, the benchmark and the memory measurement all start here.
+
+Every model comes from the case's factory, never from a deep copy (a framework's module may hold
+process groups, which cannot be copied), and is cast to its dtype by `cast_floating`: floating
+tensors only, so a complex RoPE cache or an integer buffer keeps its dtype and values.
+"""
 
 from __future__ import annotations
 
 import contextlib
-import copy
+import inspect
 from dataclasses import dataclass
 
 import torch
@@ -12,7 +17,7 @@ from torch import nn
 
 from sp_harness.config.case import Case, RankContext, Sharded, get_case
 from sp_harness.config.check_config import CheckConfig
-from sp_harness.step.context import make_context, rank_device
+from sp_harness.step.context import make_context, rank_device, reference_context
 from sp_harness.step.params import LocalParam, map_params
 
 
@@ -28,9 +33,43 @@ class Built:
     reference: nn.Module
     """The single-device reference, whole, in `reference_dtype`."""
     sharded: Sharded
-    """The case's sharded model, made from a copy of the reference in the run dtype."""
+    """The case's sharded model, made from the factory's model loaded with the reference's state
+    and cast to the run dtype."""
     params: list[LocalParam]
     """Every local parameter with where it lives in the reference."""
+
+
+def cast_floating(module: nn.Module, dtype: torch.dtype) -> nn.Module:
+    """`module` with its floating params and buffers in `dtype`; complex and integer tensors keep
+    their dtype and values (`Module.to(dtype)` casts complex ones too, dropping the imaginary
+    part of a complex64 RoPE cache with only a warning)."""
+    return module._apply(lambda t: t.to(dtype) if t.is_floating_point() else t)
+
+
+def new_reference(case: Case, config: CheckConfig, ctx: RankContext | None) -> nn.Module:
+    """A fresh model from the case's factory: `build_reference(config)` or, for a factory that
+    takes two arguments, `build_reference(config, ctx)` with the reference's own rank context."""
+    factory = case.build_reference
+    if _takes_context(factory):
+        return factory(config, ctx)
+    return factory(config)
+
+
+def _takes_context(factory) -> bool:
+    try:
+        params = inspect.signature(factory).parameters.values()
+    except (TypeError, ValueError):
+        return False
+    positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    return len(positional) >= 2 or any(p.kind == p.VAR_POSITIONAL for p in params)
+
+
+def reference_copy(case: Case, config: CheckConfig, ctx: RankContext | None, like: nn.Module,
+                   dtype: torch.dtype, device: torch.device) -> nn.Module:
+    """Another model from the factory holding exactly `like`'s state, in `dtype` on `device`."""
+    model = new_reference(case, config, ctx).to(device=device)
+    model.load_state_dict(like.state_dict())
+    return cast_floating(model, dtype)
 
 
 def build(config: CheckConfig, *, reference_dtype: torch.dtype = torch.float64,
@@ -41,9 +80,10 @@ def build(config: CheckConfig, *, reference_dtype: torch.dtype = torch.float64,
     config = case.resolve(config)  # idempotent: a job handed an unresolved config runs what a check would
     device = rank_device()
     ctx = make_context(config, device)
-    reference = case.build_reference(config).to(device=device, dtype=reference_dtype)
+    ref_ctx = reference_context(config, device)
+    reference = cast_floating(new_reference(case, config, ref_ctx).to(device=device), reference_dtype)
     # the sharded factory starts from the reference's weights, cast to the run dtype
     with around_shard or contextlib.nullcontext():
-        sharded = case.shard(copy.deepcopy(reference).to(config.torch_dtype), ctx)
+        sharded = case.shard(reference_copy(case, config, ref_ctx, reference, config.torch_dtype, device), ctx)
     params = map_params(sharded, {n for n, _ in reference.named_parameters()}, case.name)
     return Built(case=case, config=config, ctx=ctx, device=device, reference=reference, sharded=sharded, params=params)

@@ -68,3 +68,30 @@ def make_context(config: CheckConfig, device: torch.device) -> RankContext:
     else:
         _MESHES[key] = ctx.device_mesh
     return ctx
+
+
+_SOLO: dict[int, Any] = {}
+
+
+def _solo_group(world_size: int):
+    """This rank's one-rank group: `new_group` is a collective, so every rank makes every one."""
+    if world_size not in _SOLO:
+        rank = dist.get_rank()
+        for r in range(world_size):
+            g = dist.new_group([r])
+            if r == rank:
+                _SOLO[world_size] = g
+    return _SOLO[world_size]
+
+
+def reference_context(config: CheckConfig, device: torch.device) -> RankContext:
+    """The rank context a reference is built in: a single device, every group this rank alone
+    (a one-rank world in the reference process, one-rank groups in a rank), the whole sequence.
+    A framework's TP=1 reference makes its own one-rank state from it."""
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        group = _solo_group(dist.get_world_size())
+        me = (dist.get_rank(),)
+    else:
+        group, me = (dist.group.WORLD if dist.is_initialized() else None), (0,)
+    return RankContext(config=config, rank=0, world_size=1, dp_rank=0, tp_rank=0, tp_group=group, dp_group=group,
+                       tp_ranks=me, dp_ranks=me, seq_shards=(config.seq_len or 0,), device=device)

@@ -82,10 +82,10 @@ def _instrument_alt(clock: _Clock, refs) -> list:
     rounding.order_error = clock.wrap("alt_order_error", rounding.order_error)
     compute, batches = refs.compute, []
 
-    def compute_timed(which, case, batch):
+    def compute_timed(which, full, case, batch):
         if which == "alt":
             batches.append((case, batch))
-        return clock.wrap(which, compute)(which, case, batch)
+        return clock.wrap(which, compute)(which, full, case, batch)
 
     refs.compute = compute_timed
     return batches
@@ -112,11 +112,11 @@ def profile_rank(config: CheckConfig) -> RankProfile:
     sidebyside.gather_full = clock.wrap("gather", sidebyside.gather_full)
     try:
         t_start, c_start = time.perf_counter(), time.process_time()
-        run = sidebyside._SideBySide(config)
+        run = sidebyside._SideBySide(config, inline_references=True)
         clock.seconds["setup"] = time.perf_counter() - t_start
         clock.cpu_seconds["setup"] = time.process_time() - c_start
-        alt_batches = _instrument_alt(clock, run.refs)
-        run.refs.anchor = clock.wrap("anchor", run.refs.anchor)
+        alt_batches = _instrument_alt(clock, run.inline)
+        run.inline.anchor = clock.wrap("anchor", run.inline.anchor)
         run.sharded_pass = clock.wrap("sharded", run.sharded_pass)
         run.judge_outputs = clock.wrap("compare", run.judge_outputs)
         run.judge_grads = clock.wrap("compare", run.judge_grads)
@@ -125,10 +125,10 @@ def profile_rank(config: CheckConfig) -> RankProfile:
         gen = torch.Generator().manual_seed(config.seed + 7919)
         for step in range(config.steps):
             run.step(step, gen)
-        for r in run.recorders:
-            r.remove()
+        if run.recorder is not None:
+            run.recorder.remove()
         total, total_cpu = time.perf_counter() - t_start, time.process_time() - c_start
-        _time_alt_base(clock, run.refs, alt_batches)
+        _time_alt_base(clock, run.inline, alt_batches)
     finally:
         references._share, sidebyside.gather_full, rounding.order_error = saved
     return RankProfile(rank=run.ctx.rank, total_s=total, seconds=_breakdown(clock.seconds, total), total_cpu_s=total_cpu,

@@ -17,8 +17,8 @@ import torch
 import torch.distributed as dist
 
 from sp_harness.config.case import Batch, get_case
-from sp_harness.step.build import build
-from sp_harness.step.context import rank_device
+from sp_harness.step.build import build, cast_floating, new_reference
+from sp_harness.step.context import rank_device, reference_context
 from sp_harness.step.inputs import call, forward_loss, global_loss, rank_batch
 from sp_harness.step.optim_ref import make_optimizer
 from sp_harness.step.params import replica_drift
@@ -84,7 +84,8 @@ class _Trainer:
         self.built = None
         if spec.reference_only:
             self.device = rank_device()
-            self.ref = self.case.build_reference(config).to(device=self.device, dtype=config.torch_dtype)
+            ref = new_reference(self.case, config, reference_context(config, self.device))
+            self.ref = cast_floating(ref.to(device=self.device), config.torch_dtype)
         else:
             self.built = build(config, reference_dtype=config.torch_dtype)
             self.device, self.ref = self.built.device, self.built.reference

@@ -1,0 +1,242 @@
+"""Stage: checks (rank side). The rank's reference process: where a side-by-side check's
+references are built and computed, apart from the code under test.
+
+A child of the rank process, started on the rank's first check (its start-up counts as pool
+start-up where the pool warms up) and kept for the rank's life. It runs in a one-rank world of
+its own (its own process group, its own framework globals), imports the case by name, builds the
+three references from the case's factory with a single-device rank context, and never calls the
+sharded factory: what that factory registers process-wide, in the rank, cannot reach a reference.
+
+Messages are frozen dataclasses pickled over a socket pair; tensors travel by value. The child
+dies with the rank (PR_SET_PDEATHSIG) and shares its process group (a timeout's kill takes both).
+"""
+
+from __future__ import annotations
+
+import atexit
+import ctypes
+import pickle
+import signal
+import socket
+import subprocess
+import sys
+import traceback
+from dataclasses import dataclass
+from multiprocessing.connection import Connection
+from typing import Any
+
+import torch
+
+from sp_harness.capture.trace import Trace
+from sp_harness.checks.references import RefResult, make_references
+from sp_harness.config.case import Batch, get_case
+from sp_harness.config.check_config import CheckConfig
+
+
+@dataclass(kw_only=True, frozen=True)
+class Open:
+    """Build the references of one job: the case by name, the reference's exact state."""
+
+    config: CheckConfig
+    state: dict[str, Any]
+    """The rank's float64 reference's state_dict: the child's references start from it exactly."""
+    device: str
+    sys_path: tuple[str, ...]
+    num_threads: int
+    """The rank's intra-op threads: the same kernels' split as the rank would use."""
+
+
+@dataclass(kw_only=True, frozen=True)
+class Compute:
+    kinds: tuple[str, ...]
+    full: dict[str, torch.Tensor]
+    batch: Batch
+
+
+@dataclass(kw_only=True, frozen=True)
+class TraceAll:
+    full: dict[str, torch.Tensor]
+    batch: Batch
+    skip: frozenset[str]
+
+
+@dataclass(kw_only=True, frozen=True)
+class Failed:
+    """The child raised: its traceback, shown as the rank's."""
+
+    traceback: str
+
+
+class ReferenceProcessError(RuntimeError):
+    """The reference process raised or died: a harness or case-factory problem, reported with its
+    own traceback."""
+
+
+class ReferenceProcess:
+    """The rank side: one child process, serving one job's references at a time."""
+
+    def __init__(self):
+        parent, child = socket.socketpair()
+        self.proc = subprocess.Popen([sys.executable, "-m", "sp_harness.checks.refproc", str(child.fileno())],
+                                     pass_fds=(child.fileno(),), stdin=subprocess.DEVNULL)
+        child.close()
+        self.conn = Connection(parent.detach())
+        self._waiting = False
+
+    def call(self, msg: Any) -> Any:
+        self.send(msg)
+        return self.receive()
+
+    def send(self, msg: Any) -> None:
+        self.conn.send_bytes(pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL))
+        self._waiting = True
+
+    def receive(self) -> Any:
+        try:
+            reply = pickle.loads(self.conn.recv_bytes())
+        except (EOFError, OSError):
+            code = self.proc.wait(timeout=10)
+            how = f"signal {-code}" if code < 0 else f"exit code {code}"
+            raise ReferenceProcessError(f"the reference process died ({how}); its output is in the rank's log") from None
+        finally:
+            self._waiting = False
+        if isinstance(reply, Failed):
+            raise ReferenceProcessError("the reference process raised:\n" + reply.traceback)
+        return reply
+
+    def drain(self) -> None:
+        """Take a reply still on its way (a job that raised between send and receive)."""
+        if self._waiting:
+            self.receive()
+
+    def close(self) -> None:
+        try:
+            self.conn.close()
+            self.proc.wait(timeout=5)
+        except (OSError, subprocess.TimeoutExpired):
+            self.proc.kill()
+
+
+_PROCESS: ReferenceProcess | None = None
+
+
+def reference_process() -> ReferenceProcess:
+    """This rank's reference process, started on first use; a dead one is replaced."""
+    global _PROCESS
+    if _PROCESS is not None and _PROCESS.proc.poll() is not None:
+        _PROCESS = None
+    if _PROCESS is None:
+        _PROCESS = ReferenceProcess()
+        atexit.register(_PROCESS.close)
+    _PROCESS.drain()
+    return _PROCESS
+
+
+class Remote:
+    """`Computes` (sp_harness.checks.references) in the rank's reference process."""
+
+    def __init__(self, config: CheckConfig, reference: torch.nn.Module, device: torch.device):
+        self.process = reference_process()
+        self.process.call(Open(config=config, state=reference.state_dict(), device=str(device),
+                               sys_path=tuple(sys.path), num_threads=torch.get_num_threads()))
+        self.device = device
+
+    def start(self, kinds: tuple[str, ...], full: dict[str, torch.Tensor], batch: Batch) -> None:
+        self.process.send(Compute(kinds=kinds, full=full, batch=batch))
+
+    def finish(self) -> dict[str, RefResult]:
+        return {w: _to(r, self.device) for w, r in self.process.receive().items()}
+
+    def traces(self, full: dict[str, torch.Tensor], batch: Batch, skip: frozenset[str]) -> dict[str, Trace]:
+        return self.process.call(TraceAll(full=full, batch=batch, skip=skip))
+
+
+# ---------------------------------------------------------------- the child
+
+
+class _Server:
+    def __init__(self):
+        self.refs = None
+        self.case = None
+        self.device = torch.device("cpu")
+
+    def handle(self, msg: Any) -> Any:
+        if isinstance(msg, Open):
+            return self.open(msg)
+        if isinstance(msg, Compute):
+            return {w: _to(self.refs.compute(w, _on(msg.full, self.device), self.case, _batch_on(msg.batch, self.device)),
+                           "cpu") for w in msg.kinds}
+        if isinstance(msg, TraceAll):
+            full, batch = _on(msg.full, self.device), _batch_on(msg.batch, self.device)
+            return {w: self.refs.trace(w, full, self.case, batch, msg.skip) for w in ("r64", "lp", "alt")}
+        raise TypeError(f"reference process got an unexpected message: {msg!r}")
+
+    def open(self, msg: Open) -> bool:
+        from sp_harness.step.build import cast_floating, new_reference, reference_copy
+        from sp_harness.step.context import reference_context
+
+        sys.path[:] = list(msg.sys_path) + [p for p in sys.path if p not in msg.sys_path]
+        torch.set_num_threads(msg.num_threads)
+        self.device = torch.device(msg.device)
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
+        self.case = get_case(msg.config.case)
+        config = self.case.resolve(msg.config)
+        ctx = reference_context(config, self.device)
+        reference = cast_floating(new_reference(self.case, config, ctx).to(self.device), torch.float64)
+        reference.load_state_dict(msg.state)
+        self.refs = make_references(
+            reference, lambda: reference_copy(self.case, config, ctx, reference, torch.float64, self.device),
+            config, self.device)
+        return True
+
+
+def _on(tensors: dict[str, torch.Tensor], device: torch.device) -> dict[str, torch.Tensor]:
+    return {k: v.to(device) for k, v in tensors.items()}
+
+
+def _batch_on(batch: Batch, device: torch.device) -> Batch:
+    inputs = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in batch.inputs.items()}
+    return Batch(inputs=inputs, target=batch.target.to(device), positional=batch.positional)
+
+
+def _to(result: RefResult, device: str | torch.device) -> RefResult:
+    """A result fit to pickle: on `device`, with no autograd graph attached."""
+    step = result.step
+    move = lambda t: None if t is None else t.detach().to(device)  # noqa: E731
+    step = type(step)(out=move(step.out), loss=move(step.loss), out_grad=move(step.out_grad),
+                      input_grads={k: move(v) for k, v in step.input_grads.items()},
+                      lse={k: move(v) for k, v in step.lse.items()})
+    return RefResult(step=step, grads={k: move(v) for k, v in result.grads.items()})
+
+
+def _serve(fd: int) -> None:
+    import torch.distributed as dist
+
+    if sys.platform.startswith("linux"):
+        try:
+            ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+        except OSError:
+            pass
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the driver's to handle
+    # a world of one: the references' collectives (a framework's TP=1 all-reduce) stay here
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    conn = Connection(fd)
+    server = _Server()
+    while True:
+        try:
+            msg = pickle.loads(conn.recv_bytes())
+        except (EOFError, OSError):
+            return
+        try:
+            reply = server.handle(msg)
+        except BaseException:
+            reply = Failed(traceback=traceback.format_exc())
+        conn.send_bytes(pickle.dumps(reply, protocol=pickle.HIGHEST_PROTOCOL))
+
+
+if __name__ == "__main__":
+    # served by the module under its import name, so its messages pickle as the rank expects them
+    from sp_harness.checks import refproc
+
+    refproc._serve(int(sys.argv[1]))
