@@ -107,7 +107,10 @@ class ReferenceProcess:
     def drain(self) -> None:
         """Take a reply still on its way (a job that raised between send and receive)."""
         if self._waiting:
-            self.receive()
+            try:
+                self.receive()
+            except ReferenceProcessError:
+                pass  # that job is over; a dead process is replaced by the caller
 
     def close(self) -> None:
         try:
@@ -129,6 +132,9 @@ def reference_process() -> ReferenceProcess:
         _PROCESS = ReferenceProcess()
         atexit.register(_PROCESS.close)
     _PROCESS.drain()
+    if _PROCESS.proc.poll() is not None:
+        _PROCESS = None
+        return reference_process()
     return _PROCESS
 
 

@@ -23,7 +23,7 @@ import torch
 from sp_harness.capture.comm import CommCounter
 from sp_harness.capture.trace import Recorder
 from sp_harness.checks.references import KINDS, Inline, RefResult, Shared, make_references
-from sp_harness.checks.refproc import Remote
+from sp_harness.checks.refproc import Remote, reference_process
 from sp_harness.compare.divergence import Divergence, first_divergence
 from sp_harness.compare.tolerance import FACTOR, TensorCheck, check_bounded, check_tensor, lp_dtype
 from sp_harness.config.case import as_batch
@@ -86,6 +86,8 @@ class _SideBySide:
         parts) instead of the rank's reference process (sp_harness.checks.refproc)."""
         self.config = config
         self.dtype = config.torch_dtype
+        if not inline_references:
+            reference_process()  # a first job's reference process imports torch while this rank builds
         # a throwaway counter around the sharded factory: its collectives are announced (desync
         # detection) but not counted, so the per-step rows stay what the model does per step
         self.built = build(config, around_shard=CommCounter())
