@@ -62,6 +62,8 @@ class References:
     """The run dtype."""
     platform: contextlib.AbstractContextManager
     """The order-noise mode the run-precision reference runs under."""
+    forward_only: bool = False
+    """A forward-only check: the references skip backward (`reference_pass(backward=False)`)."""
 
     def model(self, which: str) -> nn.Module:
         return getattr(self, which)
@@ -79,12 +81,13 @@ class References:
                     perturb_(params[name], torch.finfo(self.dtype).eps, self.alt_gen)
 
     def compute(self, which: str, case: Case, batch: Batch) -> RefStep:
+        backward = not self.forward_only
         if which == "r64":
-            return reference_pass(self.r64, case, batch, torch.float64)
+            return reference_pass(self.r64, case, batch, torch.float64, backward=backward)
         if which == "lp":
             with self.platform:
-                return reference_pass(self.lp, case, batch, lp_dtype(self.dtype))
-        return reference_pass(self.alt, case, batch, torch.float64, noise=self.alt_noise)
+                return reference_pass(self.lp, case, batch, lp_dtype(self.dtype), backward=backward)
+        return reference_pass(self.alt, case, batch, torch.float64, noise=self.alt_noise, backward=backward)
 
     def passes(self, full: dict[str, torch.Tensor], case: Case, batch: Batch) -> dict[str, RefStep]:
         """Every reference's step, each computed by its owner and shared with the others."""
@@ -124,7 +127,7 @@ def make_references(built: Built, config: CheckConfig, platform, matmul_input_re
     noise = RoundingNoise(torch.finfo(dtype).eps, alt_gen, torch.finfo(accumulator).eps, matmul_input_rel, magnitude)
     return References(r64=built.reference, lp=copy.deepcopy(built.reference).to(lp_dtype(dtype)),
                       alt=copy.deepcopy(built.reference), alt_noise=noise, alt_gen=alt_gen, dtype=dtype,
-                      platform=platform)
+                      platform=platform, forward_only=bool(config.forward_only))
 
 
 def _tensors(step: RefStep, model: nn.Module) -> list[torch.Tensor | None]:
