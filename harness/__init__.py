@@ -4,7 +4,19 @@ Flow: config -> launch ranks (pool) -> build reference + sharded (case) -> step 
 compare -> record -> report -> gate. The public API for users' own cases is re-exported here.
 """
 
-from sp_harness.config.case import Case, Layout, ParamSpec, RankContext, Sharded, Training, Unsupported, register
+from sp_harness.config.case import (
+    Batch,
+    Case,
+    Example,
+    Layout,
+    ParamSpec,
+    RankContext,
+    Sharded,
+    Training,
+    Unsupported,
+    mutant,
+    register,
+)
 from sp_harness.config.check_config import CheckConfig
 
 
@@ -15,5 +27,5 @@ def check(config: CheckConfig, runner=None):
     return _check(config, runner)
 
 
-__all__ = ["Case", "CheckConfig", "Layout", "ParamSpec", "RankContext", "Sharded", "Training", "Unsupported", "check",
-           "register"]
+__all__ = ["Batch", "Case", "CheckConfig", "Example", "Layout", "ParamSpec", "RankContext", "Sharded", "Training",
+           "Unsupported", "check", "mutant", "register"]

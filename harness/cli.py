@@ -88,6 +88,9 @@ def add_config_args(p: argparse.ArgumentParser, *, require_case: bool = True) ->
     g.add_argument("--optimizer", choices=OPTIMIZERS, help=f"optimizer (default: the case's, else {ENGINE_DEFAULTS['optimizer']})")
     g.add_argument("--adversary", choices=ADVERSARIES, default="off",
                    help="make the sharded side reduce in random legal orders (specificity across platforms; default off)")
+    g.add_argument("--forward-only", choices=("yes", "no"),
+                   help="inference: forward and loss only, no backward or optimizer step; grads are not judged "
+                        "(default: the case's, else no)")
     g.add_argument("--timeout", type=float, dest="timeout_s",
                    help="seconds a job may run before it counts as hung (default $SP_HARNESS_TIMEOUT, else 30)")
 
@@ -100,6 +103,7 @@ def config_from_args(args) -> CheckConfig:
         causal=None if args.causal is None else args.causal == "yes", load_balancer=args.load_balancer,
         ring_degree=args.ring_degree, prompt_len=args.prompt_len, norm=args.norm, layout=args.layout, dtype=args.dtype, steps=args.steps, seed=args.seed,
         lr=args.lr, optimizer=args.optimizer, adversary=args.adversary, timeout_s=args.timeout_s,
+        forward_only=None if args.forward_only is None else args.forward_only == "yes",
     )
 
 

@@ -89,7 +89,7 @@ class CommRow:
     kind: str
     """'all_reduce', 'all_gather', 'reduce_scatter', 'all_to_all', 'send', ..."""
     group: str
-    """'tp', 'dp', 'world' or 'ranks0-2' (RankContext.group_label)."""
+    """'tp', 'dp', 'world', a name given to RankContext.new_groups, or 'ranks0-2' (RankContext.group_label)."""
     count: int
     bytes: int
     """Payload bytes of the full tensors (see the module docstring)."""

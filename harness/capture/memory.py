@@ -161,17 +161,15 @@ def activation_rank(config: CheckConfig) -> LayerMemory:
     this rank's piece of a batch, and return what `blocks[0]` saved."""
     from sp_harness.config.case import as_batch
     from sp_harness.step.build import build
-    from sp_harness.step.context import is_dtensor
-    from sp_harness.step.inputs import call, rank_batch
+    from sp_harness.step.inputs import call, local_output, rank_batch
 
     built = build(config)
     model = built.sharded.module
     batch = as_batch(built.case.make_batch(config, 0, torch.Generator().manual_seed(config.seed + 7919)))
     local = rank_batch(batch, built.sharded, built.ctx, config.torch_dtype)
     with SavedTensorMeter(find_layer(model), params_of=model) as meter:
-        out = call(model, local.inputs, local.positional)
-    if is_dtensor(out):
-        out = out.to_local()
+        out = call(model, local.call_inputs, local.positional)
+    out = local_output(out, built.sharded.output_layout)
     out.float().sum().backward()
     meter.result.rank = built.ctx.rank
     return meter.result

@@ -52,7 +52,7 @@ def attention_work_rank(config: CheckConfig) -> RankWork:
     batch = as_batch(built.case.make_batch(config, 0, torch.Generator().manual_seed(config.seed + 7919)))
     local = rank_batch(batch, built.sharded, built.ctx, config.torch_dtype)
     with torch.no_grad():
-        call(model, local.inputs, local.positional)
+        call(model, local.call_inputs, local.positional)
     counts = [w for m in meters for w in m.work]
     return RankWork(rank=built.ctx.rank, cp_rank=built.ctx.tp_rank, dp_rank=built.ctx.dp_rank, num_meters=len(meters),
                     num_blocks=len(counts), score_elements=sum(counts))

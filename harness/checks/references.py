@@ -102,6 +102,8 @@ class References:
     """The run dtype."""
     platform: contextlib.AbstractContextManager
     """The order-noise mode the run-precision reference runs under."""
+    forward_only: bool = False
+    """A forward-only check: the references skip backward (`reference_pass(backward=False)`)."""
 
     def model(self, which: str) -> nn.Module:
         return getattr(self, which)
@@ -120,13 +122,14 @@ class References:
         model = self.model(which)
         self.anchor(which, full)
         model.zero_grad(set_to_none=True)  # a fresh grad tensor per step: results handed out stay as they were
+        backward = not self.forward_only
         if which == "r64":
-            step = reference_pass(model, case, batch, torch.float64)
+            step = reference_pass(model, case, batch, torch.float64, backward=backward)
         elif which == "lp":
             with self.platform:
-                step = reference_pass(model, case, batch, lp_dtype(self.dtype))
+                step = reference_pass(model, case, batch, lp_dtype(self.dtype), backward=backward)
         else:
-            step = reference_pass(model, case, batch, torch.float64, noise=self.alt_noise)
+            step = reference_pass(model, case, batch, torch.float64, noise=self.alt_noise, backward=backward)
         return RefResult(step=step, grads={n: p.grad for n, p in model.named_parameters()})
 
     def trace(self, which: str, full: dict[str, torch.Tensor], case: Case, batch: Batch,
@@ -152,7 +155,8 @@ def make_references(reference: nn.Module, build_copy, config: CheckConfig, devic
     matmul_input_rel = matmul_input_precision(config, device)
     noise = RoundingNoise(torch.finfo(dtype).eps, alt_gen, torch.finfo(accumulator).eps, matmul_input_rel, magnitude)
     return References(r64=reference, lp=cast_floating(build_copy(), lp_dtype(dtype)), alt=build_copy(),
-                      alt_noise=noise, alt_gen=alt_gen, dtype=dtype, platform=platform_noise(config))
+                      alt_noise=noise, alt_gen=alt_gen, dtype=dtype, platform=platform_noise(config),
+                      forward_only=bool(config.forward_only))
 
 
 class Computes(Protocol):

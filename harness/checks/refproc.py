@@ -31,6 +31,7 @@ from sp_harness.capture.trace import Trace
 from sp_harness.checks.references import RefResult, make_references
 from sp_harness.config.case import Batch, get_case
 from sp_harness.config.check_config import CheckConfig
+from sp_harness.step.inputs import batch_to
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -170,10 +171,10 @@ class _Server:
         if isinstance(msg, Open):
             return self.open(msg)
         if isinstance(msg, Compute):
-            return {w: _to(self.refs.compute(w, _on(msg.full, self.device), self.case, _batch_on(msg.batch, self.device)),
+            return {w: _to(self.refs.compute(w, _on(msg.full, self.device), self.case, batch_to(msg.batch, self.device)),
                            "cpu") for w in msg.kinds}
         if isinstance(msg, TraceAll):
-            full, batch = _on(msg.full, self.device), _batch_on(msg.batch, self.device)
+            full, batch = _on(msg.full, self.device), batch_to(msg.batch, self.device)
             return {w: self.refs.trace(w, full, self.case, batch, msg.skip) for w in ("r64", "lp", "alt")}
         raise TypeError(f"reference process got an unexpected message: {msg!r}")
 
@@ -199,11 +200,6 @@ class _Server:
 
 def _on(tensors: dict[str, torch.Tensor], device: torch.device) -> dict[str, torch.Tensor]:
     return {k: v.to(device) for k, v in tensors.items()}
-
-
-def _batch_on(batch: Batch, device: torch.device) -> Batch:
-    inputs = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in batch.inputs.items()}
-    return Batch(inputs=inputs, target=batch.target.to(device), positional=batch.positional)
 
 
 def _to(result: RefResult, device: str | torch.device) -> RefResult:

@@ -33,9 +33,16 @@ from sp_harness.step.adversary import ReorderAdversary
 from sp_harness.step.anchor import gather_full
 from sp_harness.step.build import build, reference_copy
 from sp_harness.step.context import reference_context
-from sp_harness.step.inputs import cut, forward_loss, global_loss, rank_batch, replica_slice, seq_index
+from sp_harness.step.inputs import batch_to, cut, forward_loss, global_loss, rank_batch, replica_slice, seq_index
 from sp_harness.step.optim_ref import make_optimizer, reference_step, state_of
-from sp_harness.step.params import Drift, LocalParam, replica_drift
+from sp_harness.step.params import (
+    Drift,
+    LocalParam,
+    declared_grad,
+    load_declared_grads,
+    replica_drift,
+    zero_declared_grads,
+)
 from sp_harness.step.reference import RefStep
 
 MAX_FAILURES_KEPT = 64
@@ -144,11 +151,15 @@ class _SideBySide:
         t0 = time.perf_counter()
         with self.counter, self.adversary:
             self.counter.phase = "forward"
-            out, loss = forward_loss(self.case, self.sharded, local, batch.target, self.ctx)
-            self.counter.phase = "backward"
-            loss.backward()
-            self.counter.phase = "grad_sync"
-            self.sharded.sync_grads()
+            if self.forward_only:  # inference: what a served model runs
+                with torch.no_grad():
+                    out, loss = forward_loss(self.case, self.sharded, local, batch.target, self.ctx)
+            else:
+                out, loss = forward_loss(self.case, self.sharded, local, batch.target, self.ctx)
+                self.counter.phase = "backward"
+                loss.backward()
+                self.counter.phase = "grad_sync"
+                self.sharded.sync_grads()
         self.compute_s += time.perf_counter() - t0
         return local, out, loss
 
@@ -168,7 +179,7 @@ class _SideBySide:
         # input grad is the global-mean reference's times (global tokens / replica tokens)
         tgt = batch.target
         scale = self.case.tokens(tgt) / self.case.tokens(replica_slice(tgt, layout, ctx)) if ctx.dp > 1 else 1.0
-        for name, grad64 in r64.input_grads.items():
+        for name, grad64 in r64.input_grads.items():  # none in a forward-only check
             in_layout = self.sharded.input_layouts.get(name, self.sharded.input_layout)
             want64, in_off = cut(grad64 * scale, in_layout, ctx)
             want_lp, _ = cut(r_lp.input_grads[name] * scale, in_layout, ctx)
@@ -196,11 +207,18 @@ class _SideBySide:
             self.judge("lse", f"{name}.lse", step, got, want64, want_lp,
                        want_alt=want_alt, dof=len(positions))
 
+    @property
+    def forward_only(self) -> bool:
+        return bool(self.built.config.forward_only)
+
     def judge_grads(self, step: int, tokens: int, refs: dict[str, RefResult]) -> None:
+        if self.forward_only:
+            return
         grads = {w: refs[w].grads for w in KINDS}
         for p in self.params:
             ref = p.spec.ref_name
-            got, w64, wlp, off = p.full_or_piece(p.param.grad, grads["r64"][ref], grads["lp"][ref], self.ctx)
+            got, w64, wlp, off = p.full_or_piece(declared_grad(p.param, self.sharded.grad_attr), grads["r64"][ref],
+                                                 grads["lp"][ref], self.ctx)
             self.judge("grad", ref, step, got, w64, wlp, off, p.piece_of(grads["alt"][ref], self.ctx), dof=tokens)
 
     def localize(self, step: int, batch) -> None:
@@ -214,7 +232,13 @@ class _SideBySide:
                                 self.ctx.tp_rank))
 
     def optimizer_stage(self, step: int) -> None:
-        """The update, judged on the sharded run's own params, grads and state."""
+        """The update, judged on the sharded run's own params, grads and state. The optimizer steps
+        on the declared grads (`Sharded.grad_attr`), copied into `.grad`. Forward only: no step."""
+        if self.forward_only:
+            self.result.comm.append(self.counter.snapshot())
+            self.counter.stats.clear()
+            return
+        load_declared_grads(self.params, self.sharded.grad_attr)
         expected = [_expected_step(p, self.opt, self.config, self.dtype) for p in self.params]
         t0 = time.perf_counter()
         with self.counter:
@@ -222,6 +246,7 @@ class _SideBySide:
             self.opt.step()
             self.opt.zero_grad(set_to_none=True)
         self.compute_s += time.perf_counter() - t0
+        zero_declared_grads(self.params, self.sharded.grad_attr)
         self.result.comm.append(self.counter.snapshot())
         self.counter.stats.clear()
         for p, (want, bound) in zip(self.params, expected, strict=True):
@@ -232,8 +257,7 @@ class _SideBySide:
 
     def step(self, step: int, gen: torch.Generator) -> None:
         batch = as_batch(self.case.make_batch(self.config, step, gen))
-        batch = type(batch)(inputs={k: v.to(self.built.device) for k, v in batch.inputs.items()},
-                            target=batch.target.to(self.built.device), positional=batch.positional)
+        batch = batch_to(batch, self.built.device)
         if self.recorder is not None:
             self.recorder.clear()
         failures_before = len(self.result.failures)

@@ -52,6 +52,11 @@ class CheckResult:
     first failing step, on the lowest rank that saw one (sp_harness.capture.trace)."""
 
     @property
+    def not_judged(self) -> tuple[str, ...]:
+        """Check kinds this run did not judge: a forward-only run has no grads and no update."""
+        return ("input_grad", "grad", "param") if self.config.forward_only else ()
+
+    @property
     def ok(self) -> bool:
         return self.verdict != FAIL
 
@@ -105,7 +110,7 @@ class CheckResult:
             "config": conv(self.config), "repro": self.config.repro(), "failures": conv(self.failures),
             "worst": conv(self.worst), "drift": conv(self.drift), "losses": self.losses, "comm": conv(self.comm),
             "error": self.error, "crash_kind": self.crash_kind, "rank_errors": conv(self.rank_errors), "wall_s": self.wall_s, "num_checks": self.num_checks,
-            "divergence": conv(self.divergence),
+            "divergence": conv(self.divergence), "not_judged": list(self.not_judged),
         }
 
 
@@ -202,6 +207,8 @@ def format_result(res: CheckResult, *, verbose: bool = False) -> str:
         lines.append(f"repro: {cfg.repro()}")
     else:
         lines.append(f"PASS ({res.num_checks} tensor checks over {cfg.steps} step(s), all ranks)")
+    if res.not_judged:
+        lines.append(f"forward only: not judged: {', '.join(res.not_judged)}")
     return "\n".join(lines)
 
 

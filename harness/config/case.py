@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Hashable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -46,6 +46,23 @@ class Layout:
     by `seq_shards`, so TP rank r holds positions order[off_r : off_r + seq_shards[r]] in that
     order (zigzag: rank i holds chunks i and 2W-1-i). None: the identity (contiguous shards).
     A permuted piece's reported offset on `seq_dim` is 0: its rows are not one global range."""
+    split_dim: int | None = None
+    """A dim other than the sequence split across the TP group (vocab-parallel logits: the vocab
+    dim), by torch.chunk's sizes unless `split_sizes` says otherwise. The output is then judged
+    piecewise; the target is cut on the batch and sequence dims only (labels have no vocab dim).
+    An output with a split dim has no default loss (`Sharded.local_loss` is required) and its
+    loss is not summed over TP: every TP rank holds the whole loss, as a vocab-parallel cross
+    entropy does after its all-reduces. Needs `seq_sharded=False` where there is a `seq_dim`."""
+    split_sizes: tuple[int, ...] | None = None
+    """Per-TP-rank sizes along `split_dim` (a padded or uneven vocab split); None: torch.chunk's."""
+
+    def __post_init__(self) -> None:
+        if self.split_sizes is not None and self.split_dim is None:
+            raise ValueError(f"Layout.split_sizes {list(self.split_sizes)} needs a split_dim")
+        if self.split_dim is not None and self.seq_dim is not None and self.seq_sharded:
+            raise ValueError(f"Layout(seq_dim={self.seq_dim}, split_dim={self.split_dim}) would split both the "
+                             f"sequence and dim {self.split_dim} across the one TP group; a vocab-parallel output "
+                             f"holds the whole sequence: add seq_sharded=False")
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -53,10 +70,12 @@ class Batch:
     """One step's global data, as `Case.make_batch` returns it (a plain `(input, target)` tuple is
     read as a single positional input)."""
 
-    inputs: Mapping[str, torch.Tensor]
+    inputs: Mapping[str, Any]
     """The model's inputs by keyword: tokens, positions, an attention mask, ... The reference is
     called as `model(**inputs)` on the whole batch, the sharded module as `module(**pieces)` on
-    this rank's pieces (cut by `Sharded.input_layouts`, else `Sharded.input_layout`)."""
+    this rank's pieces (cut by `Sharded.input_layouts`, else `Sharded.input_layout`). A non-tensor
+    value (a mask spec, a callable) reaches both sides unchanged: not cut, no grad; the sharded
+    side can turn it into this rank's own (`Sharded.prepare_inputs`)."""
     target: torch.Tensor
     """The labels: what `Case.loss_sum` compares the output with."""
     positional: bool = False
@@ -95,6 +114,12 @@ class ParamSpec:
         return self.dim is None and self.index is None
 
 
+_NEW_GROUPS: dict[tuple, dict[tuple[int, ...], Any]] = {}
+"""Groups made by `RankContext.new_groups` in this process, by (world size, partition)."""
+_ONCE: dict[Hashable, Any] = {}
+"""Results of `RankContext.once` in this process, by key."""
+
+
 @dataclass
 class RankContext:
     """What a sharded factory knows about the rank it runs on. Built by the engine."""
@@ -112,6 +137,37 @@ class RankContext:
     """Tokens per TP rank for this config (explicit or torch.chunk's)."""
     device: torch.device
     _mesh: Any = None
+    groups: dict[str, dist.ProcessGroup] = field(default_factory=dict)
+    """Named process groups: "tp", also named "sp" and "cp" (the group the sequence is sharded
+    over), "dp", "world", and each one made by `new_groups`."""
+    _group_names: dict[tuple[int, ...], str] = field(default_factory=dict)
+
+    def new_groups(self, name: str, partition: Sequence[Sequence[int]]) -> dist.ProcessGroup:
+        """This rank's group of `partition` (every rank's tuple of ranks, covering each rank once),
+        recorded as `groups[name]`. Every rank must call it with the same partition: each creates
+        every group of it, in order (`new_group` is a collective of the whole world). Created once
+        per rank process: a warm pool's later jobs get the same groups back."""
+        blocks = tuple(tuple(int(r) for r in block) for block in partition)
+        flat = sorted(r for block in blocks for r in block)
+        if flat != list(range(self.world_size)) or any(not block for block in blocks):
+            raise ValueError(f"new_groups({name!r}): {[list(b) for b in blocks]} is not a partition of the ranks "
+                             f"0..{self.world_size - 1} (each rank in exactly one non-empty group)")
+        key = (self.world_size, blocks)
+        if key not in _NEW_GROUPS:
+            made = [dist.group.WORLD if len(b) == self.world_size else dist.new_group(list(b)) for b in blocks]
+            _NEW_GROUPS[key] = dict(zip(blocks, made, strict=True))
+        ranks = next(b for b in blocks if self.rank in b)
+        self.groups[name] = _NEW_GROUPS[key][ranks]
+        self._group_names.setdefault(ranks, name)
+        return self.groups[name]
+
+    def once(self, key: Hashable, fn: Callable[[], Any]) -> Any:
+        """`fn()`, run once per rank process for `key` and cached: a framework's global state
+        (megatron's `initialize_model_parallel`) that must not be set up twice on a warm pool.
+        The key names what the result depends on (the mesh, say)."""
+        if key not in _ONCE:
+            _ONCE[key] = fn()
+        return _ONCE[key]
 
     @property
     def tp(self) -> int:
@@ -141,6 +197,8 @@ class RankContext:
             return "tp"
         if ranks == self.dp_ranks:
             return "dp"
+        if ranks in self._group_names:
+            return self._group_names[ranks]
         if len(ranks) == self.world_size:
             return "world"
         return "ranks" + "-".join(map(str, ranks))
@@ -171,10 +229,22 @@ class Sharded:
     implementation owes (norm weights under SP, DP averaging). Part of the system under test."""
     local_loss: Callable[[torch.Tensor, torch.Tensor, RankContext], torch.Tensor] | None = None
     """This rank's share of the loss from its local output and target; None means the engine's
-    default (token-loss sum over local tokens / tokens per DP replica). Part of the system under
-    test: a wrong weighting here is a real bug."""
+    default (token-loss sum over local tokens / tokens per DP replica). The global loss is the
+    mean over DP of the sum over TP of these shares where the output's sequence is sharded; where
+    it is not (`seq_sharded=False`, or a `split_dim` output: a vocab-parallel cross entropy) every
+    TP rank returns the whole loss of its replica and it is not summed. It is what each rank's
+    backward starts from. Part of the system under test: a wrong weighting here is a real bug."""
     clip_grad_norm: Callable[[float], torch.Tensor] | None = None
     """Optional: global grad-norm clipping as this implementation does it; returns the norm."""
+    prepare_inputs: Callable[[dict[str, Any], RankContext], Mapping[str, Any]] | None = None
+    """Builds what the sharded module is called with from this rank's input pieces: a per-rank
+    attention mask (torchtitan's BlockMask for the local sequence) from a spec in `Batch.inputs`,
+    say. The pieces it is given stay the grad leaves that are judged. Part of the system under test."""
+    grad_attr: str = "grad"
+    """The param attribute the implementation leaves its final grads in ("main_grad" for
+    megatron-core's DDP): the grad check reads it, and before the engine's optimizer step it is
+    copied into `.grad` (cast to the param's dtype), then zeroed in place after the step, as
+    megatron's zero_grad_buffer does."""
 
 
 @dataclass(kw_only=True, frozen=True)

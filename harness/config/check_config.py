@@ -30,7 +30,7 @@ behind it and the first after a DDP-style grad-bucket rebuild (tests/test_conven
 LOAD_BALANCERS = ("none", "zigzag")
 ENGINE_DEFAULTS: dict[str, object] = dict(batch=2, norm="layernorm", layout="bsh", dtype="float64",
                                          steps=DEFAULT_STEPS, lr=1e-2, optimizer="adamw", causal=True,
-                                         load_balancer="none", ring_degree=1, prompt_len=0)
+                                         load_balancer="none", ring_degree=1, prompt_len=0, forward_only=False)
 """What a field left as None becomes when the case sets no default of its own (`Case.resolve`);
 the job timeout is `default_timeout_s()`."""
 DEFAULT_TIMEOUT_S = 30.0
@@ -113,6 +113,11 @@ class CheckConfig:
     'reorder-tf32': also TF32-rounded float32 matmul inputs on both sides (a GPU platform)."""
     timeout_s: float | None = None
     """Seconds before a job is declared hung; the error names case, config and rank."""
+    forward_only: bool | None = None
+    """Inference: the sharded side runs forward only (under no_grad), no backward, no grad sync, no
+    optimizer step; the references run forward only. Judged: the output, the loss, attention
+    LSEs; input grads, grads and updates are not (the result says so). None: the case's default,
+    else False."""
 
     def __post_init__(self) -> None:
         if self.world_size < 1:
@@ -208,6 +213,8 @@ class CheckConfig:
         for name, default in (("layout", "bsh"), ("norm", "layernorm"), ("optimizer", "adamw"), ("adversary", "off")):
             if getattr(self, name) not in (default, None):
                 parts.append(getattr(self, name))
+        if self.forward_only:
+            parts.append("forward-only")
         parts += [str(self.dtype), f"steps={self.steps}", f"seed={self.seed}"]
         return " ".join(parts)
 

@@ -62,6 +62,8 @@ def make_context(config: CheckConfig, device: torch.device) -> RankContext:
     ctx = RankContext(config=config, rank=rank, world_size=world_size, dp_rank=rank // tp, tp_rank=rank % tp,
                       tp_group=groups["tp"][0], dp_group=groups["dp"][0], tp_ranks=groups["tp"][1],
                       dp_ranks=groups["dp"][1], seq_shards=tuple(seq_shards), device=device)
+    tp_group, dp_group = groups["tp"][0], groups["dp"][0]
+    ctx.groups.update(tp=tp_group, sp=tp_group, cp=tp_group, dp=dp_group, world=dist.group.WORLD)
     key = (world_size, config.dp, device.type)
     if key in _MESHES:
         ctx._mesh = _MESHES[key]

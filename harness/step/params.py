@@ -99,6 +99,32 @@ def map_params(sharded: Sharded, ref_names: set[str], case_name: str) -> list[Lo
     return params
 
 
+def declared_grad(param: nn.Parameter, attr: str) -> torch.Tensor | None:
+    """The grad an implementation left in `param.<attr>` (`Sharded.grad_attr`)."""
+    return getattr(param, attr, None)
+
+
+def load_declared_grads(params: list[LocalParam], attr: str) -> None:
+    """Before the engine's optimizer step: the declared grads become `.grad`, in the param's dtype
+    (a float32 main_grad steps a bfloat16 param as megatron's optimizer would, after its cast)."""
+    if attr == "grad":
+        return
+    for p in params:
+        g = declared_grad(p.param, attr)
+        p.param.grad = None if g is None else g.detach().to(p.param.dtype).clone()
+
+
+def zero_declared_grads(params: list[LocalParam], attr: str) -> None:
+    """After the step: the declared grads are zeroed in place (buffers the implementation's hooks
+    accumulate into, as megatron's zero_grad_buffer leaves them)."""
+    if attr == "grad":
+        return
+    for p in params:
+        g = declared_grad(p.param, attr)
+        if isinstance(g, torch.Tensor):
+            g.detach().zero_()
+
+
 @dataclass(kw_only=True)
 class Drift:
     step: int

@@ -28,12 +28,14 @@ class RefStep:
 
 
 def reference_pass(model: nn.Module, case: Case, batch: Batch, dtype: torch.dtype,
-                   noise: RoundingNoise | None = None) -> RefStep:
+                   noise: RoundingNoise | None = None, *, backward: bool = True) -> RefStep:
     """Forward and backward of `model` on the global batch in `dtype`; with `noise`, every op's
-    inputs and result carry that rounding (the perturbed reference)."""
+    inputs and result carry that rounding (the perturbed reference). `backward=False` (a
+    forward-only check): no param or input grads, only d loss / d output, through the loss alone
+    (the loss's error allowance needs it)."""
     inputs = {}
     for name, t in batch.inputs.items():
-        if t.is_floating_point():
+        if isinstance(t, torch.Tensor) and t.is_floating_point():
             t = t.to(dtype)
             if noise is not None:
                 t = perturb_(t.clone(), noise.rel, noise.gen)
@@ -45,7 +47,12 @@ def reference_pass(model: nn.Module, case: Case, batch: Batch, dtype: torch.dtyp
         if out.requires_grad:
             out.retain_grad()
         loss = case.loss_sum(out, tgt) / case.tokens(tgt)
-        loss.backward()
-    grads = {name: t.grad for name, t in inputs.items() if t.is_floating_point()}
+        if backward:
+            loss.backward()
+            out_grad = out.grad
+        else:
+            out_grad = torch.autograd.grad(loss, out)[0] if out.requires_grad else None
+    grads = {name: t.grad for name, t in inputs.items()
+             if backward and isinstance(t, torch.Tensor) and t.is_floating_point()}
     lse = {name: m.lse for name, m in model.named_modules() if isinstance(getattr(m, "lse", None), torch.Tensor)}
-    return RefStep(out=out.detach(), loss=loss.detach(), input_grads=grads, out_grad=out.grad, lse=lse)
+    return RefStep(out=out.detach(), loss=loss.detach(), input_grads=grads, out_grad=out_grad, lse=lse)

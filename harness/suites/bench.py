@@ -59,6 +59,7 @@ def bare_rank(config: CheckConfig) -> dict:
     from sp_harness.step.build import build
     from sp_harness.step.inputs import forward_loss, rank_batch
     from sp_harness.step.optim_ref import make_optimizer
+    from sp_harness.step.params import load_declared_grads, zero_declared_grads
     from sp_harness.step.reference import reference_pass
 
     t_start, c_start = time.perf_counter(), time.process_time()
@@ -76,8 +77,10 @@ def bare_rank(config: CheckConfig) -> dict:
         _, loss = forward_loss(case, sharded, rank_batch(batch, sharded, ctx, config.torch_dtype), batch.target, ctx)
         loss.backward()
         sharded.sync_grads()
+        load_declared_grads(built.params, sharded.grad_attr)
         opt.step()
         opt.zero_grad(set_to_none=True)
+        zero_declared_grads(built.params, sharded.grad_attr)
     return {"setup_s": t_setup, "total_s": time.perf_counter() - t_start, "cpu_s": time.process_time() - c_start}
 
 

@@ -19,9 +19,9 @@ import torch.distributed as dist
 from sp_harness.config.case import Batch, get_case
 from sp_harness.step.build import build, cast_floating, new_reference
 from sp_harness.step.context import rank_device, reference_context
-from sp_harness.step.inputs import call, forward_loss, global_loss, rank_batch
+from sp_harness.step.inputs import batch_to, call, forward_loss, global_loss, rank_batch
 from sp_harness.step.optim_ref import make_optimizer
-from sp_harness.step.params import replica_drift
+from sp_harness.step.params import load_declared_grads, replica_drift, zero_declared_grads
 from sp_harness.train.spec import TrainSpec, batch_at, lr_at
 
 
@@ -66,9 +66,9 @@ class StartInfo:
     """Parameters of the reference model."""
 
 
-def _run_dtype(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+def _run_dtype(t, dtype: torch.dtype):
     # the reference copy runs in the run dtype: a float64 input would promote its whole forward
-    return t.to(dtype) if t.is_floating_point() else t
+    return t.to(dtype) if isinstance(t, torch.Tensor) and t.is_floating_point() else t
 
 
 def _per_s(tokens: int, seconds: float) -> float:
@@ -98,8 +98,7 @@ class _Trainer:
         step, spec = self.step, self.spec
         lr = lr_at(spec, step)
         batch = batch_at(self.data_case, spec.config, step, spec.data_seed)
-        batch = Batch(inputs={k: v.to(self.device) for k, v in batch.inputs.items()},
-                      target=batch.target.to(self.device), positional=batch.positional)
+        batch = batch_to(batch, self.device)
         tokens = self.case.tokens(batch.target)
         ref = self._ref_step(batch, lr, tokens)
         run = None if self.built is None else self._sharded_step(batch, lr, tokens)
@@ -133,6 +132,7 @@ class _Trainer:
         _, loss = forward_loss(self.case, sharded, local, batch.target, ctx)
         loss.backward()
         sharded.sync_grads()
+        load_declared_grads(params, sharded.grad_attr)
         norm_sq = _grad_norm_sq_local(params, ctx)
         if ctx.tp > 1:
             dist.all_reduce(norm_sq, group=ctx.tp_group)
@@ -142,6 +142,7 @@ class _Trainer:
         _set_lr(self.opt, lr)
         self.opt.step()
         self.opt.zero_grad(set_to_none=True)
+        zero_declared_grads(params, sharded.grad_attr)
         seconds = time.perf_counter() - t0
         drift = self._drift()
         return Measured(loss=float(global_loss(loss, sharded, ctx)), grad_norm=grad_norm, replica_drift=drift,
