@@ -62,7 +62,7 @@ class LoadBalance:
         config = case.resolve(config)
         label = f"load balance: case {config.case} [{config.short()}]"
         ranks = runner.run(config.world_size, "sp_harness.capture.work:attention_work_rank", config,
-                           timeout_s=config.timeout_s, label=label)
+                           timeout_s=config.timeout_s, label=label, case=config.case)
         fig = Balance(ranks=tuple(ranks))
         if not any(r.num_meters for r in fig.ranks):
             return not_applicable(self.name, f"{config.case}'s attention reports no work (no module with a `work` list)")

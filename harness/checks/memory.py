@@ -206,9 +206,10 @@ def activation_report(config: CheckConfig, runner, *, tp_case: str) -> MemoryRep
     get_case(cfg.case).validate(cfg)
     label = f"activation memory: case {cfg.case} [{cfg.short()}]"
     job = "sp_harness.capture.memory:activation_rank"
-    sp_mem: list[LayerMemory] = runner.run(cfg.world_size, job, cfg, timeout_s=cfg.timeout_s, label=label)
+    sp_mem: list[LayerMemory] = runner.run(cfg.world_size, job, cfg, timeout_s=cfg.timeout_s, label=label,
+                                           case=cfg.case)
     tp_mem: list[LayerMemory] = runner.run(cfg.world_size, job, cfg.replace(case=tp_case), timeout_s=cfg.timeout_s,
-                                           label=label + f" (TP twin {tp_case})")
+                                           label=label + f" (TP twin {tp_case})", case=tp_case)
     dims = dict(s=cfg.seq_len, b=cfg.batch, h=cfg.hidden, a=cfg.num_heads, t=cfg.tp)
     return MemoryReport(
         case=cfg.case, tp_case=tp_case, config=cfg.short(), dtype=cfg.dtype, ffn=cfg.ffn, tp=cfg.tp, dims=dims,

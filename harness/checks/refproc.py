@@ -1,23 +1,21 @@
 """Stage: checks (rank side). The rank's reference process: where a side-by-side check's
 references are built and computed, apart from the code under test.
 
-A child of the rank process, started on the rank's first check (its start-up counts as pool
-start-up where the pool warms up) and kept for the rank's life. It runs in a one-rank world of
+A child of the rank process, started while the pool warms up (its start-up is pool start-up,
+never a job's) and kept for the rank's life. It runs in a one-rank world of
 its own (its own process group, its own framework globals), imports the case by name, builds the
 three references from the case's factory with a single-device rank context, and never calls the
 sharded factory: what that factory registers process-wide, in the rank, cannot reach a reference.
 
-Messages are frozen dataclasses pickled over a socket pair; tensors travel by value. The child
-dies with the rank (PR_SET_PDEATHSIG) and shares its process group (a timeout's kill takes both).
+Messages are frozen dataclasses pickled over a socket pair; tensors travel by value. The child is
+the rank's companion (sp_harness.launch.companion): started while the pool warms up, it dies with
+the rank and shares its process group (a timeout's kill takes both).
 """
 
 from __future__ import annotations
 
 import atexit
-import ctypes
 import pickle
-import signal
-import socket
 import subprocess
 import sys
 import traceback
@@ -31,6 +29,7 @@ from sp_harness.capture.trace import Trace
 from sp_harness.checks.references import RefResult, make_references
 from sp_harness.config.case import Batch, get_case
 from sp_harness.config.check_config import CheckConfig
+from sp_harness.launch import companion
 from sp_harness.step.inputs import batch_to
 
 
@@ -77,11 +76,9 @@ class ReferenceProcess:
     """The rank side: one child process, serving one job's references at a time."""
 
     def __init__(self):
-        parent, child = socket.socketpair()
-        self.proc = subprocess.Popen([sys.executable, "-m", "sp_harness.checks.refproc", str(child.fileno())],
-                                     pass_fds=(child.fileno(),), stdin=subprocess.DEVNULL)
-        child.close()
-        self.conn = Connection(parent.detach())
+        # a companion started with the pool (sp_harness.launch.companion): its torch import is done
+        served = companion.take("sp_harness.checks.refproc:serve")
+        self.proc, self.conn = served.proc, served.conn
         self._waiting = False
 
     def call(self, msg: Any) -> Any:
@@ -179,6 +176,7 @@ class _Server:
         raise TypeError(f"reference process got an unexpected message: {msg!r}")
 
     def open(self, msg: Open) -> bool:
+        from sp_harness.launch.worker import run_setup
         from sp_harness.step.build import cast_floating, new_reference, reference_copy
         from sp_harness.step.context import reference_context
 
@@ -188,6 +186,7 @@ class _Server:
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
         self.case = get_case(msg.config.case)
+        run_setup(msg.config.case)  # the case's per-process setup, once here as in the rank
         config = self.case.resolve(msg.config)
         ctx = reference_context(config, self.device)
         reference = cast_floating(new_reference(self.case, config, ctx).to(self.device), torch.float64)
@@ -212,18 +211,12 @@ def _to(result: RefResult, device: str | torch.device) -> RefResult:
     return RefResult(step=step, grads={k: move(v) for k, v in result.grads.items()})
 
 
-def _serve(fd: int) -> None:
+def serve(conn: Connection) -> None:
+    """The reference process's loop, in a companion of the rank (sp_harness.launch.companion)."""
     import torch.distributed as dist
 
-    if sys.platform.startswith("linux"):
-        try:
-            ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-        except OSError:
-            pass
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the driver's to handle
     # a world of one: the references' collectives (a framework's TP=1 all-reduce) stay here
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    conn = Connection(fd)
     server = _Server()
     while True:
         try:
@@ -235,10 +228,3 @@ def _serve(fd: int) -> None:
         except BaseException:
             reply = Failed(traceback=traceback.format_exc())
         conn.send_bytes(pickle.dumps(reply, protocol=pickle.HIGHEST_PROTOCOL))
-
-
-if __name__ == "__main__":
-    # served by the module under its import name, so its messages pickle as the rank expects them
-    from sp_harness.checks import refproc
-
-    refproc._serve(int(sys.argv[1]))

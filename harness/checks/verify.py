@@ -131,7 +131,7 @@ def check(config: CheckConfig, runner=None) -> CheckResult:
     label = f"case {config.case} [{config.short()}]"
     try:
         results: list[RankResult] = runner.run(config.world_size, "sp_harness.checks.sidebyside:run_rank", config,
-                                               timeout_s=config.timeout_s, label=label)
+                                               timeout_s=config.timeout_s, label=label, case=config.case)
     except RankFailure as exc:
         # UNSUPPORTED only when every rank declared it: one rank alone may be a symptom of a bug
         if len(exc.errors) == config.world_size and all(e.is_unsupported for e in exc.errors):

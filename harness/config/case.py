@@ -16,7 +16,7 @@ import dataclasses
 import importlib
 from collections.abc import Callable, Hashable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 import torch
 import torch.distributed as dist
@@ -327,6 +327,18 @@ class Case:
     training: Training | None = None
     """How convergence runs train this case; None: `Training()`, the case's own `make_batch`
     stream with no known loss floor."""
+    isolation: Literal["shared", "own"] | None = None
+    """Which rank processes run this case's jobs. "own": processes no other case has used (a
+    fresh pool per case and world size, started on its first job): whatever the case changes
+    process-wide (a monkeypatched library, a framework's globals) cannot change another case's
+    verdict. "shared": the case promises to change no process-wide state and shares processes
+    with the other shared cases. None: "shared" for the built-in cases, whose code is this
+    project's, "own" for every other (a user's case file, a framework's)."""
+    setup: Callable[[], None] | None = None
+    """Run once per rank process (and reference process) before the case's first job there,
+    outside the job's timeout (its own budget: sp_harness.launch.pool.SETUP_TIMEOUT_S): a
+    framework's first-use work, such as a C++ op JIT-built on first import. It raising, or
+    running past its budget, is a setup error (exit 2), not a FAIL."""
 
     def resolve(self, config: CheckConfig) -> CheckConfig:
         """Fill the config's None fields: the case's defaults first, then the engine's."""
@@ -344,6 +356,23 @@ class Case:
         fixed = sorted(set(self.defaults) & {"case", "world_size", "dp", "seq_shards", "timeout_s"})
         if fixed:
             raise ValueError(f"case {self.name}: {fixed} describe the run, not the case; they cannot default")
+
+
+SHARED_PROCESSES = "sp-harness"
+"""The isolation key of the cases that share rank processes."""
+
+
+def isolation_key(case: Case) -> str:
+    """The key a runner keys its rank processes by for `case` (see `Case.isolation`)."""
+    mode = case.isolation
+    if mode is None:
+        # a case from a user's file (`path.py:NAME`) loads that file, and runs its top level, in
+        # whatever process runs it: its own, whoever wrote its `shard`
+        builtin = ".py:" not in case.name and getattr(case.shard, "__module__", "").startswith("sp_harness.")
+        mode = "shared" if builtin else "own"
+    if mode not in ("shared", "own"):
+        raise ValueError(f"case {case.name}: isolation must be 'shared', 'own' or None, got {mode!r}")
+    return SHARED_PROCESSES if mode == "shared" else "case:" + case.name
 
 
 def mutant(base: Case, *, name: str, summary: str, bug: str, source: str, tags: tuple[str, ...] = (),

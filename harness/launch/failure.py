@@ -208,3 +208,12 @@ class RankFailure(Exception):
 
 def _join(ranks: Iterable[int]) -> str:
     return ", ".join(map(str, ranks))
+
+
+class SetupError(ValueError):
+    """A case's per-process setup (`Case.setup`) raised or ran past its budget on some rank: a
+    setup problem, exit 2, never a verdict on the code under test."""
+
+    @classmethod
+    def of(cls, case: str, failure: RankFailure) -> SetupError:
+        return cls(f"case {case}: its setup failed, so nothing was checked ({failure.summary_line()})")

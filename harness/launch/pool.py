@@ -41,8 +41,16 @@ from multiprocessing.connection import Listener
 from multiprocessing.connection import wait as wait_conns
 from typing import Any
 
+from sp_harness.config.case import SHARED_PROCESSES, get_case, isolation_key
 from sp_harness.launch.desync import DesyncWatch
-from sp_harness.launch.failure import JobError, RankError, RankFailure, process_ended, waiting_in_collective
+from sp_harness.launch.failure import (
+    JobError,
+    RankError,
+    RankFailure,
+    SetupError,
+    process_ended,
+    waiting_in_collective,
+)
 from sp_harness.launch.torchrun import TorchrunWorld, under_torchrun
 from sp_harness.launch.wire import (
     CollectiveIssued,
@@ -60,8 +68,8 @@ from sp_harness.launch.wire import (
 from sp_harness.launch.worker import START_TIMEOUT_S
 
 # re-exported: callers import the pool's whole surface from here
-__all__ = ["JobError", "PoolManager", "PoolOptions", "RankError", "RankFailure", "RankPool", "TorchrunWorld",
-           "under_torchrun"]
+__all__ = ["JobError", "PoolManager", "PoolOptions", "RankError", "RankFailure", "RankPool", "SetupError",
+           "TorchrunWorld", "under_torchrun"]
 
 # after one rank fails, how long the others get to report before they count as hung
 _FAILURE_GRACE_S = 2.0
@@ -69,6 +77,9 @@ _FAILURE_GRACE_S = 2.0
 # silent before their stacks are sampled (a desync where counts differ: sp_harness.launch.desync)
 _POLL_S = 0.5
 _STALL_S = 2.0
+SETUP_TIMEOUT_S = 600.0
+"""A case's per-process setup (`Case.setup`) budget: first-use compiles take minutes, and are not
+the job's time."""
 
 
 @dataclass(kw_only=True)
@@ -108,6 +119,8 @@ class RankPool:
         self._remove_tmpdir: weakref.finalize | None = None
         self._store = None
         self._job_id = 0
+        self.set_up: set[str] = set()
+        """Case names whose `setup` ran in the current rank processes."""
         self.num_starts = 0
         self.start_s = 0.0
         """Seconds the last start took, warm-up job included (reported, never a job's timeout)."""
@@ -128,6 +141,7 @@ class RankPool:
         import torch.distributed as dist
 
         self.close()
+        self.set_up = set()
         self._started_at = time.monotonic()
         label = f"starting {self.world_size} ranks"
         # the driver hosts the store on an OS-chosen port: no fixed ports, no xdist collisions
@@ -154,7 +168,7 @@ class RankPool:
             listener.close()
         self.num_starts += 1
         # start-up has its own budget: a job's --timeout measures the job, not the imports
-        self.run("sp_harness.launch.worker:warm_up", None, timeout_s=START_TIMEOUT_S, label=label + " (warm-up)")
+        self._run("sp_harness.launch.worker:warm_up", None, timeout_s=START_TIMEOUT_S, label=label + " (warm-up)")
         self.start_s = time.monotonic() - self._started_at
 
     def _spawn(self, rank: int, address: tuple[str, int], env: dict[str, str]) -> subprocess.Popen:
@@ -167,8 +181,10 @@ class RankPool:
         self._logs.append(log)
         # a plain subprocess, not multiprocessing's spawn: spawn re-imports the caller's __main__,
         # which a library must not require to be import-safe
+        # its own session: a rank's children (its reference process, a compiler a framework starts)
+        # are killed with it as one process group, and the terminal's Ctrl-C is the driver's alone
         return subprocess.Popen([sys.executable, "-m", "sp_harness.launch.worker", spec.to_json()], env=env,
-                                stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT)
+                                stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
 
     def _connect(self, listener: Listener, deadline: float, label: str) -> None:
         self._conns = [None] * self.world_size
@@ -206,15 +222,31 @@ class RankPool:
                 raise TypeError(f"rank {rank} sent {msg!r} instead of Ready")
 
     def run(self, fn_ref: str, payload: Any, *, timeout_s: float, label: str,
-            progress: Callable[[str], None] | None = None) -> list[Any]:
+            progress: Callable[[str], None] | None = None, setup: str | None = None) -> list[Any]:
         """Run `fn_ref(payload)` ("module:function") on every rank; results indexed by rank.
-        `progress`, if given, gets a line for a person as the pool starts and as rank 0 reports."""
+        `progress`, if given, gets a line for a person as the pool starts and as rank 0 reports.
+        `setup`: a case whose `Case.setup` runs first, once per rank process, on its own budget."""
         if not self.alive:
             if progress:
                 progress(f"starting {self.world_size} ranks...")
             self.start()
             if progress:
                 progress(f"started {self.world_size} ranks in {self.start_s:.1f}s")
+        if setup is not None and setup not in self.set_up:
+            self._run_setup(setup, label, progress)
+        return self._run(fn_ref, payload, timeout_s=timeout_s, label=label, progress=progress)
+
+    def _run_setup(self, case: str, label: str, progress: Callable[[str], None] | None) -> None:
+        if progress:
+            progress(f"setting up {case} on {self.world_size} ranks...")
+        try:
+            self._run("sp_harness.launch.worker:run_setup", case, timeout_s=SETUP_TIMEOUT_S, label=label + " (setup)")
+        except RankFailure as exc:
+            raise SetupError.of(case, exc) from exc
+        self.set_up.add(case)
+
+    def _run(self, fn_ref: str, payload: Any, *, timeout_s: float, label: str,
+             progress: Callable[[str], None] | None = None) -> list[Any]:
         self._job_id += 1
         for conn in self._conns:
             conn.send(Job(job_id=self._job_id, fn_ref=fn_ref, payload=payload))
@@ -368,9 +400,15 @@ class RankPool:
             except subprocess.TimeoutExpired:
                 pass
         for proc in self._procs:
+            # the rank's whole process group: its reference process and whatever it started
+            # (a compiler's children) end with it, whether the rank exited or hung
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
             if proc.poll() is None:
                 proc.kill()
-                proc.wait(timeout=10)
+            proc.wait(timeout=10)
         for conn in self._conns:
             if conn is not None:
                 conn.close()
@@ -389,24 +427,34 @@ class PoolManager:
     def __init__(self, options: PoolOptions = PoolOptions(), *, max_pools: int = 3):
         self.options = options
         self.max_pools = max_pools
-        self._pools: OrderedDict[int, RankPool] = OrderedDict()
+        self._pools: OrderedDict[tuple[int, str], RankPool] = OrderedDict()
         self._lock = threading.Lock()
         atexit.register(self.close)
 
-    def get(self, world_size: int) -> RankPool:
+    def get(self, world_size: int, isolation: str = SHARED_PROCESSES) -> RankPool:
+        """The pool of `world_size` ranks for cases of isolation key `isolation`
+        (sp_harness.config.case.isolation_key): a case that runs in processes of its own gets them."""
+        key = (world_size, isolation)
         with self._lock:
-            pool = self._pools.pop(world_size, None)
+            pool = self._pools.pop(key, None)
             if pool is None:
                 pool = RankPool(world_size, self.options)
-            self._pools[world_size] = pool
+            self._pools[key] = pool
             while len(self._pools) > self.max_pools:
                 _, old = self._pools.popitem(last=False)
                 old.close()
             return pool
 
     def run(self, world_size: int, fn_ref: str, payload: Any, *, timeout_s: float, label: str,
-            progress: Callable[[str], None] | None = None) -> list[Any]:
-        return self.get(world_size).run(fn_ref, payload, timeout_s=timeout_s, label=label, progress=progress)
+            progress: Callable[[str], None] | None = None, case: str | None = None) -> list[Any]:
+        """`case`: the case the job runs, which picks the pool (its isolation) and whose setup runs
+        first; None for jobs of no case (health checks, probes), on the shared pool."""
+        if case is None:
+            return self.get(world_size).run(fn_ref, payload, timeout_s=timeout_s, label=label, progress=progress)
+        spec = get_case(case)
+        return self.get(world_size, isolation_key(spec)).run(
+            fn_ref, payload, timeout_s=timeout_s, label=label, progress=progress,
+            setup=case if spec.setup is not None else None)
 
     def close(self) -> None:
         with self._lock:

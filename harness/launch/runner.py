@@ -32,8 +32,10 @@ class WithProgress:
         self.inner = inner
         self.progress = progress
 
-    def run(self, world_size: int, fn_ref: str, payload: Any, *, timeout_s: float, label: str) -> list[Any]:
-        return self.inner.run(world_size, fn_ref, payload, timeout_s=timeout_s, label=label, progress=self.progress)
+    def run(self, world_size: int, fn_ref: str, payload: Any, *, timeout_s: float, label: str,
+            case: str | None = None) -> list[Any]:
+        return self.inner.run(world_size, fn_ref, payload, timeout_s=timeout_s, label=label, progress=self.progress,
+                              case=case)
 
     def close(self) -> None:
         self.inner.close()

@@ -8,7 +8,7 @@ import os
 from collections.abc import Callable
 from typing import Any
 
-from sp_harness.launch.failure import RankError, RankFailure
+from sp_harness.launch.failure import RankError, RankFailure, SetupError
 from sp_harness.launch.wire import Job, JobRaised
 from sp_harness.launch.worker import run_job
 
@@ -30,16 +30,27 @@ class TorchrunWorld:
         self._job_id = 0
 
     def run(self, world_size: int, fn_ref: str, payload: Any, *, timeout_s: float, label: str,
-            progress: Callable[[str], None] | None = None) -> list[Any]:
+            progress: Callable[[str], None] | None = None, case: str | None = None) -> list[Any]:
         """`progress` is accepted and unused: there is no driver to report to. Nor is a desync
         detected: each rank runs in-process and a mismatch ends as the backend's own error or
         timeout, as it would in production."""
-        import torch.distributed as dist
-
         if world_size != self.world_size:
             raise ValueError(f"torchrun world has {self.world_size} ranks, the job asks for {world_size}")
+        if case is not None:
+            # one world, one process per rank: no isolation to give; the case's setup runs once
+            self._job_id += 1
+            setup = run_job(Job(job_id=self._job_id, fn_ref="sp_harness.launch.worker:run_setup", payload=case))
+            try:
+                self._gather(setup, label + " (setup)")
+            except RankFailure as exc:
+                raise SetupError.of(case, exc) from exc
         self._job_id += 1
         reply = run_job(Job(job_id=self._job_id, fn_ref=fn_ref, payload=payload))
+        return self._gather(reply, label)
+
+    def _gather(self, reply, label: str) -> list[Any]:
+        import torch.distributed as dist
+
         gathered: list[Any] = [None] * self.world_size
         dist.all_gather_object(gathered, reply)
         errors = [RankError(rank=r, kind="raised", exc_type=g.exc_type, is_unsupported=g.is_unsupported,

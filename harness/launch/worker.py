@@ -69,13 +69,35 @@ def run_job(job: Job) -> JobDone | JobRaised:
 
 def warm_up(_: object = None) -> int:
     """What every first job would otherwise pay against its own timeout: DTensor's imports (sympy
-    among them, seconds on a loaded machine), the case registry, and a first collective."""
+    among them, seconds on a loaded machine), torch._dynamo's (a module's first construction
+    imports it), the case registry, and a first collective."""
+    import torch
     import torch.distributed.tensor.parallel  # noqa: F401
 
-    from sp_harness.config.case import all_cases
+    torch.nn.Linear(1, 1)
 
+    from sp_harness.config.case import all_cases
+    from sp_harness.launch import companion
+
+    companion.start()  # a check's reference process, importing torch meanwhile
     all_cases()
     return health_check()
+
+
+_SET_UP: set[str] = set()
+
+
+def run_setup(case_name: str) -> bool:
+    """A case's per-process setup (`Case.setup`), once per process: the pool's setup job, before the
+    case's first job there; its reference process runs it on opening the case."""
+    if case_name not in _SET_UP:
+        from sp_harness.config.case import get_case
+
+        setup = get_case(case_name).setup
+        if setup is not None:
+            setup()
+        _SET_UP.add(case_name)
+    return True
 
 
 def health_check(_: object = None) -> int:

@@ -82,8 +82,10 @@ def build(config: CheckConfig, *, reference_dtype: torch.dtype = torch.float64,
     ctx = make_context(config, device)
     ref_ctx = reference_context(config, device)
     reference = cast_floating(new_reference(case, config, ref_ctx).to(device=device), reference_dtype)
-    # the sharded factory starts from the reference's weights, cast to the run dtype
+    # the sharded factory starts from the reference's weights, cast to the run dtype (a model
+    # made outside `around_shard`: building it is the reference's business, not the sharded code's)
+    copy = reference_copy(case, config, ref_ctx, reference, config.torch_dtype, device)
     with around_shard or contextlib.nullcontext():
-        sharded = case.shard(reference_copy(case, config, ref_ctx, reference, config.torch_dtype, device), ctx)
+        sharded = case.shard(copy, ctx)
     params = map_params(sharded, {n for n, _ in reference.named_parameters()}, case.name)
     return Built(case=case, config=config, ctx=ctx, device=device, reference=reference, sharded=sharded, params=params)

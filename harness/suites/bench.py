@@ -93,7 +93,7 @@ class _OnePool:
     def __init__(self, pool):
         self.pool = pool
 
-    def run(self, world_size, fn_ref, payload, *, timeout_s, label):
+    def run(self, world_size, fn_ref, payload, *, timeout_s, label, case=None):
         return self.pool.run(fn_ref, payload, timeout_s=timeout_s, label=label)
 
 

@@ -83,8 +83,21 @@ def runnable(config: CheckConfig) -> CheckConfig | None:
 
 
 def peak_rss_mib(_: object = None) -> float:
-    """Rank job: this process's peak resident set size so far, MiB (Linux reports KiB)."""
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
+    """Rank job: the peak resident set size so far, MiB (Linux reports KiB), of this process plus
+    its reference process (sp_harness.checks.refproc), where the check's references live."""
+    import sys
+
+    own = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
+    refproc = sys.modules.get("sp_harness.checks.refproc")
+    child = getattr(refproc, "_PROCESS", None)
+    if child is None or child.proc.poll() is not None:
+        return own
+    try:
+        with open(f"/proc/{child.proc.pid}/status") as f:
+            hwm = next((line.split()[1] for line in f if line.startswith("VmHWM:")), "0")
+    except OSError:
+        return own
+    return own + int(hwm) / 1024.0
 
 
 def cost_row(config: CheckConfig, runner) -> CostRow:
