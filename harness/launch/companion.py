@@ -14,6 +14,7 @@ import signal
 import socket
 import subprocess
 import sys
+import traceback
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
 
@@ -49,6 +50,22 @@ def _ready(companion: Companion) -> None:
         companion.ready = True
 
 
+def set_up(case_name: str) -> None:
+    """Run a case's per-process setup in the spare companion too (the pool's setup job): the
+    companion a check's references will live in then has it done before any job's clock starts.
+    A companion already serving runs it when it opens the case."""
+    if _SPARE is None or _SPARE.proc.poll() is not None:
+        return
+    _ready(_SPARE)
+    _SPARE.conn.send_bytes(_SETUP + case_name.encode())
+    reply = _SPARE.conn.recv_bytes()
+    if reply != b"done":
+        raise RuntimeError("the companion's setup raised:\n" + reply.decode(errors="replace"))
+
+
+_SETUP = b"setup:"
+
+
 def take(fn_ref: str) -> Companion:
     """A companion serving `fn_ref(conn)`: the spare one if it is alive, else a new one."""
     global _SPARE
@@ -82,15 +99,22 @@ def _main(fd: int) -> None:
     torch.nn.Linear(1, 1)
     all_cases()
 
-    from sp_harness.launch.worker import resolve
+    from sp_harness.launch.worker import resolve, run_setup
 
     conn = Connection(fd)
     try:
         conn.send_bytes(b"ready")
-        fn_ref = conn.recv_bytes().decode()
+        msg = conn.recv_bytes()
+        while msg.startswith(_SETUP):
+            try:
+                run_setup(msg[len(_SETUP):].decode())
+                conn.send_bytes(b"done")
+            except BaseException:
+                conn.send_bytes(traceback.format_exc().encode())
+            msg = conn.recv_bytes()
     except (EOFError, OSError):
         return  # the rank ended before it needed us
-    resolve(fn_ref)(conn)
+    resolve(msg.decode())(conn)
 
 
 if __name__ == "__main__":

@@ -92,10 +92,12 @@ def run_setup(case_name: str) -> bool:
     case's first job there; its reference process runs it on opening the case."""
     if case_name not in _SET_UP:
         from sp_harness.config.case import get_case
+        from sp_harness.launch import companion
 
         setup = get_case(case_name).setup
         if setup is not None:
             setup()
+            companion.set_up(case_name)
         _SET_UP.add(case_name)
     return True
 

@@ -1,0 +1,103 @@
+"""No verdict depends on what ran before it: a case from a user's file runs in rank processes no
+other case used, a case's setup runs once per process outside the job's timeout (its failure is a
+setup error, exit 2), and a timeout kills each rank's whole process tree. Real gloo ranks."""
+
+import os
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+
+from sp_harness import CheckConfig
+from sp_harness.checks.verify import check
+from sp_harness.launch.pool import PoolManager
+
+CASES = os.path.join(os.path.dirname(__file__), "isolation_cases.py")
+
+
+def _run(manager, name, **fields):
+    return check(CheckConfig(case=f"{CASES}:{name}", world_size=2, **fields), manager)
+
+
+@pytest.fixture
+def manager():
+    m = PoolManager(max_pools=4)
+    yield m
+    m.close()
+
+
+@pytest.mark.parametrize("order", [("PATCHING", "TWIN"), ("TWIN", "PATCHING")])
+def test_a_patching_mutant_and_its_twin_get_their_standalone_verdicts_on_one_manager(manager, order):
+    verdicts = {name: _run(manager, name).verdict for name in order}
+    assert verdicts == {"PATCHING": "FAIL", "TWIN": "PASS"}
+
+
+def test_cases_declared_shared_do_share_processes(manager):
+    """What isolation prevents: the twin run after the patcher in the same processes FAILs."""
+    assert _run(manager, "PATCHING_SHARED").verdict == "FAIL"
+    assert _run(manager, "TWIN_SHARED").verdict == "FAIL"
+
+
+def test_through_the_plugin_each_case_gets_its_standalone_verdict(tmp_path):
+    (tmp_path / "test_scratch.py").write_text(textwrap.dedent(f"""
+        from sp_harness import CheckConfig
+
+        def test_both(sp_check):
+            got = [sp_check(CheckConfig(case="{CASES}:" + n, world_size=2)).verdict
+                   for n in ("PATCHING", "TWIN", "PATCHING", "TWIN")]
+            assert got == ["FAIL", "PASS", "FAIL", "PASS"], got
+        """))
+    out = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:xdist", "-p", "no:cacheprovider",
+                          "test_scratch.py"], cwd=tmp_path, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+
+
+def test_setup_runs_once_per_process_outside_the_jobs_timeout(tmp_path, monkeypatch):
+    log = tmp_path / "setup.log"
+    monkeypatch.setenv("SP_TEST_SETUP_LOG", str(log))
+    monkeypatch.setenv("SP_TEST_SETUP_S", "25")
+    m = PoolManager()  # started after the env is set: its ranks inherit it
+    try:
+        # a setup longer than the job's timeout does not make the job time out
+        assert _run(m, "WITH_SETUP", timeout_s=20).verdict == "PASS"
+        assert _run(m, "WITH_SETUP", timeout_s=20).verdict == "PASS"
+    finally:
+        m.close()
+    pids = log.read_text().split()
+    # each rank and each rank's reference process ran it, once
+    assert len(pids) == len(set(pids)) == 4, pids
+
+
+def test_a_failing_setup_is_a_setup_error_exit_2(tmp_path):
+    out = subprocess.run([sys.executable, "-m", "sp_harness.cli", "check", "--case", f"{CASES}:SETUP_FAILS",
+                          "--world-size", "2"], capture_output=True, text=True, timeout=600, cwd=tmp_path)
+    assert out.returncode == 2, out.stderr
+    lines = [line for line in out.stderr.splitlines() if line.startswith("sp-harness: error:")]
+    assert len(lines) == 1 and "SETUP_FAILS" in lines[0] and "setup" in lines[0], out.stderr
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split()[2] != "Z"
+    except OSError:
+        return False
+
+
+def test_a_timeout_kills_each_ranks_children(tmp_path, monkeypatch):
+    log = tmp_path / "children.log"
+    monkeypatch.setenv("SP_TEST_CHILD_LOG", str(log))
+    m = PoolManager()
+    try:
+        res = _run(m, "LEAVES_A_CHILD", timeout_s=5)
+    finally:
+        m.close()
+    assert res.verdict == "FAIL" and res.crash_kind == "timeout", res.reason
+    children = [int(p) for p in log.read_text().split()]
+    assert len(children) == 2
+    deadline = time.monotonic() + 10  # reaping is the init process's, not instant
+    while any(_alive(p) for p in children) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not [p for p in children if _alive(p)]
