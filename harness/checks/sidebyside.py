@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 import torch
 
 from sp_harness.capture.comm import CommCounter
+from sp_harness.capture.islands import Island, IslandObserver
 from sp_harness.capture.trace import Recorder
 from sp_harness.checks.references import KINDS, make_references
 from sp_harness.compare.divergence import Divergence, first_divergence
@@ -53,6 +54,8 @@ class RankResult:
     timings: dict[str, float] = field(default_factory=dict)
     divergence: Divergence | None = None
     """At the first failing step: the first module whose output or input grad left its bound."""
+    islands: list[Island] = field(default_factory=list)
+    """Ops of the sharded forward and backward at step 0 that computed below the run dtype."""
 
 
 def _lse_piece(full: torch.Tensor, rows: slice, heads: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
@@ -121,14 +124,19 @@ class _SideBySide:
         steps = self.refs.passes(self.full, self.case, batch)
         return steps["r64"], steps["lp"], steps["alt"]
 
-    def sharded_pass(self, batch):
+    def sharded_pass(self, batch, step: int = 0):
         local = rank_batch(batch, self.sharded, self.ctx, self.dtype)
+        # islands are static: step 0 names them, later steps pay nothing
+        observer = IslandObserver(self.sharded.module, self.dtype) if step == 0 else contextlib.nullcontext()
         t0 = time.perf_counter()
         with self.counter, self.adversary:
             self.counter.phase = "forward"
-            out, loss = forward_loss(self.case, self.sharded, local, batch.target, self.ctx)
-            self.counter.phase = "backward"
-            loss.backward()
+            with observer:
+                out, loss = forward_loss(self.case, self.sharded, local, batch.target, self.ctx)
+                self.counter.phase = "backward"
+                loss.backward()
+            if step == 0:
+                self.result.islands = observer.islands
             self.counter.phase = "grad_sync"
             self.sharded.sync_grads()
         self.compute_s += time.perf_counter() - t0
@@ -223,7 +231,7 @@ class _SideBySide:
             r.clear()
         failures_before = len(self.result.failures)
         refs = self.reference_passes(batch)
-        local, out, loss = self.sharded_pass(batch)
+        local, out, loss = self.sharded_pass(batch, step)
         self.judge_outputs(step, batch, local, out, loss, refs)
         self.judge_lse(step, refs)
         self.judge_grads(step, self.case.tokens(batch.target))
