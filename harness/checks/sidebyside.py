@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 import torch
 
 from sp_harness.capture.comm import CommCounter
+from sp_harness.capture.islands import Island, IslandObserver
 from sp_harness.capture.trace import Recorder
 from sp_harness.checks.references import KINDS, Inline, RefResult, Shared, make_references
 from sp_harness.checks.refproc import Remote, reference_process
@@ -62,6 +63,8 @@ class RankResult:
     timings: dict[str, float] = field(default_factory=dict)
     divergence: Divergence | None = None
     """At the first failing step: the first module whose output or input grad left its bound."""
+    islands: list[Island] = field(default_factory=list)
+    """Ops of the sharded forward and backward at step 0 that computed below the run dtype."""
 
 
 def _lse_piece(full: torch.Tensor, rows: slice, heads: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
@@ -146,18 +149,24 @@ class _SideBySide:
     def finish_references(self) -> dict[str, RefResult]:
         return self.refs.finish()
 
-    def sharded_pass(self, batch):
+    def sharded_pass(self, batch, step: int = 0):
         local = rank_batch(batch, self.sharded, self.ctx, self.dtype)
+        # islands are static: step 0 names them, later steps pay nothing
+        observer = IslandObserver(self.sharded.module, self.dtype) if step == 0 else contextlib.nullcontext()
         t0 = time.perf_counter()
         with self.counter, self.adversary:
             self.counter.phase = "forward"
-            if self.forward_only:  # inference: what a served model runs
-                with torch.no_grad():
+            with observer:
+                if self.forward_only:  # inference: what a served model runs
+                    with torch.no_grad():
+                        out, loss = forward_loss(self.case, self.sharded, local, batch.target, self.ctx)
+                else:
                     out, loss = forward_loss(self.case, self.sharded, local, batch.target, self.ctx)
-            else:
-                out, loss = forward_loss(self.case, self.sharded, local, batch.target, self.ctx)
-                self.counter.phase = "backward"
-                loss.backward()
+                    self.counter.phase = "backward"
+                    loss.backward()
+            if step == 0:
+                self.result.islands = observer.islands
+            if not self.forward_only:
                 self.counter.phase = "grad_sync"
                 self.sharded.sync_grads()
         self.compute_s += time.perf_counter() - t0
@@ -263,7 +272,7 @@ class _SideBySide:
         failures_before = len(self.result.failures)
         # the references compute (in their own process) while the sharded model steps
         self.start_references(batch)
-        local, out, loss = self.sharded_pass(batch)
+        local, out, loss = self.sharded_pass(batch, step)
         refs = self.finish_references()
         self.judge_outputs(step, batch, local, out, loss, refs)
         self.judge_lse(step, refs)

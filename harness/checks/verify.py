@@ -10,10 +10,12 @@ from __future__ import annotations
 
 import dataclasses
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 from sp_harness.capture.comm import CommRow
+from sp_harness.capture.islands import Island, declared_islands, summary
 from sp_harness.checks.sidebyside import Drift, RankResult
 from sp_harness.compare.divergence import Divergence
 from sp_harness.compare.tolerance import KIND_ORDER, TensorCheck
@@ -50,6 +52,9 @@ class CheckResult:
     divergence: Divergence | None = None
     """The first module (execution order) whose output or input grad left its bound, at the
     first failing step, on the lowest rank that saw one (sp_harness.capture.trace)."""
+    islands: list[Island] = field(default_factory=list)
+    """Precision islands: each distinct op the sharded run computed below the run dtype (any
+    rank, step 0; sp_harness.capture.islands), then those the case declared."""
 
     @property
     def not_judged(self) -> tuple[str, ...]:
@@ -111,6 +116,7 @@ class CheckResult:
             "worst": conv(self.worst), "drift": conv(self.drift), "losses": self.losses, "comm": conv(self.comm),
             "error": self.error, "crash_kind": self.crash_kind, "rank_errors": conv(self.rank_errors), "wall_s": self.wall_s, "num_checks": self.num_checks,
             "divergence": conv(self.divergence), "not_judged": list(self.not_judged),
+            "islands": conv(self.islands),
         }
 
 
@@ -140,10 +146,11 @@ def check(config: CheckConfig, runner=None) -> CheckResult:
         return CheckResult(config=config, verdict=FAIL, reason=exc.describe(with_traces=False) + ": " + exc.summary_line(),
                            error=exc.describe(), crash_kind=exc.kind, rank_errors=exc.errors,
                            wall_s=time.perf_counter() - t0)
-    return merge(config, results, wall_s=time.perf_counter() - t0)
+    return merge(config, results, wall_s=time.perf_counter() - t0, declared=case.precision_islands)
 
 
-def merge(config: CheckConfig, results: list[RankResult], *, wall_s: float = 0.0) -> CheckResult:
+def merge(config: CheckConfig, results: list[RankResult], *, wall_s: float = 0.0,
+          declared: Mapping[str, str] | None = None) -> CheckResult:
     failures = sorted((f for r in results for f in r.failures), key=TensorCheck.sort_key)
     worst: dict[str, TensorCheck] = {}
     for r in results:
@@ -162,7 +169,9 @@ def merge(config: CheckConfig, results: list[RankResult], *, wall_s: float = 0.0
     divergence = min(divergences, key=Divergence.sort_key, default=None)
     res = CheckResult(config=config, verdict=verdict, failures=failures, worst=worst, drift=drifts,
                       losses=results[0].losses, comm=results[0].comm[0] if results[0].comm else [],
-                      wall_s=wall_s, num_checks=sum(r.num_checks for r in results), divergence=divergence)
+                      wall_s=wall_s, num_checks=sum(r.num_checks for r in results), divergence=divergence,
+                      islands=list(dict.fromkeys([i for r in results for i in r.islands]
+                                                 + declared_islands(declared or {}))))
     if verdict == FAIL:
         n = len({(f.step, f.kind, f.name) for f in failures})
         res.reason = f"{n} tensor mismatch(es), {len(drifts)} replica drift(s); first: {res.first_failure}"
@@ -195,6 +204,8 @@ def format_result(res: CheckResult, *, verbose: bool = False) -> str:
         lines.append("loss per step: " + " ".join(f"{x:.6f}" for x in res.losses))
     if res.verdict == FAIL:
         lines.append(f"FAIL: first failure: {res.first_failure}")
+        if res.islands:  # right after it: a reader sees the low-precision ops as candidate causes
+            lines.append(summary(res.islands, cfg.dtype, "candidate cause, precision islands"))
         if res.divergence is not None:
             lines.append(res.divergence.describe())
         names = res.failing_names
@@ -207,6 +218,8 @@ def format_result(res: CheckResult, *, verbose: bool = False) -> str:
         lines.append(f"repro: {cfg.repro()}")
     else:
         lines.append(f"PASS ({res.num_checks} tensor checks over {cfg.steps} step(s), all ranks)")
+        if res.islands:
+            lines.append(summary(res.islands, cfg.dtype))
     if res.not_judged:
         lines.append(f"forward only: not judged: {', '.join(res.not_judged)}")
     return "\n".join(lines)

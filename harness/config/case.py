@@ -339,6 +339,12 @@ class Case:
     outside the job's timeout (its own budget: sp_harness.launch.pool.SETUP_TIMEOUT_S): a
     framework's first-use work, such as a C++ op JIT-built on first import. It raising, or
     running past its budget, is a setup error (exit 2), not a FAIL."""
+    precision_islands: Mapping[str, str] = field(default_factory=dict)
+    """Module-name prefix in the reference -> dtype name ('float32', 'bfloat16', ...): modules
+    that compute at that precision whatever their tensors' dtype says, for kernels whose internal
+    precision the engine cannot see (a fused GPU kernel). The perturbed reference rounds their
+    ops, forward and backward, at that dtype's eps, and the report lists them as declared. Ops
+    whose tensors are of a coarser dtype than the run's need no entry: they are found."""
 
     def resolve(self, config: CheckConfig) -> CheckConfig:
         """Fill the config's None fields: the case's defaults first, then the engine's."""
@@ -356,6 +362,22 @@ class Case:
         fixed = sorted(set(self.defaults) & {"case", "world_size", "dp", "seq_shards", "timeout_s"})
         if fixed:
             raise ValueError(f"case {self.name}: {fixed} describe the run, not the case; they cannot default")
+        for prefix, name in self.precision_islands.items():
+            if not isinstance(prefix, str):
+                raise ValueError(f"case {self.name}: precision_islands keys are module-name prefixes, got {prefix!r}")
+            island_dtype(name, f"case {self.name}: precision_islands[{prefix!r}]")
+
+
+ISLAND_DTYPES = ("float32", "float16", "bfloat16", "float8_e4m3fn", "float8_e5m2")
+"""The dtype names a precision island may be declared in."""
+
+
+def island_dtype(name: str, what: str = "precision island dtype") -> torch.dtype:
+    """The torch dtype a declared precision island computes in, by name (ValueError if none)."""
+    if name not in ISLAND_DTYPES or not isinstance(getattr(torch, name, None), torch.dtype):
+        raise ValueError(f"{what}: {name!r} is not a dtype an island can compute in; "
+                         f"valid: {', '.join(ISLAND_DTYPES)}")
+    return getattr(torch, name)
 
 
 SHARED_PROCESSES = "sp-harness"
@@ -378,15 +400,18 @@ def isolation_key(case: Case) -> str:
 def mutant(base: Case, *, name: str, summary: str, bug: str, source: str, tags: tuple[str, ...] = (),
            **changes: Any) -> Case:
     """The one way to define a mutant: `base` (its correct twin) with `changes` (Case fields, usually
-    `shard`), the bug it models and its public source. Registered under `name`."""
+    `shard`), the bug it models and its public source. Registered under `name` where its twin is
+    registered (a built-in case); a mutant in a user's case file is found by `path:NAME`, like
+    its twin, and stays out of the registry (the battery's catalogue, the nightly examples)."""
     if not name.startswith("mutant-"):
         raise ValueError(f"mutant names start with 'mutant-', got {name!r}")
     if not bug or not source:
         raise ValueError(f"mutant {name} needs the bug it models and its public source")
     all_tags = tuple(dict.fromkeys(base.tags + ("mutant",) + tags))
-    return register(dataclasses.replace(
+    made = dataclasses.replace(
         base, name=name, description=f"MUTANT {base.name}: {summary}", models_bug=bug, source=source,
-        twin=base.name, tags=all_tags, expect=None, examples=(), **changes))
+        twin=base.name, tags=all_tags, expect=None, examples=(), **changes)
+    return register(made) if _REGISTRY.get(base.name) is base else made
 
 
 _REGISTRY: dict[str, Case] = {}

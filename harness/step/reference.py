@@ -42,7 +42,9 @@ def reference_pass(model: nn.Module, case: Case, batch: Batch, dtype: torch.dtyp
             t = t.detach().requires_grad_(True)
         inputs[name] = t
     tgt = batch.target.to(dtype) if batch.target.is_floating_point() else batch.target
-    with noise if noise is not None else contextlib.nullcontext():
+    # the case's declared precision islands are modelled by the perturbed reference only
+    islands = noise.islands(model, case.precision_islands) if noise is not None else contextlib.nullcontext()
+    with noise if noise is not None else contextlib.nullcontext(), islands:
         out = call(model, inputs, batch.positional)
         if out.requires_grad:
             out.retain_grad()

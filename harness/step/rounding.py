@@ -6,13 +6,18 @@ another platform's kernels: the backward-error view of sp_harness.compare.tolera
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
+from collections.abc import Mapping
 
 import torch
+from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from sp_harness.config.case import island_dtype
 from sp_harness.step.adversary import order_error
+from sp_harness.step.modules import ModuleStack
 
 
 class NoisePool:
@@ -121,7 +126,15 @@ class RoundingNoise(TorchDispatchMode):
     intermediates. The input noise is the backward-error model of a fused kernel, op(x + dx): a
     kernel that works internally at low precision (a LayerNorm backward whose result is a near
     cancellation, found by the nightly run) errs by the op's conditioning times eps. Views and
-    in-place ops are left alone, so aliasing semantics hold."""
+    in-place ops are left alone, so aliasing semantics hold.
+
+    Precision islands: a tensor of a dtype coarser than the run's (a float32 cross-entropy in a
+    float64 run) is rounded at its own dtype's eps (`_island_factor`), and a matmul of such
+    tensors errs at its accumulator's (float32's): the op computed there, and a cast down to it
+    (aten._to_copy) is itself a rounding at that eps. That error propagates, so the bounds grow
+    only where the island's effect reaches. `islands(model, declared)` does the same for modules
+    the case declares (a fused kernel's internal precision, which no dtype here shows). Without
+    either, every draw is what it was before islands were modelled."""
 
     def __init__(self, rel: float, gen: torch.Generator, accumulate_rel: float | None = None,
                  matmul_input_rel: float | None = None, magnitude_dtype: torch.dtype | None = None):
@@ -137,6 +150,9 @@ class RoundingNoise(TorchDispatchMode):
         self._order_scales: dict[int, torch.Tensor] = {}
         """Recent matmul results' order-error magnitudes, by the result's storage (and the
         storages of reshapes of it): what softmax's backward needs to know about its grad."""
+        self._coarse = coarser_dtypes(rel)
+        """Dtype -> the eps a tensor of it rounds at as a precision island: the floating dtypes
+        coarser than the run's, each at its own eps; inside a declared island, every one."""
 
     @property
     def pool(self) -> NoisePool:
@@ -145,17 +161,57 @@ class RoundingNoise(TorchDispatchMode):
             self._pool = NoisePool(self.gen)
         return self._pool
 
-    def _noisy(self, t):
+    def _noisy(self, t, rel: float | None = None):
         if isinstance(t, torch.Tensor) and t.is_floating_point() and t.numel():
+            rel = self.rel if rel is None else rel
+            island = self._coarse.get(t.dtype)
+            if island is not None and island > rel:
+                return t * self._island_factor(t, island)
             # t (1 + rel u), a product so that infinities (masked scores) stay infinities (an
             # addcmul t + rel t u would turn -inf into nan); the window may be a view of the
             # pool's factors: never written to
-            return t * self.pool.factor_window(t.shape, t.dtype, t.device, self.rel)
+            return t * self.pool.factor_window(t.shape, t.dtype, t.device, rel)
         return t
 
     def _noisy_in_place(self, t: torch.Tensor) -> torch.Tensor:
         """`_noisy` for a result no one else holds: the same values, without a new tensor."""
+        island = self._coarse.get(t.dtype)
+        if island is not None and island > self.rel:
+            return t.mul_(self._island_factor(t, island))
         return t.mul_(self.pool.factor_window(t.shape, t.dtype, t.device, self.rel))
+
+    def _island_factor(self, t: torch.Tensor, eps: float) -> torch.Tensor:
+        """(1 +- eps), a random sign per element: a rounding inside a precision island at its
+        magnitude, not scaled by a uniform draw (as softmax backward's row-sum error). In float32
+        a uniform 1 + u eps32 rounds to exactly 1 for a third of the draws, and an island's
+        scalar (a float32 loss) is one draw: island-lm's loss came within 0.91x of its bound so."""
+        return self.pool.window(t.shape, t.dtype, t.device).sign().mul_(eps).add_(1)
+
+    @contextlib.contextmanager
+    def islands(self, model: nn.Module, declared: Mapping[str, str]):
+        """Within it, the ops of `model`'s modules named by a prefix in `declared` (module-name
+        prefix -> dtype name, `Case.precision_islands`) round at that dtype's eps whatever their
+        tensors' dtype, forward and backward (sp_harness.step.modules.ModuleStack), and their
+        matmuls accumulate at float32's. Nothing is hooked when none is declared."""
+        if not declared:
+            yield
+            return
+        eps_of = {prefix: torch.finfo(island_dtype(name)).eps for prefix, name in declared.items()}
+        run_islands = self._coarse
+
+        def island_eps(name: str) -> float:
+            return max((e for p, e in eps_of.items() if _within(name, p)), default=0.0)
+
+        def on_change() -> None:
+            eps = max((island_eps(n) for n in stack.active), default=0.0)
+            self._coarse = coarser_dtypes(self.rel, eps) if eps > self.rel else run_islands
+
+        stack = ModuleStack(model, lambda name: island_eps(name) > 0, on_change)
+        try:
+            with stack:
+                yield
+        finally:
+            self._coarse = run_islands
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if _passes_through(func):
@@ -164,9 +220,7 @@ class RoundingNoise(TorchDispatchMode):
         known = (self._order_scales.get(args[0].untyped_storage().data_ptr())
                  if func is _SOFTMAX_BACKWARD or func in _RESHAPES else None)
         if func in _MATMULS and self.matmul_input_rel != self.rel:
-            rel, self.rel = self.rel, self.matmul_input_rel
-            args = tuple(self._noisy(a) for a in args)
-            self.rel = rel
+            args = tuple(self._noisy(a, self.matmul_input_rel) for a in args)
         else:
             args = tuple(self._noisy(a) for a in args)
         out = func(*args, **(kwargs or {}))
@@ -186,6 +240,8 @@ class RoundingNoise(TorchDispatchMode):
             a, b = args[-2], args[-1]
             op = torch.bmm if func is torch.ops.aten.bmm.default else torch.mm
             u, scale = self.accumulate_rel / 2, []
+            if a.dtype in self._coarse:  # an island's matmul: float32's accumulator (bfloat16's too)
+                u = max(self.accumulate_rel, _EPS32) / 2
             if fresh:
                 out = order_error(a, b, op, self.gen, u, pool=self.pool, magnitude_dtype=self.magnitude_dtype, into=out,
                                   scale_out=scale)
@@ -220,7 +276,10 @@ class RoundingNoise(TorchDispatchMode):
         summation-order error, of the magnitude the reference gave dP's matmul (tracked from that
         matmul through reshapes): the campaign found seq_len-1 usp-gpt / ring-gpt runs at up to
         9x without it."""
-        scale = (prob * grad).abs().sum(dim, keepdim=True) * self.matmul_input_rel
+        rel, coarse = self.matmul_input_rel, self._coarse.get(prob.dtype)
+        if coarse is not None and coarse > rel:
+            rel = coarse
+        scale = (prob * grad).abs().sum(dim, keepdim=True) * rel
         if known is not None and known.numel() == grad.numel():
             # g came out of a matmul dO @ V^T whose summation-order error the reference gave it;
             # a flash kernel's D = dO . O is another dot product over the same head dim, with an
@@ -231,6 +290,24 @@ class RoundingNoise(TorchDispatchMode):
         # draw in 16 below 1/16) left the bound under the sharded run's single error by luck
         sign = self.pool.window(scale.shape, scale.dtype, scale.device).sign()
         return prob * scale * sign
+
+
+_EPS32 = torch.finfo(torch.float32).eps
+_FLOATING = (torch.float64, torch.float32, torch.float16, torch.bfloat16,
+             *(getattr(torch, n) for n in ("float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz")
+               if hasattr(torch, n)))
+
+
+def coarser_dtypes(rel: float, floor: float = 0.0) -> dict[torch.dtype, float]:
+    """Floating dtypes that round above `rel` (the run's eps), with the eps they round at: their
+    own, or `floor` (a declared island's) where that is larger."""
+    found = {d: max(torch.finfo(d).eps, floor) for d in _FLOATING}
+    return {d: e for d, e in found.items() if e > rel}
+
+
+def _within(name: str, prefix: str) -> bool:
+    """Whether module `name` is `prefix` or inside it (dotted components, '' the whole model)."""
+    return not prefix or name == prefix or name.startswith(prefix + ".")
 
 
 _SOFTMAX_BACKWARD = torch.ops.aten._softmax_backward_data.default
