@@ -390,7 +390,8 @@ def isolation_key(case: Case) -> str:
     if mode is None:
         # a case from a user's file (`path.py:NAME`) loads that file, and runs its top level, in
         # whatever process runs it: its own, whoever wrote its `shard`
-        builtin = ".py:" not in case.name and getattr(case.shard, "__module__", "").startswith("sp_harness.")
+        ours = [getattr(fn, "__module__", "").startswith("sp_harness.") for fn in (case.shard, case.setup) if fn]
+        builtin = ".py:" not in case.name and all(ours)
         mode = "shared" if builtin else "own"
     if mode not in ("shared", "own"):
         raise ValueError(f"case {case.name}: isolation must be 'shared', 'own' or None, got {mode!r}")
