@@ -12,6 +12,8 @@ CONFIG = dict(num_layers=2, hidden_size=32, num_attention_heads=4, sequence_para
 
 GPT_SP_TP2 = megatron_case("mcore-gpt-sp-tp2", CONFIG, tp=2)
 GPT_SP_TP4 = megatron_case("mcore-gpt-sp-tp4", CONFIG, tp=4)
+# logits gathered by megatron, loss in the run dtype: no float32 island, so it PASSes at float64 too
+GPT_SP_TP2_GATHERED = megatron_case("mcore-gpt-sp-tp2-gathered", CONFIG, tp=2, vocab_parallel_loss=False)
 
 # GPT-NeoX #1257 through megatron's own knob: a norm param that lost its `sequence_parallel`
 # flag, so finalize_model_grads never sums its grad over TP

@@ -160,14 +160,21 @@ def _gpt(tconfig, cfg, pg_collection, *, parallel_output: bool):
                     max_sequence_length=cfg.seq_len, parallel_output=parallel_output, pg_collection=pg_collection)
 
 
-def megatron_shard(kwargs: Mapping[str, Any], *, edit_model: Callable[[nn.Module], None] | None = None):
+def megatron_shard(kwargs: Mapping[str, Any], *, edit_model: Callable[[nn.Module], None] | None = None,
+                   vocab_parallel_loss: bool = True):
     """The sharded factory of a `megatron_case`. `edit_model(gpt)` runs on this rank's megatron
     model before it is wrapped in megatron's DDP: a user's own change to it (a mutant's). The
-    shapes in `kwargs` are overridden by the run's config (a `megatron_case`'s defaults)."""
+    shapes in `kwargs` are overridden by the run's config (a `megatron_case`'s defaults).
+    `vocab_parallel_loss`: the vocab-parallel logits and megatron's vocab-parallel cross entropy
+    (a float32 island); False: logits gathered over TP by megatron (`parallel_output=False`) and
+    the case's own loss in the run dtype."""
 
     def shard(reference: nn.Module, ctx) -> Sharded:
-        from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
-        from megatron.core.distributed import finalize_model_grads
+        from megatron.core.distributed import (
+            DistributedDataParallel,
+            DistributedDataParallelConfig,
+            finalize_model_grads,
+        )
         from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
 
         ctx.once("megatron-core-cpu-shims", cpu_shims)
@@ -175,7 +182,7 @@ def megatron_shard(kwargs: Mapping[str, Any], *, edit_model: Callable[[nn.Module
         _parallel_state(ctx.tp, ctx.tp_ranks)
         tconfig = _transformer_config(kwargs, cfg, tp=ctx.tp, sequence_parallel=kwargs.get("sequence_parallel", False),
                                       dtype=cfg.torch_dtype, initialize=True)
-        gpt = _gpt(tconfig, cfg, None, parallel_output=True)  # None: megatron's parallel_state groups
+        gpt = _gpt(tconfig, cfg, None, parallel_output=vocab_parallel_loss)  # None: megatron's parallel_state groups
         # its torch norms and position embedding are made in the default dtype, not params_dtype
         # (megatron casts half models with Float16Module); the run dtype for every floating tensor
         gpt._apply(lambda t: t.to(cfg.torch_dtype) if t.is_floating_point() else t)
@@ -200,9 +207,9 @@ def megatron_shard(kwargs: Mapping[str, Any], *, edit_model: Callable[[nn.Module
             return vocab_parallel_cross_entropy(out, tgt).sum() / tgt.numel()
 
         io = Layout(seq_dim=1, batch_dim=0, seq_sharded=False)  # megatron scatters the sequence itself
-        return Sharded(module=ddp, input_layout=io,
-                       output_layout=Layout(seq_dim=1, batch_dim=0, seq_sharded=False, split_dim=-1),
-                       params=specs, local_loss=local_loss, grad_attr="main_grad",
+        out = Layout(seq_dim=1, batch_dim=0, seq_sharded=False, split_dim=-1 if vocab_parallel_loss else None)
+        return Sharded(module=ddp, input_layout=io, output_layout=out, params=specs,
+                       local_loss=local_loss if vocab_parallel_loss else None, grad_attr="main_grad",
                        sync_grads=lambda: finalize_model_grads([ddp]))
 
     return shard
@@ -210,12 +217,14 @@ def megatron_shard(kwargs: Mapping[str, Any], *, edit_model: Callable[[nn.Module
 
 def megatron_case(name: str, transformer_config_kwargs: Mapping[str, Any], *, tp: int | None = None,
                   seq_len: int = 16, vocab: int = 64, batch: int = 2,
-                  edit_model: Callable[[nn.Module], None] | None = None, **case_fields: Any) -> Case:
+                  edit_model: Callable[[nn.Module], None] | None = None, vocab_parallel_loss: bool = True,
+                  **case_fields: Any) -> Case:
     """A `Case` checking megatron-core's GPTModel built from `transformer_config_kwargs` (a
     `TransformerConfig`'s keywords: num_layers, hidden_size, num_attention_heads, ffn_hidden_size,
     sequence_parallel, normalization, ...) at TP `tp` (None: whatever TP the run has) against the
     same model at TP=1. The shapes become the case's defaults (`--hidden`, `--seq-len`, `--vocab`
-    override them). `case_fields`: any other `Case` field (defaults, tags, ...)."""
+    override them). `edit_model`, `vocab_parallel_loss`: as `megatron_shard`'s. `case_fields`:
+    any other `Case` field (defaults, tags, ...)."""
     kwargs = dict(transformer_config_kwargs)
     for key in ("tensor_model_parallel_size", "params_dtype"):
         if key in kwargs:
@@ -255,7 +264,7 @@ def megatron_case(name: str, transformer_config_kwargs: Mapping[str, Any], *, tp
 
     defaults = {**shapes, "seq_len": seq_len, "vocab": vocab, "batch": batch, **case_fields.pop("defaults", {})}
     return Case(name=name, description=f"megatron-core {MEGATRON_CORE_VERSION} GPTModel, {kwargs}",
-                build_reference=build_reference, make_batch=make_batch, shard=megatron_shard(kwargs, edit_model=edit_model),
+                build_reference=build_reference, make_batch=make_batch, shard=megatron_shard(kwargs, edit_model=edit_model, vocab_parallel_loss=vocab_parallel_loss),
                 loss_sum=lambda out, tgt: F.cross_entropy(out.reshape(-1, out.shape[-1]), tgt.reshape(-1), reduction="sum"),
                 tokens=lambda tgt: tgt.numel(), input_layout=Layout(seq_dim=1, batch_dim=0), validate=validate,
                 defaults=defaults, tags=("megatron-core", "framework", *case_fields.pop("tags", ())), **case_fields)
