@@ -50,11 +50,12 @@ class VocabParallelCE(torch.autograd.Function):
     """Per-token cross entropy of (N, V_local) logits whose vocab is split over `group`."""
 
     @staticmethod
-    def forward(fctx, logits, target, start, group, reduce_max):
+    def forward(fctx, logits, target, start, group, reduce_max, in_place=False):
         logits_max = logits.max(dim=-1).values
         if reduce_max:
             dist.all_reduce(logits_max, op=dist.ReduceOp.MAX, group=group)
-        logits = logits - logits_max.unsqueeze(-1)
+        # in place, megatron-core overwrites its float32 logits (the model's output) with these
+        logits = logits.sub_(logits_max.unsqueeze(-1)) if in_place else logits - logits_max.unsqueeze(-1)
         outside = (target < start) | (target >= start + logits.shape[-1])
         local_target = (target - start).masked_fill(outside, 0)
         rows = torch.arange(logits.shape[0], device=logits.device)
@@ -72,7 +73,7 @@ class VocabParallelCE(torch.autograd.Function):
         grad_logits = softmax.clone()
         rows = torch.arange(grad_logits.shape[0], device=grad_logits.device)
         grad_logits[rows, local_target] -= (~outside).to(grad_logits.dtype)
-        return grad_logits * grad.unsqueeze(-1), None, None, None, None
+        return grad_logits * grad.unsqueeze(-1), None, None, None, None, None
 
 
 class VocabParallelLM(torch.nn.Module):
@@ -89,7 +90,7 @@ def chunk_sizes(vocab, tp):  # torch.chunk's split: 10 over 3 is 4/4/2
     return tuple(max(0, min(step, vocab - i * step)) for i in range(tp))
 
 
-def make_shard(split_sizes=chunk_sizes, *, reduce_max=True, loss_share=False):
+def make_shard(split_sizes=chunk_sizes, *, reduce_max=True, loss_share=False, in_place=False):
     def shard(model, ctx):
         tp_group = ctx.groups["tp"]  # the named groups: "tp" ("sp", "cp"), "dp", "world"
         sizes = split_sizes(model.head.weight.shape[0], ctx.tp)
@@ -101,7 +102,7 @@ def make_shard(split_sizes=chunk_sizes, *, reduce_max=True, loss_share=False):
 
         def local_loss(out, tgt, ctx):  # this replica's mean loss, whole on every TP rank
             losses = VocabParallelCE.apply(out.reshape(-1, out.shape[-1]), tgt.reshape(-1), start, tp_group,
-                                           reduce_max)
+                                           reduce_max, in_place)
             return losses.sum() / tgt.numel() / (ctx.tp if loss_share else 1)
 
         def sync_grads():  # DP averaging; TP grads are already whole (CopyToTP's all-reduce)
@@ -144,3 +145,6 @@ VOCAB_LM_NO_MAX_REDUCE = dataclasses.replace(VOCAB_LM, name="vocab-parallel-lm-n
                                              shard=make_shard(reduce_max=False))
 VOCAB_LM_LOSS_SHARE = dataclasses.replace(VOCAB_LM, name="vocab-parallel-lm-loss-share",
                                           shard=make_shard(loss_share=True))
+# a loss that consumes the logits in place, as megatron-core's does: correct, and must PASS
+VOCAB_LM_IN_PLACE_LOSS = dataclasses.replace(VOCAB_LM, name="vocab-parallel-lm-in-place-loss",
+                                             shard=make_shard(in_place=True))

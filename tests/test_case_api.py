@@ -44,6 +44,12 @@ def test_vocab_parallel_loss_bugs_fail_at_the_loss(sp_check, name):
     assert res.verdict == FAIL and res.first_check == "loss", res.reason + res.error
 
 
+def test_a_loss_that_consumes_the_output_in_place_does_not_change_the_judged_output(sp_check):
+    # megatron-core's vocab-parallel cross entropy overwrites float32 logits with their softmax
+    res = sp_check(CheckConfig(case=_case("VOCAB_LM_IN_PLACE_LOSS", VOCAB), world_size=2, dtype="float32"))
+    assert res.verdict == PASS, res.reason + res.error
+
+
 def test_a_split_output_without_local_loss_is_an_error_naming_the_case(sp_check):
     res = sp_check(CheckConfig(case=_case("SPLIT_WITHOUT_LOCAL_LOSS"), world_size=2))
     assert res.verdict == FAIL and "ValueError" in res.error and "SPLIT_WITHOUT_LOCAL_LOSS" in res.error

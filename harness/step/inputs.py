@@ -156,7 +156,10 @@ def forward_loss(case: Case, sharded: Sharded, local: RankBatch, target: torch.T
     `local_loss`, else the token-loss sum over local tokens / tokens per DP replica."""
     out = local_output(call(sharded.module, local.call_inputs, local.positional), sharded.output_layout)
     if sharded.local_loss is not None:
-        return out, sharded.local_loss(out, local.target, ctx)
+        # the output as the model made it: a loss may consume its input in place (megatron-core's
+        # vocab-parallel cross entropy turns float32 logits into their softmax)
+        made = out.detach().clone()
+        return made, sharded.local_loss(out, local.target, ctx)
     if sharded.output_layout.split_dim is not None:
         raise ValueError(f"case {case.name}: its output is split on dim {sharded.output_layout.split_dim} "
                          f"(Layout.split_dim), where the case's loss_sum means nothing; give Sharded.local_loss "

@@ -1,0 +1,284 @@
+"""Stage: build reference + sharded. megatron-core as a system under test: a `TransformerConfig`
+(sequence_parallel=True) turned into a `Case`, verified against the same GPTModel at TP=1.
+
+    from sp_harness.cases.frameworks.megatron_core import megatron_case
+    GPT_SP = megatron_case("gpt-sp", dict(num_layers=2, hidden_size=32, num_attention_heads=4,
+                                          sequence_parallel=True), tp=2)
+
+- The reference is megatron-core's own `GPTModel` (local spec: no apex, no TransformerEngine) at
+  tensor_model_parallel_size=1, sequence parallelism off, float64, built in the reference's rank
+  context: its process groups are handed in explicitly (`pg_collection`, one-rank groups), so it
+  touches no megatron global state.
+- The sharded twin is the user's config at the run's TP, built after megatron's own
+  `parallel_state.initialize_model_parallel` (its vocab-parallel cross entropy and DDP read the
+  groups from there), wrapped in megatron's `DistributedDataParallel` (grads in `main_grad`), its
+  grads finished by megatron's `finalize_model_grads` (the DP all-reduce, and the sum over TP of
+  the grads of every param flagged `sequence_parallel`: the layer norms and the row-parallel
+  biases). Params are mapped from megatron's own attributes (`tensor_model_parallel`,
+  `partition_dim`, `partition_stride`); weights come from the reference's state.
+- The output is the vocab-parallel logits (`parallel_output=True`), judged piecewise; the loss is
+  megatron's `vocab_parallel_cross_entropy`, which computes in float32 whatever the run dtype.
+- CPU shims live in `cpu_shims` alone, applied only where CUDA is absent.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from sp_harness import Batch, Case, Layout, ParamSpec, Sharded, Unsupported
+
+MEGATRON_CORE_VERSION = "0.16.1"
+"""The release this module is tested with (the `megatron` extra pins it)."""
+
+_DROPOUTS = ("hidden_dropout", "attention_dropout")
+_SHIMMED = False
+
+
+def cpu_shims() -> None:
+    """The CPU shims, all of them; a no-op where CUDA is available, idempotent. Each replaces a
+    call that would raise on a CPU-only torch with the same computation on the CPU, so what
+    megatron computes is unchanged:
+
+    1. `torch.cuda.current_device()` returns "cpu": megatron allocates its global memory buffer
+       (the scratch of the SP all-gather) and its DDP grad buffers on that device.
+    2. The default causal mask: `fused_softmax` builds `torch.triu(ones(sq, sq), 1)` on "cuda"
+       when the attention gets no mask; the same mask, built on the CPU.
+    3. The RNG tracker: megatron forks a named CUDA RNG state around the embedding's dropout under
+       SP. A tracker with the same add/fork semantics over the CPU generator stands in; no random
+       number is drawn inside a fork, because the case requires dropout 0 (`validate`).
+    4. The LayerNorm: without apex or TransformerEngine the local spec's `WrappedTorchNorm`
+       refuses `sequence_parallel`; it becomes the same `torch.nn.LayerNorm` / `RMSNorm` with each
+       param flagged `sequence_parallel` as megatron's `FusedLayerNorm` flags its own (the flag
+       that `finalize_model_grads` sums TP grads by).
+    """
+    global _SHIMMED
+    if _SHIMMED or torch.cuda.is_available():
+        return
+    from megatron.core.fusions import fused_softmax
+    from megatron.core.tensor_parallel import random as mrandom
+    from megatron.core.transformer import torch_norm
+
+    torch.cuda.current_device = lambda: "cpu"
+    fused_softmax.get_default_causal_mask = lambda sq: torch.triu(torch.ones(sq, sq), diagonal=1).bool()
+
+    class CPURNGStatesTracker(mrandom.CudaRNGStatesTracker):
+        def add(self, name, seed):
+            if seed in self.seeds_ or name in self.states_:
+                raise Exception(f"rng state {name} / seed {seed} already exists")
+            self._is_initialized = True
+            self.seeds_.add(seed)
+            self.states_[name] = torch.Generator().manual_seed(seed).get_state()
+
+        @contextlib.contextmanager
+        def fork(self, name=mrandom._MODEL_PARALLEL_RNG_TRACKER_NAME):
+            if name not in self.states_:
+                raise Exception(f"rng state {name} is not added")
+            outer = torch.get_rng_state()
+            torch.set_rng_state(self.states_[name])
+            try:
+                yield
+            finally:
+                self.states_[name] = torch.get_rng_state()
+                torch.set_rng_state(outer)
+
+    mrandom.initialize_rng_tracker(force_reset=True)
+    mrandom._CUDA_RNG_STATE_TRACKER = CPURNGStatesTracker()
+    mrandom._CUDA_RNG_STATE_TRACKER.add(mrandom._MODEL_PARALLEL_RNG_TRACKER_NAME, 2718)
+
+    def sp_capable_norm(cls, config, hidden_size, eps=1e-5, **_unused):
+        norm_cls = {"LayerNorm": nn.LayerNorm, "RMSNorm": nn.RMSNorm}.get(config.normalization)
+        if norm_cls is None:
+            raise ValueError(f"normalization {config.normalization!r}: LayerNorm or RMSNorm on CPU")
+        norm = norm_cls(hidden_size, eps=eps)
+        for p in norm.parameters():
+            p.sequence_parallel = config.sequence_parallel
+        return norm
+
+    torch_norm.WrappedTorchNorm.__new__ = sp_capable_norm
+    _SHIMMED = True
+
+
+def _one_rank_groups(group: dist.ProcessGroup):
+    """Every group a TP=1 GPTModel asks for, each `group` (one rank)."""
+    from megatron.core.process_groups_config import ProcessGroupCollection
+
+    names = ("tp", "cp", "pp", "mp", "embd", "pos_embd", "dp", "dp_cp", "tp_cp")
+    return ProcessGroupCollection(**{n: group for n in names})
+
+
+def _parallel_state(tp: int, tp_ranks: tuple[int, ...]) -> None:
+    """megatron's global groups for TP `tp` (made once per rank process and mesh; a warm pool's
+    job on another mesh rebuilds them: `new_group` is a collective every rank runs alike)."""
+    from megatron.core import parallel_state as ps
+
+    if ps.model_parallel_is_initialized():
+        if ps.get_tensor_model_parallel_world_size() == tp and ps.get_data_parallel_world_size() * tp == \
+                dist.get_world_size():
+            return
+        ps.destroy_model_parallel()
+    ps.destroy_global_memory_buffer()  # a TP=1 reference built in this process made one; megatron makes its own
+    ps.initialize_model_parallel(tensor_model_parallel_size=tp, create_gloo_process_groups=False)
+    theirs = tuple(dist.get_process_group_ranks(ps.get_tensor_model_parallel_group()))
+    if theirs != tp_ranks:
+        raise RuntimeError(f"megatron's TP group {theirs} is not the harness's {tp_ranks}")
+
+
+def _global_memory_buffer() -> None:
+    """megatron's process-wide scratch buffer (attention's baddbmm output, the SP all-gather):
+    made by `initialize_model_parallel`, and needed by a TP=1 model built without it."""
+    from megatron.core import parallel_state as ps
+
+    if ps._GLOBAL_MEMORY_BUFFER is None:
+        ps._set_global_memory_buffer()
+
+
+def _transformer_config(kwargs: Mapping[str, Any], cfg, *, tp: int, sequence_parallel: bool,
+                        dtype: torch.dtype, initialize: bool):
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    shapes = dict(num_layers=cfg.num_layers, hidden_size=cfg.hidden, num_attention_heads=cfg.num_heads,
+                  ffn_hidden_size=cfg.ffn)
+    return TransformerConfig(**{**{d: 0.0 for d in _DROPOUTS}, **kwargs, **shapes,
+                                "tensor_model_parallel_size": tp, "sequence_parallel": sequence_parallel,
+                                "params_dtype": dtype, "use_cpu_initialization": True,
+                                "perform_initialization": initialize})
+
+
+def _gpt(tconfig, cfg, pg_collection, *, parallel_output: bool):
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+
+    spec = get_gpt_layer_local_spec(normalization=tconfig.normalization)
+    return GPTModel(config=tconfig, transformer_layer_spec=spec, vocab_size=cfg.vocab,
+                    max_sequence_length=cfg.seq_len, parallel_output=parallel_output, pg_collection=pg_collection)
+
+
+def megatron_shard(kwargs: Mapping[str, Any], *, edit_model: Callable[[nn.Module], None] | None = None,
+                   vocab_parallel_loss: bool = True):
+    """The sharded factory of a `megatron_case`. `edit_model(gpt)` runs on this rank's megatron
+    model before it is wrapped in megatron's DDP: a user's own change to it (a mutant's). The
+    shapes in `kwargs` are overridden by the run's config (a `megatron_case`'s defaults).
+    `vocab_parallel_loss`: the vocab-parallel logits and megatron's vocab-parallel cross entropy
+    (a float32 island); False: logits gathered over TP by megatron (`parallel_output=False`) and
+    the case's own loss in the run dtype."""
+
+    def shard(reference: nn.Module, ctx) -> Sharded:
+        from megatron.core.distributed import (
+            DistributedDataParallel,
+            DistributedDataParallelConfig,
+            finalize_model_grads,
+        )
+        from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
+
+        ctx.once("megatron-core-cpu-shims", cpu_shims)
+        cfg = ctx.config
+        _parallel_state(ctx.tp, ctx.tp_ranks)
+        tconfig = _transformer_config(kwargs, cfg, tp=ctx.tp, sequence_parallel=kwargs.get("sequence_parallel", False),
+                                      dtype=cfg.torch_dtype, initialize=True)
+        gpt = _gpt(tconfig, cfg, None, parallel_output=vocab_parallel_loss)  # None: megatron's parallel_state groups
+        # its torch norms and position embedding are made in the default dtype, not params_dtype
+        # (megatron casts half models with Float16Module); the run dtype for every floating tensor
+        gpt._apply(lambda t: t.to(cfg.torch_dtype) if t.is_floating_point() else t)
+        full = reference.state_dict()
+        specs: dict[str, ParamSpec] = {}
+        with torch.no_grad():
+            for name, p in gpt.named_parameters():
+                if getattr(p, "tensor_model_parallel", False):
+                    if getattr(p, "partition_stride", 1) != 1:
+                        raise Unsupported(f"{name}: partition_stride {p.partition_stride} (strided TP split)")
+                    dim = p.partition_dim
+                    specs["module." + name] = ParamSpec(ref_name=name, dim=dim)
+                    p.copy_(full[name].chunk(ctx.tp, dim=dim)[ctx.tp_rank])
+                else:
+                    specs["module." + name] = ParamSpec(ref_name=name)
+                    p.copy_(full[name])
+        if edit_model is not None:
+            edit_model(gpt)
+        ddp = DistributedDataParallel(tconfig, DistributedDataParallelConfig(), gpt)
+
+        def local_loss(out, tgt, ctx):  # this replica's mean token loss, whole on every TP rank
+            return vocab_parallel_cross_entropy(out, tgt).sum() / tgt.numel()
+
+        io = Layout(seq_dim=1, batch_dim=0, seq_sharded=False)  # megatron scatters the sequence itself
+        out = Layout(seq_dim=1, batch_dim=0, seq_sharded=False, split_dim=-1 if vocab_parallel_loss else None)
+        return Sharded(module=ddp, input_layout=io, output_layout=out, params=specs,
+                       local_loss=local_loss if vocab_parallel_loss else None, grad_attr="main_grad",
+                       sync_grads=lambda: finalize_model_grads([ddp]))
+
+    return shard
+
+
+def megatron_case(name: str, transformer_config_kwargs: Mapping[str, Any], *, tp: int | None = None,
+                  seq_len: int = 16, vocab: int = 64, batch: int = 2,
+                  edit_model: Callable[[nn.Module], None] | None = None, vocab_parallel_loss: bool = True,
+                  **case_fields: Any) -> Case:
+    """A `Case` checking megatron-core's GPTModel built from `transformer_config_kwargs` (a
+    `TransformerConfig`'s keywords: num_layers, hidden_size, num_attention_heads, ffn_hidden_size,
+    sequence_parallel, normalization, ...) at TP `tp` (None: whatever TP the run has) against the
+    same model at TP=1. The shapes become the case's defaults (`--hidden`, `--seq-len`, `--vocab`
+    override them). `edit_model`, `vocab_parallel_loss`: as `megatron_shard`'s. `case_fields`:
+    any other `Case` field (defaults, tags, ...)."""
+    kwargs = dict(transformer_config_kwargs)
+    for key in ("tensor_model_parallel_size", "params_dtype"):
+        if key in kwargs:
+            raise ValueError(f"megatron_case({name!r}): {key} comes from the run (tp= and --dtype), not the kwargs")
+    hidden = kwargs.get("hidden_size", 32)
+    shapes = dict(num_layers=kwargs.get("num_layers", 2), hidden=hidden, num_heads=kwargs.get("num_attention_heads", 4),
+                  ffn=kwargs.get("ffn_hidden_size") or 4 * hidden)
+
+    def validate(cfg):
+        run_tp = cfg.world_size // cfg.dp
+        if tp is not None and run_tp != tp:
+            raise Unsupported(f"{name} is megatron-core at TP {tp}; this run has TP {run_tp} "
+                              f"(world size {cfg.world_size}, dp {cfg.dp})")
+        if cfg.seq_shards is not None:
+            raise Unsupported("megatron-core's sequence parallelism splits the sequence evenly; no explicit seq_shards")
+        for what, n in (("seq_len", cfg.seq_len), ("vocab", cfg.vocab), ("num_attention_heads", cfg.num_heads),
+                        ("ffn_hidden_size", cfg.ffn)):
+            if n % run_tp:
+                raise Unsupported(f"megatron-core needs {what} ({n}) divisible by TP ({run_tp})")
+        wet = {d: kwargs[d] for d in _DROPOUTS if kwargs.get(d)}
+        if wet:
+            raise Unsupported(f"dropout {wet}: each rank draws its own masks, which no reference reproduces; set 0")
+
+    def build_reference(cfg, ctx):
+        ctx.once("megatron-core-cpu-shims", cpu_shims)
+        _global_memory_buffer()
+        torch.manual_seed(cfg.seed)
+        tconfig = _transformer_config(kwargs, cfg, tp=1, sequence_parallel=False, dtype=torch.float64, initialize=True)
+        return _gpt(tconfig, cfg, _one_rank_groups(ctx.tp_group), parallel_output=True)
+
+    def make_batch(cfg, step, gen):
+        rows = cfg.dp * cfg.batch
+        tokens = torch.randint(0, cfg.vocab, (rows, cfg.seq_len), generator=gen)
+        labels = torch.randint(0, cfg.vocab, (rows, cfg.seq_len), generator=gen)
+        positions = torch.arange(cfg.seq_len).repeat(rows, 1)
+        return Batch(inputs={"input_ids": tokens, "position_ids": positions, "attention_mask": None}, target=labels)
+
+    defaults = {**shapes, "seq_len": seq_len, "vocab": vocab, "batch": batch, **case_fields.pop("defaults", {})}
+    return Case(name=name, description=f"megatron-core {MEGATRON_CORE_VERSION} GPTModel, {kwargs}",
+                build_reference=build_reference, make_batch=make_batch, shard=megatron_shard(kwargs, edit_model=edit_model, vocab_parallel_loss=vocab_parallel_loss),
+                loss_sum=lambda out, tgt: F.cross_entropy(out.reshape(-1, out.shape[-1]), tgt.reshape(-1), reduction="sum"),
+                tokens=lambda tgt: tgt.numel(), input_layout=Layout(seq_dim=1, batch_dim=0), validate=validate,
+                defaults=defaults, tags=("megatron-core", "framework", *case_fields.pop("tags", ())), **case_fields)
+
+
+def drop_sequence_parallel_flag(param_name: str) -> Callable[[nn.Module], None]:
+    """An `edit_model` that removes megatron's `sequence_parallel` flag from one param: its TP
+    grads are then never summed by `finalize_model_grads` (GPT-NeoX #1257's bug, through
+    megatron's own knob)."""
+
+    def edit(gpt: nn.Module) -> None:
+        del dict(gpt.named_parameters())[param_name].sequence_parallel
+
+    return edit
+
+
+__all__ = ["MEGATRON_CORE_VERSION", "cpu_shims", "drop_sequence_parallel_flag", "megatron_case", "megatron_shard"]
