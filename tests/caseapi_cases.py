@@ -4,6 +4,9 @@ named process groups and once-per-process registries. Each correct case has a mu
 whose bug the piece under test must expose.
 """
 
+# These cases change no process-wide state: they share the built-in cases' rank processes
+# (Case.isolation), which keeps the suite from starting a pool per case.
+
 import dataclasses
 import os
 
@@ -67,7 +70,7 @@ def _dtensor_head(seq_sharded, *, mislabel=False, split=False):
 
 
 def _head_case(name, shard):
-    return Case(name=name, description=name, build_reference=_head_reference, make_batch=_regression_batch,
+    return Case(isolation="shared", name=name, description=name, build_reference=_head_reference, make_batch=_regression_batch,
                 shard=shard, loss_sum=lambda out, tgt: ((out - tgt) ** 2).sum(), tokens=lambda tgt: tgt.shape[0],
                 defaults=dict(seq_len=6, vocab=8))
 
@@ -154,7 +157,7 @@ def _masked_shard(*, offset=True, bad_backward=False):
 
 
 def _masked_case(name, shard):
-    return Case(name=name, description=name, build_reference=_masked_reference, make_batch=_masked_batch,
+    return Case(isolation="shared", name=name, description=name, build_reference=_masked_reference, make_batch=_masked_batch,
                 shard=shard, loss_sum=lambda out, tgt: ((out - tgt) ** 2).sum(), tokens=lambda tgt: tgt.shape[0],
                 defaults=dict(seq_len=7))
 
@@ -209,7 +212,7 @@ def _main_grad_shard(*, main_grad=True, synced=True):
 
 
 def _mlp_case(name, shard, **defaults):
-    return Case(name=name, description=name, build_reference=_mlp_reference, make_batch=_mlp_batch, shard=shard,
+    return Case(isolation="shared", name=name, description=name, build_reference=_mlp_reference, make_batch=_mlp_batch, shard=shard,
                 loss_sum=lambda out, tgt: ((out - tgt) ** 2).sum(), tokens=lambda tgt: tgt.shape[0],
                 defaults=dict(seq_len=8, **defaults))
 
@@ -293,7 +296,7 @@ def _grid_shard(*, both=True):
 
 
 def _grid_case(name, shard):
-    return Case(name=name, description=name, build_reference=_centered_reference, make_batch=_mlp_batch,
+    return Case(isolation="shared", name=name, description=name, build_reference=_centered_reference, make_batch=_mlp_batch,
                 shard=shard, loss_sum=lambda out, tgt: ((out - tgt) ** 2).sum(), tokens=lambda tgt: tgt.shape[0],
                 defaults=dict(seq_len=9))
 

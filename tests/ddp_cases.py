@@ -6,6 +6,9 @@ and must PASS with dp > 1; `DDP_DOUBLE_AVERAGE` divides each replica's loss by t
 count and then averages grads over DP too (grads dp times too small) and must FAIL.
 """
 
+# These cases change no process-wide state: they share the built-in cases' rank processes
+# (Case.isolation), which keeps the suite from starting a pool per case.
+
 import dataclasses
 
 import torch
@@ -80,7 +83,7 @@ def _ddp_double_average(model, ctx):
 
 
 def _case(name, shard):
-    return Case(name=name, description=name, build_reference=_reference, make_batch=_batch, loss_sum=_loss_sum,
+    return Case(isolation="shared", name=name, description=name, build_reference=_reference, make_batch=_batch, loss_sum=_loss_sum,
                 tokens=_tokens, shard=shard, defaults=dict(seq_len=5), input_layout=IO)
 
 

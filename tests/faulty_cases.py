@@ -3,6 +3,9 @@
 Loaded as `tests/faulty_cases.py:NAME`, the way a user verifies their own implementation.
 """
 
+# These cases change no process-wide state: they share the built-in cases' rank processes
+# (Case.isolation), which keeps the suite from starting a pool per case.
+
 import ctypes
 import time
 
@@ -62,7 +65,7 @@ def _replicated(model, ctx):
 
 
 def _variant(name, shard):
-    return Case(name=name, description=name, build_reference=SEED_MLP.build_reference, make_batch=SEED_MLP.make_batch,
+    return Case(isolation="shared", name=name, description=name, build_reference=SEED_MLP.build_reference, make_batch=SEED_MLP.make_batch,
                 loss_sum=SEED_MLP.loss_sum, tokens=SEED_MLP.tokens, shard=shard, defaults=SEED_MLP.defaults,
                 input_layout=SEED_MLP.input_layout)
 

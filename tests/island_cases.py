@@ -12,6 +12,9 @@ The FUSED cases hide the context's float32 inside one custom op with float64 inp
 as a fused GPU kernel would: no dtype shows it, so the case declares it (`precision_islands`).
 """
 
+# These cases change no process-wide state: they share the built-in cases' rank processes
+# (Case.isolation), which keeps the suite from starting a pool per case.
+
 import dataclasses
 
 import torch
@@ -141,7 +144,7 @@ def shard(model, ctx, partial_scale: float = 1.0):
                    replicated=("*",), sync_grads=_sync(model, ctx))
 
 
-ISLAND_LM = Case(name="island-lm", description="SP model with float32 islands (norm, pooled context, loss)",
+ISLAND_LM = Case(isolation="shared", name="island-lm", description="SP model with float32 islands (norm, pooled context, loss)",
                  build_reference=reference, make_batch=batch, shard=shard, loss_sum=cross_entropy_sum,
                  tokens=lambda tgt: tgt.shape[0], defaults=dict(seq_len=16, hidden=16))
 
@@ -154,7 +157,7 @@ ISLAND_LM_SCALED = mutant(
     shard=lambda model, ctx: shard(model, ctx, partial_scale=1 + 1e-3))
 
 FUSED_UNDECLARED = Case(
-    name="fused-lm-undeclared", description="SP model whose pooled context is a fused kernel accumulating in float32",
+    isolation="shared", name="fused-lm-undeclared", description="SP model whose pooled context is a fused kernel accumulating in float32",
     build_reference=fused_reference, make_batch=batch, shard=shard,
     loss_sum=lambda out, tgt: F.cross_entropy(out, tgt, reduction="sum"), tokens=lambda tgt: tgt.shape[0],
     defaults=dict(seq_len=16, hidden=16))

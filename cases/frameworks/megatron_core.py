@@ -215,6 +215,12 @@ def megatron_shard(kwargs: Mapping[str, Any], *, edit_model: Callable[[nn.Module
     return shard
 
 
+def _import_megatron() -> None:
+    """The case's per-process setup: megatron-core's modules imported before any job's clock."""
+    import megatron.core.models.gpt  # noqa: F401
+    import megatron.core.tensor_parallel  # noqa: F401
+
+
 def megatron_case(name: str, transformer_config_kwargs: Mapping[str, Any], *, tp: int | None = None,
                   seq_len: int = 16, vocab: int = 64, batch: int = 2,
                   edit_model: Callable[[nn.Module], None] | None = None, vocab_parallel_loss: bool = True,
@@ -226,6 +232,8 @@ def megatron_case(name: str, transformer_config_kwargs: Mapping[str, Any], *, tp
     override them). `edit_model`, `vocab_parallel_loss`: as `megatron_shard`'s. `case_fields`:
     any other `Case` field (defaults, tags, ...)."""
     kwargs = dict(transformer_config_kwargs)
+    # megatron-core's import (tens of seconds on a busy core) is setup, not the job's time
+    case_fields.setdefault("setup", _import_megatron)
     for key in ("tensor_model_parallel_size", "params_dtype"):
         if key in kwargs:
             raise ValueError(f"megatron_case({name!r}): {key} comes from the run (tp= and --dtype), not the kwargs")

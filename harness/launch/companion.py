@@ -1,7 +1,7 @@
 """Stage: launch ranks. A rank's companion process: a child the rank starts while the pool warms
 up, which imports torch and then waits to be told what to serve (by "module:function", as a job
-is). The reference process (sp_harness.checks.refproc) is one: started here, its start-up (torch's
-import, seconds on a loaded machine) is pool start-up, never a job's time.
+is). The reference process (sp_harness.checks.refproc) is one: started here, its imports (seconds
+on a loaded machine) overlap the rank's own warm-up and are pool start-up, never a job's time.
 
 The companion dies with the rank (PR_SET_PDEATHSIG) and is in the rank's process group, so a
 pool's kill of the group takes it too. It ignores SIGINT: Ctrl-C is the driver's to handle.
@@ -32,12 +32,16 @@ _SPARE: Companion | None = None
 
 
 def start() -> None:
-    """Start a spare companion now and wait until its imports are done (the pool's warm-up, on the
-    start-up budget), so that `take` finds it ready."""
+    """Start a spare companion (the pool's warm-up): it imports torch while the rank warms up."""
     global _SPARE
     if _SPARE is None or _SPARE.proc.poll() is not None:
         _SPARE = _spawn()
-    _ready(_SPARE)
+
+
+def ready() -> None:
+    """Wait until the spare companion's imports are done (the end of the pool's warm-up)."""
+    if _SPARE is not None:
+        _ready(_SPARE)
 
 
 def _ready(companion: Companion) -> None:
@@ -95,7 +99,8 @@ def _main(fd: int) -> None:
 
     from sp_harness.config.case import all_cases
 
-    # the costs this process exists to pay early: torch's import, _dynamo's, the case registry's
+    # the costs this process exists to pay early: torch's import, _dynamo's (a module's first
+    # construction imports it), the built-in cases' (a user's case file imports them too)
     torch.nn.Linear(1, 1)
     all_cases()
 

@@ -95,5 +95,7 @@ def reference_context(config: CheckConfig, device: torch.device) -> RankContext:
         me = (dist.get_rank(),)
     else:
         group, me = (dist.group.WORLD if dist.is_initialized() else None), (0,)
-    return RankContext(config=config, rank=0, world_size=1, dp_rank=0, tp_rank=0, tp_group=group, dp_group=group,
-                       tp_ranks=me, dp_ranks=me, seq_shards=(config.seq_len or 0,), device=device)
+    ctx = RankContext(config=config, rank=0, world_size=1, dp_rank=0, tp_rank=0, tp_group=group, dp_group=group,
+                      tp_ranks=me, dp_ranks=me, seq_shards=(config.seq_len or 0,), device=device)
+    ctx.groups.update(tp=group, sp=group, cp=group, dp=group, world=group)
+    return ctx
