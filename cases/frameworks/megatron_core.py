@@ -273,9 +273,24 @@ def megatron_case(name: str, transformer_config_kwargs: Mapping[str, Any], *, tp
     defaults = {**shapes, "seq_len": seq_len, "vocab": vocab, "batch": batch, **case_fields.pop("defaults", {})}
     return Case(name=name, description=f"megatron-core {MEGATRON_CORE_VERSION} GPTModel, {kwargs}",
                 build_reference=build_reference, make_batch=make_batch, shard=megatron_shard(kwargs, edit_model=edit_model, vocab_parallel_loss=vocab_parallel_loss),
-                loss_sum=lambda out, tgt: F.cross_entropy(out.reshape(-1, out.shape[-1]), tgt.reshape(-1), reduction="sum"),
+                loss_sum=_loss_sum(vocab_parallel_loss),
                 tokens=lambda tgt: tgt.numel(), input_layout=Layout(seq_dim=1, batch_dim=0), validate=validate,
                 defaults=defaults, tags=("megatron-core", "framework", *case_fields.pop("tags", ())), **case_fields)
+
+
+def _loss_sum(vocab_parallel_loss: bool):
+    """The references' summed token loss. Where the sharded twin uses megatron's vocab-parallel
+    cross entropy, which computes in float32 whatever the logits' dtype, the references compute it
+    in float32 too, so the island is on both sides and the perturbed reference rounds it at
+    float32's eps (at float32 and below it changes nothing)."""
+
+    def loss_sum(out: torch.Tensor, tgt: torch.Tensor) -> torch.Tensor:
+        logits = out.reshape(-1, out.shape[-1])
+        if vocab_parallel_loss and torch.finfo(logits.dtype).bits > 32:
+            logits = logits.float()
+        return F.cross_entropy(logits, tgt.reshape(-1), reduction="sum")
+
+    return loss_sum
 
 
 def drop_sequence_parallel_flag(param_name: str) -> Callable[[nn.Module], None]:

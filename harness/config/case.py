@@ -327,13 +327,15 @@ class Case:
     training: Training | None = None
     """How convergence runs train this case; None: `Training()`, the case's own `make_batch`
     stream with no known loss floor."""
-    isolation: Literal["shared", "own"] | None = None
+    isolation: Literal["shared", "own"] | str | None = None
     """Which rank processes run this case's jobs. "own": processes no other case has used (a
     fresh pool per case and world size, started on its first job): whatever the case changes
     process-wide (a monkeypatched library, a framework's globals) cannot change another case's
     verdict. "shared": the case promises to change no process-wide state and shares processes
-    with the other shared cases. None: "shared" for the built-in cases, whose code is this
-    project's, "own" for every other (a user's case file, a framework's)."""
+    with the other shared cases. Any other name (say "megatron-core"): processes shared only with
+    the cases that give the same name (one framework's cases, which change the same globals in
+    the same way). None: "shared" for the built-in cases, whose code is this project's, "own"
+    for every other (a user's case file, a framework's)."""
     setup: Callable[[], None] | None = None
     """Run once per rank process (and reference process) before the case's first job there,
     outside the job's timeout (its own budget: sp_harness.launch.pool.SETUP_TIMEOUT_S): a
@@ -393,9 +395,11 @@ def isolation_key(case: Case) -> str:
         ours = [getattr(fn, "__module__", "").startswith("sp_harness.") for fn in (case.shard, case.setup) if fn]
         builtin = ".py:" not in case.name and all(ours)
         mode = "shared" if builtin else "own"
-    if mode not in ("shared", "own"):
-        raise ValueError(f"case {case.name}: isolation must be 'shared', 'own' or None, got {mode!r}")
-    return SHARED_PROCESSES if mode == "shared" else "case:" + case.name
+    if not isinstance(mode, str) or not mode:
+        raise ValueError(f"case {case.name}: isolation must be 'shared', 'own', a group name or None, got {mode!r}")
+    if mode == "shared":
+        return SHARED_PROCESSES
+    return "case:" + case.name if mode == "own" else "group:" + mode
 
 
 def mutant(base: Case, *, name: str, summary: str, bug: str, source: str, tags: tuple[str, ...] = (),
