@@ -4,8 +4,10 @@
   --sp-timeout / sp_timeout / SP_HARNESS_TIMEOUT: seconds per job before it counts as hung;
   --sp-max-world-size / sp_max_world_size / SP_HARNESS_MAX_WORLD_SIZE: largest pool to start;
   --sp-max-pools / sp_max_pools / SP_HARNESS_MAX_POOLS: pools kept warm per xdist worker.
-- hypothesis profiles `dev`, `ci` (default when CI=true) and `nightly`, registered here and only
-  here; pick one with hypothesis' own `--hypothesis-profile` or SP_HARNESS_PROFILE.
+- hypothesis profiles `sp-harness-dev`, `-ci`, `-nightly`, `-replay` (sp_harness.config.profiles):
+  registered, never loaded here; a project's own conftest loads one (`profiles.load_default()`).
+The plugin changes nothing for tests that do not use it: no hypothesis profile loaded, no
+environment variable set, torch imported only by its fixtures.
 - fixtures: `sp_pool` (the worker's PoolManager, in the session stash), `sp_check(config)`, and
   `sp_result` for tests marked `@pytest.mark.sp_case("case-or-file.py:NAME", **config_fields)`.
 Each xdist worker owns its pools (own processes, OS-chosen ports); with GPUs, workers split the
@@ -18,10 +20,9 @@ import os
 
 import pytest
 
-from sp_harness.config import profiles  # noqa: F401  (registers the hypothesis profiles on import)
-from sp_harness.launch.pool import PoolManager, PoolOptions
+from sp_harness.config import profiles  # noqa: F401  (registers, never loads, the hypothesis profiles)
 
-POOL_KEY = pytest.StashKey[PoolManager]()
+POOL_KEY = pytest.StashKey["PoolManager"]()
 OPTIONS = {
     # name: (type, default, help)
     "sp_timeout": (float, 120.0, "seconds per job before it counts as hung (generous: CI runners are loaded)"),
@@ -52,12 +53,16 @@ def option(config: pytest.Config, name: str):
 
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "sp_case(case, **fields): run this sp-harness case; the test gets `sp_result`")
+    from sp_harness.config.check_config import set_session_timeout
+
     # every check a test runs (the battery's too) resolves its timeout from here, unless it sets one
-    os.environ["SP_HARNESS_TIMEOUT"] = repr(option(config, "sp_timeout"))
+    set_session_timeout(option(config, "sp_timeout"))
 
 
-def _pool_options(config: pytest.Config) -> PoolOptions:
+def _pool_options(config: pytest.Config):
     import torch
+
+    from sp_harness.launch.pool import PoolOptions
 
     if os.environ.get("SP_HARNESS_BACKEND", "") != "gloo" and torch.cuda.is_available():
         count = torch.cuda.device_count()
@@ -71,7 +76,9 @@ def _pool_options(config: pytest.Config) -> PoolOptions:
 
 
 @pytest.fixture(scope="session")
-def sp_pool(request: pytest.FixtureRequest) -> PoolManager:
+def sp_pool(request: pytest.FixtureRequest):
+    from sp_harness.launch.pool import PoolManager
+
     config = request.config
     if POOL_KEY not in config.stash:
         config.stash[POOL_KEY] = PoolManager(_pool_options(config), max_pools=option(config, "sp_max_pools"))

@@ -9,6 +9,9 @@ from sp_harness.suites.battery import Battery, mutant_names
 
 EXPECTED_KILLER = {
     "mutant-dtensor-norm-init-per-rank": ("init", "even"),
+    "mutant-mcore-ddp-sync-only": ("grad", "even"),
+    "mutant-mcore-norm-flag-dropped": ("grad", "even"),
+    "mutant-mcore-row-bias-flag-dropped": ("grad", "even"),
     "mutant-dtensor-norm-missing-sp": ("grad", "even"),
     "mutant-dtensor-output-wrong-dim": ("crash", "even"),
     "mutant-ring-balancer-assumes-causal": ("forward", "noncausal"),

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import Any, Literal
 
 import torch
 import torch.distributed as dist
@@ -66,7 +66,8 @@ def cpu_shims() -> None:
     from megatron.core.transformer import torch_norm
 
     torch.cuda.current_device = lambda: "cpu"
-    fused_softmax.get_default_causal_mask = lambda sq: torch.triu(torch.ones(sq, sq), diagonal=1).bool()
+    # made in bool directly: a float ones() would show as a float32 island in a float64 run
+    fused_softmax.get_default_causal_mask = lambda sq: torch.ones(sq, sq, dtype=torch.bool).triu(diagonal=1)
 
     class CPURNGStatesTracker(mrandom.CudaRNGStatesTracker):
         def add(self, name, seed):
@@ -160,14 +161,23 @@ def _gpt(tconfig, cfg, pg_collection, *, parallel_output: bool):
                     max_sequence_length=cfg.seq_len, parallel_output=parallel_output, pg_collection=pg_collection)
 
 
+GradSync = Literal["finalize_model_grads", "ddp"]
+"""How the sharded twin finishes its grads after backward: megatron's `finalize_model_grads`
+(what megatron's training loop calls: DP all-reduce, then the TP sum of every param flagged
+`sequence_parallel`), or its DDP's own `finish_grad_sync` alone (DP only: what a hand-written
+training loop around megatron's DDP calls when it misses the SP step)."""
+
+
 def megatron_shard(kwargs: Mapping[str, Any], *, edit_model: Callable[[nn.Module], None] | None = None,
-                   vocab_parallel_loss: bool = True):
+                   vocab_parallel_loss: bool = True, grad_sync: GradSync = "finalize_model_grads"):
     """The sharded factory of a `megatron_case`. `edit_model(gpt)` runs on this rank's megatron
     model before it is wrapped in megatron's DDP: a user's own change to it (a mutant's). The
     shapes in `kwargs` are overridden by the run's config (a `megatron_case`'s defaults).
     `vocab_parallel_loss`: the vocab-parallel logits and megatron's vocab-parallel cross entropy
     (a float32 island); False: logits gathered over TP by megatron (`parallel_output=False`) and
-    the case's own loss in the run dtype."""
+    the case's own loss in the run dtype. `grad_sync`: see `GradSync`."""
+    if grad_sync not in ("finalize_model_grads", "ddp"):
+        raise ValueError(f"grad_sync {grad_sync!r}: 'finalize_model_grads' or 'ddp'")
 
     def shard(reference: nn.Module, ctx) -> Sharded:
         from megatron.core.distributed import (
@@ -210,7 +220,8 @@ def megatron_shard(kwargs: Mapping[str, Any], *, edit_model: Callable[[nn.Module
         out = Layout(seq_dim=1, batch_dim=0, seq_sharded=False, split_dim=-1 if vocab_parallel_loss else None)
         return Sharded(module=ddp, input_layout=io, output_layout=out, params=specs,
                        local_loss=local_loss if vocab_parallel_loss else None, grad_attr="main_grad",
-                       sync_grads=lambda: finalize_model_grads([ddp]))
+                       sync_grads=(lambda: finalize_model_grads([ddp])) if grad_sync == "finalize_model_grads"
+                       else ddp.finish_grad_sync)
 
     return shard
 
@@ -304,4 +315,4 @@ def drop_sequence_parallel_flag(param_name: str) -> Callable[[nn.Module], None]:
     return edit
 
 
-__all__ = ["MEGATRON_CORE_VERSION", "cpu_shims", "drop_sequence_parallel_flag", "megatron_case", "megatron_shard"]
+__all__ = ["MEGATRON_CORE_VERSION", "GradSync", "cpu_shims", "drop_sequence_parallel_flag", "megatron_case", "megatron_shard"]

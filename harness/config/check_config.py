@@ -34,13 +34,24 @@ ENGINE_DEFAULTS: dict[str, object] = dict(batch=2, norm="layernorm", layout="bsh
 """What a field left as None becomes when the case sets no default of its own (`Case.resolve`);
 the job timeout is `default_timeout_s()`."""
 DEFAULT_TIMEOUT_S = 30.0
+_session_timeout_s: float | None = None
+
+
+def set_session_timeout(seconds: float | None) -> None:
+    """This process's job timeout, above the environment's (the pytest plugin sets its resolved
+    `sp_timeout` here, so every check a test runs gets it, and no environment variable leaks into
+    code that never asked for sp-harness); None clears it."""
+    global _session_timeout_s
+    _session_timeout_s = seconds
 
 
 def default_timeout_s() -> float:
-    """Seconds a job may run: SP_HARNESS_TIMEOUT where set (the pytest plugin sets it from its
-    option, ini or env, so every check a test runs gets it), else DEFAULT_TIMEOUT_S."""
+    """Seconds a job may run: the session's (`set_session_timeout`), else SP_HARNESS_TIMEOUT
+    where set, else DEFAULT_TIMEOUT_S."""
     import os
 
+    if _session_timeout_s is not None:
+        return _session_timeout_s
     text = os.environ.get("SP_HARNESS_TIMEOUT", "").strip()
     if not text:
         return DEFAULT_TIMEOUT_S

@@ -1,11 +1,16 @@
 """Stage: config (for property tests). The hypothesis profiles, registered in one place.
 
-- `dev`: a handful of examples per property, for the edit-run loop;
-- `ci`: the default under CI=true, sized so `pytest -n auto` stays within minutes on 2 cores;
-- `nightly`: thousands of examples across the properties (the false-alarm measurement).
-Select with `pytest --hypothesis-profile NAME` or SP_HARNESS_PROFILE=NAME. The example database
-lives in SP_HARNESS_HYPOTHESIS_DB (default `.hypothesis/examples` in the working directory): keep
-that directory in a CI cache so a failure found once is replayed first on the next run.
+- `sp-harness-dev`: a handful of examples per property, for the edit-run loop;
+- `sp-harness-ci`: the default under CI=true, sized so `pytest -n auto` stays within minutes on 2 cores;
+- `sp-harness-nightly`: thousands of examples across the properties (the false-alarm measurement);
+- `sp-harness-replay`: the example database's failures only.
+
+Registering them changes nothing (names of our own, so a project's `dev` or `ci` stays its
+own); `load_default()` makes one the default, and only this project's own tests call it
+(tests/conftest.py). Select with `pytest --hypothesis-profile sp-harness-nightly` or
+SP_HARNESS_PROFILE=nightly. The example database lives in SP_HARNESS_HYPOTHESIS_DB (default
+`.hypothesis/examples` in the working directory): keep that directory in a CI cache so a failure
+found once is replayed first on the next run.
 """
 
 from __future__ import annotations
@@ -15,16 +20,33 @@ import os
 from hypothesis import HealthCheck, Phase, settings
 from hypothesis.database import DirectoryBasedExampleDatabase
 
+PREFIX = "sp-harness-"
+NAMES = ("dev", "ci", "nightly", "replay")
+
 _DB = DirectoryBasedExampleDatabase(os.environ.get("SP_HARNESS_HYPOTHESIS_DB", ".hypothesis/examples"))
 # every example runs real ranks: wall time is the pool's, not hypothesis' business
 _COMMON = dict(deadline=None, database=_DB, print_blob=True,
                suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture,
                                       HealthCheck.data_too_large])
 
-settings.register_profile("dev", max_examples=5, **_COMMON)
-settings.register_profile("ci", max_examples=12, **_COMMON)
-settings.register_profile("nightly", max_examples=400, **_COMMON)
-settings.register_profile("replay", max_examples=1, phases=[Phase.explicit, Phase.reuse], **_COMMON)
+settings.register_profile(PREFIX + "dev", max_examples=5, **_COMMON)
+settings.register_profile(PREFIX + "ci", max_examples=12, **_COMMON)
+settings.register_profile(PREFIX + "nightly", max_examples=400, **_COMMON)
+settings.register_profile(PREFIX + "replay", max_examples=1, phases=[Phase.explicit, Phase.reuse], **_COMMON)
 
-_default = os.environ.get("SP_HARNESS_PROFILE") or ("ci" if os.environ.get("CI", "").lower() in ("1", "true") else "dev")
-settings.load_profile(_default)
+
+def default_name() -> str:
+    """SP_HARNESS_PROFILE (dev, ci, nightly, replay; with or without the prefix), else `ci` under
+    CI=true, else `dev`; ValueError naming the valid ones."""
+    name = os.environ.get("SP_HARNESS_PROFILE") or ("ci" if os.environ.get("CI", "").lower() in ("1", "true") else "dev")
+    short = name.removeprefix(PREFIX)
+    if short not in NAMES:
+        raise ValueError(f"SP_HARNESS_PROFILE={name!r}: valid are {', '.join(NAMES)}")
+    return PREFIX + short
+
+
+def load_default() -> str:
+    """Makes `default_name()` hypothesis' default profile; returns its name."""
+    name = default_name()
+    settings.load_profile(name)
+    return name
