@@ -66,6 +66,38 @@ FILES = {
                          make_batch=make_batch, shard=shard, loss_sum=lambda out, tgt: ((out - tgt) ** 2).sum(),
                          tokens=lambda tgt: tgt.shape[0], defaults=dict(seq_len=8, hidden=HIDDEN))
         """,
+    # issue 21: a project laid out as myproj/cases + myproj/mysp, its case file importing a
+    # sibling package through the project's root (found by its pyproject.toml), no PYTHONPATH
+    "nested/pyproject.toml": "[project]\nname = 'myproj'\nversion = '0'\n",
+    "nested/myproj/__init__.py": "",
+    "nested/myproj/mysp/__init__.py": "WIDTH = 16\n",
+    "nested/myproj/cases/sp_cases.py": """
+        import torch
+        from myproj.mysp import WIDTH
+
+        from sp_harness import Case, Layout, Sharded
+
+
+        def reference(cfg):
+            torch.manual_seed(cfg.seed)
+            return torch.nn.Linear(WIDTH, WIDTH).double()
+
+
+        def shard(model, ctx):
+            layout = Layout(seq_dim=0, seq_sharded=False)
+            return Sharded(module=model, input_layout=layout, output_layout=layout, replicated=("*",))
+
+
+        def make_batch(cfg, step, gen):
+            x = torch.randn(cfg.seq_len, WIDTH, generator=gen, dtype=torch.float64)
+            return x, torch.randn(cfg.seq_len, WIDTH, generator=gen, dtype=torch.float64)
+
+
+        NESTED = Case(name="nested", description="imports its project's sibling package", build_reference=reference,
+                      make_batch=make_batch, shard=shard, loss_sum=lambda out, tgt: ((out - tgt) ** 2).sum(),
+                      tokens=lambda tgt: tgt.shape[0], defaults=dict(seq_len=8))
+        """,
+    "nested/myproj/cases/missing_sibling.py": "from myproj.not_there import X\n",
     "spchecks/broken_syntax.py": "from sp_harness import Case\n\ndef shard(model, ctx:\n    return model\n",
     "spchecks/missing_import.py": "import sp_harness_user_dependency_not_installed\n",
     "test_user_sp.py": """
@@ -135,3 +167,19 @@ def test_broken_case_file_is_a_one_line_usage_error(project, file, error):
     lines = out.stderr.strip().splitlines()
     assert len(lines) == 1 and "Traceback" not in out.stderr, out.stderr
     assert f"case file spchecks/{file} could not be loaded: {error}" in lines[0]
+
+
+def test_case_file_imports_its_projects_sibling_packages_from_another_directory(project, tmp_path):
+    # run from elsewhere, without PYTHONPATH: the project root comes from its pyproject.toml
+    out = subprocess.run([sys.executable, "-m", "sp_harness.cli", "check", "--case",
+                          f"{project / 'nested/myproj/cases/sp_cases.py'}:NESTED", "--world-size", "2"],
+                         cwd=tmp_path, capture_output=True, text=True, timeout=180, env=_env())
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "PASS" in out.stdout
+
+
+def test_failed_import_says_what_was_importable(project):
+    out = _cli(project, "check", "--case", "nested/myproj/cases/missing_sibling.py:X", "--world-size", "2")
+    assert out.returncode == 2, out.stdout + out.stderr
+    line = out.stderr.strip()
+    assert "ModuleNotFoundError" in line and str(project / "nested") in line and "PYTHONPATH" in line, line

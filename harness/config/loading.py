@@ -1,7 +1,9 @@
 """Stage: config. Loading a user's case file (`path/to/file.py:NAME`) as a module.
 
 The file runs as a script would: its own directory is importable, so a case file can import a
-helper beside it. Anything that goes wrong while it runs (a SyntaxError, an ImportError, any
+helper beside it; and so is its project's root (the nearest directory above it holding a
+`pyproject.toml`, `setup.cfg` or `setup.py`, else the current directory), so a case file in
+`myproj/cases/` imports `myproj`'s other packages without PYTHONPATH, in every rank. Anything that goes wrong while it runs (a SyntaxError, an ImportError, any
 exception at its top level) is the user's input being wrong, not a harness bug: it becomes a
 one-line ValueError naming the file and the error, which the CLI turns into exit 2.
 """
@@ -23,7 +25,9 @@ def load_case_file(path: str) -> ModuleType:
     module = sys.modules.get(mod_name)
     if module is not None:
         return module
-    folder = str(file.parent)
+    folder, root = str(file.parent), str(project_root(file))
+    if root not in sys.path:
+        sys.path.insert(0, root)
     if folder not in sys.path:
         sys.path.insert(0, folder)  # first, as for a script: its helpers win over same-named installed modules
     spec = importlib.util.spec_from_file_location(mod_name, file)
@@ -34,5 +38,20 @@ def load_case_file(path: str) -> ModuleType:
     except Exception as exc:
         del sys.modules[mod_name]  # a half-run module must not be found by the next attempt
         message = " ".join(f"{type(exc).__name__}: {exc}".split())
+        if isinstance(exc, ImportError):
+            message += (f" (importable beside sys.path: the case file's folder {folder} and its project root {root}; "
+                        "install the package or set PYTHONPATH)")
         raise ValueError(f"case file {path} could not be loaded: {message}") from exc
     return module
+
+
+PROJECT_MARKERS = ("pyproject.toml", "setup.cfg", "setup.py")
+
+
+def project_root(file: Path) -> Path:
+    """The nearest directory at or above `file`'s folder holding one of PROJECT_MARKERS, else the
+    current directory."""
+    for folder in file.resolve().parents:
+        if any((folder / marker).is_file() for marker in PROJECT_MARKERS):
+            return folder
+    return Path.cwd().resolve()
