@@ -28,6 +28,17 @@ def build_reference_gpt(config: CheckConfig):
     return build_gpt(gpt_config(config), seed=config.seed)
 
 
+def gpt_memory_floor(config: CheckConfig) -> int:
+    """A lower bound of a GPT reference process's peak bytes (`Case.memory_floor`): the float64
+    reference and its perturbed twin, each with a grad per param (32 bytes a param), and the
+    attention probabilities every layer keeps for backward, (B, heads, S, S) in float64: only
+    the terms no implementation avoids, so it never refuses a config that fits."""
+    h, ffn, layers = config.hidden, config.ffn or 4 * config.hidden, config.num_layers
+    num_params = layers * (4 * h * h + 2 * h * ffn) + config.vocab * h
+    probs = layers * config.dp * config.batch * config.num_heads * config.seq_len ** 2
+    return 32 * num_params + 8 * probs
+
+
 def gpt_batch(config: CheckConfig, step: int, gen: torch.Generator):
     """Random tokens [dp*batch, seq_len] and their next-token targets.
 
@@ -112,5 +123,5 @@ def require_chunk_split(config: CheckConfig, what: str) -> None:
         )
 
 
-__all__ = ["with_positions", "MARKOV_TRAINING_WITH_POSITIONS", "require_plain_attention", "GPT_DEFAULTS", "MARKOV_TRAINING", "markov_training", "gpt_config", "build_reference_gpt", "gpt_batch", "gpt_tokens", "mse_sum",
+__all__ = ["gpt_memory_floor", "with_positions", "MARKOV_TRAINING_WITH_POSITIONS", "require_plain_attention", "GPT_DEFAULTS", "MARKOV_TRAINING", "markov_training", "gpt_config", "build_reference_gpt", "gpt_batch", "gpt_tokens", "mse_sum",
            "require_chunk_split", "token_loss_sum"]

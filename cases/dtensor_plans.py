@@ -19,6 +19,7 @@ from torch.distributed.tensor.parallel import (
 )
 
 from sp_harness.cases.common import (
+    gpt_memory_floor,
     GPT_DEFAULTS,
     build_reference_gpt,
     gpt_batch,
@@ -175,6 +176,7 @@ DTENSOR_GPT = register(Case(
     name="dtensor-gpt",
     description="torchtitan-style DTensor plan for the reference GPT (SequenceParallel norms, Colwise q/k/v/fc1, Rowwise out/fc2 -> Shard(1))",
     build_reference=build_reference_gpt,
+    memory_floor=gpt_memory_floor,
     make_batch=gpt_batch,
     loss_sum=token_loss_sum,
     tokens=gpt_tokens,

@@ -33,6 +33,9 @@ def _one_line_usage_error(proc: subprocess.CompletedProcess, *needles: str) -> N
 
 @pytest.mark.parametrize(("argv", "needles"), [
     (["check", "--case", "nope"], ["'nope'", "known cases"]),
+    # issue 21: sizes that cannot fit are a setup error before ranks start, not a FAIL
+    (["check", "--case", "megatron-gpt-sp", "--hidden", "100000", "--seq-len", "100000"],
+     ["needs at least", "GiB in one reference process", "this machine has"]),
     (["check", "--case", "seed-mlp", "--timeout", "nan"], ["timeout_s", "nan"]),
     (["check", "--case", "seed-mlp", "--lr", "inf"], ["lr", "inf"]),
     (["check", "--case", "ring-gpt", "--seq-len", "8", "--prompt-len", "8"], ["prompt_len(8)", "seq_len(8)"]),
@@ -48,6 +51,12 @@ def _one_line_usage_error(proc: subprocess.CompletedProcess, *needles: str) -> N
 ])
 def test_usage_errors_exit_2_with_one_line_before_any_rank(argv, needles):
     _one_line_usage_error(_run(*argv), *needles)
+
+
+def test_a_converge_that_cannot_fit_is_a_usage_error_leaving_no_report(tmp_path):
+    _one_line_usage_error(_run("converge", "--seq-len", "300000", "--out", str(tmp_path / "out")),
+                          "needs at least", "this machine has")
+    assert not any((tmp_path / "out").glob("*"))
 
 
 def test_a_directory_as_json_output_is_a_usage_error(tmp_path):

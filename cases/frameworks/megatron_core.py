@@ -33,6 +33,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from sp_harness import Batch, Case, Layout, ParamSpec, Sharded, Unsupported
+from sp_harness.cases.common import gpt_memory_floor
 
 MEGATRON_CORE_VERSION = "0.16.1"
 """The release this module is tested with (the `megatron` extra pins it)."""
@@ -283,7 +284,7 @@ def megatron_case(name: str, transformer_config_kwargs: Mapping[str, Any], *, tp
 
     defaults = {**shapes, "seq_len": seq_len, "vocab": vocab, "batch": batch, **case_fields.pop("defaults", {})}
     return Case(name=name, description=f"megatron-core {MEGATRON_CORE_VERSION} GPTModel, {kwargs}",
-                build_reference=build_reference, make_batch=make_batch, shard=megatron_shard(kwargs, edit_model=edit_model, vocab_parallel_loss=vocab_parallel_loss),
+                build_reference=build_reference, make_batch=make_batch, memory_floor=gpt_memory_floor, shard=megatron_shard(kwargs, edit_model=edit_model, vocab_parallel_loss=vocab_parallel_loss),
                 loss_sum=_loss_sum(vocab_parallel_loss),
                 tokens=lambda tgt: tgt.numel(), input_layout=Layout(seq_dim=1, batch_dim=0), validate=validate,
                 defaults=defaults, tags=("megatron-core", "framework", *case_fields.pop("tags", ())), **case_fields)

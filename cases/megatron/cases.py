@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from sp_harness.cases.common import (
+    gpt_memory_floor,
     GPT_DEFAULTS,
     MARKOV_TRAINING,
     build_reference_gpt,
@@ -120,6 +121,7 @@ def megatron_case(
         name=name,
         description=description,
         build_reference=build_reference,
+        memory_floor=gpt_memory_floor,
         make_batch=make_batch,
         loss_sum=token_loss_sum,
         tokens=gpt_tokens,
@@ -141,6 +143,7 @@ REF = register(
         name="megatron-gpt-ref",
         description="nanoGPT reference on one device per DP replica (tp must be 1)",
         build_reference=build_reference,
+        memory_floor=gpt_memory_floor,
         make_batch=make_batch,
         loss_sum=token_loss_sum,
         tokens=gpt_tokens,

@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 from sp_harness.cases.common import (
+    gpt_memory_floor,
     GPT_DEFAULTS,
     MARKOV_TRAINING_WITH_POSITIONS,
     build_reference_gpt,
@@ -109,6 +110,7 @@ RING = register(Case(
     name="ring-gpt",
     description="context parallel GPT: ring attention (p2p k/v ring, LSE merge), zigzag or contiguous",
     build_reference=build_reference,
+    memory_floor=gpt_memory_floor,
     make_batch=make_batch,
     loss_sum=token_loss_sum,
     tokens=gpt_tokens,

@@ -39,6 +39,7 @@ from torch.nn import functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from sp_harness.cases.common import (
+    gpt_memory_floor,
     GPT_DEFAULTS,
     MARKOV_TRAINING_WITH_POSITIONS,
     build_reference_gpt,
@@ -184,6 +185,7 @@ def _case(*, name: str, math: bool, description: str, expect, examples) -> Case:
         name=name,
         description=description,
         build_reference=build_reference,
+        memory_floor=gpt_memory_floor,
         make_batch=make_batch,
         loss_sum=token_loss_sum,
         tokens=gpt_tokens,

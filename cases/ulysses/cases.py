@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 from sp_harness.cases.common import (
+    gpt_memory_floor,
     GPT_DEFAULTS,
     MARKOV_TRAINING_WITH_POSITIONS,
     build_reference_gpt,
@@ -76,6 +77,7 @@ ULYSSES = register(Case(
     name="ulysses-gpt",
     description="DeepSpeed-Ulysses SP GPT: sequence-sharded activations, all-to-all seq<->heads around attention",
     build_reference=build_reference,
+    memory_floor=gpt_memory_floor,
     make_batch=make_batch,
     loss_sum=token_loss_sum,
     tokens=gpt_tokens,

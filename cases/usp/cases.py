@@ -25,6 +25,7 @@ import torch
 from torch import nn
 
 from sp_harness.cases.common import (
+    gpt_memory_floor,
     GPT_DEFAULTS,
     MARKOV_TRAINING_WITH_POSITIONS,
     build_reference_gpt,
@@ -95,6 +96,7 @@ USP = register(USPCase(
     name="usp-gpt",
     description="USP hybrid GPT: Ulysses all-to-all inside ring attention (a2a+p2p), zigzag over the ring",
     build_reference=build_reference,
+    memory_floor=gpt_memory_floor,
     make_batch=make_batch,
     loss_sum=token_loss_sum,
     tokens=gpt_tokens,

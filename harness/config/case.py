@@ -23,6 +23,7 @@ import torch.distributed as dist
 from torch import nn
 
 from sp_harness.config.check_config import ENGINE_DEFAULTS, CheckConfig, default_timeout_s
+from sp_harness.config.resources import require_memory
 from sp_harness.config.loading import load_case_file
 
 
@@ -336,6 +337,12 @@ class Case:
     the cases that give the same name (one framework's cases, which change the same globals in
     the same way). None: "shared" for the built-in cases, whose code is this project's, "own"
     for every other (a user's case file, a framework's)."""
+    memory_floor: Callable[[CheckConfig], int] | None = None
+    """(resolved config) -> a lower bound, in bytes, of one reference process's peak (the float64
+    reference and its perturbed twin with their grads, the activations their backward keeps).
+    Checked before any rank starts (`Case.resolve`): a config whose floor exceeds the machine's
+    memory is a setup error (exit 2) naming both, not a run that ends in a FAIL or the OOM
+    killer. None: not estimated."""
     setup: Callable[[], None] | None = None
     """Run once per rank process (and reference process) before the case's first job there,
     outside the job's timeout (its own budget: sp_harness.launch.pool.SETUP_TIMEOUT_S): a
@@ -355,7 +362,10 @@ class Case:
             config = config.replace(seq_len=sum(config.seq_shards))
         defaults = {**ENGINE_DEFAULTS, "timeout_s": default_timeout_s(), **self.defaults}
         filled = {k: v for k, v in defaults.items() if getattr(config, k, None) is None}
-        return config.replace(**filled) if filled else config
+        config = config.replace(**filled) if filled else config
+        if self.memory_floor is not None:
+            require_memory(self.memory_floor(config), f"case {self.name} [{config.short()}]")
+        return config
 
     def __post_init__(self) -> None:
         unknown = sorted(set(self.defaults) - {f.name for f in dataclasses.fields(CheckConfig)})
