@@ -114,3 +114,31 @@ def test_repro_line_repeats_a_non_default_run_bit_for_bit(sp_pool, tmp_path):
     for name in runs:
         assert [r.loss for r in repeated[name]] == [r.loss for r in runs[name]], name
         assert [r.grad_norm for r in repeated[name]] == [r.grad_norm for r in runs[name]], name
+
+
+def test_two_runs_at_once_into_one_out_leave_two_intact_reports(tmp_path):
+    # issue 21: each run writes its own directory, --out is pointed at a run only when complete
+    out = tmp_path / "latest"
+    out.mkdir()  # an earlier layout's report, with a file this run will not write
+    (out / "meta.json").write_text("{}")
+    (out / "stale.png").write_text("from an earlier run")
+    common = ["converge", "--steps", "4", "--seq-len", "12", "--batch", "2", "--warmup-steps", "2", "--out", str(out)]
+    procs = [subprocess.Popen([sys.executable, "-m", "sp_harness.cli", *common, "--seed", str(seed)], cwd=ROOT,
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for seed in (0, 1)]
+    outputs = [p.communicate(timeout=600)[0] for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], outputs
+    runs = sorted(d for d in (tmp_path / "latest.runs").iterdir() if not d.name.startswith("earlier-"))
+    assert len(runs) == 2
+    seeds = set()
+    for run in runs:
+        meta = json.loads((run / "meta.json").read_text())
+        summary = json.loads((run / "summary.json").read_text())
+        assert summary["meta"]["config"]["seed"] == meta["config"]["seed"]  # one run's files, not a mix
+        assert (run / "report.html").exists() and not (run / "stale.png").exists()
+        seeds.add(meta["config"]["seed"])
+    assert seeds == {0, 1}
+    assert out.is_symlink() and out.resolve() in [r.resolve() for r in runs]
+    assert not (out / "stale.png").exists()
+    gate = subprocess.run([sys.executable, "-m", "sp_harness.cli", "gate", str(out)], cwd=ROOT, capture_output=True,
+                          text=True, timeout=120)
+    assert gate.returncode == 0, gate.stdout + gate.stderr

@@ -37,7 +37,9 @@ def converge(opts: ConvergeOptions, runner, out_dir: str | os.PathLike, *, golde
     from sp_harness.report.html import write_report
 
     out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
+    writer = not dist.is_initialized() or dist.get_rank() == 0  # under torchrun every rank gets here
+    if writer:
+        out.mkdir(parents=True, exist_ok=True)
     golden_doc = load_golden(golden) if golden else None
     run = run_lockstep(opts, runner, golden_doc=golden_doc, progress=progress)
     base, case = base_config(opts), get_case(opts.case)
@@ -47,7 +49,7 @@ def converge(opts: ConvergeOptions, runner, out_dir: str | os.PathLike, *, golde
                      baseline=opts.baseline_case() or None, steps=opts.steps, wall_s=run.wall_s,
                      repro=repro_line("converge", opts, golden=golden))
     html = out / "report.html"
-    if not dist.is_initialized() or dist.get_rank() == 0:  # under torchrun every rank gets here
+    if writer:
         write_run_dir(out, run.runs, meta)
         html = write_report(out, run.runs, meta, run.result, golden=golden_doc)
     return run.result, html, run.runs
@@ -110,9 +112,9 @@ def validate_options(opts: ConvergeOptions, out: str) -> None:
     size, the baseline, the output folder."""
     from sp_harness.config.case import Unsupported
     from sp_harness.launch.runner import check_world_size
-    from sp_harness.report.text import check_output_dir
+    from sp_harness.record.outdir import check_out
 
-    check_output_dir(out)
+    check_out(out)
     check_world_size(opts.world_size)
     try:
         base_config(opts)
@@ -126,10 +128,16 @@ def cmd_converge(args) -> int:
     from sp_harness.launch.runner import is_leader as _is_leader
     from sp_harness.launch.runner import runner as _runner
 
+    from sp_harness.record.outdir import open_run_dir
+
     opts = options_from_args(args)
     validate_options(opts, args.out)
-    result, html, _ = converge(opts, _runner(), args.out, golden=args.golden, progress=_is_leader())
-    if _is_leader():
+    # a run of its own, published to --out when complete: concurrent runs never mix
+    run_dir = open_run_dir(args.out) if _is_leader() else None
+    result, html, _ = converge(opts, _runner(), run_dir.path if run_dir else args.out, golden=args.golden,
+                               progress=_is_leader())
+    if run_dir is not None:
+        html = run_dir.publish() / html.name
         print(format_gate(result, html, repro_line("converge", opts, golden=args.golden)))
     return 0 if result.passed else 1
 

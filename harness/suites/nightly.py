@@ -73,9 +73,11 @@ def cmd_nightly(args) -> int:
 
     t0 = time.perf_counter()
     opts = ConvergeOptions(case=args.case, world_size=args.world_size, steps=args.steps)
+    from sp_harness.record.outdir import open_run_dir
+
     validate_options(opts, args.out)  # a bad --case or --out is exit 2 now, not after the checks
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
+    run_dir = open_run_dir(args.out)  # this run's own directory, published to --out when complete
+    out = run_dir.path
     runner = _runner()
     print(f"[1/2] case checks ({len(nightly_examples())} configs)")
     rows = run_checks(runner)
@@ -89,10 +91,11 @@ def cmd_nightly(args) -> int:
     golden = str(golden_file) if golden_file.exists() and not args.no_golden else None
     result, html_path, _ = converge(opts, runner, out, golden=golden)
     _append_checks_to_html(html_path, rows)
-    print(format_gate(result, html_path) + (f"   (golden: {golden_file.name})" if golden else "   (no golden)"))
     ok = checks_ok and result.passed
     with open(out / "summary.md", "a") as f:
         f.write("\n### Case checks\n\n" + checks_markdown(rows) + "\n")
+    html_path = run_dir.publish() / html_path.name
+    print(format_gate(result, html_path) + (f"   (golden: {golden_file.name})" if golden else "   (no golden)"))
     print(f"nightly: {'PASS' if ok else 'FAIL'}: {sum(r['ok'] for r in rows)}/{len(rows)} checks as expected, "
           f"gate {result.verdict}, {time.perf_counter() - t0:.0f}s")
     return 0 if ok else 1
