@@ -86,7 +86,8 @@ def markov_training(concentration: float = 0.1, *, positions: bool = False) -> T
     def loss_floor(config: CheckConfig, data_seed: int) -> float:
         return _chain(config.vocab, data_seed, concentration).entropy_rate
 
-    return Training(batches=batches, loss_floor=loss_floor, floor_label="entropy rate of the Markov chain")
+    return Training(batches=batches, loss_floor=loss_floor, floor_label="entropy rate of the Markov chain",
+                    seq_len=32, batch=8)
 
 
 MARKOV_TRAINING = markov_training()

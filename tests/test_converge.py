@@ -62,6 +62,12 @@ def test_golden_round_trip_through_the_cli(tmp_path):
     ok = subprocess.run([sys.executable, "-m", "sp_harness.cli", "converge", *common, "--golden", str(golden),
                          "--out", str(tmp_path / "ok")], cwd=root, capture_output=True, text=True, timeout=300)
     assert ok.returncode == 0, ok.stdout + ok.stderr
+    # a shorter run gates the golden's common prefix, and says so in words
+    short = subprocess.run([sys.executable, "-m", "sp_harness.cli", "converge", *common[:1], "2", *common[2:], "--golden",
+                            str(golden), "--out", str(tmp_path / "short")], cwd=root, capture_output=True, text=True,
+                           timeout=300)
+    assert short.returncode == 0, short.stdout + short.stderr
+    assert "golden gated over its steps 0-1 only: this run has 2 steps, the golden 4" in short.stdout
     # a different learning rate departs from the stored curve: the gate must fail
     off = subprocess.run([sys.executable, "-m", "sp_harness.cli", "converge", *common, "--lr", "0.02", "--golden",
                           str(golden), "--out", str(tmp_path / "off")], cwd=root, capture_output=True, text=True,
@@ -85,7 +91,8 @@ def test_torchrun_entry_runs_on_the_env_world(tmp_path):
 
 def test_users_float_case_trains_without_baseline_or_floor(sp_pool, tmp_path):
     """The README's own case (float inputs, no `training`, no baseline) gets a PASS report."""
-    result, html, runs = converge(ConvergeOptions(case=MY_MLP, steps=30), sp_pool, tmp_path, progress=False)
+    opts = ConvergeOptions(case=MY_MLP, steps=30, seq_len=32, batch=8)
+    result, html, runs = converge(opts, sp_pool, tmp_path, progress=False)
     assert result.passed, result.reasons
     assert list(runs) == ["ref", "sp"] and result.pairs == (("sp", "ref"),)
     records, meta = read_run_dir(tmp_path)
@@ -96,6 +103,17 @@ def test_users_float_case_trains_without_baseline_or_floor(sp_pool, tmp_path):
     assert max(r.param_err_vs_ref for r in records["sp"]) < 1e-4
     assert html.name == "report.html" and "no known loss floor" in html.read_text()
     assert json.loads((tmp_path / "summary.json").read_text())["verdict"] == "PASS"
+    # issue 21: meta.json says what ran: the case's own defaults, the run's 30 steps, and where
+    # and with what it ran; engine defaults the case never reads are marked as such
+    assert meta["config"]["seq_len"] == 32 and meta["config"]["hidden"] == 64 and meta["config"]["steps"] == 30
+    assert meta["config_sources"]["hidden"] == "case" and meta["config_sources"]["norm"] == "engine default"
+    env = meta["environment"]
+    import torch
+    assert env["torch"] == torch.__version__ and env["num_threads"] >= 1 and env["host"] and env["timestamp"]
+    assert env["cpu_capability"] == torch.backends.cpu.get_cpu_capability()
+    text = html.read_text()
+    assert "engine defaults (a case that does not read them ignores them)" in text and "norm=layernorm" in text
+    assert f"torch {torch.__version__}" in text
 
 
 def test_repro_line_repeats_a_non_default_run_bit_for_bit(sp_pool, tmp_path):
@@ -142,3 +160,15 @@ def test_two_runs_at_once_into_one_out_leave_two_intact_reports(tmp_path):
     gate = subprocess.run([sys.executable, "-m", "sp_harness.cli", "gate", str(out)], cwd=ROOT, capture_output=True,
                           text=True, timeout=120)
     assert gate.returncode == 0, gate.stdout + gate.stderr
+
+
+def test_converge_takes_the_cases_own_defaults_where_not_told():
+    from sp_harness.checks.lockstep import base_config, config_sources
+    from sp_harness.config.case import get_case
+
+    mine = base_config(ConvergeOptions(case=MY_MLP, steps=7))
+    assert (mine.seq_len, mine.batch, mine.steps) == (8, 2, 7)  # the case's seq_len, the engine's batch
+    assert config_sources(get_case(MY_MLP), ConvergeOptions(case=MY_MLP))["seq_len"] == "case"
+    gpt = base_config(ConvergeOptions(case="megatron-gpt-sp"))
+    assert (gpt.seq_len, gpt.batch) == (32, 8)  # the GPT cases' convergence defaults (Training)
+    assert base_config(ConvergeOptions(case="megatron-gpt-sp", seq_len=12)).seq_len == 12

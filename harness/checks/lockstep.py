@@ -34,10 +34,12 @@ class ConvergeOptions:
     """Data-parallel degree of the baseline and case runs."""
     steps: int = 200
     """Optimizer steps."""
-    seq_len: int = 32
-    """Sequence length (tokens per sequence for the GPT cases)."""
-    batch: int = 8
-    """Sequences per DP replica and step (for cases whose batches have a batch dim)."""
+    seq_len: int | None = None
+    """Sequence length; None: the case's convergence default (`Training.seq_len`: 32 for the GPT
+    cases), else its check default."""
+    batch: int | None = None
+    """Sequences per DP replica and step; None: the case's convergence default
+    (`Training.batch`: 8 for the GPT cases), else its check default."""
     dtype: str = "float32"
     """Training dtype of every run (the gate's bands follow it)."""
     optimizer: str = "adamw"
@@ -89,11 +91,31 @@ def _arg(name: str, value) -> str:
 def base_config(opts: ConvergeOptions) -> CheckConfig:
     """The case run's config, resolved and validated (ValueError / Unsupported)."""
     case = get_case(opts.case)
-    config = case.resolve(CheckConfig(case=opts.case, world_size=opts.world_size, dp=opts.dp, seq_len=opts.seq_len,
-                                      batch=opts.batch, dtype=opts.dtype, optimizer=opts.optimizer, lr=opts.lr,
-                                      seed=opts.seed, timeout_s=opts.timeout_s))
+    training = case.training
+    seq_len = opts.seq_len if opts.seq_len is not None else training.seq_len if training else None
+    batch = opts.batch if opts.batch is not None else training.batch if training else None
+    # steps: the run's own count, so what meta.json records is what ran
+    config = case.resolve(CheckConfig(case=opts.case, world_size=opts.world_size, dp=opts.dp, seq_len=seq_len,
+                                      batch=batch, dtype=opts.dtype, optimizer=opts.optimizer, lr=opts.lr,
+                                      seed=opts.seed, timeout_s=opts.timeout_s, steps=opts.steps))
     case.validate(config)
     return config
+
+
+def config_sources(case, opts: ConvergeOptions) -> dict[str, str]:
+    """Where each field of the run's config came from: 'run' (the options), 'training' (the
+    case's convergence defaults), 'case' (its check defaults), or 'engine default' (filled by the
+    engine: a case that does not read that field ignores it, so it says nothing of the model)."""
+    from sp_harness.config.check_config import ENGINE_DEFAULTS
+
+    given = {"case", "world_size", "dp", "dtype", "optimizer", "lr", "seed", "timeout_s", "steps"}
+    given |= {k for k in ("seq_len", "batch") if getattr(opts, k) is not None}
+    training = {k for k in ("seq_len", "batch") if case.training is not None and getattr(case.training, k) is not None}
+    out = {}
+    for f in dataclasses.fields(CheckConfig):
+        out[f.name] = ("run" if f.name in given else "training" if f.name in training else
+                       "case" if f.name in case.defaults else "engine default" if f.name in ENGINE_DEFAULTS else "unset")
+    return out
 
 
 def train_runs(opts: ConvergeOptions, runner, *, progress: bool = True) -> dict[str, TrainOutcome]:
@@ -159,7 +181,7 @@ def run_lockstep(opts: ConvergeOptions, runner, *, golden_doc: dict | None = Non
     t0 = time.perf_counter()
     outcomes = train_runs(opts, runner, progress=progress)
     runs = to_records(outcomes)
-    result = evaluate(runs, dtype=opts.dtype, golden=golden_doc)
+    result = evaluate(runs, dtype=opts.dtype, golden=golden_doc, num_steps=opts.steps)
     crashes = {name: o for name, o in outcomes.items() if o.failure is not None}
     if crashes:
         result = _with_crashes(result, crashes)

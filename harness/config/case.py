@@ -276,6 +276,12 @@ class Training:
     report and summarised as each run's distance to it; never gated."""
     floor_label: str = "the data's ideal loss"
     """What the floor is, for the report's legend and captions."""
+    seq_len: int | None = None
+    """Tokens per sequence a convergence run uses unless told (`--seq-len`); None: the case's
+    check default (`Case.defaults`)."""
+    batch: int | None = None
+    """Sequences per DP replica and step a convergence run uses unless told; None: the case's
+    check default."""
 
 
 @dataclass(kw_only=True, frozen=True)

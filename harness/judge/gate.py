@@ -51,7 +51,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from sp_harness.judge.bands import EPS, FAIL, PASS, Failure, GateBands, summarize
-from sp_harness.judge.golden import compare_to_golden
+from sp_harness.judge.golden import compare_to_golden, golden_last_step
 from sp_harness.record.records import StepRecord, series
 
 # EPS, PASS, FAIL, GateBands, Failure and summarize live in sp_harness.judge.bands (shared with
@@ -78,6 +78,8 @@ class GateResult:
     """Run pairs compared in lockstep, in report order."""
     checked: dict[str, int] = field(default_factory=dict)
     """Comparisons made per rule (so a PASS with 0 comparisons is visible as such)."""
+    notes: tuple[str, ...] = ()
+    """What the reader must know about what was compared (a golden gated over a prefix only)."""
 
     @property
     def passed(self) -> bool:
@@ -124,6 +126,7 @@ class GateResult:
             "reference": self.reference,
             "pairs": [list(p) for p in self.pairs],
             "checked": dict(self.checked),
+            "notes": list(self.notes),
             "failures": [f.to_json() for f in self.failures],
         }
 
@@ -147,9 +150,11 @@ def evaluate(
     pairs: Sequence[tuple[str, str]] | None = None,
     golden: Mapping[str, Any] | None = None,
     golden_runs: Sequence[str] | None = None,
+    num_steps: int | None = None,
 ) -> GateResult:
     """Judge runs by name. `golden` (a dict from sp_harness.judge.golden) is compared against
-    `golden_runs` (default: every run)."""
+    `golden_runs` (default: every run), over the steps the runs were planned to take
+    (`num_steps`; None: all the golden's)."""
     if not runs:
         raise ValueError("no runs to judge")
     GateBands.eps(dtype)  # validates the name before any work
@@ -170,11 +175,21 @@ def evaluate(
         scale = lockstep_scale(runs, metric, ref_name)
         for a, b in pairs:
             failures += _check_lockstep(runs, a, b, scale, metric, dtype, bands, checked)
+    notes: list[str] = []
+    last_step = None
+    if golden is not None and num_steps is not None:
+        golden_last = golden_last_step(golden)
+        if num_steps - 1 < golden_last:
+            last_step = num_steps - 1
+            notes.append(f"golden gated over its steps 0-{last_step} only: this run has {num_steps} steps, "
+                         f"the golden {golden_last + 1}")
+        elif num_steps - 1 > golden_last:
+            notes.append(f"steps {golden_last + 1}-{num_steps - 1} have no golden: the golden has {golden_last + 1} steps")
     if golden is not None:
         for name in golden_runs if golden_runs is not None else names:
             if name not in runs:
                 raise ValueError(f"golden_runs names {name!r}, not one of {names}")
-            found = compare_to_golden(runs[name], golden, dtype=dtype, bands=bands)
+            found = compare_to_golden(runs[name], golden, dtype=dtype, bands=bands, last_step=last_step)
             checked["golden"] += 1
             failures += found
 
@@ -187,6 +202,7 @@ def evaluate(
         reference=ref_name,
         pairs=pairs,
         checked=checked,
+        notes=tuple(notes),
     )
 
 

@@ -93,6 +93,11 @@ def make_golden(
     }
 
 
+def golden_last_step(golden: Mapping[str, Any]) -> int:
+    """The last step any of the golden's metrics has a value for."""
+    return max(golden_steps(entry)[-1] for entry in golden["metrics"].values())
+
+
 def golden_steps(entry: Mapping[str, Any]) -> list[int]:
     """Steps a golden metric entry has values for."""
     return list(range(entry["start_step"], entry["end_step"] + 1, entry["step_interval"]))
@@ -118,8 +123,12 @@ def compare_to_golden(
     dtype: str | None = None,
     bands: GateBands = GateBands(),
     metrics: Sequence[str] | None = None,
+    last_step: int | None = None,
 ) -> list[Failure]:
     """Failures of one run's records against a golden (empty list: inside the band).
+
+    `last_step`: the last step the run was planned to reach; golden steps after it are not
+    compared (a shorter run gates the golden's common prefix), those up to it must all be there.
 
     `dtype` is the run's dtype; the tight band uses the coarser of it and the golden's
     meta["dtype"], since a float32 run can only match a float64 golden to float32 rounding.
@@ -135,6 +144,8 @@ def compare_to_golden(
         have = series(records, metric)
         missing, bad = [], []
         for s, (value, band) in golden_band(golden, metric, dtype=dtype, bands=bands).items():
+            if last_step is not None and s > last_step:
+                continue
             if s not in have:
                 missing.append(s)
                 continue

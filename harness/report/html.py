@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from sp_harness.judge.gate import GateBands, GateResult, evaluate
+from sp_harness.record.environment import describe as describe_environment
 from sp_harness.record.records import StepRecord, json_safe, read_run_dir
 from sp_harness.report.plots import PLOTS, floor_label, title, write_plots
 
@@ -67,7 +68,7 @@ def report_from_dir(
     """Read `<run>.jsonl` + meta.json from run_dir, gate them, write the report (default: into
     run_dir). Returns (gate result, html path)."""
     runs, meta = read_run_dir(run_dir)
-    gate = evaluate(runs, dtype=meta["dtype"], bands=bands, golden=golden)
+    gate = evaluate(runs, dtype=meta["dtype"], bands=bands, golden=golden, num_steps=meta.get("steps"))
     return gate, write_report(out_dir or run_dir, runs, meta, gate, golden=golden)
 
 
@@ -105,6 +106,23 @@ def run_figures(records: Sequence[StepRecord], floor: float | None) -> dict[str,
 # --------------------------------------------------------------------------------- outputs
 
 
+def header_lines(meta: Mapping[str, Any]) -> list[str]:
+    """The resolved config actually run (where each field came from) and the environment, for a
+    report's header; what an older meta.json does not record is left out."""
+    lines = []
+    config, sources = meta.get("config") or {}, meta.get("config_sources") or {}
+    if config:
+        shown = [f"{k}={v}" + (f" ({sources[k]})" if sources.get(k) not in (None, "run", "unset") else "")
+                 for k, v in config.items() if v is not None and sources.get(k) != "engine default" and k != "case"]
+        lines.append("config: " + " ".join(shown))
+        engine = [f"{k}={config[k]}" for k, src in sources.items() if src == "engine default" and config.get(k) is not None]
+        if engine:
+            lines.append("engine defaults (a case that does not read them ignores them): " + " ".join(engine))
+    if meta.get("environment"):
+        lines.append("ran on: " + describe_environment(meta["environment"]))
+    return lines
+
+
 def _summary(meta, gate: GateResult, figures, pngs) -> dict[str, Any]:
     g = gate.to_json()
     return {
@@ -127,7 +145,8 @@ def _summary(meta, gate: GateResult, figures, pngs) -> dict[str, Any]:
 
 def _markdown(meta, gate: GateResult, figures) -> str:
     mark = "PASS :white_check_mark:" if gate.passed else "FAIL :x:"
-    lines = [f"### sp-harness convergence: **{mark}**", "", f"{title(meta)}; {_floor_text(meta)}", ""]
+    lines = [f"### sp-harness convergence: **{mark}**", "", f"{title(meta)}; {_floor_text(meta)}", "",
+             *[f"{line}  " for line in header_lines(meta)], ""]
     lines += ["| run | steps | final loss | min loss | final - floor | max drift | tokens/s |",
               "|---|---:|---:|---:|---:|---:|---:|"]
     for name, f in figures.items():
@@ -173,6 +192,8 @@ def _html(meta, gate: GateResult, figures, pngs) -> str:
            f"<style>{_CSS}</style></head><body>",
            f"<div class='verdict {gate.verdict}'>{gate.verdict}</div>",
            f"<p><b>{e(title(meta))}</b>; {e(_floor_text(meta))}</p>"]
+    out += [f"<p class='meta'>{e(line)}</p>" for line in header_lines(meta)]
+    out += [f"<p class='note'><b>Note:</b> {e(n)}</p>" for n in gate.notes]
     if gate.passed:
         checked = ", ".join(f"{k}: {v}" for k, v in gate.checked.items())
         out.append(f"<p>All gate rules hold. Comparisons made: {e(checked)}.</p>")

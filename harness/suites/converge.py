@@ -16,6 +16,7 @@ Under `torchrun -m sp_harness.suites.converge` every rank runs the same training
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import shlex
 import sys
@@ -23,7 +24,14 @@ from pathlib import Path
 
 import torch.distributed as dist
 
-from sp_harness.checks.lockstep import ConvergeOptions, base_config, plain_config, repro_line, run_lockstep
+from sp_harness.checks.lockstep import (
+    ConvergeOptions,
+    base_config,
+    config_sources,
+    plain_config,
+    repro_line,
+    run_lockstep,
+)
 from sp_harness.config.case import get_case
 from sp_harness.train.spec import loss_floor, training_of
 
@@ -33,6 +41,7 @@ def converge(opts: ConvergeOptions, runner, out_dir: str | os.PathLike, *, golde
     """Train reference, baseline and case in lockstep, write records, gate, write the report.
     Returns (gate result, report.html path, records by run)."""
     from sp_harness.judge.golden import load_golden
+    from sp_harness.record.environment import run_environment
     from sp_harness.record.records import make_meta, write_run_dir
     from sp_harness.report.html import write_report
 
@@ -47,7 +56,8 @@ def converge(opts: ConvergeOptions, runner, out_dir: str | os.PathLike, *, golde
                      optimizer=opts.optimizer, dtype=opts.dtype, floor=loss_floor(case, base, opts.data_seed),
                      floor_label=training_of(case).floor_label, runs=list(run.runs),
                      baseline=opts.baseline_case() or None, steps=opts.steps, wall_s=run.wall_s,
-                     repro=repro_line("converge", opts, golden=golden))
+                     repro=repro_line("converge", opts, golden=golden), options=dataclasses.asdict(opts),
+                     config_sources=config_sources(case, opts), environment=run_environment())
     html = out / "report.html"
     if writer:
         write_run_dir(out, run.runs, meta)
@@ -56,7 +66,7 @@ def converge(opts: ConvergeOptions, runner, out_dir: str | os.PathLike, *, golde
 
 
 def format_gate(result, html, repro: str | None = None) -> str:
-    lines = [f"gate: {result.verdict}   report: {html}"]
+    lines = [f"gate: {result.verdict}   report: {html}"] + [f"  note: {n}" for n in result.notes]
     for reason in result.reasons[:10]:
         lines.append(f"  - {reason}")
     if repro:
@@ -75,8 +85,10 @@ def _add_converge_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--world-size", type=int, default=d.world_size, help=f"ranks of the baseline and case runs (default {d.world_size})")
     p.add_argument("--dp", type=int, default=d.dp, help=f"data-parallel degree (default {d.dp})")
     p.add_argument("--steps", type=int, default=d.steps, help=f"optimizer steps (default {d.steps})")
-    p.add_argument("--seq-len", type=int, default=d.seq_len, help=f"tokens per sequence (default {d.seq_len})")
-    p.add_argument("--batch", type=int, default=d.batch, help=f"sequences per DP replica and step (default {d.batch})")
+    p.add_argument("--seq-len", type=int, default=d.seq_len,
+                   help="tokens per sequence (default: the case's convergence default, 32 for the GPT cases)")
+    p.add_argument("--batch", type=int, default=d.batch,
+                   help="sequences per DP replica and step (default: the case's, 8 for the GPT cases)")
     p.add_argument("--dtype", default=d.dtype, choices=["float64", "float32", "bfloat16"],
                    help=f"training dtype of every run; the gate's bands follow it (default {d.dtype})")
     p.add_argument("--optimizer", default=d.optimizer, choices=["adamw", "sgd"], help=f"optimizer (default {d.optimizer})")
@@ -93,7 +105,7 @@ def _add_converge_args(p: argparse.ArgumentParser) -> None:
 
 def options_from_args(args) -> ConvergeOptions:
     for name in ("world_size", "dp", "steps", "seq_len", "batch"):
-        if getattr(args, name) < 1:
+        if getattr(args, name) is not None and getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     if args.world_size % args.dp:
         raise ValueError(f"dp({args.dp}) does not divide world_size({args.world_size})")
