@@ -77,7 +77,7 @@ def test_user_case_file_by_path(sp_check):
 def test_rank_that_raises_is_named_with_its_traceback(sp_check):
     res = sp_check(CheckConfig(case=f"{FAULTY}:RAISING", world_size=2, timeout_s=20))
     assert res.verdict == FAIL
-    assert "rank(s) 1 raised" in res.reason
+    assert "rank 1 raised RuntimeError: boom on purpose in rank 1" in res.reason
     assert res.crash_kind == "raised" and res.first_check == "crash"
     assert [(e.rank, e.kind, e.exc_type) for e in res.rank_errors] == [(1, "raised", "RuntimeError")]
     assert "boom on purpose in rank 1" in res.error and "faulty_cases.py" in res.error

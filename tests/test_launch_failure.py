@@ -18,14 +18,45 @@ def test_a_rank_that_died_comes_before_the_others_secondary_errors():
     failure = RankFailure("job", [secondary, died])
     assert failure.kind == "signal" and failure.first_rank == 1 and failure.ranks == [1, 0]
     assert died.signal_name == "SIGSEGV" and died.exit_code == -11
-    assert failure.describe(with_traces=False) == "job: rank 1 killed by SIGSEGV; rank(s) 0 raised"
+    assert failure.describe(with_traces=False) == "job: rank 1 killed by SIGSEGV; after it, rank 0 raised RuntimeError"
     assert failure.summary_line() == 'rank 1 at File "/u/case.py", line 3 in shard'
 
 
 def test_a_nonzero_exit_is_exited_not_signal():
     err = process_ended(2, 3, log_tail="some output\nlast words")
     assert (err.kind, err.exit_code, err.signal_name) == ("exited", 3, "")
-    assert RankFailure("job", [err]).summary_line() == "last words"
+    assert RankFailure("job", [err]).summary_line() == "rank 2: last words"
+
+
+def test_the_first_rank_to_raise_is_the_cause_with_its_own_message_first():
+    # issue 21: rank 1's own error came first; rank 0's 'connection reset' is its consequence,
+    # however the ranks are numbered, and a long message's first line is the one shown
+    peer = RankError(rank=0, kind="raised", exc_type="RuntimeError", at=105.0, message="Connection reset by peer",
+                     traceback="Traceback...\nRuntimeError: Connection reset by peer")
+    cause = RankError(rank=1, kind="raised", exc_type="RuntimeError", at=100.0,
+                      message="[enforce fail] Received data size doesn't match expected size",
+                      traceback='  File "/u/case.py", line 9 in forward\nRuntimeError: [enforce fail] Received data '
+                                "size doesn't match expected size\nException raised from recv at gloo/pair.cc")
+    failure = RankFailure("job", [peer, cause])
+    assert failure.first_rank == 1 and failure.ranks == [1, 0]
+    head = failure.describe(with_traces=False)
+    assert head.startswith("job: rank 1 raised RuntimeError: [enforce fail] Received data size doesn't match")
+    assert head.endswith("after it, rank 0 raised RuntimeError")
+    assert failure.summary_line() == ("rank 1: RuntimeError: [enforce fail] Received data size doesn't match "
+                                      "expected size")
+    full = failure.describe()
+    assert full.index("--- rank 1") < full.index("--- rank 0")  # its traceback under the header naming it
+
+
+def test_a_job_calling_sys_exit_is_an_exit_with_its_code():
+    from sp_harness.launch.failure import raised
+    from sp_harness.launch.worker import run_job
+    from sp_harness.launch.wire import Job
+
+    reply = run_job(Job(job_id=1, fn_ref="sys:exit", payload=3))
+    err = raised(0, reply)
+    assert (err.kind, err.exit_code) == ("exited", 3)
+    assert RankFailure("job", [err]).describe(with_traces=False) == "job: rank 0 exited with code 3"
 
 
 def test_a_hang_names_the_culprit_not_the_ranks_waiting_for_it():

@@ -154,7 +154,7 @@ def _with_crashes(result, crashes: dict[str, TrainOutcome]):
     from sp_harness.judge.gate import Failure
 
     extra = tuple(Failure(rule="crash", metric="step", run=run, step=len(o.steps), value=float("nan"), band=0.0,
-                          detail=f"{o.failure.describe(with_traces=False)}: {o.failure.summary_line()}")
+                          detail=o.failure.one_line())
                   for run, o in sorted(crashes.items()))
     failures = tuple(sorted(extra + tuple(result.failures), key=lambda f: f.sort_key))
     return dataclasses.replace(result, verdict="FAIL", failures=failures)

@@ -141,9 +141,9 @@ def check(config: CheckConfig, runner=None) -> CheckResult:
     except RankFailure as exc:
         # UNSUPPORTED only when every rank declared it: one rank alone may be a symptom of a bug
         if len(exc.errors) == config.world_size and all(e.is_unsupported for e in exc.errors):
-            return CheckResult(config=config, verdict=UNSUPPORTED, reason=exc.summary_line(),
+            return CheckResult(config=config, verdict=UNSUPPORTED, reason=exc.errors[0].message or exc.summary_line(),
                                wall_s=time.perf_counter() - t0)
-        return CheckResult(config=config, verdict=FAIL, reason=exc.describe(with_traces=False) + ": " + exc.summary_line(),
+        return CheckResult(config=config, verdict=FAIL, reason=exc.one_line(),
                            error=exc.describe(), crash_kind=exc.kind, rank_errors=exc.errors,
                            wall_s=time.perf_counter() - t0)
     return merge(config, results, wall_s=time.perf_counter() - t0, declared=case.precision_islands)

@@ -55,6 +55,12 @@ class RankError:
     collective: Collective | None = None
     """For 'desync': the collective this rank announced at the position where the other rank's
     differs; None where it announced none there (see `detail`)."""
+    message: str = ""
+    """For 'raised': the first line of the exception's own message."""
+    at: float = 0.0
+    """Wall-clock time of the failure on the rank (a raise) or when the driver saw it (a
+    process that ended), 0 where unknown: among failures of one kind, the first is the cause,
+    the later ones (a peer's 'Connection reset by peer') its consequences."""
 
     @property
     def blocked_in_collective(self) -> bool:
@@ -75,7 +81,7 @@ class RankError:
         if self.kind == "exited":
             return f"exited with code {self.exit_code}"
         if self.kind == "raised":
-            return f"raised {self.exc_type}"
+            return f"raised {self.exc_type}" + (f": {self.message}" if self.message else "")
         return self.detail or "hung"
 
     def desync_where(self) -> str:
@@ -133,8 +139,10 @@ class RankFailure(Exception):
     def __init__(self, label: str, errors: Iterable[RankError], timeout_s: float | None = None):
         self.label = label
         # stable: within a kind, the order the caller saw them in (the first to fail first)
+        # the first to fail first: by kind (a dead rank explains its peers' errors), then by the
+        # time each failed (a raise before the peer's 'connection reset' it causes)
         self.errors: tuple[RankError, ...] = tuple(sorted(
-            errors, key=lambda e: (_KIND_ORDER[e.kind], e.blocked_in_collective)))
+            errors, key=lambda e: (_KIND_ORDER[e.kind], e.blocked_in_collective, e.at or float("inf"))))
         if not self.errors:
             raise ValueError("a RankFailure needs at least one RankError")
         self.timeout_s = timeout_s
@@ -182,11 +190,19 @@ class RankFailure(Exception):
             if waiting:
                 what += f" (rank(s) {_join(waiting)} blocked in a collective, waiting for them)"
             return what
-        parts = [f"rank {e.rank} {e.headline()}" for e in self.errors if e.kind in ("signal", "exited")]
-        raised = [e.rank for e in self.errors if e.kind == "raised"]
-        if raised:
-            parts.append(f"rank(s) {_join(raised)} raised")
-        return "; ".join(parts)
+        first, rest = self.errors[0], self.errors[1:]
+        what = f"rank {first.rank} {first.headline()}"
+        if rest:
+            what += "; after it, " + "; ".join(f"rank {e.rank} {_short(e)}" for e in rest)
+        return what
+
+    def one_line(self) -> str:
+        """What happened and its cause in one line: the header (which rank failed first and how,
+        the others after it), then where the header does not already carry it, the first
+        rank's own error line or frame."""
+        first = self.errors[0]
+        head = self.describe(with_traces=False)
+        return head if first.kind == "raised" and first.message else f"{head}: {self.summary_line()}"
 
     def summary_line(self) -> str:
         """The exception (last traceback line); for a hang or a signal, the culprit's innermost
@@ -201,9 +217,26 @@ class RankFailure(Exception):
             return f"rank {rank} at {frame}" if frame else first.detail or "no stack available"
         if first.kind == "exited":
             rows = first.log_tail.strip().splitlines()
-            return rows[-1] if rows else first.detail or f"exit code {first.exit_code}"
+            return f"rank {first.rank}: " + (rows[-1] if rows else first.detail or f"exit code {first.exit_code}")
+        if first.message:
+            return f"rank {first.rank}: {first.exc_type}: {first.message}"
         rows = first.traceback.strip().splitlines()
-        return rows[-1] if rows else first.exc_type
+        return f"rank {first.rank}: " + (rows[-1] if rows else first.exc_type)
+
+
+def _short(error: RankError) -> str:
+    """A secondary failure in a few words: its kind and exception class, not its message."""
+    return f"raised {error.exc_type}" if error.kind == "raised" else error.headline()
+
+
+def raised(rank: int, msg) -> RankError:
+    """The error for a rank's `JobRaised` reply (or a torchrun rank's): a SystemExit is an exit
+    with its code, anything else a raise."""
+    if msg.exit_code is not None:
+        return RankError(rank=rank, kind="exited", exit_code=msg.exit_code, traceback=msg.traceback,
+                         detail=f"the job called sys.exit({msg.message or msg.exit_code})", at=msg.at)
+    return RankError(rank=rank, kind="raised", exc_type=msg.exc_type, is_unsupported=msg.is_unsupported,
+                     traceback=msg.traceback, message=msg.message, at=msg.at)
 
 
 def _join(ranks: Iterable[int]) -> str:

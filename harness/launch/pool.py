@@ -49,6 +49,7 @@ from sp_harness.launch.failure import (
     RankFailure,
     SetupError,
     process_ended,
+    raised,
     waiting_in_collective,
 )
 from sp_harness.launch.torchrun import TorchrunWorld, under_torchrun
@@ -313,8 +314,7 @@ class RankPool:
             got.watch.done(rank)
         elif isinstance(msg, JobRaised) and current:
             del got.pending[rank]
-            got.errors.append(RankError(rank=rank, kind="raised", exc_type=msg.exc_type,
-                                        is_unsupported=msg.is_unsupported, traceback=msg.traceback))
+            got.errors.append(raised(rank, msg))
         else:
             raise TypeError(f"rank {rank} sent {msg!r}, not a message of job {self._job_id}")
 

@@ -8,7 +8,7 @@ import os
 from collections.abc import Callable
 from typing import Any
 
-from sp_harness.launch.failure import RankError, RankFailure, SetupError
+from sp_harness.launch.failure import RankFailure, SetupError, raised
 from sp_harness.launch.wire import Job, JobRaised
 from sp_harness.launch.worker import run_job
 
@@ -53,9 +53,7 @@ class TorchrunWorld:
 
         gathered: list[Any] = [None] * self.world_size
         dist.all_gather_object(gathered, reply)
-        errors = [RankError(rank=r, kind="raised", exc_type=g.exc_type, is_unsupported=g.is_unsupported,
-                            traceback=g.traceback)
-                  for r, g in enumerate(gathered) if isinstance(g, JobRaised)]
+        errors = [raised(r, g) for r, g in enumerate(gathered) if isinstance(g, JobRaised)]
         if errors:
             raise RankFailure(label, errors)
         return [g.result for g in gathered]

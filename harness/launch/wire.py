@@ -107,6 +107,12 @@ class JobRaised:
     is_unsupported: bool = False
     """The exception is a `sp_harness.config.case.Unsupported`: the case declared the config out
     of scope from inside the rank (decided with isinstance on the rank, where the object lives)."""
+    message: str = ""
+    """The exception's own message, its first line (a long message's last line is not its cause)."""
+    at: float = 0.0
+    """Wall-clock time the rank caught it: which rank failed first, and which only after it."""
+    exit_code: int | None = None
+    """For a SystemExit: the code the job asked to exit with (the job exited, it did not raise)."""
 
 
 @dataclass(kw_only=True, frozen=True)
