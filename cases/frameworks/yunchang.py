@@ -45,8 +45,15 @@ import torch.distributed as dist
 from torch import nn
 
 from sp_harness import Case, Layout, Sharded, Unsupported
-from sp_harness.cases.common import GPT_DEFAULTS, MARKOV_TRAINING_WITH_POSITIONS, build_reference_gpt, gpt_batch, \
-    gpt_tokens, with_positions
+from sp_harness.cases.common import (
+    GPT_DEFAULTS,
+    MARKOV_TRAINING_WITH_POSITIONS,
+    build_reference_gpt,
+    gpt_batch,
+    gpt_memory_floor,
+    gpt_tokens,
+    with_positions,
+)
 from sp_harness.cases.megatron.impl import all_reduce_coalesced
 from sp_harness.config.check_config import CheckConfig
 from sp_harness.reference.gpt import attention, token_loss_sum
@@ -389,6 +396,7 @@ def usp_case(name: str, *, ulysses_degree: int | None = None, ring_degree: int |
                              merge=merge, sync_groups=sync_groups),
         defaults=defaults, training=case_fields.pop("training", MARKOV_TRAINING_WITH_POSITIONS),
         precision_islands={f"blocks.{i}.attn.core": "float32" for i in range(MAX_LAYERS)},
+        memory_floor=case_fields.pop("memory_floor", gpt_memory_floor),
         fixed_ring_degree=ring_degree, fixed_ulysses_degree=ulysses_degree,
         tags=("yunchang", "framework", "usp", *case_fields.pop("tags", ())), **case_fields)
 
