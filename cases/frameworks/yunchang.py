@@ -37,7 +37,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -210,11 +210,12 @@ def _swapped(module_name: str, attr: str, value: Any):
 class YunchangCore(nn.Module):
     """The sharded core: yunchang's `LongContextAttention` (`self.usp`) on this rank's tokens.
     `ring_attn_fn` is wrapped to pass `return_attn_probs=True` (the layer unpacks the tuple and
-    returns the same output) and keep the LSE it returns; `merge` (a mutant's) replaces the ring
-    module's `update_out_and_lse` for the duration of the forward call only."""
+    returns the same output) and keep the LSE it returns; `swaps` (a mutant's: name -> value)
+    replace names in the ring implementation's module for the duration of the forward call only
+    (set and restored around it), so no other job in the process sees them."""
 
     def __init__(self, usp: nn.Module, causal: bool, lse_index: tuple[torch.Tensor, torch.Tensor],
-                 merge: Callable | None = None):
+                 swaps: Mapping[str, Any] | None = None):
         super().__init__()
         self.usp, self.causal, self.lse_index, self.lse = usp, causal, lse_index, None
         ring_fn = usp.ring_attn_fn
@@ -222,7 +223,9 @@ class YunchangCore(nn.Module):
 
         def recording(*args, **kwargs):
             kwargs["return_attn_probs"] = True
-            with _swapped(ring_module, "update_out_and_lse", merge) if merge else contextlib.nullcontext():
+            with contextlib.ExitStack() as stack:
+                for attr, value in (swaps or {}).items():
+                    stack.enter_context(_swapped(ring_module, attr, value))
                 out = ring_fn(*args, **kwargs)
             self.lse = out[1].detach()  # (B, heads here, my Ulysses group's tokens)
             return out
@@ -255,11 +258,15 @@ def degrees(config: CheckConfig) -> tuple[int, int]:
 
 
 def yunchang_shard(*, ring_impl_type: str = "zigzag", use_ulysses_low: bool = True, extract: str | None = None,
-                   merge: Callable | None = None, sync_groups: Sequence[str] = SYNC_GROUPS):
+                   merge: Callable | None = None, forward_swaps: Mapping[str, Any] | None = None,
+                   sync_groups: Sequence[str] = SYNC_GROUPS):
     """The sharded factory of a `usp_case`. `extract`: the `EXTRACT_FUNC_DICT` key the input is
     placed by (None: `ring_impl_type`'s own, as yunchang's tests do). `merge`: a replacement for
-    the ring's `update_out_and_lse` during forward (None: yunchang's). `sync_groups`: which of
-    yunchang's groups the replicated grads are summed over (both: the SP group)."""
+    the ring's `update_out_and_lse` during forward (None: yunchang's). `forward_swaps`: any other
+    names of the ring implementation's module replaced during forward (a mutant's).
+    `sync_groups`: which of yunchang's groups the replicated grads are summed over (both: the SP
+    group)."""
+    swaps = {**({"update_out_and_lse": merge} if merge else {}), **(forward_swaps or {})}
     placement = extract or ring_impl_type
 
     def shard(reference: nn.Module, ctx) -> Sharded:
@@ -286,7 +293,7 @@ def yunchang_shard(*, ring_impl_type: str = "zigzag", use_ulysses_low: bool = Tr
         heads = torch.arange(u * heads_here, (u + 1) * heads_here)
         for block in reference.blocks:
             usp = LongContextAttention(ring_impl_type=ring_impl_type, attn_type=AttnType.FA)
-            block.attn.core = YunchangCore(usp, block.attn.causal, (heads, positions), merge=merge)
+            block.attn.core = YunchangCore(usp, block.attn.causal, (heads, positions), swaps=swaps)
         groups = {"ulysses": PROCESS_GROUP.ULYSSES_PG, "ring": PROCESS_GROUP.RING_PG}
         sync = [groups[g] for g in sync_groups]
 
@@ -335,13 +342,13 @@ class YunchangCase(Case):
 
 def usp_case(name: str, *, ulysses_degree: int | None = None, ring_degree: int | None = None,
              ring_impl_type: str = "zigzag", use_ulysses_low: bool = True, extract: str | None = None,
-             merge: Callable | None = None, sync_groups: Sequence[str] = SYNC_GROUPS,
-             **case_fields: Any) -> Case:
+             merge: Callable | None = None, forward_swaps: Mapping[str, Any] | None = None,
+             sync_groups: Sequence[str] = SYNC_GROUPS, **case_fields: Any) -> Case:
     """A `Case` checking yunchang's `LongContextAttention` (USP) at `ulysses_degree` x
     `ring_degree` (None: whatever the run has; ring degree 2 where 2 divides the SP size) with
     `ring_impl_type` ('zigzag', 'basic', 'strip') and yunchang's group layout `use_ulysses_low`,
     inside the reference GPT, against the same GPT with plain attention. `extract`, `merge`,
-    `sync_groups`: as `yunchang_shard`'s. `case_fields`: any other `Case` field (defaults,
+    `forward_swaps`, `sync_groups`: as `yunchang_shard`'s. `case_fields`: any other `Case` field (defaults,
     tags, examples, isolation, ...)."""
     if ring_impl_type not in RING_IMPLS:
         raise ValueError(f"usp_case({name!r}): ring_impl_type {ring_impl_type!r}: one of {RING_IMPLS}")
@@ -393,7 +400,7 @@ def usp_case(name: str, *, ulysses_degree: int | None = None, ring_degree: int |
         name=name, description=desc, build_reference=build_reference, make_batch=make_batch,
         loss_sum=token_loss_sum, tokens=gpt_tokens, input_layout=Layout(seq_dim=1, batch_dim=0), validate=validate,
         shard=yunchang_shard(ring_impl_type=ring_impl_type, use_ulysses_low=use_ulysses_low, extract=extract,
-                             merge=merge, sync_groups=sync_groups),
+                             merge=merge, sync_groups=sync_groups, forward_swaps=forward_swaps),
         defaults=defaults, training=case_fields.pop("training", MARKOV_TRAINING_WITH_POSITIONS),
         precision_islands={f"blocks.{i}.attn.core": "float32" for i in range(MAX_LAYERS)},
         memory_floor=case_fields.pop("memory_floor", gpt_memory_floor),
@@ -413,5 +420,20 @@ def overwriting_merge(out, lse, block_out, block_lse, slice_=None):
     return out, lse
 
 
-__all__ = ["YUNCHANG_VERSION", "RING_IMPLS", "cpu_shims", "extract_positions", "overwriting_merge", "seq_order",
+def diagonal_mask_on_every_block(impl_type, stage: str = "fwd-bwd", attn_processor=None):
+    """A `select_flash_attn_impl` whose kernels apply the causal mask to every block, received
+    k/v blocks included (where yunchang passes causal=False: they lie wholly before or after the
+    queries): the ring-block masking error of zhuzilin/ring-flash-attention#54."""
+    from yunchang.kernels import select_flash_attn_impl
+
+    fn = select_flash_attn_impl(impl_type, stage, attn_processor)
+
+    def masked(*args, **kwargs):
+        kwargs["causal"] = True
+        return fn(*args, **kwargs)
+
+    return masked
+
+
+__all__ = ["YUNCHANG_VERSION", "diagonal_mask_on_every_block", "RING_IMPLS", "cpu_shims", "extract_positions", "overwriting_merge", "seq_order",
            "usp_case", "yunchang_groups", "yunchang_shard"]

@@ -2,7 +2,12 @@
 is installed): its LongContextAttention (USP) with the zigzag ring at the run's Ulysses x ring
 degrees, and the bugs USP users have shipped, expressed through yunchang's own code paths."""
 
-from sp_harness.cases.frameworks.yunchang import overwriting_merge, usp_case, yunchang_shard
+from sp_harness.cases.frameworks.yunchang import (
+    diagonal_mask_on_every_block,
+    overwriting_merge,
+    usp_case,
+    yunchang_shard,
+)
 from sp_harness.config.case import Example, mutant, register
 
 ISOLATION = "yunchang"
@@ -38,3 +43,11 @@ mutant(YC_USP, name="mutant-yc-grad-sync-ulysses-only",
        bug="grad all-reduce over a sub-group of SP: the ring members' contributions never summed",
        source="bug class: grad all-reduce over a sub-group of SP (arXiv:2309.14509 section 3; GPT-NeoX PR #1259)",
        shard=yunchang_shard(ring_impl_type="zigzag", sync_groups=("ulysses",)))
+
+mutant(YC_USP, name="mutant-yc-causal-mask-on-received-blocks",
+       summary="every ring block attended with the diagonal causal mask",
+       bug="received k/v blocks masked as if they were the rank's own diagonal block (causal=True on every ring "
+           "step, not only where yunchang passes it)",
+       source="zhuzilin/ring-flash-attention#54 (causal masking of the off-diagonal ring blocks)",
+       shard=yunchang_shard(ring_impl_type="zigzag",
+                            forward_swaps={"select_flash_attn_impl": diagonal_mask_on_every_block}))
