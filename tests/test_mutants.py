@@ -50,6 +50,10 @@ EXPECTED_KILLER = {
     "mutant-usp-grad-sync-ring-only": ("grad", "uneven"),
     "mutant-usp-ring-low-groups": ("forward", "2x2"),
     "mutant-usp-zigzag-over-sp": ("forward", "uneven"),
+    "mutant-yc-causal-mask-on-received-blocks": ("forward", "even"),
+    "mutant-yc-grad-sync-ulysses-only": ("grad", "even"),
+    "mutant-yc-ring-merge-overwrites": ("forward", "even"),
+    "mutant-yc-zigzag-contiguous-shards": ("forward", "even"),
 }
 """mutant -> (check that kills it first, battery entry). Pinned from `sp-harness mutants`."""
 

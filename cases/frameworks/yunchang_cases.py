@@ -1,0 +1,53 @@
+"""Stage: build reference + build sharded. yunchang's built-in cases (registered where yunchang
+is installed): its LongContextAttention (USP) with the zigzag ring at the run's Ulysses x ring
+degrees, and the bugs USP users have shipped, expressed through yunchang's own code paths."""
+
+from sp_harness.cases.frameworks.yunchang import (
+    diagonal_mask_on_every_block,
+    overwriting_merge,
+    usp_case,
+    yunchang_shard,
+)
+from sp_harness.config.case import Example, mutant, register
+
+ISOLATION = "yunchang"
+"""yunchang's PROCESS_GROUP and the CPU shim are process-wide: its cases share processes only
+with each other."""
+
+YC_USP = register(usp_case(
+    "yc-usp", ring_impl_type="zigzag", isolation=ISOLATION,
+    # float32 is left out: yunchang's ring backward aliases its float32 accumulator there
+    # (docs/frameworks/yunchang.md, finding 1); flash-attn itself takes float16/bfloat16 only
+    examples=(Example(fields=(("world_size", 4), ("dtype", "float64")),
+                      note="yunchang ulysses 2 x ring 2 (zigzag), 12 tokens 3 per rank, float32 merge island"),
+              Example(fields=(("world_size", 2), ("dtype", "bfloat16")), note="yunchang ring 2 (zigzag), pure ring"),
+              Example(fields=(("world_size", 4), ("dp", 2), ("dtype", "bfloat16")),
+                      note="yunchang DP 2 x ring 2, grads averaged over DP"))))
+
+mutant(YC_USP, name="mutant-yc-zigzag-contiguous-shards",
+       summary="zigzag ring fed contiguous shards (basic_extract_local)",
+       bug="the input sharded contiguously while the ring runs yunchang's zigzag schedule: the causal "
+           "masks assume chunks r and 2R-1-r",
+       source="feifeibear/long-context-attention#53 (hybrid zigzag test fed unreordered inputs; fixed by #74)",
+       shard=yunchang_shard(ring_impl_type="zigzag", extract="basic"))
+
+mutant(YC_USP, name="mutant-yc-ring-merge-overwrites",
+       summary="ring merge keeps the last block (out, lse = block_out, block_lse)",
+       bug="the ring's per-step merge overwrites the running output and LSE instead of the LSE-weighted "
+           "update_out_and_lse (yunchang's SPARSE_SAGE path)",
+       source="feifeibear/long-context-attention#176",
+       shard=yunchang_shard(ring_impl_type="zigzag", merge=overwriting_merge))
+
+mutant(YC_USP, name="mutant-yc-grad-sync-ulysses-only",
+       summary="replicated grads summed over yunchang's ULYSSES_PG only",
+       bug="grad all-reduce over a sub-group of SP: the ring members' contributions never summed",
+       source="bug class: grad all-reduce over a sub-group of SP (arXiv:2309.14509 section 3; GPT-NeoX PR #1259)",
+       shard=yunchang_shard(ring_impl_type="zigzag", sync_groups=("ulysses",)))
+
+mutant(YC_USP, name="mutant-yc-causal-mask-on-received-blocks",
+       summary="every ring block attended with the diagonal causal mask",
+       bug="received k/v blocks masked as if they were the rank's own diagonal block (causal=True on every ring "
+           "step, not only where yunchang passes it)",
+       source="zhuzilin/ring-flash-attention#54 (causal masking of the off-diagonal ring blocks)",
+       shard=yunchang_shard(ring_impl_type="zigzag",
+                            forward_swaps={"select_flash_attn_impl": diagonal_mask_on_every_block}))

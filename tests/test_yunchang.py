@@ -1,0 +1,118 @@
+"""yunchang 0.6.4 as a system under test (sp_harness.cases.frameworks.yunchang), on real gloo
+ranks: its LongContextAttention (USP, zigzag ring) inside the reference GPT against the same GPT
+with plain attention, on yunchang's own process groups and token placement; the exact flash-attn
+stand-in it runs over on CPU; and what was found (docs/frameworks/yunchang.md)."""
+
+import math
+import os
+import pathlib
+
+import pytest
+
+pytest.importorskip("yunchang", reason="yunchang is not installed (pip install -e '.[yunchang]')")
+
+import torch  # noqa: E402
+
+from sp_harness.cases.frameworks import flash_attn_standin as fa  # noqa: E402
+from sp_harness.cases.frameworks.yunchang import extract_positions  # noqa: E402
+from sp_harness.checks.verify import FAIL, PASS, UNSUPPORTED  # noqa: E402
+from sp_harness.config.check_config import CheckConfig  # noqa: E402
+
+EXAMPLE = os.path.join(pathlib.Path(__file__).resolve().parent.parent, "examples", "yunchang_case.py")
+TIMEOUT_S = 120.0
+"""Generous for a loaded runner; yunchang's import is the case's setup, outside it."""
+
+
+def _example(name: str, **fields) -> CheckConfig:
+    return CheckConfig(case=f"{EXAMPLE}:{name}", timeout_s=TIMEOUT_S, **fields)
+
+
+def _builtin(**fields) -> CheckConfig:
+    return CheckConfig(case="yc-usp", timeout_s=TIMEOUT_S, **fields)
+
+
+@pytest.mark.parametrize("causal,sq,sk,kv", [(False, 5, 5, 4), (True, 5, 5, 2), (True, 3, 6, 1)])
+def test_flash_attn_standin_is_exact_attention_with_its_lse(causal, sq, sk, kv):
+    # flash-attn's contract: out and the natural-log LSE of the scaled scores; causal aligned to
+    # the bottom right; the backward from the GIVEN out and lse, writing dq, dk, dv in place
+    gen = torch.Generator().manual_seed(0)
+    q = torch.randn(2, sq, 4, 8, generator=gen, dtype=torch.float64, requires_grad=True)
+    k = torch.randn(2, sk, kv, 8, generator=gen, dtype=torch.float64, requires_grad=True)
+    v = torch.randn(2, sk, kv, 8, generator=gen, dtype=torch.float64, requires_grad=True)
+    scale = 1 / math.sqrt(8)
+    s = torch.einsum("bqhd,bkhd->bhqk", q, k.repeat_interleave(4 // kv, 2)) * scale
+    if causal:
+        s = s.masked_fill(torch.arange(sk)[None] > torch.arange(sq)[:, None] + (sk - sq), float("-inf"))
+    want = torch.einsum("bhqk,bkhd->bqhd", s.softmax(-1), v.repeat_interleave(4 // kv, 2))
+    dout = torch.randn(want.shape, generator=gen, dtype=torch.float64)
+    grads = torch.autograd.grad(want, (q, k, v), dout)
+    out, lse, _, _ = fa._flash_attn_forward(q.detach(), k.detach(), v.detach(), 0.0, scale, causal, -1, -1, 0.0,
+                                            None, False)
+    bufs = [torch.empty_like(t) for t in (q, k, v)]
+    fa._flash_attn_backward(dout, q.detach(), k.detach(), v.detach(), out, lse, *bufs, 0.0, scale, causal, -1, -1,
+                            0.0, None, False)
+    torch.testing.assert_close(out, want, rtol=0, atol=1e-13)
+    torch.testing.assert_close(lse, s.logsumexp(-1), rtol=0, atol=1e-13)
+    for got, g in zip(bufs, grads, strict=True):
+        torch.testing.assert_close(got, g, rtol=0, atol=1e-13)
+
+
+def test_placement_is_yunchangs_extract_function():
+    # basic_extract_local takes the rank as an argument; the zigzag placement (which reads the
+    # ranks from yunchang's process groups) is checked against zigzag_extract_local on every rank
+    from yunchang import EXTRACT_FUNC_DICT
+
+    pieces = extract_positions("basic", 16, 2, 2, True)
+    for rank in range(4):
+        theirs = EXTRACT_FUNC_DICT["basic"](torch.arange(16).view(1, -1, 1), rank, world_size=4, rd=2, ud=2)
+        assert theirs.reshape(-1).tolist() == pieces[rank].tolist()
+    # zigzag, 16 tokens in 4 chunks: ring rank 0 holds chunks 0 and 3, ring rank 1 chunks 1 and 2,
+    # each cut between the two Ulysses ranks of its group
+    zigzag = extract_positions("zigzag", 16, 2, 2, True)
+    assert [p.tolist() for p in zigzag] == [[0, 1, 2, 3], [12, 13, 14, 15], [4, 5, 6, 7], [8, 9, 10, 11]]
+
+
+@pytest.mark.parametrize("world_size,dp,dtype,adversary", [
+    (2, 1, "float64", "reorder"),  # a ring of 2; yunchang's float32 merge declared as an island
+    (2, 1, "bfloat16", "off"),  # flash-attn's own dtype
+    (4, 1, "float64", "off"),  # ulysses 2 x ring 2
+    (4, 2, "bfloat16", "off"),  # DP 2 x ring 2, grads averaged over DP
+])
+def test_usp_passes(sp_check, world_size, dp, dtype, adversary):
+    res = sp_check(_builtin(world_size=world_size, dp=dp, dtype=dtype, adversary=adversary))
+    assert res.verdict == PASS, res.reason + res.error
+    assert {"forward", "lse", "loss", "grad", "param"} <= set(res.worst)
+
+
+def test_float32_ring_backward_aliases_its_accumulator(sp_check):
+    # finding: with float32 q, yunchang's `dq = dq_buffer.to(torch.float32)` is the kernel's output
+    # buffer itself (no copy), which the next ring step's backward overwrites: the forward is
+    # right, the grads are not (float64 and bfloat16 copy, and pass above). Unreachable with real
+    # flash-attn, which takes only float16 / bfloat16.
+    res = sp_check(_builtin(world_size=2, dtype="float32"))
+    assert res.verdict == FAIL and res.first_check == "grad", res.reason + res.error
+    assert res.worst["forward"].ratio < 1 and res.worst["lse"].ratio < 1
+
+
+def test_basic_placement_is_wrong_for_ulysses_high_groups(sp_check):
+    # finding: basic_extract_local cuts by SP rank whatever set_seq_parallel_pg's use_ulysses_low
+    # says; with use_ulysses_low=False a Ulysses group gathers non-adjacent chunks, and the basic
+    # ring's causal schedule (ring rank order = token order) is silently wrong
+    res = sp_check(_example("BASIC_ULYSSES_HIGH", world_size=4, forward_only=True))
+    assert res.verdict == FAIL and res.first_check == "forward", res.reason + res.error
+
+
+def test_contiguous_shards_into_the_zigzag_ring_fail_at_forward(sp_check):
+    res = sp_check(_example("CONTIGUOUS_INTO_ZIGZAG", world_size=2))
+    assert res.verdict == FAIL and res.first_check == "forward", res.reason + res.error
+
+
+@pytest.mark.parametrize("fields,words", [
+    (dict(world_size=2, seq_len=10), "zigzag_extract_local"),
+    (dict(world_size=3, seq_len=12), "num_heads (4) % ulysses_degree (3)"),
+    (dict(world_size=2, causal=False), "causal only"),
+    (dict(world_size=2, ring_degree=1), "gloo"),
+])
+def test_what_yunchang_cannot_run_is_unsupported_with_its_limit(sp_check, fields, words):
+    res = sp_check(_builtin(**fields))
+    assert res.verdict == UNSUPPORTED and words in res.reason, res.reason
