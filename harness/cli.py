@@ -209,14 +209,20 @@ class _Terminated(KeyboardInterrupt):
     """SIGTERM (a CI runner cancelling the job): cleaned up exactly like Ctrl-C."""
 
 
-def _on_sigterm(signum, frame):
-    raise _Terminated()
+def _on_signal(signum, frame):
+    from sp_harness.launch.pool import interrupt_pending
+
+    exc = _Terminated() if signum == signal.SIGTERM else KeyboardInterrupt()
+    interrupt_pending(exc)  # raised again by the rank wait loop, should this one be swallowed
+    raise exc
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    signal.signal(signal.SIGTERM, _on_sigterm)
+    signal.signal(signal.SIGTERM, _on_signal)
+    if signal.getsignal(signal.SIGINT) is signal.default_int_handler:  # not where SIGINT is ignored
+        signal.signal(signal.SIGINT, _on_signal)
     try:
         return args.func(args)
     except ValueError as exc:  # user errors: the message names the value and what is valid
@@ -228,6 +234,9 @@ def main(argv: list[str] | None = None) -> int:
         # a second Ctrl-C must not cut the cleanup short (and print its traceback)
         signal.signal(signal.SIGINT, signal.SIG_IGN)
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        from sp_harness.launch.pool import interrupt_pending
+
+        interrupt_pending(None)
         default_manager().close()
         print("sp-harness: interrupted; ranks stopped", file=sys.stderr)
         return 143 if isinstance(exc, _Terminated) else 130

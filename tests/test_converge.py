@@ -10,6 +10,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from sp_harness.record.records import read_run_dir
 from sp_harness.suites.converge import ConvergeOptions, converge
 
@@ -172,3 +174,39 @@ def test_converge_takes_the_cases_own_defaults_where_not_told():
     gpt = base_config(ConvergeOptions(case="megatron-gpt-sp"))
     assert (gpt.seq_len, gpt.batch) == (32, 8)  # the GPT cases' convergence defaults (Training)
     assert base_config(ConvergeOptions(case="megatron-gpt-sp", seq_len=12)).seq_len == 12
+
+
+def _stop_mid_run(argv, sig, tmp_path):
+    """Start `sp-harness <argv>`, send `sig` once it reports progress; (returncode, output)."""
+    import os
+    import signal
+
+    env = dict(os.environ, TMPDIR=str(tmp_path / "tmp"), PYTHONUNBUFFERED="1")
+    (tmp_path / "tmp").mkdir(parents=True)
+    proc = subprocess.Popen([sys.executable, "-m", "sp_harness.cli", *argv], cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    seen = []
+    for line in proc.stdout:  # the first progress line: ranks exist and are training
+        seen.append(line)
+        if "steps" in line or "PASS" in line:
+            break
+    proc.send_signal(sig)
+    # a guard against a hang only: an unstopped run of 5000 steps takes many minutes
+    rest, _ = proc.communicate(timeout=120)
+    return proc.returncode, "".join(seen) + rest
+
+
+@pytest.mark.parametrize("sig, code", [("SIGINT", 130), ("SIGTERM", 143)])
+def test_ctrl_c_and_sigterm_stop_converge_leaving_no_run_behind(tmp_path, sig, code):
+    import signal
+
+    out = tmp_path / "out"
+    rc, text = _stop_mid_run(["converge", "--steps", "5000", "--out", str(out)], getattr(signal, sig), tmp_path)
+    assert rc == code, text
+    assert "gate:" not in text, text
+    # nothing published, the interrupted run's directory removed, no temporary files left
+    assert not out.exists() and not (tmp_path / "out.runs").exists()
+    # torchinductor_<user> is torch's own compile cache, made by any optimizer step in torch 2.13
+    left = [p.name for p in (tmp_path / "tmp").iterdir() if not p.name.startswith("torchinductor_")]
+    assert not left, left

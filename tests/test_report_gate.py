@@ -285,10 +285,10 @@ def test_golden_rejects_mismatched_repeats():
 
 
 def _check_common(out_dir, runs, verdict):
-    for name in ("loss", "lockstep", "drift", "gradnorm"):
+    for name in ("loss", "lockstep", "drift", "gradnorm", "schedule"):
         assert (out_dir / f"{name}.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     text = (out_dir / "report.html").read_text()
-    assert text.count("data:image/png;base64,") == 4
+    assert text.count("data:image/png;base64,") == 5
     assert "src='http" not in text and "<link" not in text and "<script" not in text  # self-contained
     start = text.index("data:image/png;base64,") + len("data:image/png;base64,")
     assert base64.b64decode(text[start : text.index("'", start)])[:4] == b"\x89PNG"
@@ -332,5 +332,21 @@ def test_report_from_dir_of_broken_sp(tmp_path):
 def test_plots_only(tmp_path):
     runs = make_runs(broken=True)
     pngs = write_plots(tmp_path, runs, meta(), evaluate(runs, dtype="float32"))
-    assert sorted(p.name for p in pngs.values()) == ["drift.png", "gradnorm.png", "lockstep.png", "loss.png"]
+    assert sorted(p.name for p in pngs.values()) == ["drift.png", "gradnorm.png", "lockstep.png", "loss.png",
+                                                     "schedule.png"]
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted(p.name for p in pngs.values())
+
+
+def test_drift_legend_names_every_drifting_param_up_to_its_limit_and_counts_the_rest():
+    # issue 21: a legend that named 3 of 4 drifting params hid the fourth
+    from sp_harness.report import plots
+
+    runs = make_runs(broken=True)
+    gate = evaluate(runs, dtype="float32")
+    drift = next(f for f in gate.failures if f.rule == "drift")
+    fig = plots._plot_drift(runs, meta(), gate, plots._colors(runs))
+    labels = fig.axes[0].get_legend_handles_labels()[1]
+    for p in drift.params[:plots.MAX_DRIFT_PARAMS]:
+        assert any(p in label for label in labels), (p, labels)
+    hidden = len(drift.params) - plots.MAX_DRIFT_PARAMS
+    assert (hidden > 0) == any("more drifting parameter" in label for label in labels)

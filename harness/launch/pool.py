@@ -105,6 +105,18 @@ def _import_path() -> list[str]:
     return [os.path.abspath(p) if p else os.getcwd() for p in sys.path]
 
 
+_interrupt: BaseException | None = None
+
+
+def interrupt_pending(exc: BaseException | None) -> None:
+    """A signal handler's exception (KeyboardInterrupt, or the CLI's SIGTERM), kept until cleared
+    with None: a handler's exception raised inside a `__del__` or a weakref callback is printed
+    and swallowed by Python, and the driver would wait on its ranks forever; the wait loop raises
+    it again at its next wake-up (within _POLL_S)."""
+    global _interrupt
+    _interrupt = exc
+
+
 class RankPool:
     """`world_size` rank processes with a live default process group, serving jobs."""
 
@@ -278,6 +290,8 @@ class RankPool:
         for rank in range(self.world_size):
             got.watch.heard(rank, now)
         while got.pending and not got.watch.found:
+            if _interrupt is not None:
+                raise _interrupt  # a signal whose exception something swallowed on its way up
             if got.errors:
                 deadline = min(deadline, time.monotonic() + _FAILURE_GRACE_S)
             # wake at least every _POLL_S to look for a stall while results are pending

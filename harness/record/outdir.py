@@ -32,6 +32,23 @@ class RunDir:
     path: Path
     """This run's own directory; everything the run writes goes here."""
 
+    def abandon(self) -> None:
+        """Removes this unpublished run (an interrupted or crashed run leaves nothing behind;
+        `--out` still shows the last complete one)."""
+        if not (self.path / COMPLETE).exists():
+            shutil.rmtree(self.path, ignore_errors=True)
+            try:
+                self.path.parent.rmdir()  # only if no other run is there
+            except OSError:
+                pass
+
+    def __enter__(self) -> RunDir:
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if exc_type is not None:
+            self.abandon()
+
     def publish(self) -> Path:
         """Points `link` at this run, atomically (a symlink made beside it, renamed over it),
         marks the run complete and prunes the oldest complete runs. Returns `link`."""

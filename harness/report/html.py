@@ -182,6 +182,8 @@ _CAPTIONS = {
     "drift": "Largest cross-rank difference of any replicated parameter after each step's update "
     "(log scale); points on the dotted line are exactly 0 (bit-identical).",
     "gradnorm": "Ratio of gradient norms between runs per step; 1 means identical.",
+    "schedule": "Learning rate (warmup, then cosine decay) and throughput in tokens per second per step of "
+    "every run (the first step includes one-time work).",
 }
 
 

@@ -5,7 +5,8 @@ nothing leaks between calls).
   loss.png       loss curves of every run, the data's loss floor (where known) dashed;
   lockstep.png   |difference| between runs per step (log y) against the gate's band;
   drift.png      max cross-rank difference of replicated parameters per step (log y);
-  gradnorm.png   grad-norm ratio between runs per step.
+  gradnorm.png   grad-norm ratio between runs per step;
+  schedule.png   learning rate and throughput (tokens/s) per step of every run.
 
 A new plot is one `_plot_NAME(runs, meta, gate, colors, golden)` function and its entry in
 `MAKERS`. Log axes cannot show 0, and 0 is the most important value here (bit-identical runs or
@@ -26,7 +27,9 @@ from matplotlib.figure import Figure
 from sp_harness.judge.gate import GateResult, lockstep_scale
 from sp_harness.record.records import StepRecord, series
 
-PLOTS = ("loss", "lockstep", "drift", "gradnorm")
+PLOTS = ("loss", "lockstep", "drift", "gradnorm", "schedule")
+MAX_DRIFT_PARAMS = 8
+"""Drifting parameters drawn one by one; more are counted in the legend, never dropped silently."""
 
 _COLORS = {"ref": "black", "tp": "tab:blue", "sp": "tab:orange"}
 _CYCLE = ("tab:green", "tab:purple", "tab:brown", "tab:pink", "tab:olive", "tab:cyan", "tab:gray")
@@ -146,9 +149,12 @@ def _plot_drift(runs, meta, gate: GateResult, colors, golden=None) -> Figure:
     first_drift = next((f for f in gate.failures if f.rule == "drift"), None)
     if first_drift is not None:
         recs = sorted(runs[first_drift.run], key=lambda r: r.step)
-        for p in first_drift.params[:3]:
+        for p in first_drift.params[:MAX_DRIFT_PARAMS]:
             params.append((f"{first_drift.run}: {p}", [r.step for r in recs],
                            [r.replica_drift.get(p, 0.0) for r in recs]))
+        hidden = len(first_drift.params) - MAX_DRIFT_PARAMS
+        if hidden > 0:
+            ax.plot([], [], " ", label=f"... and {hidden} more drifting parameter(s) (summary.json lists all)")
     values = [v for *_, ys in curves + params for v in ys] + ([tol] if tol > 0 else [])
     zero = _zero_floor(values)
     for i, (name, xs, ys) in enumerate(curves):
@@ -208,6 +214,23 @@ def _plot_gradnorm(runs, meta, gate: GateResult, colors, golden=None) -> Figure:
     _mark_failure(ax, gate, lambda f: f.metric == "grad_norm")
     if pairs:
         _legend_outside(ax)
+    return fig
+
+
+def _plot_schedule(runs, meta, gate: GateResult, colors, golden=None) -> Figure:
+    fig = Figure(figsize=(11, 6), layout="constrained")
+    ax_lr, ax_tps = fig.subplots(2, 1, sharex=True)
+    for i, (name, recs) in enumerate(runs.items()):
+        xs, ys = _xy(series(recs, "lr"))
+        ax_lr.plot(xs, ys, color=colors[name], label=name, **_style(i))
+        xs, ys = _xy({s: v for s, v in series(recs, "tokens_per_s").items() if math.isfinite(v)})
+        ax_tps.plot(xs, ys, color=colors[name], label=name, **_style(i), **_markers(xs))
+    ax_lr.set_ylabel("learning rate")
+    ax_lr.set_title(f"Schedule and throughput: {title(meta)}")
+    ax_tps.set_ylabel("tokens/s")
+    ax_tps.set_xlabel("step")
+    if runs:
+        ax_lr.legend(loc="upper right", fontsize=8)
     return fig
 
 
@@ -323,7 +346,8 @@ def title(meta: Mapping[str, Any]) -> str:
     return ", ".join(parts)
 
 
-MAKERS = {"loss": _plot_loss, "lockstep": _plot_lockstep, "drift": _plot_drift, "gradnorm": _plot_gradnorm}
+MAKERS = {"loss": _plot_loss, "lockstep": _plot_lockstep, "drift": _plot_drift, "gradnorm": _plot_gradnorm,
+          "schedule": _plot_schedule}
 """Plot name -> maker; PLOTS is the order they are written and shown."""
 
 def floor_label(meta) -> str:

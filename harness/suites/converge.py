@@ -16,6 +16,7 @@ Under `torchrun -m sp_harness.suites.converge` every rank runs the same training
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import os
 import shlex
@@ -146,10 +147,12 @@ def cmd_converge(args) -> int:
     validate_options(opts, args.out)
     # a run of its own, published to --out when complete: concurrent runs never mix
     run_dir = open_run_dir(args.out) if _is_leader() else None
-    result, html, _ = converge(opts, _runner(), run_dir.path if run_dir else args.out, golden=args.golden,
-                               progress=_is_leader())
+    with run_dir or contextlib.nullcontext():  # an interrupted run's directory is removed
+        result, html, _ = converge(opts, _runner(), run_dir.path if run_dir else args.out, golden=args.golden,
+                                   progress=_is_leader())
+        if run_dir is not None:
+            html = run_dir.publish() / html.name
     if run_dir is not None:
-        html = run_dir.publish() / html.name
         print(format_gate(result, html, repro_line("converge", opts, golden=args.golden)))
     return 0 if result.passed else 1
 

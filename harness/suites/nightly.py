@@ -68,15 +68,22 @@ def _append_checks_to_html(html_path: Path, rows: list[dict]) -> None:
 
 
 def cmd_nightly(args) -> int:
+    from sp_harness.record.outdir import open_run_dir
+    from sp_harness.suites.converge import ConvergeOptions, validate_options
+
+    opts = ConvergeOptions(case=args.case, world_size=args.world_size, steps=args.steps)
+    validate_options(opts, args.out)  # a bad --case or --out is exit 2 now, not after the checks
+    with open_run_dir(args.out) as run_dir:  # this run's own directory; removed if interrupted
+        return _nightly(args, opts, run_dir)
+
+
+def _nightly(args, opts, run_dir) -> int:
     from sp_harness.launch.runner import runner as _runner
-    from sp_harness.suites.converge import ConvergeOptions, converge, format_gate, validate_options
+    from sp_harness.record.environment import run_environment
+    from sp_harness.report import history
+    from sp_harness.suites.converge import converge, format_gate
 
     t0 = time.perf_counter()
-    opts = ConvergeOptions(case=args.case, world_size=args.world_size, steps=args.steps)
-    from sp_harness.record.outdir import open_run_dir
-
-    validate_options(opts, args.out)  # a bad --case or --out is exit 2 now, not after the checks
-    run_dir = open_run_dir(args.out)  # this run's own directory, published to --out when complete
     out = run_dir.path
     runner = _runner()
     print(f"[1/2] case checks ({len(nightly_examples())} configs)")
@@ -89,16 +96,35 @@ def cmd_nightly(args) -> int:
           f"{args.world_size} ranks, {args.steps} steps")
     golden_file = GOLDEN_DIR / f"{args.case}.json"
     golden = str(golden_file) if golden_file.exists() and not args.no_golden else None
-    result, html_path, _ = converge(opts, runner, out, golden=golden)
+    result, html_path, runs = converge(opts, runner, out, golden=golden)
     _append_checks_to_html(html_path, rows)
     ok = checks_ok and result.passed
     with open(out / "summary.md", "a") as f:
         f.write("\n### Case checks\n\n" + checks_markdown(rows) + "\n")
+    # the history: this run appended, its key figures drawn against the earlier runs'
+    entry = history.entry_from(case=args.case, runs=runs, rows=rows, gate=result.verdict,
+                               wall_s=time.perf_counter() - t0, environment=run_environment())
+    log = history.history_path(args.out)
+    history.append(log, entry)
+    entries = history.read(log)
+    _append_history_to_html(html_path, history.plot(entries, out / "history.png"), len(entries), log)
     html_path = run_dir.publish() / html_path.name
     print(format_gate(result, html_path) + (f"   (golden: {golden_file.name})" if golden else "   (no golden)"))
     print(f"nightly: {'PASS' if ok else 'FAIL'}: {sum(r['ok'] for r in rows)}/{len(rows)} checks as expected, "
-          f"gate {result.verdict}, {time.perf_counter() - t0:.0f}s")
+          f"gate {result.verdict}, {time.perf_counter() - t0:.0f}s; history: {len(entries)} run(s) in {log}")
     return 0 if ok else 1
+
+
+def _append_history_to_html(html_path: Path, png: Path, num_runs: int, log: Path) -> None:
+    import base64
+
+    data = base64.b64encode(png.read_bytes()).decode("ascii")
+    section = (f"<h2>Nightly history</h2><figure><img alt='history' src='data:image/png;base64,{data}'>"
+               f"<figcaption>This run (red) against the earlier nightly runs ({num_runs} in "
+               f"{html.escape(str(log))}): final loss, the largest lockstep loss difference, wall time, "
+               f"throughput; a cross marks a run whose checks or gate failed.</figcaption></figure>")
+    text = html_path.read_text()
+    html_path.write_text(text.replace("</body>", section + "</body>", 1))
 
 
 def add_subcommands(sub) -> None:
