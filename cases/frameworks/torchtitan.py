@@ -164,7 +164,9 @@ def torchtitan_shard(shapes: Mapping[str, Any], *, enable_sp: bool = True, attn_
         model.load_state_dict(reference.state_dict())
         model.parallelize(_parallel_dims(ctx.tp_group, ctx.tp, ctx.tp))
         io = Layout(seq_dim=1, batch_dim=0, seq_sharded=False)  # tokens whole on every TP rank; torchtitan cuts
-        return Sharded(module=model, input_layout=io, output_layout=io)
+        # a module the plan leaves alone keeps plain params, whole on every rank (as DTensor's
+        # parallelize_module leaves them); every sharded one is a DTensor that maps itself
+        return Sharded(module=model, input_layout=io, output_layout=io, replicated=("*",))
 
     return shard
 
