@@ -38,6 +38,8 @@ EXPECTED_KILLER = {
     "mutant-sp-norm-sync-lost-at-step-3": ("grad", "even"),
     "mutant-sp-reduce-scatter-world": ("crash", "dp2xtp2"),
     "mutant-sp-row-bias-before-reduce": ("forward", "even"),
+    "mutant-titan-embedding-partial-as-replicate": ("forward", "even"),
+    "mutant-titan-norm-sp-dropped": ("crash", "even"),
     "mutant-tp-all-reduce-world": ("forward", "dp2xtp2"),
     "mutant-tp-row-bias-before-reduce": ("forward", "even"),
     "mutant-ulysses-a2a-assumes-even": ("crash", "uneven"),

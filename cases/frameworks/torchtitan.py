@@ -193,8 +193,7 @@ def torchtitan_case(name: str, model_kwargs: Mapping[str, Any], *, tp: int | Non
     shapes.setdefault("dim", 32)
     case_fields.setdefault("setup", _import_torchtitan)
     defaults = dict(hidden=shapes["dim"], num_layers=shapes["n_layers"], num_heads=shapes["n_heads"],
-                    num_kv_heads=shapes.get("n_kv_heads"), vocab=shapes["vocab_size"], seq_len=seq_len, batch=batch,
-                    dtype="float32")
+                    num_kv_heads=shapes.get("n_kv_heads"), vocab=shapes["vocab_size"], seq_len=seq_len, batch=batch)
 
     def validate(cfg):
         run_tp = cfg.world_size // cfg.dp
