@@ -36,6 +36,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
@@ -49,9 +50,10 @@ _SHAPE_KEYS = ("dim", "n_layers", "n_heads", "n_kv_heads", "vocab_size", "hidden
                "ffn_dim_multiplier", "rope_theta", "max_seq_len", "fuse_qkv", "norm_eps")
 
 
-def cpu_shims() -> None:
-    """The CPU shims, all of them; a no-op where triton is importable (every CUDA install),
-    idempotent. It must run before torchtitan is first imported.
+def cpu_shims(fsdp_model: nn.Module | None = None) -> None:
+    """The CPU shims, all of them, each a no-op where it is not needed, idempotent. Without an
+    argument (before torchtitan is first imported) the first; with the model torchtitan's
+    `apply_fsdp_to_decoder` wrapped, the second.
 
     1. torchtitan's model package imports its MoE token dispatcher, which imports the triton
        kernels of its expert-parallel all-to-all (`minimal_async_ep.kernels`, `import triton` at
@@ -59,7 +61,22 @@ def cpu_shims() -> None:
        every kernel raises if called. A dense llama3 never calls them (no MoE, no expert
        parallelism), so what torchtitan computes is unchanged. Nothing else sees the stand-in:
        no fake `triton` module is installed, so torch's own triton probes still find none.
+       Skipped where triton is importable (every CUDA install).
+    2. FSDP2 on gloo: FSDP2 averages grads over DP inside its reduce-scatter
+       (`ReduceOp.AVG` / `PREMUL_SUM(1/dp)`), which gloo refuses ("Cannot use ReduceOp.PREMUL_SUM
+       with Gloo"). Each FSDP module is told `set_force_sum_reduction_for_comms(True)`, FSDP2's
+       own switch for backends with SUM reductions only: the same average, with the 1/dp
+       applied by FSDP before/after a SUM reduce-scatter. Skipped where the DP group is not gloo.
     """
+    if fsdp_model is not None:
+        from torch.distributed.fsdp import FSDPModule
+
+        for module in fsdp_model.modules():
+            if isinstance(module, FSDPModule):
+                group = module._get_fsdp_state()._fsdp_param_group
+                if group is None or dist.get_backend(group.mesh_info.shard_process_group) == "gloo":
+                    module.set_force_sum_reduction_for_comms(True)
+        return
     if _KERNELS in sys.modules or importlib.util.find_spec("triton") is not None:
         return
 
@@ -140,6 +157,32 @@ def _parallel_dims(tp_group, tp: int, world_size: int):
     return dims
 
 
+def _parallelize_with_fsdp(model: nn.Module, ctx) -> None:
+    """DP x TP: torchtitan's TP + SP plan on the "tp" axis, then its own data parallelism,
+    `apply_fsdp_to_decoder` (FSDP2 `fully_shard` per block, the embedding, and norm + lm_head)
+    on the "dp" axis of the same 2-D mesh (FSDP2 over TP DTensors needs one root mesh). Its mixed
+    precision policy is set to the run dtype (params and reductions), so it casts nothing."""
+    from torch.distributed.fsdp import FSDPModule
+    from torchtitan.distributed import ParallelDims
+    from torchtitan.distributed.fsdp import apply_fsdp_to_decoder
+
+    mesh = ctx.device_mesh  # ("dp", "tp") over the harness's groups
+    dims = ParallelDims(dp_replicate=1, dp_shard=ctx.dp, cp=1, tp=ctx.tp, pp=1, ep=1, world_size=ctx.world_size,
+                        spmd_backend="partial_dtensor")
+    dims._single_axis_meshes = {"tp": mesh["tp"], "fsdp": mesh["dp"]}
+    model.parallelize(dims)
+    dtype = ctx.config.torch_dtype
+    apply_fsdp_to_decoder(model, mesh["dp"], param_dtype=dtype, reduce_dtype=dtype, pp_enabled=False)
+    # apply_fsdp_to_decoder turns FSDP's grad division off (`disable_fsdp_gradient_division`):
+    # torchtitan's trainer divides each replica's summed token loss by the global token count, so
+    # the SUM over DP is the mean. The engine's replica loss is the replica's own mean, so FSDP's
+    # divide factor goes back to the DP size: the same grads (every replica holds equal tokens).
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.set_gradient_divide_factor(float(ctx.dp))
+    cpu_shims(model)
+
+
 def _build(config, dtype: torch.dtype) -> nn.Module:
     model = config.build()
     model.init_states()
@@ -162,7 +205,10 @@ def torchtitan_shard(shapes: Mapping[str, Any], *, enable_sp: bool = True, attn_
                                edit_sharding=edit_sharding)
         model = _build(config, cfg.torch_dtype)
         model.load_state_dict(reference.state_dict())
-        model.parallelize(_parallel_dims(ctx.tp_group, ctx.tp, ctx.tp))
+        if ctx.dp == 1:
+            model.parallelize(_parallel_dims(ctx.tp_group, ctx.tp, ctx.tp))
+        else:
+            _parallelize_with_fsdp(model, ctx)
         io = Layout(seq_dim=1, batch_dim=0, seq_sharded=False)  # tokens whole on every TP rank; torchtitan cuts
         # a module the plan leaves alone keeps plain params, whole on every rank (as DTensor's
         # parallelize_module leaves them); every sharded one is a DTensor that maps itself
@@ -200,9 +246,6 @@ def torchtitan_case(name: str, model_kwargs: Mapping[str, Any], *, tp: int | Non
         if tp is not None and run_tp != tp:
             raise Unsupported(f"{name} is torchtitan at TP {tp}; this run has TP {run_tp} "
                               f"(world size {cfg.world_size}, dp {cfg.dp})")
-        if cfg.dp != 1:
-            raise Unsupported(f"dp {cfg.dp}: torchtitan's data parallelism is FSDP2 (apply_fsdp_to_decoder); this "
-                              "case checks its TP + SP sharding config on one replica")
         if cfg.seq_shards is not None:
             raise Unsupported("torchtitan's sequence parallelism is DTensor's Shard(1): torch.chunk's split, no "
                               "explicit seq_shards")
