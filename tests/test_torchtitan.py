@@ -1,6 +1,6 @@
 """torchtitan 0.3.0 as a system under test (sp_harness.cases.frameworks.torchtitan), on real gloo
 ranks: its llama3 under its own TP + SP sharding config (`Module.parallelize`, DTensor backend)
-at TP 2 and 4 against the same model unsharded, and a plan bug expressed through torchtitan's
+at TP 2 and 4, and DP 2 x TP 2 under its own FSDP2, against the same model unsharded, and a plan bug expressed through torchtitan's
 own `ShardingConfig`, which must FAIL at the forward."""
 
 import os
@@ -22,10 +22,14 @@ def _config(name: str, **fields) -> CheckConfig:
     return CheckConfig(case=f"{EXAMPLE}:{name}", timeout_s=TIMEOUT_S, **fields)
 
 
-@pytest.mark.parametrize("name,world_size,dtype", [("LLAMA3_SP_TP2", 2, "float32"), ("LLAMA3_SP_TP4", 4, "float32"),
-                                                   ("LLAMA3_SP_TP2", 2, "bfloat16")])
-def test_llama3_sequence_parallel_passes(sp_check, name, world_size, dtype):
-    res = sp_check(_config(name, world_size=world_size, dtype=dtype))
+@pytest.mark.parametrize("name,world_size,dp,dtype", [
+    ("LLAMA3_SP_TP2", 2, 1, "float32"),
+    ("LLAMA3_SP_TP4", 4, 1, "float32"),
+    ("LLAMA3_SP_TP2", 2, 1, "bfloat16"),
+    ("LLAMA3_SP_TP2", 4, 2, "float32"),  # DP 2 x TP 2: torchtitan's own FSDP2 (apply_fsdp_to_decoder)
+])
+def test_llama3_sequence_parallel_passes(sp_check, name, world_size, dp, dtype):
+    res = sp_check(_config(name, world_size=world_size, dp=dp, dtype=dtype))
     assert res.verdict == PASS, res.reason + res.error
     assert {"forward", "loss", "grad", "param"} <= set(res.worst)
     assert not res.drift
@@ -46,6 +50,6 @@ def test_vocab_parallel_embedding_partial_declared_replicate_fails_at_forward(sp
     assert res.verdict == FAIL and res.first_check == "forward", res.reason + res.error
 
 
-def test_a_run_at_another_tp_or_with_dp_is_unsupported_naming_it(sp_check):
+def test_a_run_at_another_tp_is_unsupported_naming_both(sp_check):
     res = sp_check(_config("LLAMA3_SP_TP2", world_size=4))
     assert res.verdict == UNSUPPORTED and "TP 2" in res.reason and "TP 4" in res.reason, res.reason

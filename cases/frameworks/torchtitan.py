@@ -17,6 +17,9 @@ model unsharded.
   DTensor on the TP axis, which is torchtitan's TP + SP via DTensor). The `ParallelDims` holds
   one mesh, "tp", built on this rank's TP group (`DeviceMesh.from_group`); torchtitan's own
   `build_mesh` would make a mesh of the whole world on "cuda".
+- DP x TP (`--dp`): torchtitan's own data parallelism, `apply_fsdp_to_decoder` (FSDP2), on the
+  "dp" axis of the harness's 2-D ("dp", "tp") mesh, after the TP plan on its "tp" axis, as
+  torchtitan's `parallelize_llama` orders them.
 - Params are DTensors; the engine reads each one's placements (Shard(d) on TP: split on d;
   Replicate: whole on every TP rank, checked bit for bit). Grads over TP are DTensor's own
   (a Replicate norm weight used on a sequence shard gets its Partial grad all-reduced).
@@ -24,7 +27,8 @@ model unsharded.
   engine; the loss is a plain cross entropy in the run dtype on both sides.
 - Attention: torchtitan's `ScaledDotProductAttention` (causal) on the CPU; its llama3 flavors
   default to FlexAttention, whose compiled CPU kernel has no backward (`validate`).
-- CPU shims live in `cpu_shims` alone, applied only where triton is absent.
+- CPU shims live in `cpu_shims` alone: the triton-kernel module stand-in (where triton is absent)
+  and FSDP2's SUM-only reductions (where the DP group is gloo).
 """
 
 from __future__ import annotations

@@ -13,7 +13,9 @@ its cases share processes only with each other."""
 TITAN_LLAMA3_SP = register(torchtitan_case(
     "titan-llama3-sp", SHAPES, isolation=ISOLATION,
     examples=(Example(fields=(("world_size", 2), ("dtype", "float32")), note="torchtitan llama3, TP 2 + SP"),
-              Example(fields=(("world_size", 4), ("dtype", "float32")), note="torchtitan llama3, TP 4 + SP"))))
+              Example(fields=(("world_size", 4), ("dtype", "float32")), note="torchtitan llama3, TP 4 + SP"),
+              Example(fields=(("world_size", 4), ("dp", 2), ("dtype", "float32")),
+                      note="torchtitan llama3, DP 2 x TP 2 + SP, its FSDP2 (apply_fsdp_to_decoder)"))))
 
 
 def embedding_partial_declared_replicate(config) -> None:
