@@ -39,6 +39,7 @@ EXPECTED_KILLER = {
     "mutant-sp-reduce-scatter-world": ("crash", "dp2xtp2"),
     "mutant-sp-row-bias-before-reduce": ("forward", "even"),
     "mutant-titan-embedding-partial-as-replicate": ("forward", "even"),
+    "mutant-titan-fsdp-grads-summed-over-dp": ("grad", "dp2xtp2"),
     "mutant-titan-norm-sp-dropped": ("crash", "even"),
     "mutant-tp-all-reduce-world": ("forward", "dp2xtp2"),
     "mutant-tp-row-bias-before-reduce": ("forward", "even"),

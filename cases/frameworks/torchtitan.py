@@ -161,7 +161,7 @@ def _parallel_dims(tp_group, tp: int, world_size: int):
     return dims
 
 
-def _parallelize_with_fsdp(model: nn.Module, ctx) -> None:
+def _parallelize_with_fsdp(model: nn.Module, ctx, *, fsdp_mean: bool = True) -> None:
     """DP x TP: torchtitan's TP + SP plan on the "tp" axis, then its own data parallelism,
     `apply_fsdp_to_decoder` (FSDP2 `fully_shard` per block, the embedding, and norm + lm_head)
     on the "dp" axis of the same 2-D mesh (FSDP2 over TP DTensors needs one root mesh). Its mixed
@@ -181,9 +181,10 @@ def _parallelize_with_fsdp(model: nn.Module, ctx) -> None:
     # torchtitan's trainer divides each replica's summed token loss by the global token count, so
     # the SUM over DP is the mean. The engine's replica loss is the replica's own mean, so FSDP's
     # divide factor goes back to the DP size: the same grads (every replica holds equal tokens).
-    for module in model.modules():
-        if isinstance(module, FSDPModule):
-            module.set_gradient_divide_factor(float(ctx.dp))
+    if fsdp_mean:
+        for module in model.modules():
+            if isinstance(module, FSDPModule):
+                module.set_gradient_divide_factor(float(ctx.dp))
     cpu_shims(model)
 
 
@@ -195,10 +196,13 @@ def _build(config, dtype: torch.dtype) -> nn.Module:
 
 
 def torchtitan_shard(shapes: Mapping[str, Any], *, enable_sp: bool = True, attn_backend: str = "sdpa",
-                     edit_sharding: Callable[[Any], None] | None = None):
+                     edit_sharding: Callable[[Any], None] | None = None, fsdp_mean: bool = True):
     """The sharded factory of a `torchtitan_case`: this rank's llama3 built from the config
     (with `edit_sharding` applied to its sharding config), loaded with the reference's state
-    and parallelized by torchtitan's `Module.parallelize` on this rank's TP group."""
+    and parallelized by torchtitan's `Module.parallelize` on this rank's TP group (and, at
+    dp > 1, its `apply_fsdp_to_decoder`). `fsdp_mean=False` leaves FSDP's grad division as
+    `apply_fsdp_to_decoder` sets it (off: grads summed over DP, for torchtitan's trainer, which
+    divides the loss by the global token count)."""
 
     def shard(reference: nn.Module, ctx) -> Sharded:
         from torchtitan.distributed.utils import set_spmd_backend
@@ -212,7 +216,7 @@ def torchtitan_shard(shapes: Mapping[str, Any], *, enable_sp: bool = True, attn_
         if ctx.dp == 1:
             model.parallelize(_parallel_dims(ctx.tp_group, ctx.tp, ctx.tp))
         else:
-            _parallelize_with_fsdp(model, ctx)
+            _parallelize_with_fsdp(model, ctx, fsdp_mean=fsdp_mean)
         io = Layout(seq_dim=1, batch_dim=0, seq_sharded=False)  # tokens whole on every TP rank; torchtitan cuts
         # a module the plan leaves alone keeps plain params, whole on every rank (as DTensor's
         # parallelize_module leaves them); every sharded one is a DTensor that maps itself

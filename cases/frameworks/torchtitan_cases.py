@@ -48,3 +48,11 @@ mutant(TITAN_LLAMA3_SP, name="mutant-titan-norm-sp-dropped",
            "DTensor activation",
        source="pytorch/pytorch#139681",
        shard=torchtitan_shard(SHAPES, edit_sharding=norm_sequence_parallel_dropped))
+
+mutant(TITAN_LLAMA3_SP, name="mutant-titan-fsdp-grads-summed-over-dp",
+       summary="apply_fsdp_to_decoder's grad division left off under a per-replica mean loss",
+       bug="grads summed over DP where the loss is each replica's mean (torchtitan turns FSDP's division off for "
+           "its global-token loss scaling): DP times the grads, which AdamW's scale invariance hides from the "
+           "loss and the params",
+       source="pytorch/torchtitan#2323",
+       shard=torchtitan_shard(SHAPES, fsdp_mean=False))
