@@ -19,6 +19,7 @@ import importlib.util
 FRAMEWORK_CASES: dict[str, str] = {
     "megatron.core": "sp_harness.cases.frameworks.megatron_cases",
     "yunchang": "sp_harness.cases.frameworks.yunchang_cases",
+    "torchtitan": "sp_harness.cases.frameworks.torchtitan_cases",
 }
 """importable framework module -> the module registering its built-in cases."""
 

@@ -39,10 +39,20 @@ class LocalParam:
         self.param = param
         self.dtensor = is_dtensor(param)
         self.spec = spec
+        self.sharded_dp = False
+        """A DTensor param sharded over a non-TP mesh dim (FSDP's Shard on "dp"): its local pieces
+        are not replicas across DP."""
         if self.dtensor:
             from torch.distributed.tensor import Replicate
 
-            self.replicated_tp = all(isinstance(p, Replicate) for p in param.placements)
+            names = param.device_mesh.mesh_dim_names
+            if names is not None and "tp" in names and len(names) > 1:
+                tp_dim = names.index("tp")
+                self.replicated_tp = isinstance(param.placements[tp_dim], Replicate)
+                self.sharded_dp = any(not isinstance(p, Replicate) for i, p in enumerate(param.placements)
+                                      if i != tp_dim)
+            else:
+                self.replicated_tp = all(isinstance(p, Replicate) for p in param.placements)
         else:
             self.replicated_tp = spec.replicated_tp
 
@@ -141,13 +151,14 @@ class Drift:
 
 
 def replica_drift(step: int, params: list[LocalParam], ctx: RankContext, hint: set[str]) -> list[Drift]:
-    """Bit-for-bit comparison of replicated params across TP ranks, and of all params across DP."""
+    """Bit-for-bit comparison of replicated params across TP ranks, and of all params across DP
+    (but those sharded over DP, FSDP's: one copy, nothing to drift)."""
     drifts = []
     checks = []
     if ctx.tp > 1:
         checks.append(("tp", ctx.tp_group, ctx.tp_ranks, [p for p in params if p.replicated_tp or p.spec.ref_name in hint]))
     if ctx.dp > 1:
-        checks.append(("dp", ctx.dp_group, ctx.dp_ranks, params))
+        checks.append(("dp", ctx.dp_group, ctx.dp_ranks, [p for p in params if not p.sharded_dp]))
     for label, group, ranks, plist in checks:
         if not plist:
             continue

@@ -1,0 +1,301 @@
+"""Stage: build reference + sharded. torchtitan as a system under test: its llama3 model with its
+own tensor + sequence parallel sharding config turned into a `Case`, verified against the same
+model unsharded.
+
+    from sp_harness.cases.frameworks.torchtitan import torchtitan_case
+    LLAMA3_SP = torchtitan_case("llama3-sp", dict(dim=32, n_layers=2, n_heads=4, vocab_size=64), tp=2)
+
+- The model is torchtitan 0.3.0's `Llama3Model`, its config built the way torchtitan builds its
+  own flavors (`torchtitan.models.llama3._build_llama3_layers`, fused wqkv, complex RoPE, SwiGLU
+  FFN, RMSNorm), with the shapes given.
+- The reference is that model unsharded, float64, never parallelized.
+- The sharded twin is the same model with torchtitan's own llama3 sharding config
+  (`set_llama3_sharding_config(config, enable_sp=True)`: the plan that declares colwise
+  wqkv/w1/w3, rowwise wo/w2 reduce-scattering to the sequence shard, sequence-parallel
+  RMSNorms, the vocab-parallel embedding and the colwise lm_head), applied by torchtitan's own
+  `Module.parallelize(parallel_dims)` on the DTensor backend (`spmd_backend="partial_dtensor"`:
+  DTensor on the TP axis, which is torchtitan's TP + SP via DTensor). The `ParallelDims` holds
+  one mesh, "tp", built on this rank's TP group (`DeviceMesh.from_group`); torchtitan's own
+  `build_mesh` would make a mesh of the whole world on "cuda".
+- DP x TP (`--dp`): torchtitan's own data parallelism, `apply_fsdp_to_decoder` (FSDP2), on the
+  "dp" axis of the harness's 2-D ("dp", "tp") mesh, after the TP plan on its "tp" axis, as
+  torchtitan's `parallelize_llama` orders them.
+- Params are DTensors; the engine reads each one's placements (Shard(d) on TP: split on d;
+  Replicate: whole on every TP rank, checked bit for bit). Grads over TP are DTensor's own
+  (a Replicate norm weight used on a sequence shard gets its Partial grad all-reduced).
+- The output is the lm_head's DTensor (Shard(-1) on TP: vocab-parallel logits), gathered by the
+  engine; the loss is a plain cross entropy in the run dtype on both sides.
+- Attention: torchtitan's `ScaledDotProductAttention` (causal) on the CPU; its llama3 flavors
+  default to FlexAttention, whose compiled CPU kernel has no backward (`validate`).
+- CPU shims live in `cpu_shims` alone: the triton-kernel module stand-in (where triton is absent)
+  and FSDP2's SUM-only reductions (where the DP group is gloo).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+import types
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from sp_harness import Batch, Case, Layout, Sharded, Unsupported
+
+TORCHTITAN_VERSION = "0.3.0"
+"""The release this module is tested with (the `torchtitan` extra pins it)."""
+
+_KERNELS = "torchtitan.distributed.minimal_async_ep.kernels"
+_SHAPE_KEYS = ("dim", "n_layers", "n_heads", "n_kv_heads", "vocab_size", "hidden_dim", "multiple_of",
+               "ffn_dim_multiplier", "rope_theta", "max_seq_len", "fuse_qkv", "norm_eps")
+
+
+def cpu_shims(fsdp_model: nn.Module | None = None) -> None:
+    """The CPU shims, all of them, each a no-op where it is not needed, idempotent. Without an
+    argument (before torchtitan is first imported) the first; with the model torchtitan's
+    `apply_fsdp_to_decoder` wrapped, the second.
+
+    1. torchtitan's model package imports its MoE token dispatcher, which imports the triton
+       kernels of its expert-parallel all-to-all (`minimal_async_ep.kernels`, `import triton` at
+       module level); a CPU torch has no triton. That one module is replaced by a stand-in whose
+       every kernel raises if called. A dense llama3 never calls them (no MoE, no expert
+       parallelism), so what torchtitan computes is unchanged. Nothing else sees the stand-in:
+       no fake `triton` module is installed, so torch's own triton probes still find none.
+       Skipped where triton is importable (every CUDA install).
+    2. FSDP2 on gloo: FSDP2 averages grads over DP inside its reduce-scatter
+       (`ReduceOp.AVG` / `PREMUL_SUM(1/dp)`), which gloo refuses ("Cannot use ReduceOp.PREMUL_SUM
+       with Gloo"). Each FSDP module is told `set_force_sum_reduction_for_comms(True)`, FSDP2's
+       own switch for backends with SUM reductions only: the same average, with the 1/dp
+       applied by FSDP before/after a SUM reduce-scatter. Skipped where the DP group is not gloo.
+    """
+    if fsdp_model is not None:
+        from torch.distributed.fsdp import FSDPModule
+
+        for module in fsdp_model.modules():
+            if isinstance(module, FSDPModule):
+                group = module._get_fsdp_state()._fsdp_param_group
+                if group is None or dist.get_backend(group.mesh_info.shard_process_group) == "gloo":
+                    module.set_force_sum_reduction_for_comms(True)
+        return
+    if _KERNELS in sys.modules or importlib.util.find_spec("triton") is not None:
+        return
+
+    class _NoTritonKernels(types.ModuleType):
+        def __getattr__(self, name):
+            if name.startswith("__"):
+                raise AttributeError(name)
+
+            def kernel(*args, **kwargs):
+                raise RuntimeError(f"{_KERNELS}.{name}: a triton kernel (expert parallelism), and triton "
+                                   "is not installed")
+
+            return kernel
+
+    sys.modules[_KERNELS] = _NoTritonKernels(_KERNELS)
+
+
+def _import_torchtitan() -> None:
+    """The case's per-process setup: the shim, then torchtitan's llama3 imported before any job's clock."""
+    cpu_shims()
+    import torchtitan.models.llama3  # noqa: F401
+    import torchtitan.models.llama3.sharding  # noqa: F401
+
+
+def llama3_config(shapes: Mapping[str, Any], *, enable_sp: bool = True, attn_backend: str = "sdpa",
+                  edit_sharding: Callable[[Any], None] | None = None):
+    """A torchtitan `Llama3Model.Config` of the given shapes, built as torchtitan builds its own
+    flavors (`_debugmodel`), with torchtitan's llama3 sharding config set on it
+    (`set_llama3_sharding_config`, what its trainer's `update_from_config` does).
+    `attn_backend`: "sdpa" (torchtitan's causal `ScaledDotProductAttention`) or a backend
+    torchtitan's `get_attention_config` knows ("flex", "varlen": GPU only).
+    `edit_sharding(config)` runs after the sharding config is set: a user's own change to the
+    plan (a mutant's)."""
+    cpu_shims()
+    from torchtitan.models import llama3 as L
+    from torchtitan.models.common.attention import ScaledDotProductAttention
+    from torchtitan.models.llama3.sharding import set_llama3_sharding_config
+
+    dim, vocab = shapes["dim"], shapes["vocab_size"]
+    n_heads = shapes["n_heads"]
+    hidden = shapes.get("hidden_dim") or L.compute_ffn_hidden_dim(
+        dim, multiple_of=shapes.get("multiple_of", 16), ffn_dim_multiplier=shapes.get("ffn_dim_multiplier"))
+    eps = shapes.get("norm_eps", 1e-5)
+    layers = L._build_llama3_layers(
+        fuse_qkv=shapes.get("fuse_qkv", True), n_layers=shapes["n_layers"], dim=dim, n_heads=n_heads,
+        n_kv_heads=shapes.get("n_kv_heads"), hidden_dim=hidden,
+        rope=L.ComplexRoPE.Config(dim=dim // n_heads, max_seq_len=shapes.get("max_seq_len", 256),
+                                  theta=shapes.get("rope_theta", 500000), scaling="llama"),
+        attn_backend="flex" if attn_backend == "sdpa" else attn_backend)
+    for layer in layers:
+        layer.attention_norm.eps = layer.ffn_norm.eps = eps
+        if attn_backend == "sdpa":
+            layer.attention.inner_attention = ScaledDotProductAttention.Config()
+    config = L.Llama3Model.Config(
+        dim=dim, vocab_size=vocab,
+        tok_embeddings=L.Embedding.Config(num_embeddings=vocab, embedding_dim=dim, param_init=L._EMBEDDING_INIT),
+        norm=L.RMSNorm.Config(normalized_shape=dim, eps=eps, param_init=L._NORM_INIT),
+        lm_head=L.Linear.Config(in_features=dim, out_features=vocab, param_init=L._output_linear_init(dim)),
+        layers=layers)
+    set_llama3_sharding_config(config, enable_sp=enable_sp)
+    if edit_sharding is not None:
+        edit_sharding(config)
+    return config
+
+
+def _parallel_dims(tp_group, tp: int, world_size: int):
+    """torchtitan's `ParallelDims` for TP `tp` on the DTensor backend, its one mesh ("tp") built on
+    this rank's TP group. `Module.parallelize` resolves every placement on the "tp" axis alone
+    under this backend (DP and CP stay out of band), so no other mesh is needed."""
+    from torch.distributed.device_mesh import DeviceMesh
+    from torchtitan.distributed import ParallelDims
+
+    dims = ParallelDims(dp_replicate=1, dp_shard=world_size // tp, cp=1, tp=tp, pp=1, ep=1, world_size=world_size,
+                        spmd_backend="partial_dtensor")
+    mesh = DeviceMesh.from_group(tp_group, "cpu" if not torch.cuda.is_available() else "cuda",
+                                 mesh_dim_names=("tp",))
+    dims._single_axis_meshes = {"tp": mesh}
+    return dims
+
+
+def _parallelize_with_fsdp(model: nn.Module, ctx, *, fsdp_mean: bool = True) -> None:
+    """DP x TP: torchtitan's TP + SP plan on the "tp" axis, then its own data parallelism,
+    `apply_fsdp_to_decoder` (FSDP2 `fully_shard` per block, the embedding, and norm + lm_head)
+    on the "dp" axis of the same 2-D mesh (FSDP2 over TP DTensors needs one root mesh). Its mixed
+    precision policy is set to the run dtype (params and reductions), so it casts nothing."""
+    from torch.distributed.fsdp import FSDPModule
+    from torchtitan.distributed import ParallelDims
+    from torchtitan.distributed.fsdp import apply_fsdp_to_decoder
+
+    mesh = ctx.device_mesh  # ("dp", "tp") over the harness's groups
+    dims = ParallelDims(dp_replicate=1, dp_shard=ctx.dp, cp=1, tp=ctx.tp, pp=1, ep=1, world_size=ctx.world_size,
+                        spmd_backend="partial_dtensor")
+    dims._single_axis_meshes = {"tp": mesh["tp"], "fsdp": mesh["dp"]}
+    model.parallelize(dims)
+    dtype = ctx.config.torch_dtype
+    apply_fsdp_to_decoder(model, mesh["dp"], param_dtype=dtype, reduce_dtype=dtype, pp_enabled=False)
+    # apply_fsdp_to_decoder turns FSDP's grad division off (`disable_fsdp_gradient_division`):
+    # torchtitan's trainer divides each replica's summed token loss by the global token count, so
+    # the SUM over DP is the mean. The engine's replica loss is the replica's own mean, so FSDP's
+    # divide factor goes back to the DP size: the same grads (every replica holds equal tokens).
+    if fsdp_mean:
+        for module in model.modules():
+            if isinstance(module, FSDPModule):
+                module.set_gradient_divide_factor(float(ctx.dp))
+    cpu_shims(model)
+
+
+def _build(config, dtype: torch.dtype) -> nn.Module:
+    model = config.build()
+    model.init_states()
+    # floating tensors only: the complex64 RoPE cache keeps its dtype, as torchtitan keeps it
+    return model._apply(lambda t: t.to(dtype) if t.is_floating_point() else t)
+
+
+def torchtitan_shard(shapes: Mapping[str, Any], *, enable_sp: bool = True, attn_backend: str = "sdpa",
+                     edit_sharding: Callable[[Any], None] | None = None, fsdp_mean: bool = True):
+    """The sharded factory of a `torchtitan_case`: this rank's llama3 built from the config
+    (with `edit_sharding` applied to its sharding config), loaded with the reference's state
+    and parallelized by torchtitan's `Module.parallelize` on this rank's TP group (and, at
+    dp > 1, its `apply_fsdp_to_decoder`). `fsdp_mean=False` leaves FSDP's grad division as
+    `apply_fsdp_to_decoder` sets it (off: grads summed over DP, for torchtitan's trainer, which
+    divides the loss by the global token count)."""
+
+    def shard(reference: nn.Module, ctx) -> Sharded:
+        from torchtitan.distributed.utils import set_spmd_backend
+
+        cfg = ctx.config
+        set_spmd_backend("partial_dtensor")
+        config = llama3_config(_run_shapes(shapes, cfg), enable_sp=enable_sp, attn_backend=attn_backend,
+                               edit_sharding=edit_sharding)
+        model = _build(config, cfg.torch_dtype)
+        model.load_state_dict(reference.state_dict())
+        if ctx.dp == 1:
+            model.parallelize(_parallel_dims(ctx.tp_group, ctx.tp, ctx.tp))
+        else:
+            _parallelize_with_fsdp(model, ctx, fsdp_mean=fsdp_mean)
+        io = Layout(seq_dim=1, batch_dim=0, seq_sharded=False)  # tokens whole on every TP rank; torchtitan cuts
+        # a module the plan leaves alone keeps plain params, whole on every rank (as DTensor's
+        # parallelize_module leaves them); every sharded one is a DTensor that maps itself
+        return Sharded(module=model, input_layout=io, output_layout=io, replicated=("*",))
+
+    return shard
+
+
+def _run_shapes(shapes: Mapping[str, Any], cfg) -> dict:
+    """The case's shapes with the run's config on top (--hidden, --num-layers, --vocab, ...)."""
+    return {**shapes, "dim": cfg.hidden, "n_layers": cfg.num_layers, "n_heads": cfg.num_heads,
+            "n_kv_heads": cfg.num_kv_heads, "vocab_size": cfg.vocab, "max_seq_len": max(cfg.seq_len, 2)}
+
+
+def torchtitan_case(name: str, model_kwargs: Mapping[str, Any], *, tp: int | None = None,
+                    enable_sp: bool = True, attn_backend: str = "sdpa", seq_len: int = 16, batch: int = 2,
+                    edit_sharding: Callable[[Any], None] | None = None, **case_fields: Any) -> Case:
+    """A `Case` checking torchtitan's llama3 of `model_kwargs` (dim, n_layers, n_heads,
+    n_kv_heads, vocab_size, hidden_dim or multiple_of/ffn_dim_multiplier, rope_theta, fuse_qkv,
+    norm_eps) under torchtitan's TP (+ SP where `enable_sp`) sharding config at TP `tp` (None:
+    whatever TP the run has) against the same model unsharded. The shapes become the case's
+    defaults (`--hidden`, `--num-heads`, `--vocab`, ... override them). `edit_sharding`: as
+    `llama3_config`'s. `case_fields`: any other `Case` field (defaults, tags, ...)."""
+    unknown = sorted(set(model_kwargs) - set(_SHAPE_KEYS))
+    if unknown:
+        raise ValueError(f"torchtitan_case({name!r}): unknown model kwargs {unknown}; known: {list(_SHAPE_KEYS)}")
+    shapes = {"n_layers": 2, "n_heads": 4, "vocab_size": 64, "multiple_of": 16, **model_kwargs}
+    shapes.setdefault("dim", 32)
+    case_fields.setdefault("setup", _import_torchtitan)
+    defaults = dict(hidden=shapes["dim"], num_layers=shapes["n_layers"], num_heads=shapes["n_heads"],
+                    num_kv_heads=shapes.get("n_kv_heads"), vocab=shapes["vocab_size"], seq_len=seq_len, batch=batch)
+
+    def validate(cfg):
+        run_tp = cfg.world_size // cfg.dp
+        if tp is not None and run_tp != tp:
+            raise Unsupported(f"{name} is torchtitan at TP {tp}; this run has TP {run_tp} "
+                              f"(world size {cfg.world_size}, dp {cfg.dp})")
+        if cfg.seq_shards is not None:
+            raise Unsupported("torchtitan's sequence parallelism is DTensor's Shard(1): torch.chunk's split, no "
+                              "explicit seq_shards")
+        if attn_backend != "sdpa" and not torch.cuda.is_available():
+            raise Unsupported(f"attention backend {attn_backend!r}: FlexAttention's compiled CPU kernel has no "
+                              "backward; use attn_backend='sdpa' (torchtitan's ScaledDotProductAttention) on CPU")
+        if not cfg.causal:
+            raise Unsupported("torchtitan's language models are causal (ScaledDotProductAttention is_causal=True)")
+        if cfg.layout != "bsh":
+            raise Unsupported(f"layout {cfg.layout}: torchtitan's llama3 is (batch, seq, hidden)")
+        kv = cfg.num_kv_heads or cfg.num_heads
+        # torchtitan's own check (Decoder.Config.update_from_config), and SP's even split of the sequence
+        if cfg.num_heads % run_tp or kv % run_tp:
+            raise Unsupported(f"torchtitan: tensor_parallel_degree ({run_tp}) must divide n_heads "
+                              f"({cfg.num_heads}) and n_kv_heads ({kv})")
+        if cfg.seq_len % run_tp:
+            raise Unsupported(f"torchtitan: sequence parallelism requires seq_len ({cfg.seq_len}) divisible by the "
+                              f"TP degree ({run_tp}) (ParallelDims.seq_len_divisor)")
+        if cfg.hidden % cfg.num_heads:
+            raise Unsupported(f"dim ({cfg.hidden}) is not a multiple of n_heads ({cfg.num_heads})")
+
+    def build_reference(cfg):
+        torch.manual_seed(cfg.seed)
+        return _build(llama3_config(_run_shapes(shapes, cfg), enable_sp=enable_sp, attn_backend=attn_backend),
+                      torch.float64)
+
+    def make_batch(cfg, step, gen):
+        rows = cfg.dp * cfg.batch
+        tokens = torch.randint(0, cfg.vocab, (rows, cfg.seq_len), generator=gen)
+        labels = torch.randint(0, cfg.vocab, (rows, cfg.seq_len), generator=gen)
+        return Batch(inputs={"tokens": tokens}, target=labels)
+
+    defaults.update(case_fields.pop("defaults", {}))
+    return Case(name=name, description=f"torchtitan {TORCHTITAN_VERSION} llama3, {dict(model_kwargs)}, "
+                                       f"{'TP + SP' if enable_sp else 'TP'} sharding config",
+                build_reference=build_reference, make_batch=make_batch,
+                shard=torchtitan_shard(shapes, enable_sp=enable_sp, attn_backend=attn_backend,
+                                       edit_sharding=edit_sharding),
+                loss_sum=lambda out, tgt: F.cross_entropy(out.reshape(-1, out.shape[-1]), tgt.reshape(-1),
+                                                          reduction="sum"),
+                tokens=lambda tgt: tgt.numel(), input_layout=Layout(seq_dim=1, batch_dim=0), validate=validate,
+                defaults=defaults, tags=("torchtitan", "framework", *case_fields.pop("tags", ())), **case_fields)
+
+
+__all__ = ["TORCHTITAN_VERSION", "cpu_shims", "llama3_config", "torchtitan_case", "torchtitan_shard"]
