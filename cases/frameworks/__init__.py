@@ -18,6 +18,7 @@ import importlib.util
 
 FRAMEWORK_CASES: dict[str, str] = {
     "megatron.core": "sp_harness.cases.frameworks.megatron_cases",
+    "deepspeed": "sp_harness.cases.frameworks.deepspeed_cases",
 }
 """importable framework module -> the module registering its built-in cases."""
 

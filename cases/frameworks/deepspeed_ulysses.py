@@ -111,10 +111,10 @@ class UserAttention(Attention):
 class DeepSpeedUlyssesAttention(nn.Module):
     """This rank's tokens -> DeepSpeed's DistributedAttention -> this rank's tokens."""
 
-    def __init__(self, ref: UserAttention, dist_attn: nn.Module, batch_dim_idx: int):
+    def __init__(self, ref: UserAttention, dist_attn: nn.Module, batch_dim_idx: int, told_batch_dim_idx: int):
         super().__init__()
         self.q_proj, self.k_proj, self.v_proj, self.out_proj = ref.q_proj, ref.k_proj, ref.v_proj, ref.out_proj
-        self.head_dim, self.batch_dim_idx = ref.head_dim, batch_dim_idx
+        self.head_dim, self.batch_dim_idx, self.told = ref.head_dim, batch_dim_idx, told_batch_dim_idx
         self.dist_attn = dist_attn
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -124,7 +124,7 @@ class DeepSpeedUlyssesAttention(nn.Module):
         v = self.v_proj(x).view(b, s, -1, self.head_dim)  # (B, s_r, a_kv, d)
         if self.batch_dim_idx == 1:  # DeepSpeed's seq-first layout: (s_r, B, a, d)
             q, k, v = (t.transpose(0, 1) for t in (q, k, v))
-        y = self.dist_attn(q, k, v, self.batch_dim_idx)  # DeepSpeed: same layout and shape as q
+        y = self.dist_attn(q, k, v, self.told)  # DeepSpeed: same layout and shape as q
         if self.batch_dim_idx == 1:
             y = y.transpose(0, 1)  # (B, s_r, a, d)
         return self.out_proj(y.reshape(b, s, -1))  # (B, s_r, H)
@@ -208,15 +208,19 @@ def ulysses_shard(*, local_attention: LocalAttentionFn, scatter_idx: int = 2, ga
 
         cfg = ctx.config
         launcher_env(ctx)
+        # a warm rank process starts each job with DeepSpeed's groups as a new process has them:
+        # an engine made with mpu=None keeps the mpu a previous job's engine installed (it only
+        # ever sets `groups.mpu` when given one), and the uneven-heads all-to-all reads it
+        groups.mpu = None
         ctx.once("deepspeed-init-distributed", _init_distributed)
         ps = _sp_groups(ctx)
         layout_bdi, seq_dim = _layout_indices(cfg.layout)
         told_bdi = layout_bdi if batch_dim_idx is None else batch_dim_idx
         for block in reference.blocks:
-            local = LocalAttention(block.attn.fn, block.attn.causal, layout_bdi)
+            local = LocalAttention(local_attention, block.attn.causal, layout_bdi)
             dist_attn = DistributedAttention(local, ctx.tp_group, scatter_idx=scatter_idx,
                                              gather_idx=seq_dim if gather_idx is None else gather_idx)
-            block.attn = DeepSpeedUlyssesAttention(block.attn, dist_attn, told_bdi)
+            block.attn = DeepSpeedUlyssesAttention(block.attn, dist_attn, layout_bdi, told_bdi)
         model = UlyssesGPT(reference)
         if grad_sync == "engine":
             config = {"train_micro_batch_size_per_gpu": cfg.batch, "gradient_accumulation_steps": 1,
