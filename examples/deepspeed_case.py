@@ -5,12 +5,13 @@ sp-harness (pip install -e ".[deepspeed]"):
     sp-harness check --case examples/deepspeed_case.py:DS_ULYSSES --world-size 4 --dtype bfloat16
     sp-harness check --case examples/deepspeed_case.py:DS_ULYSSES_F64 --world-size 2 --dtype float64
     sp-harness check --case examples/deepspeed_case.py:DETACHED --world-size 2         # FAILs at grad
+    sp-harness check --case examples/deepspeed_case.py:HF_LLAMA --world-size 2
 """
 
 import torch.nn.functional as F
 
 from sp_harness import mutant
-from sp_harness.cases.frameworks.deepspeed_ulysses import detached, ulysses_case
+from sp_harness.cases.frameworks.deepspeed_ulysses import detached, hf_ulysses_case, ulysses_case
 
 
 def my_attention(q, k, v, *, causal):  # (B, S, heads, d) -> (B, S, heads, d), my heads only
@@ -25,3 +26,5 @@ DS_ULYSSES_F64 = ulysses_case("my-ds-ulysses-f64", local_attention=my_attention,
 DETACHED = mutant(DS_ULYSSES, name="mutant-my-ds-detached", summary="q/k/v detached after the all-to-all",
                   bug="no grad flows back through DeepSpeed's all-to-all", source="deepspeedai/DeepSpeed#8491",
                   shard=ulysses_case("x", local_attention=detached(my_attention)).shard)
+# DeepSpeed's UlyssesSPAttentionHF (Arctic long-sequence training) on a tiny HF Llama (needs transformers)
+HF_LLAMA = hf_ulysses_case("my-ds-ulysses-hf-llama", dict(num_key_value_heads=2))

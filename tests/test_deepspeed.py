@@ -52,3 +52,10 @@ def test_deepspeeds_own_limits_are_unsupported_before_any_rank_runs(sp_check):
     assert res.verdict == UNSUPPORTED and "#7384" in res.reason, res.reason
     res = sp_check(_config("DS_ULYSSES", world_size=2, dtype="float64"))
     assert res.verdict == UNSUPPORTED and "torch.float64" in res.reason, res.reason
+
+
+def test_ulysses_sp_attention_hf_on_a_tiny_llama_passes(sp_check):
+    pytest.importorskip("transformers", reason="transformers is not installed (the deepspeed extra installs it)")
+    # 4 query heads, 2 k/v heads over SP 2; DeepSpeed registers itself over transformers' sdpa
+    res = sp_check(_config("HF_LLAMA", world_size=2, dtype="float32"))
+    assert res.verdict == PASS, res.reason + res.error

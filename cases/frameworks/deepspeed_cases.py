@@ -4,7 +4,14 @@ reference GPT, its grads reduced by DeepSpeed's engine, and the bugs its users h
 expressed through DeepSpeed's own knobs (`scatter_idx` / `gather_idx`, the `batch_dim_idx` its
 forward is told, the `mpu` its engine is given) or the all-to-all's autograd edge."""
 
-from sp_harness.cases.frameworks.deepspeed_ulysses import detached, sdpa_attention, ulysses_case, ulysses_shard
+from sp_harness.cases.frameworks import installed
+from sp_harness.cases.frameworks.deepspeed_ulysses import (
+    detached,
+    hf_ulysses_case,
+    sdpa_attention,
+    ulysses_case,
+    ulysses_shard,
+)
 from sp_harness.config.case import Example, mutant, register
 
 ISOLATION = "deepspeed"
@@ -49,3 +56,10 @@ mutant(DS_ULYSSES, name="mutant-ds-ulysses-engine-without-sp-group",
        bug="grads averaged over every rank instead of summed over SP and averaged over DP (1/sp too small)",
        source="deepspeedai/DeepSpeed#5555",
        shard=ulysses_shard(local_attention=sdpa_attention, mpu=False))
+
+if installed("transformers"):
+    DS_ULYSSES_HF = register(hf_ulysses_case(
+        "ds-ulysses-hf-llama", isolation=ISOLATION,
+        examples=(Example(fields=(("world_size", 2),), note="UlyssesSPAttentionHF (sdpa) on a tiny HF Llama, SP 2"),
+                  Example(fields=(("world_size", 4), ("dtype", "bfloat16")), note="SP 4: one head per rank, bfloat16"))))
+    """DeepSpeed's Arctic (ALST) Ulysses for HF transformers: registered over transformers' sdpa."""
