@@ -402,9 +402,10 @@ def hf_ulysses_case(name: str, llama_config: Mapping[str, Any] | None = None, *,
         launcher_env(ctx)
         groups.mpu = None
         ctx.once("deepspeed-init-distributed", _init_distributed)
-        if ctx.dp > 1:
-            raise Unsupported("hf_ulysses_case runs one SP group (dp 1): register_with_transformers' groups span the world")
         mpu = _register_ulysses_hf(reference.lm, core=core_attn, sp=ctx.tp, batch=cfg.batch, seq_len=cfg.seq_len)
+        if mpu is not None and tuple(dist.get_process_group_ranks(mpu.get_sequence_parallel_group())) != ctx.tp_ranks:
+            raise RuntimeError(f"DeepSpeed's SP group {dist.get_process_group_ranks(mpu.get_sequence_parallel_group())} "
+                               f"is not the harness's {ctx.tp_ranks}")
         config = {"train_micro_batch_size_per_gpu": cfg.batch, "gradient_accumulation_steps": 1,
                   "zero_optimization": {"stage": 0}}
         engine, *_ = deepspeed.initialize(model=reference, config=config, mpu=mpu)
