@@ -8,6 +8,10 @@ import pytest
 from sp_harness.suites.battery import Battery, mutant_names
 
 EXPECTED_KILLER = {
+    "mutant-ds-ulysses-batch-dim-idx": ("forward", "even"),
+    "mutant-ds-ulysses-detached-a2a": ("grad", "even"),
+    "mutant-ds-ulysses-engine-without-sp-group": ("grad", "even"),
+    "mutant-ds-ulysses-scatter-gather-swapped": ("forward", "even"),
     "mutant-dtensor-norm-init-per-rank": ("init", "even"),
     "mutant-mcore-ddp-sync-only": ("grad", "even"),
     "mutant-mcore-norm-flag-dropped": ("grad", "even"),

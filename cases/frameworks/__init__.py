@@ -20,6 +20,7 @@ FRAMEWORK_CASES: dict[str, str] = {
     "megatron.core": "sp_harness.cases.frameworks.megatron_cases",
     "yunchang": "sp_harness.cases.frameworks.yunchang_cases",
     "torchtitan": "sp_harness.cases.frameworks.torchtitan_cases",
+    "deepspeed": "sp_harness.cases.frameworks.deepspeed_cases",
 }
 """importable framework module -> the module registering its built-in cases."""
 

@@ -1,0 +1,61 @@
+"""DeepSpeed 0.19.8 Ulysses as a system under test (sp_harness.cases.frameworks.deepspeed_ulysses),
+on real gloo ranks: DeepSpeed's own DistributedAttention around a user's local attention (SDPA)
+in the reference GPT, its grads reduced by DeepSpeed's engine (float32, bfloat16) or the same sums
+written out (float64, which the engine refuses), against the same GPT unsharded; and a bug from
+DeepSpeed's tracker (#8491: no grad back through the all-to-all) that must FAIL at the grads."""
+
+import os
+import pathlib
+
+import pytest
+
+pytest.importorskip("deepspeed", reason="DeepSpeed is not installed (pip install -e '.[deepspeed]')")
+
+from sp_harness.checks.verify import FAIL, PASS, UNSUPPORTED  # noqa: E402
+from sp_harness.config.check_config import CheckConfig  # noqa: E402
+
+EXAMPLE = os.path.join(pathlib.Path(__file__).resolve().parent.parent, "examples", "deepspeed_case.py")
+TIMEOUT_S = 120.0
+"""Generous for a loaded runner; DeepSpeed's import and its CPU op build are the case's setup."""
+
+
+def _config(name: str, **fields) -> CheckConfig:
+    return CheckConfig(case=f"{EXAMPLE}:{name}", timeout_s=TIMEOUT_S, **fields)
+
+
+@pytest.mark.parametrize("fields", [dict(world_size=2, adversary="reorder"), dict(world_size=4, dp=2)],
+                         ids=["sp2-reorder", "dp2xsp2"])
+def test_distributed_attention_with_the_engine_passes_at_float32(sp_check, fields):
+    res = sp_check(_config("DS_ULYSSES", dtype="float32", **fields))
+    assert res.verdict == PASS, res.reason + res.error
+    assert {"forward", "loss", "grad", "param"} <= set(res.worst)
+
+
+def test_four_heads_over_sp4_pass_at_bfloat16_in_seq_first_layout(sp_check):
+    res = sp_check(_config("DS_ULYSSES", world_size=4, dtype="bfloat16", layout="sbh"))
+    assert res.verdict == PASS, res.reason + res.error
+
+
+def test_float64_with_the_grad_sum_written_out_passes(sp_check):
+    res = sp_check(_config("DS_ULYSSES_F64", world_size=2, dtype="float64"))
+    assert res.verdict == PASS, res.reason + res.error
+
+
+def test_all_to_all_without_its_grad_fails_at_grad(sp_check):
+    res = sp_check(_config("DETACHED", world_size=2, dtype="float32"))
+    assert res.verdict == FAIL and res.first_check == "grad", res.reason + res.error
+    assert "_proj" in res.reason
+
+
+def test_deepspeeds_own_limits_are_unsupported_before_any_rank_runs(sp_check):
+    res = sp_check(_config("DS_ULYSSES", world_size=3, seq_len=10))
+    assert res.verdict == UNSUPPORTED and "#7384" in res.reason, res.reason
+    res = sp_check(_config("DS_ULYSSES", world_size=2, dtype="float64"))
+    assert res.verdict == UNSUPPORTED and "torch.float64" in res.reason, res.reason
+
+
+def test_ulysses_sp_attention_hf_on_a_tiny_llama_passes(sp_check):
+    pytest.importorskip("transformers", reason="transformers is not installed (the deepspeed extra installs it)")
+    # 4 query heads, 2 k/v heads over SP 2; DeepSpeed registers itself over transformers' sdpa
+    res = sp_check(_config("HF_LLAMA", world_size=2, dtype="float32"))
+    assert res.verdict == PASS, res.reason + res.error
