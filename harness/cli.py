@@ -220,9 +220,20 @@ def _on_signal(signum, frame):
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    from sp_harness.launch.torchrun import finish, under_torchrun
+
+    if under_torchrun():
+        # torchrun's SIGTERM must end a rank even while it is blocked in a collective, where no
+        # Python handler would run; there is no pool to clean up
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        finish(_run(args))
     signal.signal(signal.SIGTERM, _on_signal)
     if signal.getsignal(signal.SIGINT) is signal.default_int_handler:  # not where SIGINT is ignored
         signal.signal(signal.SIGINT, _on_signal)
+    return _run(args)
+
+
+def _run(args) -> int:
     try:
         return args.func(args)
     except ValueError as exc:  # user errors: the message names the value and what is valid

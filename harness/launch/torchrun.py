@@ -1,10 +1,20 @@
 """Stage: launch ranks, under `torchrun`. There is no driver: every rank runs every job in-process
 on the env:// world (SPMD) and the outcomes are gathered on every rank, behind the same `run`
-interface as `PoolManager`."""
+interface as `PoolManager`.
+
+With no driver to watch them, each rank watches itself: a job (the gather of its outcomes
+included) that runs past its timeout makes the rank print the case, config and its own Python
+stack and exit 124, which torchrun sees as a failed worker and ends the others (they die on its
+SIGTERM even while blocked in a collective: under torchrun no Python handler delays it). At the
+end, `finish` exits without running C++ static destructors, where gloo's threads could abort
+("terminate called without an active exception") after the verdict was printed."""
 
 from __future__ import annotations
 
+import faulthandler
 import os
+import sys
+import threading
 from collections.abc import Callable
 from typing import Any
 
@@ -38,15 +48,19 @@ class TorchrunWorld:
             raise ValueError(f"torchrun world has {self.world_size} ranks, the job asks for {world_size}")
         if case is not None:
             # one world, one process per rank: no isolation to give; the case's setup runs once
+            from sp_harness.launch.pool import SETUP_TIMEOUT_S
+
             self._job_id += 1
-            setup = run_job(Job(job_id=self._job_id, fn_ref="sp_harness.launch.worker:run_setup", payload=case))
-            try:
-                self._gather(setup, label + " (setup)")
-            except RankFailure as exc:
-                raise SetupError.of(case, exc) from exc
+            with Watchdog(SETUP_TIMEOUT_S, label + " (setup)", self.rank):
+                setup = run_job(Job(job_id=self._job_id, fn_ref="sp_harness.launch.worker:run_setup", payload=case))
+                try:
+                    self._gather(setup, label + " (setup)")
+                except RankFailure as exc:
+                    raise SetupError.of(case, exc) from exc
         self._job_id += 1
-        reply = run_job(Job(job_id=self._job_id, fn_ref=fn_ref, payload=payload))
-        return self._gather(reply, label)
+        with Watchdog(timeout_s, label, self.rank):
+            reply = run_job(Job(job_id=self._job_id, fn_ref=fn_ref, payload=payload))
+            return self._gather(reply, label)
 
     def _gather(self, reply, label: str) -> list[Any]:
         import torch.distributed as dist
@@ -60,6 +74,53 @@ class TorchrunWorld:
 
     def close(self) -> None:
         pass
+
+
+TIMEOUT_EXIT_CODE = 124
+"""What a rank exits with when its watchdog fires (timeout(1)'s code)."""
+
+
+class Watchdog:
+    """A timer around one job on this rank: past `timeout_s`, the rank prints what hung (the
+    job's label: case and config) and its own stack to stderr and exits TIMEOUT_EXIT_CODE."""
+
+    def __init__(self, timeout_s: float, label: str, rank: int):
+        self.timeout_s, self.label, self.rank = timeout_s, label, rank
+        self._timer = threading.Timer(timeout_s, self._fire)
+        self._timer.daemon = True
+
+    def _fire(self) -> None:
+        sys.stderr.write(f"sp-harness: {self.label}: rank {self.rank} timed out after {self.timeout_s:g}s "
+                         f"(under torchrun; its Python stack follows)\n")
+        sys.stderr.flush()
+        faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
+        sys.stderr.flush()
+        sys.stdout.flush()
+        os._exit(TIMEOUT_EXIT_CODE)
+
+    def __enter__(self) -> Watchdog:
+        self._timer.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._timer.cancel()
+
+
+def finish(code: int) -> None:
+    """Ends a torchrun rank with `code`: output flushed, the process group destroyed, then an
+    exit that skips C++ static destructors (see the module docstring)."""
+    import torch.distributed as dist
+
+    sys.stdout.flush()
+    sys.stderr.flush()
+    try:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    except Exception:
+        pass
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def under_torchrun() -> bool:

@@ -20,6 +20,7 @@ import contextlib
 import dataclasses
 import os
 import shlex
+import signal
 import sys
 from pathlib import Path
 
@@ -215,6 +216,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", default="reports/latest")
     parser.add_argument("--golden")
     args = parser.parse_args(argv)
+    args.func = cmd_converge
+    from sp_harness.cli import _run
+    from sp_harness.launch.torchrun import finish, under_torchrun
+
+    if under_torchrun():
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)  # see sp_harness.cli.main
+        finish(_run(args))
     return cmd_converge(args)
 
 
