@@ -19,10 +19,10 @@ from torch.distributed.tensor.parallel import (
 )
 
 from sp_harness.cases.common import (
-    gpt_memory_floor,
     GPT_DEFAULTS,
     build_reference_gpt,
     gpt_batch,
+    gpt_memory_floor,
     gpt_tokens,
     mse_sum,
     require_chunk_split,

@@ -50,8 +50,8 @@ def test_the_first_rank_to_raise_is_the_cause_with_its_own_message_first():
 
 def test_a_job_calling_sys_exit_is_an_exit_with_its_code():
     from sp_harness.launch.failure import raised
-    from sp_harness.launch.worker import run_job
     from sp_harness.launch.wire import Job
+    from sp_harness.launch.worker import run_job
 
     reply = run_job(Job(job_id=1, fn_ref="sys:exit", payload=3))
     err = raised(0, reply)

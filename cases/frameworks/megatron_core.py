@@ -34,6 +34,7 @@ from torch import nn
 
 from sp_harness import Batch, Case, Layout, ParamSpec, Sharded, Unsupported
 from sp_harness.cases.common import gpt_memory_floor
+from sp_harness.cases.frameworks.common import require_tp
 
 MEGATRON_CORE_VERSION = "0.16.1"
 """The release this module is tested with (the `megatron` extra pins it)."""
@@ -254,10 +255,7 @@ def megatron_case(name: str, transformer_config_kwargs: Mapping[str, Any], *, tp
                   ffn=kwargs.get("ffn_hidden_size") or 4 * hidden)
 
     def validate(cfg):
-        run_tp = cfg.world_size // cfg.dp
-        if tp is not None and run_tp != tp:
-            raise Unsupported(f"{name} is megatron-core at TP {tp}; this run has TP {run_tp} "
-                              f"(world size {cfg.world_size}, dp {cfg.dp})")
+        run_tp = require_tp(cfg, tp, name, "megatron-core")
         if cfg.seq_shards is not None:
             raise Unsupported("megatron-core's sequence parallelism splits the sequence evenly; no explicit seq_shards")
         for what, n in (("seq_len", cfg.seq_len), ("vocab", cfg.vocab), ("num_attention_heads", cfg.num_heads),

@@ -45,6 +45,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from sp_harness import Batch, Case, Layout, Sharded, Unsupported
+from sp_harness.cases.frameworks.common import require_tp
 
 TORCHTITAN_VERSION = "0.3.0"
 """The release this module is tested with (the `torchtitan` extra pins it)."""
@@ -250,10 +251,7 @@ def torchtitan_case(name: str, model_kwargs: Mapping[str, Any], *, tp: int | Non
                     num_kv_heads=shapes.get("n_kv_heads"), vocab=shapes["vocab_size"], seq_len=seq_len, batch=batch)
 
     def validate(cfg):
-        run_tp = cfg.world_size // cfg.dp
-        if tp is not None and run_tp != tp:
-            raise Unsupported(f"{name} is torchtitan at TP {tp}; this run has TP {run_tp} "
-                              f"(world size {cfg.world_size}, dp {cfg.dp})")
+        run_tp = require_tp(cfg, tp, name, "torchtitan")
         if cfg.seq_shards is not None:
             raise Unsupported("torchtitan's sequence parallelism is DTensor's Shard(1): torch.chunk's split, no "
                               "explicit seq_shards")

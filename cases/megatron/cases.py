@@ -18,11 +18,11 @@ import torch
 from torch import nn
 
 from sp_harness.cases.common import (
-    gpt_memory_floor,
     GPT_DEFAULTS,
     MARKOV_TRAINING,
     build_reference_gpt,
     gpt_batch,
+    gpt_memory_floor,
     gpt_tokens,
     require_plain_attention,
     token_loss_sum,

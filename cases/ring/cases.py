@@ -21,11 +21,11 @@ import torch
 from torch import nn
 
 from sp_harness.cases.common import (
-    gpt_memory_floor,
     GPT_DEFAULTS,
     MARKOV_TRAINING_WITH_POSITIONS,
     build_reference_gpt,
     gpt_batch,
+    gpt_memory_floor,
     gpt_tokens,
     with_positions,
 )

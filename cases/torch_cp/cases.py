@@ -39,11 +39,11 @@ from torch.nn import functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from sp_harness.cases.common import (
-    gpt_memory_floor,
     GPT_DEFAULTS,
     MARKOV_TRAINING_WITH_POSITIONS,
     build_reference_gpt,
     gpt_batch,
+    gpt_memory_floor,
     gpt_tokens,
     require_chunk_split,
     with_positions,

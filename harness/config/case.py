@@ -23,8 +23,8 @@ import torch.distributed as dist
 from torch import nn
 
 from sp_harness.config.check_config import ENGINE_DEFAULTS, CheckConfig, default_timeout_s
-from sp_harness.config.resources import require_memory
 from sp_harness.config.loading import load_case_file
+from sp_harness.config.resources import require_memory
 
 
 class Unsupported(Exception):

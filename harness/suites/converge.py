@@ -141,7 +141,6 @@ def validate_options(opts: ConvergeOptions, out: str) -> None:
 def cmd_converge(args) -> int:
     from sp_harness.launch.runner import is_leader as _is_leader
     from sp_harness.launch.runner import runner as _runner
-
     from sp_harness.record.outdir import open_run_dir
 
     opts = options_from_args(args)
