@@ -97,11 +97,12 @@ def check_out(out: str | os.PathLike) -> None:
             raise ValueError(f"--out {str(out)!r} exists and is not an sp-harness report directory "
                              f"(no {', '.join(REPORT_FILES)}): name a new or report directory")
     parent = link.parent if str(link.parent) else Path(".")
-    probe = parent
-    while not probe.exists():
-        probe = probe.parent
-    if not os.access(probe, os.W_OK):
-        raise ValueError(f"--out {str(out)!r} cannot be written ({probe} is not writable)")
+    try:  # the folder that will hold the link and the runs (made now, as the run would)
+        parent.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise ValueError(f"--out {str(out)!r} cannot be written ({exc.strerror})") from None
+    if not os.access(parent, os.W_OK):
+        raise ValueError(f"--out {str(out)!r} cannot be written ({parent} is not writable)")
 
 
 def complete_runs(link: str | os.PathLike) -> list[Path]:

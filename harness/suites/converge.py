@@ -128,7 +128,6 @@ def validate_options(opts: ConvergeOptions, out: str) -> None:
     from sp_harness.launch.runner import check_world_size
     from sp_harness.record.outdir import check_out
 
-    check_out(out)
     check_world_size(opts.world_size)
     try:
         base_config(opts)
@@ -136,6 +135,7 @@ def validate_options(opts: ConvergeOptions, out: str) -> None:
             get_case(opts.baseline_case())
     except Unsupported as exc:
         raise ValueError(f"{opts.case} cannot train this config: {exc}") from None
+    check_out(out)  # after the case: a wrong --case is named first
 
 
 def cmd_converge(args) -> int:
