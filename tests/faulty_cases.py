@@ -64,6 +64,14 @@ def _replicated(model, ctx):
                    output_layout=Layout(seq_dim=0, seq_sharded=False), replicated=("*",))
 
 
+def _shard_littering(model, ctx):
+    # as a framework making temp dirs at import does (wandb, under torchtitan), never removed
+    import tempfile
+
+    tempfile.mkdtemp(suffix="-litter")
+    return _replicated(model, ctx)
+
+
 def _variant(name, shard):
     return Case(isolation="shared", name=name, description=name, build_reference=SEED_MLP.build_reference, make_batch=SEED_MLP.make_batch,
                 loss_sum=SEED_MLP.loss_sum, tokens=SEED_MLP.tokens, shard=shard, defaults=SEED_MLP.defaults,
@@ -77,3 +85,4 @@ DESYNC_SIZES = _variant("desync-sizes", _shard_desync_sizes)
 SEGFAULT = _variant("segfault", _shard_segfault)
 UNSUPPORTED_LATE = _variant("unsupported-late", _shard_unsupported_late)
 REPLICATED = _variant("replicated", _replicated)
+LITTERING = _variant("littering", _shard_littering)

@@ -85,10 +85,11 @@ def test_torchrun_entry_runs_on_the_env_world(tmp_path):
     root = Path(__file__).resolve().parent.parent
     run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
                           "-m", "sp_harness.suites.converge", "--world-size", "2", "--steps", "3", "--seq-len", "12", "--batch", "2",
-                          "--warmup-steps", "1", "--out", str(tmp_path)], cwd=root, capture_output=True, text=True,
-                         timeout=300, env={**__import__("os").environ, "PYTHONPATH": str(root)})
+                          "--warmup-steps", "1", "--out", str(tmp_path / "out")], cwd=root, capture_output=True, text=True,
+                         timeout=300, env={**__import__("os").environ, "PYTHONPATH": str(root),
+                                           "TMPDIR": str(tmp_path)})  # torchrun's torchelastic_* logs
     assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
-    assert json.loads((tmp_path / "summary.json").read_text())["verdict"] == "PASS"
+    assert json.loads((tmp_path / "out" / "summary.json").read_text())["verdict"] == "PASS"
 
 
 def test_users_float_case_trains_without_baseline_or_floor(sp_pool, tmp_path):

@@ -263,6 +263,15 @@ def _interrupt_mid_run(sig, tmp_path, *, times: int = 1, after_s: float = 1.0):
     return proc, err, alive
 
 
+def test_temporary_files_of_the_ranks_are_removed_with_their_pool(tmp_path):
+    # the ranks' TMPDIR is the pool's own folder: what a rank leaves in it goes with the pool
+    env = dict(os.environ, PYTHONPATH=os.path.dirname(os.path.dirname(__file__)), TMPDIR=str(tmp_path))
+    run = subprocess.run([sys.executable, "-m", "sp_harness.cli", "check", "--case", f"{FAULTY}:LITTERING",
+                          "--world-size", "2"], env=env, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert not list(tmp_path.iterdir()), f"left behind: {list(tmp_path.iterdir())}"
+
+
 @pytest.mark.parametrize("times", [1, 3])
 def test_ctrl_c_leaves_no_rank_behind(times, tmp_path):
     import signal

@@ -12,23 +12,24 @@ ROOT = Path(__file__).resolve().parent.parent
 FAULTY = "tests/faulty_cases.py"
 
 
-def _torchrun(*argv: str, guard_s: float = 300) -> subprocess.CompletedProcess:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("PYTEST_")}
+def _torchrun(tmp_path, *argv: str, guard_s: float = 300) -> subprocess.CompletedProcess:
+    # torchrun keeps its workers' logs in a torchelastic_* folder of its own under TMPDIR
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PYTEST_")} | {"TMPDIR": str(tmp_path)}
     return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
                            "-m", "sp_harness.cli", *argv], cwd=ROOT, env=env, capture_output=True, text=True,
                           timeout=guard_s)
 
 
-def test_a_passing_check_under_torchrun_exits_0_every_time():
+def test_a_passing_check_under_torchrun_exits_0_every_time(tmp_path):
     for _ in range(3):
-        run = _torchrun("check", "--case", "seed-mlp", "--world-size", "2")
+        run = _torchrun(tmp_path, "check", "--case", "seed-mlp", "--world-size", "2")
         assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-3000:]
         assert "PASS" in run.stdout
         assert "terminate called" not in run.stderr, run.stderr[-2000:]
 
 
-def test_a_hung_rank_under_torchrun_is_named_and_every_rank_ends():
-    run = _torchrun("check", "--case", f"{FAULTY}:HANGING", "--world-size", "2", "--timeout", "10")
+def test_a_hung_rank_under_torchrun_is_named_and_every_rank_ends(tmp_path):
+    run = _torchrun(tmp_path, "check", "--case", f"{FAULTY}:HANGING", "--world-size", "2", "--timeout", "10")
     assert run.returncode != 0
     err = run.stderr
     assert f"case {FAULTY}:HANGING [ws=2" in err and "timed out after 10s" in err, err[-3000:]

@@ -167,7 +167,10 @@ class RankPool:
         self._tmpdir = tempfile.mkdtemp(prefix="sp-harness-stacks-")
         # removed by close(), or at interpreter exit for a pool nobody closed
         self._remove_tmpdir = weakref.finalize(self, shutil.rmtree, self._tmpdir, ignore_errors=True)
-        env = dict(os.environ, SP_HARNESS_AUTHKEY=authkey.hex(), **dict(self.options.env))
+        # the ranks' (and their reference processes') temporary files go into the pool's own folder,
+        # removed by close(): a framework that makes temp dirs at import (wandb, under torchtitan)
+        # and a rank killed before its own cleanup leave nothing in the machine's /tmp
+        env = dict(os.environ, SP_HARNESS_AUTHKEY=authkey.hex(), TMPDIR=self._tmpdir, **dict(self.options.env))
         try:
             for rank in range(self.world_size):
                 self._procs.append(self._spawn(rank, listener.address, env))
