@@ -69,14 +69,10 @@ def runs_root(link: Path) -> Path:
 def open_run_dir(out: str | os.PathLike) -> RunDir:
     """A fresh directory for one run reported at `out` (ValueError, exit 2, where `out` exists
     and is neither a link made here nor an earlier report)."""
+    check_out(out)
     link = Path(out)
-    if link.parent != Path("") and not link.parent.exists():
-        link.parent.mkdir(parents=True, exist_ok=True)
     root = runs_root(link)
     if link.exists() and not link.is_symlink():
-        if not link.is_dir() or (any(link.iterdir()) and not any((link / f).exists() for f in REPORT_FILES)):
-            raise ValueError(f"--out {str(out)!r} exists and is not an sp-harness report directory "
-                             f"(no {', '.join(REPORT_FILES)}): name a new or report directory")
         root.mkdir(parents=True, exist_ok=True)
         try:  # an earlier layout's report: kept as a complete run of its own
             adopted = root / f"earlier-{_stamp()}-{os.getpid()}"
@@ -90,7 +86,8 @@ def open_run_dir(out: str | os.PathLike) -> RunDir:
 
 
 def check_out(out: str | os.PathLike) -> None:
-    """The usage errors `open_run_dir` would raise, without making anything."""
+    """The usage errors `open_run_dir` raises (ValueError, exit 2), before any work: `out` is
+    neither absent, a link made here, nor an earlier report; its folder cannot be made or written."""
     link = Path(out)
     if link.exists() and not link.is_symlink():
         if not link.is_dir() or (any(link.iterdir()) and not any((link / f).exists() for f in REPORT_FILES)):
@@ -103,14 +100,6 @@ def check_out(out: str | os.PathLike) -> None:
         raise ValueError(f"--out {str(out)!r} cannot be written ({exc.strerror})") from None
     if not os.access(parent, os.W_OK):
         raise ValueError(f"--out {str(out)!r} cannot be written ({parent} is not writable)")
-
-
-def complete_runs(link: str | os.PathLike) -> list[Path]:
-    """The complete run directories of report directory `link`, oldest first."""
-    root = runs_root(Path(link))
-    if not root.is_dir():
-        return []
-    return sorted((d for d in root.iterdir() if (d / COMPLETE).exists()), key=lambda d: d.stat().st_mtime)
 
 
 def _prune(root: Path, keep_also: Path) -> None:

@@ -20,7 +20,6 @@ import contextlib
 import dataclasses
 import os
 import shlex
-import signal
 import sys
 from pathlib import Path
 
@@ -209,20 +208,11 @@ def add_subcommands(sub) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """`torchrun --nproc-per-node N -m sp_harness.suites.converge [converge options] --out DIR`."""
-    parser = argparse.ArgumentParser(prog="python -m sp_harness.suites.converge")
-    _add_converge_args(parser)
-    parser.add_argument("--out", default="reports/latest")
-    parser.add_argument("--golden")
-    args = parser.parse_args(argv)
-    args.func = cmd_converge
-    from sp_harness.cli import _run
-    from sp_harness.launch.torchrun import finish, under_torchrun
+    """`torchrun --nproc-per-node N -m sp_harness.suites.converge [converge options] --out DIR`:
+    `sp-harness converge` itself (its signal handling and torchrun exit included)."""
+    from sp_harness.cli import main as cli_main
 
-    if under_torchrun():
-        signal.signal(signal.SIGTERM, signal.SIG_DFL)  # see sp_harness.cli.main
-        finish(_run(args))
-    return cmd_converge(args)
+    return cli_main(["converge", *(sys.argv[1:] if argv is None else argv)])
 
 
 if __name__ == "__main__":

@@ -62,9 +62,14 @@ def _append_checks_to_html(html_path: Path, rows: list[dict]) -> None:
                     f"<td style='color:{color};font-weight:bold'>{r['verdict']}</td><td>{html.escape(r['why'])}</td>"
                     f"<td><code>{html.escape(r['repro'])}</code></td></tr>")
     body.append("</table>")
+    _append_to_html(html_path, "\n".join(body))
+
+
+def _append_to_html(html_path: Path, section: str) -> None:
+    """`section` added at the end of the report's body."""
     text = html_path.read_text()
     marker = "</body>"
-    html_path.write_text(text.replace(marker, "\n".join(body) + marker) if marker in text else text + "\n".join(body))
+    html_path.write_text(text.replace(marker, section + marker, 1) if marker in text else text + section)
 
 
 def cmd_nightly(args) -> int:
@@ -123,8 +128,7 @@ def _append_history_to_html(html_path: Path, png: Path, num_runs: int, log: Path
                f"<figcaption>This run (red) against the earlier nightly runs ({num_runs} in "
                f"{html.escape(str(log))}): final loss, the largest lockstep loss difference, wall time, "
                f"throughput; a cross marks a run whose checks or gate failed.</figcaption></figure>")
-    text = html_path.read_text()
-    html_path.write_text(text.replace("</body>", section + "</body>", 1))
+    _append_to_html(html_path, section)
 
 
 def add_subcommands(sub) -> None:
