@@ -81,10 +81,10 @@ def test_golden_round_trip_through_the_cli(tmp_path):
 
 
 def test_torchrun_entry_runs_on_the_env_world(tmp_path):
-    """`torchrun -m sp_harness.suites.converge` (env:// rendezvous): every rank trains, rank 0 reports."""
+    """`torchrun -m sp_harness.cli converge` (env:// rendezvous): every rank trains, rank 0 reports."""
     root = Path(__file__).resolve().parent.parent
     run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-                          "-m", "sp_harness.suites.converge", "--world-size", "2", "--steps", "3", "--seq-len", "12", "--batch", "2",
+                          "-m", "sp_harness.cli", "converge", "--world-size", "2", "--steps", "3", "--seq-len", "12", "--batch", "2",
                           "--warmup-steps", "1", "--out", str(tmp_path / "out")], cwd=root, capture_output=True, text=True,
                          timeout=300, env={**__import__("os").environ, "PYTHONPATH": str(root),
                                            "TMPDIR": str(tmp_path)})  # torchrun's torchelastic_* logs

@@ -10,7 +10,7 @@ run the records hold loss, grad norm (replicated parameters counted once), LR, t
 drift of every replicated parameter, the distance to the reference, step time and tokens/s
 (JSONL, full precision); meta.json holds the data's loss floor where the case declares one.
 
-Under `torchrun -m sp_harness.suites.converge` every rank runs the same training in-process.
+Under `torchrun -m sp_harness.cli converge` every rank runs the same training in-process.
 """
 
 from __future__ import annotations
@@ -20,7 +20,6 @@ import contextlib
 import dataclasses
 import os
 import shlex
-import sys
 from pathlib import Path
 
 import torch.distributed as dist
@@ -206,14 +205,3 @@ def add_subcommands(sub) -> None:
     p.add_argument("--work-dir", default="reports/golden-work", help="where the repeated runs go (default reports/golden-work)")
     p.set_defaults(func=cmd_golden)
 
-
-def main(argv: list[str] | None = None) -> int:
-    """`torchrun --nproc-per-node N -m sp_harness.suites.converge [converge options] --out DIR`:
-    `sp-harness converge` itself (its signal handling and torchrun exit included)."""
-    from sp_harness.cli import main as cli_main
-
-    return cli_main(["converge", *(sys.argv[1:] if argv is None else argv)])
-
-
-if __name__ == "__main__":
-    sys.exit(main())
