@@ -10,17 +10,8 @@ import os
 import signal
 import sys
 
-from sp_harness.config.check_config import (
-    ADVERSARIES,
-    DEFAULT_STEPS,
-    DTYPES,
-    ENGINE_DEFAULTS,
-    LAYOUTS,
-    LOAD_BALANCERS,
-    NORMS,
-    OPTIMIZERS,
-    CheckConfig,
-)
+from sp_harness.config.check_config import ENGINE_DEFAULTS, CheckConfig
+from sp_harness.config.flags import add_flags, from_args
 from sp_harness.launch.runner import WithProgress, check_world_size
 from sp_harness.launch.runner import is_leader as _is_leader
 from sp_harness.launch.runner import runner as _runner
@@ -34,77 +25,13 @@ class _Parser(argparse.ArgumentParser):
         self.exit(EXIT_USAGE, f"{self.prog}: error: {message}\n")
 
 
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
-    return value
-
-
-def _shards(text: str) -> tuple[int, ...]:
-    try:
-        sizes = tuple(int(x) for x in text.split(","))
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated token counts like 4,4,2, got {text!r}") from None
-    if any(n < 0 for n in sizes):
-        raise argparse.ArgumentTypeError(f"token counts must be >= 0, got {text!r}")
-    return sizes
-
-
-def add_config_args(p: argparse.ArgumentParser, *, require_case: bool = True) -> None:
-    g = p.add_argument_group("config")
-    g.add_argument("--case", required=require_case, help="case name (see `sp-harness list`) or path/to/file.py:NAME")
-    g.add_argument("--world-size", type=_positive_int, default=2, help="ranks (default 2)")
-    g.add_argument("--dp", type=_positive_int, default=1, help="data-parallel degree; tp = world-size / dp (default 1)")
-    g.add_argument("--seq-len", type=_positive_int, help="global sequence length (default: the case's)")
-    g.add_argument("--seq-shards", type=_shards, help="explicit tokens per TP rank, e.g. 4,4,2 (default: torch.chunk's)")
-    g.add_argument("--batch", type=_positive_int, help=f"sequences per DP replica (default: the case's, else {ENGINE_DEFAULTS['batch']})")
-    g.add_argument("--hidden", type=_positive_int, help="model width (default: the case's)")
-    g.add_argument("--ffn", type=_positive_int, help="MLP inner width (default: the case's)")
-    g.add_argument("--num-heads", type=_positive_int, help="attention heads (default: the case's)")
-    g.add_argument("--num-kv-heads", type=_positive_int,
-                   help="key/value heads, grouped-query attention (default: the case's, else num-heads)")
-    g.add_argument("--causal", choices=("yes", "no"), help="causal attention (default: the case's, else yes)")
-    g.add_argument("--load-balancer", choices=LOAD_BALANCERS,
-                   help="context-parallel chunk placement (default: the case's, else none)")
-    g.add_argument("--ring-degree", type=_positive_int,
-                   help="ranks per ring in a Ulysses x ring case (default: the case's, else 1)")
-    g.add_argument("--prompt-len", type=int,
-                   help="leading tokens per sequence whose targets carry no loss, < seq-len (default: the case's, else 0)")
-    g.add_argument("--num-layers", type=_positive_int, help="transformer blocks (default: the case's)")
-    g.add_argument("--vocab", type=_positive_int, help="vocabulary size (default: the case's)")
-    g.add_argument("--norm", choices=NORMS, help=f"norm of cases that have one (default: the case's, else {ENGINE_DEFAULTS['norm']})")
-    g.add_argument("--layout", choices=LAYOUTS,
-                   help=f"activation layout, [b, s, h] or [s, b, h] (default: the case's, else {ENGINE_DEFAULTS['layout']})")
-    g.add_argument("--dtype", choices=sorted(DTYPES),
-                   help=f"dtype of the sharded run; the judge is float64 (default: the case's, else {ENGINE_DEFAULTS['dtype']})")
-    g.add_argument("--steps", type=_positive_int,
-                   help=f"optimizer steps to run and compare (default: the case's, else {DEFAULT_STEPS})")
-    g.add_argument("--seed", type=int, default=0, help="seeds the weights and the data (default 0)")
-    g.add_argument("--lr", type=float, help=f"learning rate (default: the case's, else {ENGINE_DEFAULTS['lr']})")
-    g.add_argument("--optimizer", choices=OPTIMIZERS, help=f"optimizer (default: the case's, else {ENGINE_DEFAULTS['optimizer']})")
-    g.add_argument("--adversary", choices=ADVERSARIES, default="off",
-                   help="make the sharded side reduce in random legal orders (specificity across platforms; default off)")
-    g.add_argument("--forward-only", choices=("yes", "no"),
-                   help="inference: forward and loss only, no backward or optimizer step; grads are not judged "
-                        "(default: the case's, else no)")
-    g.add_argument("--timeout", type=float, dest="timeout_s",
-                   help="seconds a job may run before it counts as hung (default $SP_HARNESS_TIMEOUT, else 30)")
+def add_config_args(p: argparse.ArgumentParser) -> None:
+    """`check`'s config flags, one per CheckConfig field (generated from its declarations)."""
+    add_flags(p.add_argument_group("config"), CheckConfig, fallbacks=ENGINE_DEFAULTS)
 
 
 def config_from_args(args) -> CheckConfig:
-    return CheckConfig(
-        case=args.case, world_size=args.world_size, dp=args.dp, seq_len=args.seq_len, seq_shards=args.seq_shards,
-        batch=args.batch, hidden=args.hidden, ffn=args.ffn, num_heads=args.num_heads, num_layers=args.num_layers,
-        vocab=args.vocab, num_kv_heads=args.num_kv_heads,
-        causal=None if args.causal is None else args.causal == "yes", load_balancer=args.load_balancer,
-        ring_degree=args.ring_degree, prompt_len=args.prompt_len, norm=args.norm, layout=args.layout, dtype=args.dtype, steps=args.steps, seed=args.seed,
-        lr=args.lr, optimizer=args.optimizer, adversary=args.adversary, timeout_s=args.timeout_s,
-        forward_only=None if args.forward_only is None else args.forward_only == "yes",
-    )
+    return from_args(CheckConfig, args)
 
 
 def cmd_list(args) -> int:

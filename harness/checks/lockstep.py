@@ -9,83 +9,17 @@ re-anchoring every step; `sp-harness converge` runs it long and writes the repor
 from __future__ import annotations
 
 import dataclasses
-import shlex
 import time
 from dataclasses import dataclass
 
 from sp_harness.checks.base import Outcome
 from sp_harness.config.case import Case, get_case
 from sp_harness.config.check_config import CheckConfig
+from sp_harness.config.converge_options import ConvergeOptions, repro_line  # noqa: F401 (re-exported)
 from sp_harness.judge.gate import GateResult, evaluate
 from sp_harness.record.records import StepRecord
 from sp_harness.train.driver import TrainOutcome, train
 from sp_harness.train.spec import TrainSpec
-
-
-@dataclass(kw_only=True, frozen=True)
-class ConvergeOptions:
-    case: str = "megatron-gpt-sp"
-    """The case under test (a registry name or path/to/file.py:NAME)."""
-    baseline: str | None = None
-    """The baseline case trained beside it; None: the case's own `Case.baseline`; '': none."""
-    world_size: int = 2
-    """Ranks of the baseline and case runs."""
-    dp: int = 1
-    """Data-parallel degree of the baseline and case runs."""
-    steps: int = 200
-    """Optimizer steps."""
-    seq_len: int | None = None
-    """Sequence length; None: the case's convergence default (`Training.seq_len`: 32 for the GPT
-    cases), else its check default."""
-    batch: int | None = None
-    """Sequences per DP replica and step; None: the case's convergence default
-    (`Training.batch`: 8 for the GPT cases), else its check default."""
-    dtype: str = "float32"
-    """Training dtype of every run (the gate's bands follow it)."""
-    optimizer: str = "adamw"
-    """'adamw' or 'sgd'."""
-    lr: float = 1e-2
-    """Peak learning rate."""
-    warmup_steps: int = 10
-    """Linear warmup steps."""
-    clip_grad_norm: float | None = 1.0
-    """Global grad-norm clipping; None: off."""
-    seed: int = 0
-    """Initial weights."""
-    data_seed: int = 1234
-    """The batch stream (and, for the GPT cases, the Markov chain)."""
-    timeout_s: float = 120.0
-    """Seconds per job (setup, or one chunk of steps) before it counts as hung."""
-
-    def baseline_case(self) -> str:
-        return get_case(self.case).baseline if self.baseline is None else self.baseline
-
-
-# option field -> its flag where the flag is not the field's name; the value a None takes
-_FLAGS = {"timeout_s": "--timeout"}
-_NONE_ARG = {"clip_grad_norm": "0"}
-
-
-def repro_line(command: str, opts, *positional: str, **extra) -> str:
-    """The `sp-harness` command line that repeats a run: every field of the options dataclass
-    `opts` that differs from its default (floats by repr, so they parse back bit for bit), then
-    the `extra` flags that are not None. The report directory is not part of it."""
-    default = type(opts)()
-    args = ["sp-harness", command, *positional]
-    for f in dataclasses.fields(opts):
-        value = getattr(opts, f.name)
-        if value != getattr(default, f.name):
-            args += [_FLAGS.get(f.name, "--" + f.name.replace("_", "-")), _arg(f.name, value)]
-    for name, value in extra.items():
-        if value is not None:
-            args += ["--" + name.replace("_", "-"), _arg(name, value)]
-    return shlex.join(args)
-
-
-def _arg(name: str, value) -> str:
-    if value is None:
-        return _NONE_ARG[name]
-    return repr(value) if isinstance(value, float) else str(value)
 
 
 def base_config(opts: ConvergeOptions) -> CheckConfig:

@@ -2,6 +2,8 @@
 
 `CheckConfig` is frozen and hashable; a case fills the fields left as `None` from its own
 defaults (`Case.resolve`). `repro()` turns a config back into the one-line command that reruns it.
+Each field is declared once, here or in its knob class (sp_harness.config.gpt_knobs): the flags,
+their help and the value checks are generated from the declarations (sp_harness.config.flags).
 """
 
 from __future__ import annotations
@@ -9,25 +11,25 @@ from __future__ import annotations
 import dataclasses
 import math
 import shlex
+import typing
 from dataclasses import dataclass
+from typing import Literal
 
 import torch
 
-DTYPES: dict[str, torch.dtype] = {
-    "float64": torch.float64,
-    "float32": torch.float32,
-    "bfloat16": torch.bfloat16,
-}
-NORMS = ("layernorm", "rmsnorm")
-LAYOUTS = ("bsh", "sbh")
-OPTIMIZERS = ("adamw", "sgd")
-ADVERSARIES = ("off", "reorder", "reorder-tf32")
+from sp_harness.config.flags import check_values, knob, repro_args
+from sp_harness.config.gpt_knobs import LAYOUTS, LOAD_BALANCERS, NORMS, GPTKnobs  # noqa: F401 (re-exported)
+
+DType = Literal["float64", "float32", "bfloat16"]
+Optimizer = Literal["adamw", "sgd"]
+Adversary = Literal["off", "reorder", "reorder-tf32"]
+DTYPES: dict[str, torch.dtype] = {name: getattr(torch, name) for name in typing.get_args(DType)}
+OPTIMIZERS: tuple[str, ...] = typing.get_args(Optimizer)
+ADVERSARIES: tuple[str, ...] = typing.get_args(Adversary)
 DEFAULT_STEPS = 3
 """Optimizer steps per check: the third step is the first with two steps of optimizer state
 behind it and the first after a DDP-style grad-bucket rebuild (tests/test_conventions.py)."""
 
-
-LOAD_BALANCERS = ("none", "zigzag")
 ENGINE_DEFAULTS: dict[str, object] = dict(batch=2, norm="layernorm", layout="bsh", dtype="float64",
                                          steps=DEFAULT_STEPS, lr=1e-2, optimizer="adamw", causal=True,
                                          load_balancer="none", ring_degree=1, prompt_len=0, forward_only=False)
@@ -65,102 +67,64 @@ def default_timeout_s() -> float:
 
 
 @dataclass(kw_only=True, frozen=True)
-class CheckConfig:
+class RunFields:
+    """The fields a check (`CheckConfig`) and a convergence run (`ConvergeOptions`) share, declared
+    once: each one's flag, help and valid values are generated from here (sp_harness.config.flags);
+    a run type changes a default by redeclaring the field with its new default (and a docstring
+    where the meaning differs). A field left None is filled from the case (`Case.resolve`), then
+    from `ENGINE_DEFAULTS`."""
+
     case: str
-    """Case name from the registry, or `path/to/file.py:NAME` for a user's own case."""
-    world_size: int = 2
-    """Ranks in the job; the mesh is dp x tp with tp = world_size // dp."""
-    dp: int = 1
+    """Case name (see `sp-harness list`) or path/to/file.py:NAME for a user's own case."""
+    world_size: int = knob(2, min=1)
+    """Ranks in the job; the mesh is dp x tp with tp = world-size / dp."""
+    dp: int = knob(1, min=1)
     """Data-parallel degree; each DP replica gets its own micro-batch."""
-    seq_len: int | None = None
-    """Global sequence length (tokens per sequence); None means the case's default."""
-    seq_shards: tuple[int, ...] | None = None
-    """Explicit tokens per TP rank (sums to seq_len); None means torch.chunk's split."""
-    batch: int | None = None
-    """Sequences per DP replica; the reference sees dp * batch. None: the case's default, else 2."""
-    hidden: int | None = None
-    """Model width; None means the case's default."""
-    ffn: int | None = None
-    """MLP inner width; None means the case's default."""
-    num_heads: int | None = None
-    """Attention heads; None means the case's default."""
-    num_kv_heads: int | None = None
-    """Key/value heads (grouped-query attention: fewer than num_heads, dividing it); None: the
-    case's default, else num_heads."""
-    causal: bool | None = None
-    """Causal attention (True) or full bidirectional attention; None: the case's default, else True."""
-    load_balancer: str | None = None
-    """How a context-parallel case places sequence chunks: 'none' (contiguous shards) or 'zigzag'
-    (2W chunks, rank i holds chunks i and 2W-1-i); None: the case's default, else 'none'."""
-    ring_degree: int | None = None
-    """For a hybrid Ulysses x ring case: ranks in each ring (the Ulysses degree is tp / ring_degree);
-    None: the case's default, else 1."""
-    prompt_len: int | None = None
-    """Leading tokens of every sequence whose targets carry no loss (label -100, the prompt of a
-    fine-tuning sample): a rank holding only prompt tokens has no target tokens, and the loss is
-    normalised by the targets that count. Must be < seq_len. None: the case's default, else 0."""
-    num_layers: int | None = None
-    """Transformer blocks; None means the case's default."""
-    vocab: int | None = None
-    """Vocabulary size; None means the case's default."""
-    norm: str | None = None
-    """'layernorm' or 'rmsnorm' for cases that have norms. None: the case's default, else layernorm."""
-    layout: str | None = None
-    """Activation layout for cases that support both: 'bsh' (GPT-NeoX) or 'sbh' (Megatron). None:
-    the case's default, else bsh."""
-    dtype: str | None = None
+    seq_len: int | None = knob(min=1)
+    """Global sequence length (tokens per sequence). None: the case's default."""
+    batch: int | None = knob(min=1)
+    """Sequences per DP replica; the reference sees dp * batch. None: the case's default."""
+    dtype: DType | None = None
     """Dtype of the sharded run and of the same-dtype reference; the judge is always float64.
-    None: the case's default, else float64."""
-    steps: int | None = None
-    """Optimizer steps to run and compare. None: the case's default, else DEFAULT_STEPS."""
+    None: the case's default."""
+    steps: int | None = knob(min=1)
+    """Optimizer steps to run and compare. None: the case's default."""
     seed: int = 0
     """Seeds the initial weights and the data."""
-    lr: float | None = None
-    """Learning rate of the optimizer. None: the case's default, else 1e-2."""
-    optimizer: str | None = None
-    """'adamw' or 'sgd'. None: the case's default, else adamw."""
-    adversary: str = "off"
-    """'reorder': the sharded side reduces in random legal orders (sp_harness.step.adversary);
-    'reorder-tf32': also TF32-rounded float32 matmul inputs on both sides (a GPU platform)."""
-    timeout_s: float | None = None
-    """Seconds before a job is declared hung; the error names case, config and rank."""
+    lr: float | None = knob(positive=True)
+    """Learning rate of the optimizer. None: the case's default."""
+    optimizer: Optimizer | None = None
+    """The optimizer. None: the case's default."""
+    timeout_s: float | None = knob(name="--timeout", positive=True)
+    """Seconds a job may run before it counts as hung; the error names case, config and rank.
+    None: $SP_HARNESS_TIMEOUT, else 30."""
+
+    def __post_init__(self) -> None:
+        check_values(self)
+        if self.world_size % self.dp:
+            raise ValueError(f"dp({self.dp}) does not divide world_size({self.world_size})")
+
+
+@dataclass(kw_only=True, frozen=True)
+class CheckConfig(GPTKnobs, RunFields):
+    """What one check runs: the shared run fields (`RunFields`), the knobs of the GPT-style cases
+    (`GPTKnobs`, sp_harness.config.gpt_knobs) and the check's own fields below; flat, so records
+    and `config.hidden` read every field alike. The generated flags name `ENGINE_DEFAULTS` as
+    what an unset field becomes when the case sets no default."""
+
+    seq_shards: tuple[int, ...] | None = knob(min=0)
+    """Explicit tokens per TP rank, e.g. 4,4,2 (sums to seq_len). None: torch.chunk's split."""
+    adversary: Adversary = "off"
+    """'reorder': the sharded side reduces in random legal orders (sp_harness.step.adversary),
+    specificity across platforms; 'reorder-tf32': also TF32-rounded float32 matmul inputs on
+    both sides (a GPU platform)."""
     forward_only: bool | None = None
     """Inference: the sharded side runs forward only (under no_grad), no backward, no grad sync, no
     optimizer step; the references run forward only. Judged: the output, the loss, attention
-    LSEs; input grads, grads and updates are not (the result says so). None: the case's default,
-    else False."""
+    LSEs; input grads, grads and updates are not (the result says so). None: the case's default."""
 
     def __post_init__(self) -> None:
-        if self.world_size < 1:
-            raise ValueError(f"world_size must be >= 1, got {self.world_size}")
-        if self.dp < 1 or self.world_size % self.dp:
-            raise ValueError(f"dp({self.dp}) does not divide world_size({self.world_size})")
-        if self.dtype is not None and self.dtype not in DTYPES:
-            raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
-        if self.norm is not None and self.norm not in NORMS:
-            raise ValueError(f"norm must be one of {NORMS}, got {self.norm!r}")
-        if self.layout is not None and self.layout not in LAYOUTS:
-            raise ValueError(f"layout must be one of {LAYOUTS}, got {self.layout!r}")
-        if self.adversary not in ADVERSARIES:
-            raise ValueError(f"adversary must be one of {ADVERSARIES}, got {self.adversary!r}")
-        if self.optimizer is not None and self.optimizer not in OPTIMIZERS:
-            raise ValueError(f"optimizer must be one of {OPTIMIZERS}, got {self.optimizer!r}")
-        if self.steps is not None and self.steps < 1:
-            raise ValueError(f"steps must be >= 1, got {self.steps}")
-        if self.batch is not None and self.batch < 1:
-            raise ValueError(f"batch must be >= 1, got {self.batch}")
-        if self.timeout_s is not None and (not math.isfinite(self.timeout_s) or self.timeout_s <= 0):
-            raise ValueError(f"timeout_s must be a finite number of seconds > 0, got {self.timeout_s}")
-        if self.lr is not None and (not math.isfinite(self.lr) or self.lr <= 0):
-            raise ValueError(f"lr must be a finite number > 0, got {self.lr}")
-        if self.load_balancer is not None and self.load_balancer not in LOAD_BALANCERS:
-            raise ValueError(f"load_balancer must be one of {LOAD_BALANCERS}, got {self.load_balancer!r}")
-        for field in ("seq_len", "hidden", "ffn", "num_heads", "num_kv_heads", "num_layers", "vocab", "ring_degree"):
-            value = getattr(self, field)
-            if value is not None and value < 1:
-                raise ValueError(f"{field} must be >= 1, got {value}")
-        if self.prompt_len is not None and self.prompt_len < 0:
-            raise ValueError(f"prompt_len must be >= 0, got {self.prompt_len}")
+        RunFields.__post_init__(self)
         if self.prompt_len and self.seq_len is not None and self.prompt_len >= self.seq_len:
             raise ValueError(f"prompt_len({self.prompt_len}) must be < seq_len({self.seq_len}): a sequence "
                              f"needs at least one target")
@@ -170,8 +134,6 @@ class CheckConfig:
                     f"seq_shards has {len(self.seq_shards)} entries {list(self.seq_shards)}, "
                     f"need one per TP rank (tp={self.tp})"
                 )
-            if any(n < 0 for n in self.seq_shards):
-                raise ValueError(f"seq_shards must be >= 0, got {list(self.seq_shards)}")
             if self.seq_len is not None and sum(self.seq_shards) != self.seq_len:
                 raise ValueError(
                     f"seq_shards {list(self.seq_shards)} sum to {sum(self.seq_shards)}, "
@@ -191,24 +153,11 @@ class CheckConfig:
         return dataclasses.replace(self, **changes)
 
     def repro(self) -> str:
-        """The one-line command that reruns exactly this config."""
-        args = ["sp-harness", "check", "--case", self.case, "--world-size", str(self.world_size)]
-        if self.dp != 1:  # the mesh: never a default to leave out (the rerun's default is built with it)
-            args += ["--dp", str(self.dp)]
-        default = _resolved_default(self)
-        for field in dataclasses.fields(self):
-            if field.name in ("case", "world_size", "dp"):
-                continue
-            value = getattr(self, field.name)
-            if value is None or (value == getattr(default, field.name) and field.name != "seq_shards"):
-                continue  # what the rerun fills in anyway: the same case's default at this mesh
-            if isinstance(value, tuple):
-                value = ",".join(map(str, value))
-            if isinstance(value, bool):
-                value = "yes" if value else "no"
-            flag = "--timeout" if field.name == "timeout_s" else "--" + field.name.replace("_", "-")
-            args += [flag, repr(value) if isinstance(value, float) else str(value)]
-        return shlex.join(args)
+        """The one-line command that reruns exactly this config: the case and the mesh always
+        (the rerun's defaults are built with them), then what differs from the rerun's defaults."""
+        keep = {"case", "world_size"} | ({"dp"} if self.dp != 1 else set())
+        keep |= {"seq_shards"} if self.seq_shards is not None else set()
+        return shlex.join(["sp-harness", "check", *repro_args(self, _resolved_default(self), keep=keep)])
 
     def short(self) -> str:
         """Compact one-line description for tables and error messages."""

@@ -24,15 +24,10 @@ from pathlib import Path
 
 import torch.distributed as dist
 
-from sp_harness.checks.lockstep import (
-    ConvergeOptions,
-    base_config,
-    config_sources,
-    plain_config,
-    repro_line,
-    run_lockstep,
-)
+from sp_harness.checks.lockstep import base_config, config_sources, plain_config, run_lockstep
 from sp_harness.config.case import get_case
+from sp_harness.config.converge_options import ConvergeOptions, repro_line
+from sp_harness.config.flags import add_flags, from_args
 from sp_harness.train.spec import loss_floor, training_of
 
 
@@ -78,45 +73,15 @@ def format_gate(result, html, repro: str | None = None) -> str:
 
 
 def _add_converge_args(p: argparse.ArgumentParser) -> None:
-    d = ConvergeOptions()
-    p.add_argument("--case", default=d.case, help=f"case under test (default {d.case})")
-    p.add_argument("--baseline", default=d.baseline,
-                   help="baseline case (default: the case's declared baseline); 'none' to skip")
-    p.add_argument("--world-size", type=int, default=d.world_size, help=f"ranks of the baseline and case runs (default {d.world_size})")
-    p.add_argument("--dp", type=int, default=d.dp, help=f"data-parallel degree (default {d.dp})")
-    p.add_argument("--steps", type=int, default=d.steps, help=f"optimizer steps (default {d.steps})")
-    p.add_argument("--seq-len", type=int, default=d.seq_len,
-                   help="tokens per sequence (default: the case's convergence default, 32 for the GPT cases)")
-    p.add_argument("--batch", type=int, default=d.batch,
-                   help="sequences per DP replica and step (default: the case's, 8 for the GPT cases)")
-    p.add_argument("--dtype", default=d.dtype, choices=["float64", "float32", "bfloat16"],
-                   help=f"training dtype of every run; the gate's bands follow it (default {d.dtype})")
-    p.add_argument("--optimizer", default=d.optimizer, choices=["adamw", "sgd"], help=f"optimizer (default {d.optimizer})")
-    p.add_argument("--lr", type=float, default=d.lr, help=f"peak learning rate (default {d.lr})")
-    p.add_argument("--warmup-steps", type=int, default=d.warmup_steps,
-                   help=f"linear warmup steps, then cosine decay (default {d.warmup_steps})")
-    p.add_argument("--clip-grad-norm", type=float, default=d.clip_grad_norm,
-                   help=f"global grad-norm clipping, 0 disables it (default {d.clip_grad_norm})")
-    p.add_argument("--seed", type=int, default=d.seed, help=f"initial weights (default {d.seed})")
-    p.add_argument("--data-seed", type=int, default=d.data_seed, help=f"the batch stream (default {d.data_seed})")
-    p.add_argument("--timeout", type=float, default=d.timeout_s, dest="timeout_s",
-                   help=f"seconds per job (setup, or one chunk of steps) before it counts as hung (default {d.timeout_s:g})")
+    add_flags(p, ConvergeOptions)  # one flag per field, generated from its declarations
 
 
 def options_from_args(args) -> ConvergeOptions:
-    for name in ("world_size", "dp", "steps", "seq_len", "batch"):
-        if getattr(args, name) is not None and getattr(args, name) < 1:
-            raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
-    if args.world_size % args.dp:
-        raise ValueError(f"dp({args.dp}) does not divide world_size({args.world_size})")
-    get_case(args.case)
-    baseline = "" if args.baseline in ("none", "") else args.baseline
-    if baseline:
-        get_case(baseline)
-    return ConvergeOptions(case=args.case, baseline=baseline, world_size=args.world_size, dp=args.dp, steps=args.steps,
-                           seq_len=args.seq_len, batch=args.batch, dtype=args.dtype, optimizer=args.optimizer, lr=args.lr,
-                           warmup_steps=args.warmup_steps, clip_grad_norm=args.clip_grad_norm or None, seed=args.seed,
-                           data_seed=args.data_seed, timeout_s=args.timeout_s)
+    opts = from_args(ConvergeOptions, args, baseline="" if args.baseline in ("none", "") else args.baseline)
+    get_case(opts.case)
+    if opts.baseline:
+        get_case(opts.baseline)
+    return opts
 
 
 def validate_options(opts: ConvergeOptions, out: str) -> None:

@@ -16,6 +16,8 @@ import time
 from pathlib import Path
 
 from sp_harness.config.check_config import CheckConfig
+from sp_harness.config.converge_options import ConvergeOptions
+from sp_harness.config.flags import add_flags, from_args
 
 GOLDEN_DIR = Path(__file__).resolve().parent.parent.parent / "reports" / "golden"
 """Golden curves by case name (`sp-harness golden --out reports/golden/CASE.json`)."""
@@ -74,9 +76,9 @@ def _append_to_html(html_path: Path, section: str) -> None:
 
 def cmd_nightly(args) -> int:
     from sp_harness.record.outdir import open_run_dir
-    from sp_harness.suites.converge import ConvergeOptions, validate_options
+    from sp_harness.suites.converge import validate_options
 
-    opts = ConvergeOptions(case=args.case, world_size=args.world_size, steps=args.steps)
+    opts = from_args(ConvergeOptions, args)
     validate_options(opts, args.out)  # a bad --case or --out is exit 2 now, not after the checks
     with open_run_dir(args.out) as run_dir:  # this run's own directory; removed if interrupted
         return _nightly(args, opts, run_dir)
@@ -134,8 +136,7 @@ def _append_history_to_html(html_path: Path, png: Path, num_runs: int, log: Path
 def add_subcommands(sub) -> None:
     p = sub.add_parser("nightly", help="the main job: check every case, convergence report, gate")
     p.add_argument("--out", default="reports/latest", help="report directory (default reports/latest)")
-    p.add_argument("--case", default="megatron-gpt-sp", help="case under test in the convergence report")
-    p.add_argument("--world-size", type=int, default=2, help="ranks of the convergence run (default 2)")
-    p.add_argument("--steps", type=int, default=200, help="steps of the convergence run (default 200)")
+    # the convergence run's flags, generated from its options (the rest keep converge's defaults)
+    add_flags(p, ConvergeOptions, only=("case", "world_size", "steps"))
     p.add_argument("--no-golden", action="store_true", help="skip the golden-curve comparison")
     p.set_defaults(func=cmd_nightly)
