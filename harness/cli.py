@@ -117,19 +117,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _extra_commands():
-    """Subcommands living in their own modules (converge, gate, golden, mutants, bench)."""
+    """Subcommands living in their own modules (converge, gate, golden, nightly, mutants, bench,
+    sensitivity)."""
     import importlib
 
-    out = []
-    for mod in ("sp_harness.suites.converge", "sp_harness.suites.nightly", "sp_harness.suites.battery", "sp_harness.suites.bench", "sp_harness.suites.sensitivity"):
-        try:
-            module = importlib.import_module(mod)
-        except ModuleNotFoundError as exc:
-            if exc.name == mod:
-                continue
-            raise
-        out.append(module.add_subcommands)
-    return out
+    suites = ("converge", "nightly", "battery", "bench", "sensitivity")
+    return [importlib.import_module(f"sp_harness.suites.{name}").add_subcommands for name in suites]
 
 
 class _Terminated(KeyboardInterrupt):

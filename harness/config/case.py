@@ -22,7 +22,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from sp_harness.config.check_config import ENGINE_DEFAULTS, CheckConfig, default_timeout_s
+from sp_harness.config.check_config import ENGINE_DEFAULTS, KNOBS, CheckConfig, default_timeout_s
+from sp_harness.config.gpt_knobs import GPTKnobs
 from sp_harness.config.loading import load_case_file
 from sp_harness.config.resources import require_memory
 
@@ -308,7 +309,14 @@ class Case:
     ValueError for configs that make no sense. Runs in the driver before any rank starts."""
     defaults: Mapping[str, Any] = field(default_factory=dict)
     """Values for the config fields left as None: shapes (seq_len, hidden, ...) and any engine
-    default (steps, batch, dtype, lr, optimizer, norm, layout); unknown names are an error."""
+    default (steps, batch, dtype, lr, optimizer, norm, layout); names that are neither a run
+    field nor one of this case's `knobs` are an error."""
+    knobs: type | None = GPTKnobs
+    """The knob dataclass whose fields this case reads beyond the run fields (`GPTKnobs`: model
+    shape, attention, placement, norm, layout): each field is a `sp-harness check` flag and a
+    `CheckConfig` field, generated from that one declaration; `CheckConfig.knob_values` gives a
+    case its knobs as one object. A knob class must be one `CheckConfig` carries
+    (`sp_harness.config.check_config.KNOBS`). None: the case reads no knobs."""
     input_layout: Layout = Layout(seq_dim=0)
     """Layout of the global input and target: where seq and batch dims are."""
     replicated_hint: tuple[str, ...] = ()
@@ -374,7 +382,11 @@ class Case:
         return config
 
     def __post_init__(self) -> None:
-        unknown = sorted(set(self.defaults) - {f.name for f in dataclasses.fields(CheckConfig)})
+        if self.knobs is not None and self.knobs not in KNOBS:
+            raise ValueError(f"case {self.name}: knobs {self.knobs.__name__} is not a knob class CheckConfig carries "
+                             f"({', '.join(k.__name__ for k in KNOBS)}); add it to CheckConfig's bases")
+        others = {f.name for k in KNOBS if k is not self.knobs for f in dataclasses.fields(k)}
+        unknown = sorted(set(self.defaults) - ({f.name for f in dataclasses.fields(CheckConfig)} - others))
         if unknown:
             raise ValueError(f"case {self.name}: defaults for unknown config fields {unknown}")
         fixed = sorted(set(self.defaults) & {"case", "world_size", "dp", "seq_shards", "timeout_s"})

@@ -13,7 +13,7 @@ import math
 import shlex
 import typing
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, TypeVar
 
 import torch
 
@@ -26,6 +26,7 @@ Adversary = Literal["off", "reorder", "reorder-tf32"]
 DTYPES: dict[str, torch.dtype] = {name: getattr(torch, name) for name in typing.get_args(DType)}
 OPTIMIZERS: tuple[str, ...] = typing.get_args(Optimizer)
 ADVERSARIES: tuple[str, ...] = typing.get_args(Adversary)
+K = TypeVar("K")
 DEFAULT_STEPS = 3
 """Optimizer steps per check: the third step is the first with two steps of optimizer state
 behind it and the first after a DDP-style grad-bucket rebuild (tests/test_conventions.py)."""
@@ -105,6 +106,11 @@ class RunFields:
             raise ValueError(f"dp({self.dp}) does not divide world_size({self.world_size})")
 
 
+KNOBS: tuple[type, ...] = (GPTKnobs,)
+"""The knob classes `CheckConfig` carries (its bases besides `RunFields`): a case names the one
+it reads (`Case.knobs`)."""
+
+
 @dataclass(kw_only=True, frozen=True)
 class CheckConfig(GPTKnobs, RunFields):
     """What one check runs: the shared run fields (`RunFields`), the knobs of the GPT-style cases
@@ -148,6 +154,10 @@ class CheckConfig(GPTKnobs, RunFields):
     def torch_dtype(self) -> torch.dtype:
         assert self.dtype is not None, "torch_dtype of an unresolved config (Case.resolve fills dtype)"
         return DTYPES[self.dtype]
+
+    def knob_values(self, knobs: type[K]) -> K:
+        """This config's values of one knob class's fields, as that class (`Case.knobs`)."""
+        return knobs(**{f.name: getattr(self, f.name) for f in dataclasses.fields(knobs)})
 
     def replace(self, **changes) -> "CheckConfig":
         return dataclasses.replace(self, **changes)

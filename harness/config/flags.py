@@ -131,25 +131,30 @@ def check_values(obj: Any) -> None:
 
 
 def _parse(s: Spec):
-    def whole(text: str) -> int:
+    def convert(text: str) -> Any:
         try:
-            return int(text)
+            if s.kind is tuple:
+                return tuple(int(x) for x in text.split(","))
+            return int(text) if s.kind is int else s.kind(text)
         except ValueError:
-            raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+            what = "comma-separated whole numbers like 4,4,2" if s.kind is tuple else (
+                "a whole number" if s.kind is int else f"a {s.kind.__name__}")
+            raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}") from None
+
+    try:  # '0' for a float also stands for 0.0
+        none_value = None if s.flag.none is None else convert(s.flag.none)
+    except argparse.ArgumentTypeError:
+        none_value = None
 
     def parse(text: str) -> Any:
         if s.kind is bool:
             if text not in ("yes", "no"):
                 raise argparse.ArgumentTypeError(f"expected yes or no, got {text!r}")
             return text == "yes"
-        if s.kind is tuple:
-            try:
-                value: Any = tuple(int(x) for x in text.split(","))
-            except ValueError:
-                raise argparse.ArgumentTypeError(f"expected comma-separated whole numbers like 4,4,2, got {text!r}") from None
-        else:
-            value = whole(text) if s.kind is int else s.kind(text)
-        if s.flag.none is not None and value == parse_none:
+        if s.flag.none is not None and text == s.flag.none:
+            return None
+        value = convert(text)
+        if none_value is not None and value == none_value:
             return None
         low = s.flag.min
         if low is not None and any(v < low for v in (value if isinstance(value, tuple) else (value,))):
@@ -157,10 +162,6 @@ def _parse(s: Spec):
                                              else f"must be >= {low:g}, got {value}")
         return value
 
-    parse_none = None
-    if s.flag.none is not None:
-        parse_none = parse(s.flag.none)
-    parse.__name__ = s.kind.__name__  # argparse's "invalid <name> value" message
     return parse
 
 

@@ -12,7 +12,9 @@ from __future__ import annotations
 
 from hypothesis import strategies as st
 
-from sp_harness.config.check_config import ADVERSARIES, CheckConfig
+from sp_harness.config.check_config import ADVERSARIES, DTYPES, CheckConfig
+from sp_harness.config.flags import specs
+from sp_harness.config.gpt_knobs import LAYOUTS, NORMS
 
 
 def world_sizes(*, min_size: int = 1, max_size: int = 8) -> st.SearchStrategy[int]:
@@ -56,15 +58,33 @@ def widths(*, min_width: int = 1, max_width: int = 64) -> st.SearchStrategy[int]
 
 
 def dtypes(*, include_bfloat16: bool = True) -> st.SearchStrategy[str]:
-    return st.sampled_from(["float64", "float32"] + (["bfloat16"] if include_bfloat16 else []))
+    return st.sampled_from([d for d in DTYPES if include_bfloat16 or d != "bfloat16"])
 
 
 def norms() -> st.SearchStrategy[str]:
-    return st.sampled_from(["layernorm", "rmsnorm"])
+    return st.sampled_from(NORMS)
 
 
 def layouts() -> st.SearchStrategy[str]:
-    return st.sampled_from(["bsh", "sbh"])
+    return st.sampled_from(LAYOUTS)
+
+
+def knob_values(knobs: type, *, max_value: int = 8, **fields: st.SearchStrategy) -> st.SearchStrategy:
+    """Instances of a knob class (`Case.knobs`) drawn from its declarations: choices from a
+    Literal, yes/no from a bool, whole numbers from the declared minimum up to `max_value`;
+    `fields` overrides a field's strategy. Each shrinks toward its first choice or its minimum."""
+    drawn = {}
+    for s in specs(knobs):
+        if s.name in fields:
+            drawn[s.name] = fields[s.name]
+        elif s.choices is not None:
+            drawn[s.name] = st.sampled_from(s.choices)
+        elif s.kind is bool:
+            drawn[s.name] = st.booleans()
+        elif s.kind is int:
+            low = int(s.flag.min) if s.flag.min is not None else 0
+            drawn[s.name] = st.integers(low, max(low, max_value))
+    return st.builds(knobs, **drawn)
 
 
 def seeds(*, max_seed: int = 2**16) -> st.SearchStrategy[int]:
