@@ -154,3 +154,9 @@ def test_a_case_defaults_only_its_own_knobs():
 def test_the_strategies_draw_valid_knobs_from_the_declarations(knobs):
     config = CheckConfig(case="megatron-gpt-sp", **dataclasses.asdict(knobs))
     assert config.knob_values(GPTKnobs) == knobs
+
+
+def test_converge_hands_its_shared_fields_to_the_check_config():
+    opts = ConvergeOptions(case="seed-mlp", world_size=4, dp=2, steps=7, lr=0.5, seed=3)
+    config = CheckConfig(**opts.run_values())
+    assert {f.name: getattr(config, f.name) for f in dataclasses.fields(RunFields)} == opts.run_values()

@@ -100,6 +100,11 @@ class RunFields:
     """Seconds a job may run before it counts as hung; the error names case, config and rank.
     None: $SP_HARNESS_TIMEOUT, else 30."""
 
+    def run_values(self) -> dict[str, typing.Any]:
+        """This object's values of the shared fields: what a convergence run hands its check
+        config (`CheckConfig(**opts.run_values(), ...)`), so a new shared field needs no other edit."""
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(RunFields)}
+
     def __post_init__(self) -> None:
         check_values(self)
         if self.world_size % self.dp:
