@@ -111,11 +111,6 @@ class RunFields:
             raise ValueError(f"dp({self.dp}) does not divide world_size({self.world_size})")
 
 
-KNOBS: tuple[type, ...] = (GPTKnobs,)
-"""The knob classes `CheckConfig` carries (its bases besides `RunFields`): a case names the one
-it reads (`Case.knobs`)."""
-
-
 @dataclass(kw_only=True, frozen=True)
 class CheckConfig(GPTKnobs, RunFields):
     """What one check runs: the shared run fields (`RunFields`), the knobs of the GPT-style cases
@@ -192,6 +187,11 @@ class CheckConfig(GPTKnobs, RunFields):
             parts.append("forward-only")
         parts += [str(self.dtype), f"steps={self.steps}", f"seed={self.seed}"]
         return " ".join(parts)
+
+
+KNOBS: tuple[type, ...] = tuple(b for b in CheckConfig.__bases__ if b is not RunFields)
+"""The knob classes `CheckConfig` carries (its bases besides `RunFields`): a case names the one
+it reads (`Case.knobs`)."""
 
 
 def _resolved_default(config: CheckConfig) -> CheckConfig:
