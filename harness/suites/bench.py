@@ -57,16 +57,15 @@ def bare_rank(config: CheckConfig) -> dict:
     comparison, no replica-drift collectives."""
     from sp_harness.config.case import as_batch
     from sp_harness.step.build import build
-    from sp_harness.step.inputs import forward_loss, rank_batch
+    from sp_harness.step.loop import ShardedLoop
     from sp_harness.step.optim_ref import make_optimizer
-    from sp_harness.step.params import load_declared_grads, zero_declared_grads
     from sp_harness.step.reference import reference_pass
 
     t_start, c_start = time.perf_counter(), time.process_time()
     built = build(config)
-    config, case, ctx, ref, sharded = built.config, built.case, built.ctx, built.reference, built.sharded
+    config, case, ref = built.config, built.case, built.reference
     opt_ref = make_optimizer(config.optimizer, config.lr, ref.parameters())
-    opt = make_optimizer(config.optimizer, config.lr, sharded.module.parameters())
+    loop = ShardedLoop(built)
     gen = torch.Generator().manual_seed(config.seed + 7919)
     t_setup = time.perf_counter() - t_start
     for step in range(config.steps):
@@ -74,13 +73,7 @@ def bare_rank(config: CheckConfig) -> dict:
         reference_pass(ref, case, batch, torch.float64)
         opt_ref.step()
         opt_ref.zero_grad(set_to_none=True)
-        _, loss = forward_loss(case, sharded, rank_batch(batch, sharded, ctx, config.torch_dtype), batch.target, ctx)
-        loss.backward()
-        sharded.sync_grads()
-        load_declared_grads(built.params, sharded.grad_attr)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        zero_declared_grads(built.params, sharded.grad_attr)
+        loop.step(batch)
     return {"setup_s": t_setup, "total_s": time.perf_counter() - t_start, "cpu_s": time.process_time() - c_start}
 
 
