@@ -1,4 +1,4 @@
-"""Stage: train (rank side). The job functions a runner calls on every rank: `train_start`
+"""Stage: train. Rank side: the job functions a runner calls on every rank: `train_start`
 builds the models, `train_steps` advances them, `train_end` drops them.
 
 State lives in the rank process between jobs (one `_Trainer` per process), so the driver can

@@ -10,7 +10,7 @@ submodule that saved it, which gives the norm-region share on its own.
 
 No parallelism is measured in-process on `reference.gpt.Block`; TP and TP+SP inside a real rank
 job (`activation_rank`) on the case's sharded model, with the tokens and shards the engine would
-hand it. The formulas and the gate are in sp_harness.checks.memory.
+hand it. The formulas and the gate are in sp_harness.checks.activation_memory.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Stage: build reference + sharded -> step -> capture -> compare (runs on every rank).
+"""Stage: checks. The side-by-side check's rank job (sp_harness.checks.side_by_side drives it).
 
 `run_rank(config)` is the job the pool runs. Every rank builds the float64 reference and a
 same-precision reference (deterministic CPU code: identical on every rank), hands a copy of the
@@ -16,19 +16,19 @@ from __future__ import annotations
 
 import contextlib
 import time
-from dataclasses import dataclass, field
 
 import torch
 
 from sp_harness.capture.comm import CommCounter
-from sp_harness.capture.islands import Island, IslandObserver
+from sp_harness.capture.islands import IslandObserver
 from sp_harness.capture.trace import Recorder
 from sp_harness.checks.references import KINDS, Inline, RefResult, Shared, make_references
 from sp_harness.checks.refproc import Remote, reference_process
-from sp_harness.compare.divergence import Divergence, first_divergence
-from sp_harness.compare.tolerance import FACTOR, TensorCheck, check_bounded, check_tensor, lp_dtype
+from sp_harness.compare.divergence import first_divergence
+from sp_harness.compare.tolerance import FACTOR, check_bounded, check_tensor, lp_dtype
 from sp_harness.config.case import as_batch
 from sp_harness.config.check_config import CheckConfig
+from sp_harness.judge.verdict import RankResult, record
 from sp_harness.launch import announce
 from sp_harness.step.adversary import ReorderAdversary
 from sp_harness.step.anchor import gather_full
@@ -38,32 +38,11 @@ from sp_harness.step.inputs import batch_to, cut, global_loss, replica_slice, se
 from sp_harness.step.loop import ShardedLoop
 from sp_harness.step.optim_ref import reference_step, state_of
 from sp_harness.step.params import (
-    Drift,
     LocalParam,
     declared_grad,
     replica_drift,
 )
 from sp_harness.step.reference import RefStep
-
-MAX_FAILURES_KEPT = 64
-
-
-@dataclass(kw_only=True)
-class RankResult:
-    rank: int
-    failures: list[TensorCheck] = field(default_factory=list)
-    worst: dict[str, TensorCheck] = field(default_factory=dict)
-    """Largest ratio per kind, passing or not."""
-    drift: list[Drift] = field(default_factory=list)
-    losses: list[float] = field(default_factory=list)
-    comm: list[list[dict]] = field(default_factory=list)
-    """Per step, the collective counter's rows."""
-    num_checks: int = 0
-    timings: dict[str, float] = field(default_factory=dict)
-    divergence: Divergence | None = None
-    """At the first failing step: the first module whose output or input grad left its bound."""
-    islands: list[Island] = field(default_factory=list)
-    """Ops of the sharded forward and backward at step 0 that computed below the run dtype."""
 
 
 def _lse_piece(full: torch.Tensor, rows: slice, heads: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
@@ -298,15 +277,6 @@ def _adversary(config: CheckConfig):
     if config.adversary == "off":
         return contextlib.nullcontext()
     return ReorderAdversary(config.seed, reorder=True, tf32=config.adversary == "reorder-tf32")
-
-
-def record(result: RankResult, chk: TensorCheck) -> None:
-    result.num_checks += 1
-    best = result.worst.get(chk.kind)
-    if best is None or chk.ratio > best.ratio:
-        result.worst[chk.kind] = chk
-    if not chk.ok and len(result.failures) < MAX_FAILURES_KEPT:
-        result.failures.append(chk)
 
 
 def _expected_step(p: LocalParam, opt: torch.optim.Optimizer, config: CheckConfig,
