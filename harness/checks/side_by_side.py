@@ -17,6 +17,7 @@ from sp_harness.launch.runner import default_manager
 
 
 def resolve(config: CheckConfig) -> CheckConfig:
+    """`config` with its case's defaults filled in, as `check` runs it."""
     return get_case(config.case).resolve(config)
 
 
@@ -43,6 +44,7 @@ def check(config: CheckConfig, runner=None) -> CheckResult:
                            error=exc.describe(), crash_kind=exc.kind, rank_errors=exc.errors,
                            wall_s=time.perf_counter() - t0)
     return merge(config, results, wall_s=time.perf_counter() - t0, declared=case.precision_islands)
+
 
 KIND_LABEL = {"init": "init", "forward": "forward", "lse": "attention lse", "loss": "forward (loss)", "input_grad": "input grad", "grad": "grad",
               "param": "param-after-step"}
