@@ -1,7 +1,7 @@
 """sp-harness: prove a sequence-parallel model agrees with its single-device reference.
 
-Flow: config -> launch ranks (pool) -> build reference + sharded (case) -> step -> capture ->
-compare -> record -> report -> gate. The public API for users' own cases is re-exported here.
+The flow, bottom to top, is `sp_harness.stages.STAGES`: each stage is a folder of `harness/`.
+The public API for users' own cases is re-exported here.
 """
 
 from sp_harness.config.case import (
@@ -22,7 +22,7 @@ from sp_harness.config.check_config import CheckConfig
 
 def check(config: CheckConfig, runner=None):
     """Run one side-by-side check; returns a CheckResult (verdict PASS / FAIL / UNSUPPORTED)."""
-    from sp_harness.checks.verify import check as _check
+    from sp_harness.checks.side_by_side import check as _check
 
     return _check(config, runner)
 

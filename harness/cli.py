@@ -1,4 +1,4 @@
-"""Stage: config -> ... -> report. The `sp-harness` command line.
+"""Stage: top. The `sp-harness` command line.
 
 Exit codes: 0 all agreed (or were declared UNSUPPORTED), 1 a disagreement (FAIL), 2 bad usage.
 """

@@ -1,4 +1,4 @@
-"""Stage: launch ranks (for pytest). The sp-harness pytest plugin, loaded by entry point.
+"""Stage: top. The sp-harness pytest plugin, loaded by entry point.
 
 - options (group "sp-harness", each with an ini key and an env mirror):
   --sp-timeout / sp_timeout / SP_HARNESS_TIMEOUT: seconds per job before it counts as hung;
@@ -95,7 +95,7 @@ def sp_max_world_size(request: pytest.FixtureRequest) -> int:
 @pytest.fixture
 def sp_check(sp_pool, request: pytest.FixtureRequest):
     """sp_check(config) -> CheckResult, run on this worker's warm pool with the suite's timeout."""
-    from sp_harness.checks.verify import check
+    from sp_harness.checks.side_by_side import check
 
     def run(config):
         return check(config, sp_pool)  # a config without its own timeout takes the suite's

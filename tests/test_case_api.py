@@ -13,9 +13,9 @@ import re
 import pytest
 import torch
 
-from sp_harness.checks.verify import FAIL, PASS
 from sp_harness.config.case import Layout, RankContext
 from sp_harness.config.check_config import CheckConfig
+from sp_harness.judge.verdict import FAIL, PASS
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 CASES = os.path.join(ROOT, "tests", "caseapi_cases.py")

@@ -6,9 +6,9 @@ import os
 
 import torch
 
-from sp_harness.checks.verify import FAIL, PASS
 from sp_harness.compare.tolerance import check_tensor
 from sp_harness.config.check_config import DEFAULT_STEPS, CheckConfig
+from sp_harness.judge.verdict import FAIL, PASS
 
 DDP = os.path.join(os.path.dirname(__file__), "ddp_cases.py")
 
@@ -66,7 +66,7 @@ def test_gpt_batches_separate_neighbouring_tokens_at_every_position():
 
 def test_explicit_shards_fix_the_sequence_length_before_case_defaults():
     # the README's own example: 4/4/2 is 10 tokens, whatever the case's default seq_len (12)
-    from sp_harness.checks.verify import resolve
+    from sp_harness.checks.side_by_side import resolve
 
     cfg = resolve(CheckConfig(case="megatron-gpt-sp", world_size=3, seq_shards=(4, 4, 2)))
     assert cfg.seq_len == 10

@@ -166,8 +166,8 @@ def test_two_runs_at_once_into_one_out_leave_two_intact_reports(tmp_path):
 
 
 def test_converge_takes_the_cases_own_defaults_where_not_told():
-    from sp_harness.checks.lockstep import base_config, config_sources
     from sp_harness.config.case import get_case
+    from sp_harness.train.lockstep_runs import base_config, config_sources
 
     mine = base_config(ConvergeOptions(case=MY_MLP, steps=7))
     assert (mine.seq_len, mine.batch, mine.steps) == (8, 2, 7)  # the case's seq_len, the engine's batch

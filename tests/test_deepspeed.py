@@ -11,8 +11,8 @@ import pytest
 
 pytest.importorskip("deepspeed", reason="DeepSpeed is not installed (pip install -e '.[deepspeed]')")
 
-from sp_harness.checks.verify import FAIL, PASS, UNSUPPORTED  # noqa: E402
 from sp_harness.config.check_config import CheckConfig  # noqa: E402
+from sp_harness.judge.verdict import FAIL, PASS, UNSUPPORTED  # noqa: E402
 
 EXAMPLE = os.path.join(pathlib.Path(__file__).resolve().parent.parent, "examples", "deepspeed_case.py")
 TIMEOUT_S = 120.0

@@ -9,8 +9,8 @@ import time
 
 import pytest
 
-from sp_harness.checks.verify import FAIL, PASS, UNSUPPORTED
 from sp_harness.config.check_config import CheckConfig
+from sp_harness.judge.verdict import FAIL, PASS, UNSUPPORTED
 
 FAULTY = os.path.join(os.path.dirname(__file__), "faulty_cases.py")
 
@@ -126,7 +126,7 @@ def test_correct_cases_are_never_a_desync(sp_check, case):
 
 
 def test_progress_lines_come_from_the_pool_and_rank_0(sp_pool):
-    from sp_harness.checks.verify import check
+    from sp_harness.checks.side_by_side import check
     from sp_harness.launch.runner import WithProgress
 
     lines = []
@@ -303,7 +303,7 @@ def test_a_jobs_timeout_does_not_count_the_ranks_start(tmp_path):
     # a fresh pool: its ranks import torch, DTensor (sympy) and the cases on start-up (tens of
     # seconds on a loaded runner), under the start budget; the job's own timeout only has to cover
     # seed-mlp's three small steps
-    from sp_harness.checks.verify import check
+    from sp_harness.checks.side_by_side import check
     from sp_harness.launch.pool import PoolManager
 
     manager = PoolManager()

@@ -10,10 +10,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from sp_harness.capture.islands import Island, IslandObserver, summary
-from sp_harness.checks.verify import format_result
 from sp_harness.config.case import Case
 from sp_harness.config.check_config import CheckConfig
-from sp_harness.step.rounding import NoisePool, RoundingNoise
+from sp_harness.judge.verdict import format_result
+from sp_harness.step.noise_pool import NoisePool
+from sp_harness.step.rounding import RoundingNoise
 
 CASES = os.path.join(os.path.dirname(os.path.abspath(__file__)), "island_cases.py")
 EPS64, EPS32 = torch.finfo(torch.float64).eps, torch.finfo(torch.float32).eps

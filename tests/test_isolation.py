@@ -11,7 +11,7 @@ import time
 import pytest
 
 from sp_harness import CheckConfig
-from sp_harness.checks.verify import check
+from sp_harness.checks.side_by_side import check
 from sp_harness.launch.pool import PoolManager
 
 CASES = os.path.join(os.path.dirname(__file__), "isolation_cases.py")

@@ -1,17 +1,20 @@
-"""The tree's own structure (issue 12): stages import only downward, every package is installed
-under the one `sp_harness` namespace, and every check is pluggable."""
+"""The tree's own structure (issues 12, 22): stages import only downward, no module imports
+itself back through others, every module names its stage, the docs' flow is the code's, every
+package is installed under the one `sp_harness` namespace, and every check is pluggable."""
 
 from __future__ import annotations
 
 import ast
 import pathlib
+import re
 
 import pytest
 
+from sp_harness.stages import STAGES
+
 ROOT = pathlib.Path(__file__).resolve().parent.parent
-STAGES = ["config", "launch", "step", "capture", "compare", "train", "record", "judge", "checks", "report", "suites"]
-"""The flow, bottom to top: a module may import from its own stage and the ones before it."""
 TOP = 99  # the CLI, the pytest plugin and the public API may import anything
+FOLDERS = {"sp_harness": "harness", "sp_harness.cases": "cases", "sp_harness.reference": "reference"}
 
 
 def _stage(module: str) -> int | None:
@@ -33,11 +36,24 @@ def _imports(path: pathlib.Path):
             yield from (a.name for a in node.names)
 
 
-def _engine_modules():
-    for path in sorted((ROOT / "harness").rglob("*.py")):
-        rel = path.relative_to(ROOT / "harness").with_suffix("")
+def _modules(folder: str, namespace: str):
+    for path in sorted((ROOT / folder).rglob("*.py")):
+        rel = path.relative_to(ROOT / folder).with_suffix("")
         parts = [p for p in rel.parts if p != "__init__"]
-        yield path, ".".join(["sp_harness", *parts])
+        yield path, ".".join([namespace, *parts])
+
+
+def _engine_modules():
+    yield from _modules("harness", "sp_harness")
+
+
+def _imported_names(path: pathlib.Path):
+    """Every import in the module, a function's too: a lazy import still ties the two modules."""
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            yield node.module, [a.name for a in node.names]
+        elif isinstance(node, ast.Import):
+            yield from ((a.name, []) for a in node.names)
 
 
 def test_no_module_imports_from_a_stage_above_it():
@@ -49,6 +65,118 @@ def test_no_module_imports_from_a_stage_above_it():
             if theirs is not None and theirs > mine:
                 upward.append(f"{module} imports {name}")
     assert not upward, "\n".join(upward)
+
+
+def _import_graph(namespaces) -> dict[str, set[str]]:
+    """module -> the modules of the tree it imports, anywhere in it (`from pkg import mod` counts
+    as importing `pkg.mod` where that is a module)."""
+    modules = {name: path for ns in namespaces for path, name in _modules(FOLDERS[ns], ns)}
+    graph: dict[str, set[str]] = {}
+    for name, path in modules.items():
+        edges = set()
+        for target, names in _imported_names(path):
+            subs = {f"{target}.{n}" for n in names} & modules.keys()
+            edges |= subs or ({target} & modules.keys())
+        graph[name] = edges - {name}
+    return graph
+
+
+def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """One cycle through each strongly connected component that has one (Tarjan)."""
+    index, low, stack, on, found = {}, {}, [], set(), []
+
+    def visit(v):
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on.add(v)
+        for w in sorted(graph[v]):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                found.append(_a_cycle(graph, set(component)))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return found
+
+
+def _a_cycle(graph, component: set[str]) -> list[str]:
+    start = min(component)
+    path, seen = [start], {start}
+    while True:
+        nxt = min(w for w in graph[path[-1]] if w in component)
+        if nxt in seen:
+            return path[path.index(nxt):] + [nxt]
+        path.append(nxt)
+        seen.add(nxt)
+
+
+PENDING = {
+    ("sp_harness.launch.companion", "sp_harness.launch.worker"),
+    ("sp_harness.launch.pool", "sp_harness.launch.torchrun"),
+}
+"""Cycles inside launch/ that its rework (rank jobs as functions, issue 22) removes; each entry is
+the sorted modules of one cycle. Delete an entry when its cycle is gone."""
+
+
+# cases/ joins the graph once its registration is lazy (issue 22, the cases' part): its package
+# imports every built-in case eagerly today, and they import it back
+@pytest.mark.parametrize("namespaces", [("sp_harness", "sp_harness.reference")], ids=["harness+reference"])
+def test_no_import_cycles(namespaces):
+    cycles = [c for c in _cycles(_import_graph(namespaces)) if tuple(sorted(set(c))) not in PENDING]
+    assert not cycles, "import cycles:\n" + "\n".join(" -> ".join(c) for c in cycles)
+
+
+def test_the_cycle_finder_finds_one():
+    assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c", "a"]]
+    assert _cycles({"a": {"b"}, "b": set()}) == []
+
+
+def test_every_module_names_its_stage_first():
+    wrong = []
+    for path, _ in _engine_modules():
+        rel = path.relative_to(ROOT / "harness")
+        if rel.parts == ("__init__.py",):
+            continue  # the package docstring: what sp-harness is
+        stage = rel.parts[0] if len(rel.parts) > 1 else "top"
+        doc = ast.get_docstring(ast.parse(path.read_text())) or ""
+        if not doc and path.name == "__init__.py" and not path.read_text().strip():
+            continue  # an empty package marker
+        if not doc.startswith(f"Stage: {stage}."):
+            wrong.append(f"{rel}: {doc.splitlines()[0] if doc else '(no docstring)'!r} (folder: {stage})")
+    assert not wrong, "\n".join(wrong)
+
+
+def test_every_stage_is_a_folder_and_every_folder_a_stage():
+    folders = {p.name for p in (ROOT / "harness").iterdir() if (p / "__init__.py").exists()}
+    assert folders == set(STAGES)
+
+
+def test_the_architecture_page_lists_the_stages_in_the_codes_order():
+    text = (ROOT / "docs" / "architecture.md").read_text()
+    rows = re.findall(r"^\| `(\w+)/` \|", text, flags=re.M)
+    assert rows == list(STAGES), f"docs/architecture.md's stage table: {rows}, sp_harness.stages.STAGES: {STAGES}"
+
+
+def test_no_two_modules_share_a_file_name_across_stages():
+    # `memory.py` in two folders, or `sidebyside.py` beside `side_by_side.py`, hide which is which
+    seen: dict[str, list[str]] = {}
+    for path, _ in _engine_modules():
+        if path.name != "__init__.py":
+            seen.setdefault(path.stem.replace("_", ""), []).append(str(path.relative_to(ROOT / "harness")))
+    assert not {k: v for k, v in seen.items() if len(v) > 1}
 
 
 def test_the_engine_does_not_import_the_cases():

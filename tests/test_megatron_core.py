@@ -10,8 +10,8 @@ import pytest
 
 pytest.importorskip("megatron.core", reason="megatron-core is not installed (pip install -e '.[megatron]')")
 
-from sp_harness.checks.verify import FAIL, PASS, UNSUPPORTED  # noqa: E402
 from sp_harness.config.check_config import CheckConfig  # noqa: E402
+from sp_harness.judge.verdict import FAIL, PASS, UNSUPPORTED  # noqa: E402
 
 EXAMPLE = os.path.join(pathlib.Path(__file__).resolve().parent.parent, "examples", "megatron_core_case.py")
 TIMEOUT_S = 120.0

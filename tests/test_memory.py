@@ -1,4 +1,4 @@
-"""Activation memory and communication volume of SP against Korthikanti et al. (sp_harness.checks.memory).
+"""Activation memory and communication volume of SP against Korthikanti et al. (sp_harness.checks.activation_memory).
 
 The memory check passes for megatron-gpt-sp (each rank's layer saves exactly its adjusted
 formula, norm-region activations 1/t of the TP twin's) and fails for the mutant that all-gathers
@@ -11,12 +11,12 @@ from __future__ import annotations
 import pytest
 
 from sp_harness.capture.comm import CommRow
-from sp_harness.capture.memory import measure_reference_layer, memory_config
+from sp_harness.capture.saved_activations import measure_reference_layer, memory_config
 from sp_harness.checks import get_check, run_check
-from sp_harness.checks.memory import activation_gate, activation_report, adjusted_bytes, paper_bytes
-from sp_harness.checks.verify import PASS
+from sp_harness.checks.activation_memory import activation_gate, activation_report, adjusted_bytes, paper_bytes
 from sp_harness.compare.comm_volume import paper_check
 from sp_harness.config.check_config import CheckConfig
+from sp_harness.judge.verdict import PASS
 
 MUTANT = "mutant-sp-full-sequence-norms"
 MEM = dict(dtype="float32", seq_len=12, hidden=32, num_heads=4)

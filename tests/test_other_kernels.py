@@ -8,8 +8,9 @@ fails CI on any machine."""
 import pytest
 import torch
 
-from sp_harness.checks.verify import FAIL, PASS, check
+from sp_harness.checks.side_by_side import check
 from sp_harness.config.check_config import CheckConfig
+from sp_harness.judge.verdict import FAIL, PASS
 from sp_harness.launch.pool import PoolManager, PoolOptions
 
 NATIVE = torch.backends.cpu.get_cpu_capability().lower()

@@ -10,9 +10,9 @@ import pytest
 from hypothesis import given, note
 from hypothesis import strategies as st
 
-from sp_harness.checks.verify import format_result
 from sp_harness.config.strategies import adversaries, gpt_configs, mlp_configs
 from sp_harness.judge.expect import expected_verdict
+from sp_harness.judge.verdict import format_result
 
 
 def _judge(sp_check, config):

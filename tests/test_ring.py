@@ -21,12 +21,12 @@ from sp_harness.cases.ring.placement import (
     zigzag_order,
 )
 from sp_harness.cases.ring.strategies import ring_configs
-from sp_harness.checks.verify import format_result
 from sp_harness.config.case import RankContext
 from sp_harness.config.check_config import CheckConfig
 from sp_harness.config.shards import chunk_sizes
 from sp_harness.config.strategies import adversaries
 from sp_harness.judge.expect import expected_verdict
+from sp_harness.judge.verdict import format_result
 from sp_harness.reference.gpt import attention
 
 # ------------------------------------------------------------------ placement and balance

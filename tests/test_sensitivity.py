@@ -17,7 +17,7 @@ EXPECTED_CATCH = {"forward": "forward", "grad": "grad", "update": "param"}
 @pytest.fixture
 def scaled(sp_pool):
     """run(shape, d) -> CheckResult of the scaled mutant at d (float64, world size 2)."""
-    from sp_harness.checks.verify import check
+    from sp_harness.checks.side_by_side import check
 
     previous = os.environ.get(ENV)
 
@@ -53,7 +53,7 @@ def test_scaled_mutants_are_not_in_the_battery():
 def test_the_norm_wise_criterion_catches_what_max_abs_cannot(sp_pool):
     """bfloat16, one rank's logits x 1.3: every element stays inside the max-abs bound (the
     reference's worst element is that noisy), but the error adds up coherently over the piece."""
-    from sp_harness.checks.verify import check
+    from sp_harness.checks.side_by_side import check
 
     set_scale(sp_pool, 0.3)
     try:

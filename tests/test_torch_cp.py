@@ -15,10 +15,10 @@ from torch.distributed.tensor.experimental._context_parallel._load_balancer impo
 
 from sp_harness.cases.ring.placement import rank_positions, zigzag_order
 from sp_harness.cases.torch_cp.cases import balanced, torch_placement
-from sp_harness.checks.verify import FAIL, PASS
 from sp_harness.config.check_config import CheckConfig
 from sp_harness.config.shards import chunk_sizes
 from sp_harness.judge.expect import expected_verdict
+from sp_harness.judge.verdict import FAIL, PASS
 
 aten = torch.ops.aten
 CP_FRAME = "torch/distributed/tensor/experimental/_context_parallel/_attention.py"

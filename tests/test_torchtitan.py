@@ -10,8 +10,8 @@ import pytest
 
 pytest.importorskip("torchtitan", reason="torchtitan is not installed (pip install -e '.[torchtitan]')")
 
-from sp_harness.checks.verify import FAIL, PASS, UNSUPPORTED  # noqa: E402
 from sp_harness.config.check_config import CheckConfig  # noqa: E402
+from sp_harness.judge.verdict import FAIL, PASS, UNSUPPORTED  # noqa: E402
 
 EXAMPLE = os.path.join(pathlib.Path(__file__).resolve().parent.parent, "examples", "torchtitan_case.py")
 TIMEOUT_S = 120.0

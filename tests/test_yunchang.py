@@ -15,8 +15,8 @@ import torch  # noqa: E402
 
 from sp_harness.cases.frameworks import flash_attn_standin as fa  # noqa: E402
 from sp_harness.cases.frameworks.yunchang import extract_positions  # noqa: E402
-from sp_harness.checks.verify import FAIL, PASS, UNSUPPORTED  # noqa: E402
 from sp_harness.config.check_config import CheckConfig  # noqa: E402
+from sp_harness.judge.verdict import FAIL, PASS, UNSUPPORTED  # noqa: E402
 
 EXAMPLE = os.path.join(pathlib.Path(__file__).resolve().parent.parent, "examples", "yunchang_case.py")
 TIMEOUT_S = 120.0

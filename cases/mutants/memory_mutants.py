@@ -1,8 +1,8 @@
 """Mutants whose numbers are right but whose memory or communication is not what SP promises.
 
 Stage: build sharded. The engine's numeric checks pass on these (the math is exact); only the
-activation-memory check (`sp_harness.checks.memory.activation_gate`) and the communication check
-(`sp_harness.checks.memory.comm_gate`) kill them.
+activation-memory check (`sp_harness.checks.activation_memory.activation_gate`) and the communication check
+(`sp_harness.checks.activation_memory.comm_gate`) kill them.
 
 `mutant-sp-full-sequence-norms`: every layer all-gathers its sequence shard on entry, runs the
 whole layer tensor-parallel on the FULL sequence (norms, residual adds and the region where

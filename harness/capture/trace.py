@@ -1,4 +1,4 @@
-"""Stage: capture -> compare. The differential trace: which module diverged first.
+"""Stage: capture. The differential trace: which module diverged first.
 
 Forward hooks record every module's output on both sides (the sharded model and the three
 references), keyed by the module's qualified name; a hook on each module's first input tensor

@@ -7,11 +7,12 @@ figures are still reported)."""
 from __future__ import annotations
 
 from sp_harness.checks.base import Outcome, not_applicable
-from sp_harness.checks.verify import PASS, check
+from sp_harness.checks.side_by_side import check
 from sp_harness.compare.comm_volume import PaperComparison, paper_check
 from sp_harness.config.case import Case, get_case
 from sp_harness.config.check_config import CheckConfig
 from sp_harness.config.shards import chunk_sizes, is_even
+from sp_harness.judge.verdict import PASS
 
 
 def padding_note(config: CheckConfig, fig: PaperComparison) -> str:

@@ -3,123 +3,20 @@ single-device reference trained from one initial state on the case's batch strea
 (`Case.training`), gated against the bands (and a golden curve where given). As a check (a
 short run of every case that declares a baseline) it catches bugs no single step shows, a
 clipping norm that counts replicas, say, which the side-by-side check judges away by
-re-anchoring every step; `sp-harness converge` runs it long and writes the report.
+re-anchoring every step; `sp-harness converge` runs it long and writes the report. The runs
+and their gate are sp_harness.train.lockstep_runs.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import time
 from dataclasses import dataclass
 
 from sp_harness.checks.base import Outcome
 from sp_harness.config.case import Case, get_case
 from sp_harness.config.check_config import CheckConfig
 from sp_harness.config.converge_options import ConvergeOptions, repro_line  # noqa: F401 (re-exported)
-from sp_harness.judge.gate import GateResult, evaluate
-from sp_harness.record.records import StepRecord
-from sp_harness.train.driver import TrainOutcome, train
-from sp_harness.train.spec import TrainSpec
-
-
-def base_config(opts: ConvergeOptions) -> CheckConfig:
-    """The case run's config, resolved and validated (ValueError / Unsupported)."""
-    case = get_case(opts.case)
-    training = case.training
-    seq_len = opts.seq_len if opts.seq_len is not None else training.seq_len if training else None
-    batch = opts.batch if opts.batch is not None else training.batch if training else None
-    # steps: the run's own count, so what meta.json records is what ran
-    config = case.resolve(CheckConfig(case=opts.case, world_size=opts.world_size, dp=opts.dp, seq_len=seq_len,
-                                      batch=batch, dtype=opts.dtype, optimizer=opts.optimizer, lr=opts.lr,
-                                      seed=opts.seed, timeout_s=opts.timeout_s, steps=opts.steps))
-    case.validate(config)
-    return config
-
-
-def config_sources(case, opts: ConvergeOptions) -> dict[str, str]:
-    """Where each field of the run's config came from: 'run' (the options), 'training' (the
-    case's convergence defaults), 'case' (its check defaults), or 'engine default' (filled by the
-    engine: a case that does not read that field ignores it, so it says nothing of the model)."""
-    from sp_harness.config.check_config import ENGINE_DEFAULTS
-
-    given = {"case", "world_size", "dp", "dtype", "optimizer", "lr", "seed", "timeout_s", "steps"}
-    given |= {k for k in ("seq_len", "batch") if getattr(opts, k) is not None}
-    training = {k for k in ("seq_len", "batch") if case.training is not None and getattr(case.training, k) is not None}
-    out = {}
-    for f in dataclasses.fields(CheckConfig):
-        out[f.name] = ("run" if f.name in given else "training" if f.name in training else
-                       "case" if f.name in case.defaults else "engine default" if f.name in ENGINE_DEFAULTS else "unset")
-    return out
-
-
-def train_runs(opts: ConvergeOptions, runner, *, progress: bool = True) -> dict[str, TrainOutcome]:
-    """Train the case (with its reference copy) and its baseline: run name -> outcome. When the
-    case's job crashes, 'ref' is a reference-only run (the copy inside the job is lost)."""
-    base = base_config(opts)
-    common = dict(steps=opts.steps, warmup_steps=opts.warmup_steps, clip_grad_norm=opts.clip_grad_norm,
-                  data_case=opts.case, data_seed=opts.data_seed)
-    runs = {"sp": train(TrainSpec(run="sp", config=base, **common), runner, progress=progress, catch_failures=True)}
-    if runs["sp"].failure is not None:
-        spec = TrainSpec(run="ref", config=base.replace(world_size=opts.dp), reference_only=True, **common)
-        runs["ref"] = train(spec, runner, progress=progress, catch_failures=True)
-    baseline = opts.baseline_case()
-    if baseline:
-        runs["tp"] = train(TrainSpec(run="tp", config=base.replace(case=baseline), **common), runner,
-                           progress=progress, catch_failures=True)
-    return runs
-
-
-def to_records(outcomes: dict[str, TrainOutcome]) -> dict[str, list[StepRecord]]:
-    """Step records in report order (ref, tp, sp): the reference from the case run's copy unless
-    it was trained alone."""
-    def records(name: str, outcome: TrainOutcome, reference: bool) -> list[StepRecord]:
-        return [StepRecord(run=name, step=s.step, lr=s.lr, **dataclasses.asdict(s.ref if reference else s.run))
-                for s in outcome.steps]
-
-    alone = outcomes.get("ref")
-    runs = {"ref": records("ref", alone or outcomes["sp"], True)}
-    if "tp" in outcomes:
-        runs["tp"] = records("tp", outcomes["tp"], False)
-    runs["sp"] = records("sp", outcomes["sp"], False)
-    return runs
-
-
-def _with_crashes(result, crashes: dict[str, TrainOutcome]):
-    from sp_harness.judge.gate import Failure
-
-    extra = tuple(Failure(rule="crash", metric="step", run=run, step=len(o.steps), value=float("nan"), band=0.0,
-                          detail=o.failure.one_line())
-                  for run, o in sorted(crashes.items()))
-    failures = tuple(sorted(extra + tuple(result.failures), key=lambda f: f.sort_key))
-    return dataclasses.replace(result, verdict="FAIL", failures=failures)
-
-
-def plain_config(config: CheckConfig) -> dict:
-    return {k: (list(v) if isinstance(v, tuple) else v) for k, v in dataclasses.asdict(config).items()}
-
-
-@dataclass(kw_only=True)
-class LockstepRun:
-    """One lockstep run, gated."""
-
-    result: GateResult
-    runs: dict[str, list[StepRecord]]
-    """Step records by run name ('ref', 'tp', 'sp')."""
-    outcomes: dict[str, TrainOutcome]
-    wall_s: float
-
-
-def run_lockstep(opts: ConvergeOptions, runner, *, golden_doc: dict | None = None,
-                 progress: bool = True) -> LockstepRun:
-    """Train reference, baseline and case in lockstep and gate the records (a crash is a FAIL)."""
-    t0 = time.perf_counter()
-    outcomes = train_runs(opts, runner, progress=progress)
-    runs = to_records(outcomes)
-    result = evaluate(runs, dtype=opts.dtype, golden=golden_doc, num_steps=opts.steps)
-    crashes = {name: o for name, o in outcomes.items() if o.failure is not None}
-    if crashes:
-        result = _with_crashes(result, crashes)
-    return LockstepRun(result=result, runs=runs, outcomes=outcomes, wall_s=time.perf_counter() - t0)
+from sp_harness.train.lockstep_runs import run_lockstep
 
 
 STEPS, SEQ_LEN, BATCH, WARMUP = 6, 12, 2, 2

@@ -1,4 +1,4 @@
-"""Stage: checks (rank side). The three references of a side-by-side check, each computed once
+"""Stage: checks. Rank side: the three references of a side-by-side check, each computed once
 per example, in a process the code under test never ran in.
 
 The float64 reference, the run-precision reference and the perturbed float64 reference (see

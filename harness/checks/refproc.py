@@ -1,4 +1,4 @@
-"""Stage: checks (rank side). The rank's reference process: where a side-by-side check's
+"""Stage: checks. Rank side: the rank's reference process: where a side-by-side check's
 references are built and computed, apart from the code under test.
 
 A child of the rank process, started while the pool warms up (its start-up is pool start-up,

@@ -1,14 +1,50 @@
 """Stage: checks. The side-by-side check: the sharded model stepped beside its references on real
 ranks; outputs, loss, input grads, param grads and params after each optimizer step judged per
-rank, replicated params compared bit for bit (sp_harness.checks.sidebyside on the ranks,
-sp_harness.checks.verify on the driver)."""
+rank, replicated params compared bit for bit. `check(config)` runs the rank job
+(sp_harness.checks.side_by_side_rank) and hands the ranks' results to the verdict
+(sp_harness.judge.verdict)."""
 
 from __future__ import annotations
 
+import time
+
 from sp_harness.checks.base import Outcome
-from sp_harness.checks.verify import FAIL, UNSUPPORTED, CheckResult, check, format_result
-from sp_harness.config.case import Case
+from sp_harness.config.case import Case, Unsupported, get_case
 from sp_harness.config.check_config import CheckConfig
+from sp_harness.judge.verdict import FAIL, UNSUPPORTED, CheckResult, RankResult, format_result, merge
+from sp_harness.launch.failure import RankFailure
+from sp_harness.launch.runner import default_manager
+
+
+def resolve(config: CheckConfig) -> CheckConfig:
+    """`config` with its case's defaults filled in, as `check` runs it."""
+    return get_case(config.case).resolve(config)
+
+
+def check(config: CheckConfig, runner=None) -> CheckResult:
+    """Run one side-by-side check of `config` and return its verdict. Never raises on FAIL."""
+    t0 = time.perf_counter()
+    case = get_case(config.case)
+    config = case.resolve(config)
+    try:
+        case.validate(config)
+    except Unsupported as exc:
+        return CheckResult(config=config, verdict=UNSUPPORTED, reason=str(exc), wall_s=time.perf_counter() - t0)
+    runner = runner or default_manager()
+    label = f"case {config.case} [{config.short()}]"
+    try:
+        results: list[RankResult] = runner.run(config.world_size, "sp_harness.checks.side_by_side_rank:run_rank", config,
+                                               timeout_s=config.timeout_s, label=label, case=config.case)
+    except RankFailure as exc:
+        # UNSUPPORTED only when every rank declared it: one rank alone may be a symptom of a bug
+        if len(exc.errors) == config.world_size and all(e.is_unsupported for e in exc.errors):
+            return CheckResult(config=config, verdict=UNSUPPORTED, reason=exc.errors[0].message or exc.summary_line(),
+                               wall_s=time.perf_counter() - t0)
+        return CheckResult(config=config, verdict=FAIL, reason=exc.one_line(),
+                           error=exc.describe(), crash_kind=exc.kind, rank_errors=exc.errors,
+                           wall_s=time.perf_counter() - t0)
+    return merge(config, results, wall_s=time.perf_counter() - t0, declared=case.precision_islands)
+
 
 KIND_LABEL = {"init": "init", "forward": "forward", "lse": "attention lse", "loss": "forward (loss)", "input_grad": "input grad", "grad": "grad",
               "param": "param-after-step"}

@@ -3,7 +3,7 @@
 Every sharded quantity is judged against a float64 reference computed from the same weights
 (the sharded run's own, re-anchored every step: sp_harness.step.anchor) and the same data. What it may
 deviate by is not tuned per case or per machine: it is measured on the very computation by two
-more references, both run by sp_harness.checks.sidebyside:
+more references, both run by sp_harness.checks.side_by_side_rank:
 
 - `ref_lp`, the same model in the run's precision (float32 for a float64 run, its error scaled
   by eps64/eps32), its matmuls carrying a random worst-order summation error
@@ -21,7 +21,7 @@ Two bounds, both must hold:
                (pieces of NORM_MIN_NUMEL elements or more)
 
 The optimizer step has its own elementwise bound (check_bounded, sp_harness.step.optim_ref), the loss an
-allowance propagated from its output (sidebyside._loss_allowance).
+allowance propagated from its output (side_by_side_rank._loss_allowance).
 
 History: FACTOR and FLOOR_ULPS date from the first model (calibrated on 72 correct runs); the
 ref_alt terms were added after hypothesis found false alarms (a key-bias grad at one head of dim

@@ -1,4 +1,4 @@
-"""Stage: build reference + sharded. The public case API and the case registry.
+"""Stage: config. The public case API and the case registry.
 
 A case is a system under test: how to build the single-device reference, how to make one
 step's global input, and how to turn a copy of the reference into the sharded model on one rank.
@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from sp_harness.config.check_config import ENGINE_DEFAULTS, KNOBS, CheckConfig, default_timeout_s
+from sp_harness.config.check_config import ENGINE_DEFAULTS, KNOBS, RESOLVE, CheckConfig, default_timeout_s
 from sp_harness.config.gpt_knobs import GPTKnobs
 from sp_harness.config.loading import load_case_file
 from sp_harness.config.resources import require_memory
@@ -487,3 +487,6 @@ def _rename(case: Case, name: str) -> Case:
     import dataclasses
 
     return dataclasses.replace(case, name=name)
+
+
+RESOLVE[:] = [lambda config: get_case(config.case).resolve(config)]  # for CheckConfig.repro (no import back)

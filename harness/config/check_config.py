@@ -193,13 +193,15 @@ KNOBS: tuple[type, ...] = tuple(b for b in CheckConfig.__bases__ if b is not Run
 """The knob classes `CheckConfig` carries (its bases besides `RunFields`): a case names the one
 it reads (`Case.knobs`)."""
 
+RESOLVE: list = []
+"""The registry's resolver (config -> its case's `resolve(config)`), put here by sp_harness.config.case
+when it loads: the registry imports this module, so this module does not import it back."""
+
 
 def _resolved_default(config: CheckConfig) -> CheckConfig:
     """The config a rerun with no flags but case, world size and dp resolves to."""
-    from sp_harness.config.case import get_case
-
     bare = CheckConfig(case=config.case, world_size=config.world_size, dp=config.dp, seq_shards=config.seq_shards)
     try:
-        return get_case(config.case).resolve(bare)
+        return RESOLVE[0](bare)
     except ValueError:  # a case file that no longer loads: name every field
         return CheckConfig(case=config.case)

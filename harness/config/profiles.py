@@ -1,4 +1,4 @@
-"""Stage: config (for property tests). The hypothesis profiles, registered in one place.
+"""Stage: config. For property tests: the hypothesis profiles, registered in one place.
 
 - `sp-harness-dev`: a handful of examples per property, for the edit-run loop;
 - `sp-harness-ci`: the default under CI=true, sized so `pytest -n auto` stays within minutes on 2 cores;

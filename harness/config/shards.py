@@ -1,4 +1,4 @@
-"""Stage: build sharded. Shard arithmetic, pure and process-group free.
+"""Stage: config. Shard arithmetic, pure and process-group free.
 
 The convention everywhere is torch.chunk's, which is also DTensor's `Shard(dim)`: each of the
 first ranks gets ceil(n / parts) and the last non-empty one the remainder, so 10 over 3 is

@@ -1,4 +1,4 @@
-"""Stage: config (generated). Public hypothesis strategies for sequence-parallel configs.
+"""Stage: config. Public hypothesis strategies for sequence-parallel configs.
 
 Strategies are plural nouns with keyword-only `min_*`/`max_*` bounds, and they build valid
 values directly instead of filtering: per-rank sequence shards are drawn rank by rank and summed

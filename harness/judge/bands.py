@@ -1,4 +1,4 @@
-"""Stage: gate. The gate's tolerances (`GateBands`), its failure record (`Failure`) and the one
+"""Stage: judge. The gate's tolerances (`GateBands`), its failure record (`Failure`) and the one
 place a list of violations becomes a failure (`summarize`): shared by the lockstep gate
 (sp_harness.judge.gate, where the band's derivation is written up) and the golden comparison
 (sp_harness.judge.golden), neither of which imports the other for them.

@@ -1,4 +1,4 @@
-"""Stage: judge (for generated configs). The verdict a case should reach on a config.
+"""Stage: judge. For generated configs: the verdict a case should reach on a config.
 
 Cases declare it: `Case.validate` says what is UNSUPPORTED up front, `Case.expect` pins upstream
 behaviour where a case wraps someone else's code (PyTorch's DTensor styles fail on uneven splits

@@ -1,4 +1,4 @@
-"""Stage: gate (record -> report -> gate). The PASS/FAIL decision on a set of convergence runs.
+"""Stage: judge. The PASS/FAIL decision on a set of convergence runs.
 
 Pure: step records in, a `GateResult` out; no torch, no files, no process groups. The report
 draws the same bands this module judges with, so `GateBands` is the single place they live.

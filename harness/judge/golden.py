@@ -1,4 +1,4 @@
-"""Stage: gate (golden curves). Stored loss / grad-norm curves a new run must stay close to.
+"""Stage: judge. Stored loss / grad-norm curves a new run must stay close to.
 
 The lockstep rule compares runs of one job against each other; a golden compares a run against
 what the same configuration produced before (another commit, another torch, another machine).

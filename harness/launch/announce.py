@@ -1,4 +1,4 @@
-"""Stage: launch ranks (rank side). What a rank tells the driver while a job runs: each collective
+"""Stage: launch. Rank side: what a rank tells the driver while a job runs: each collective
 it is about to issue (for desync detection, sp_harness.launch.desync) and how far the job is.
 
 The worker opens a channel for each job on the job's own pipe; outside a pool job (torchrun, a

@@ -1,4 +1,4 @@
-"""Stage: launch ranks. A rank's companion process: a child the rank starts while the pool warms
+"""Stage: launch. A rank's companion process: a child the rank starts while the pool warms
 up, which imports torch and then waits to be told what to serve (by "module:function", as a job
 is). The reference process (sp_harness.checks.refproc) is one: started here, its imports (seconds
 on a loaded machine) overlap the rank's own warm-up and are pool start-up, never a job's time.

@@ -1,4 +1,4 @@
-"""Stage: launch ranks (driver side). Desync detection from the collectives ranks announce.
+"""Stage: launch. Driver side: desync detection from the collectives ranks announce.
 
 c10d pairs collectives up per process group, in issue order. So for every group the driver keeps
 each member's announced sequence (sp_harness.launch.announce) and calls it a desync when:

@@ -1,4 +1,4 @@
-"""Stage: launch ranks. How a job failed, per rank, as data: `RankError` and `RankFailure`.
+"""Stage: launch. How a job failed, per rank, as data: `RankError` and `RankFailure`.
 
 Callers decide on the fields (`kind`, `exc_type`, `is_unsupported`, `signal_name`), never on text;
 the text (`describe`, `summary_line`) is for people. The one place that reads text is

@@ -1,4 +1,4 @@
-"""Stage: launch ranks. A persistent pool of real torch.distributed ranks that serves many jobs.
+"""Stage: launch. A persistent pool of real torch.distributed ranks that serves many jobs.
 
 Spawning ranks per example costs seconds (process start, torch import, rendezvous); a pool pays
 that once per world size and then runs each job in milliseconds. The default process group of a

@@ -1,4 +1,4 @@
-"""Stage: launch ranks. Which runner a command uses: the process's warm pools, or the torchrun
+"""Stage: launch. Which runner a command uses: the process's warm pools, or the torchrun
 world it was started in."""
 
 from __future__ import annotations

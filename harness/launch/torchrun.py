@@ -1,4 +1,4 @@
-"""Stage: launch ranks, under `torchrun`. There is no driver: every rank runs every job in-process
+"""Stage: launch. Under `torchrun`: there is no driver: every rank runs every job in-process
 on the env:// world (SPMD) and the outcomes are gathered on every rank, behind the same `run`
 interface as `PoolManager`.
 

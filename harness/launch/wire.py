@@ -1,4 +1,4 @@
-"""Stage: launch ranks. What travels between the driver and its rank processes.
+"""Stage: launch. What travels between the driver and its rank processes.
 
 The spawn spec goes to a rank as JSON on its command line; every later message is one of the
 frozen dataclasses below, pickled over a multiprocessing.connection pipe. Both sides dispatch on

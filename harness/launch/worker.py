@@ -1,4 +1,4 @@
-"""Stage: launch ranks. The main of one rank process: join the pool's process group, serve jobs.
+"""Stage: launch. The main of one rank process: join the pool's process group, serve jobs.
 
 Started by `RankPool` as `python -m sp_harness.launch.worker SPEC_JSON`. The rank dies with the
 driver (PR_SET_PDEATHSIG on Linux, EOF on its pipe otherwise). faulthandler writes the rank's

@@ -24,6 +24,8 @@ import zlib
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from sp_harness.step.noise_pool import NoisePool
+
 aten = torch.ops.aten
 
 MAX_CHUNKS = 8
@@ -63,7 +65,7 @@ def order_error(a: torch.Tensor, b: torch.Tensor, op, gen: torch.Generator, u: f
     # magnitude does not notice): a pass over an operand, not over a result that may be larger
     (a_abs if a_abs.numel() <= b_abs.numel() else b_abs).mul_(u * a.shape[-1] ** 0.5)
     scale = op(a_abs, b_abs)
-    if pool is not None:  # sp_harness.step.rounding.NoisePool: windows of one buffer, not fresh draws
+    if pool is not None:  # sp_harness.step.noise_pool.NoisePool: windows of one buffer, not fresh draws
         noise = pool.window(scale.shape, a.dtype, scale.device)
     else:
         noise = torch.rand(scale.shape, generator=gen, dtype=torch.float64).to(a.dtype) * 2 - 1
@@ -92,13 +94,11 @@ class ReorderAdversary(TorchDispatchMode):
 
     @property
     def pool(self):
-        """The order noise's uniform values (sp_harness.step.rounding.NoisePool), drawn once from
+        """The order noise's uniform values (sp_harness.step.noise_pool.NoisePool), drawn once from
         `seed` alone so every rank holds the same; windows are picked by `gen`, which _reseed keys
         on the op's inputs. Fresh torch.rand for every element of every matmul cost a third of the
         run-precision reference. Made on first use: a rank that never reorders holds none."""
         if self._pool is None:
-            from sp_harness.step.rounding import NoisePool  # rounding imports this module
-
             # a quarter of the perturbed reference's pool: windows beyond it are cut from pieces
             self._pool = NoisePool(torch.Generator().manual_seed(self.seed), size=1 << 20, tail=1 << 18)
             self._pool.gen = self.gen

@@ -1,4 +1,4 @@
-"""Stage: capture. The sharded run's parameters, assembled into full float64 reference tensors.
+"""Stage: step. The sharded run's parameters, assembled into full float64 reference tensors.
 
 Each step's references start from the sharded run's own parameters (re-anchoring), so step k
 is judged on its own: a rounding difference made at step k-1 is not carried into step k and

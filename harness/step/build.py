@@ -1,4 +1,4 @@
-"""Stage: build reference + sharded (rank side). The one place a job builds its models: check,
+"""Stage: step. Rank side: the one place a job builds its models: check,
 training, the benchmark and the memory measurement all start here.
 
 Every model comes from the case's factory, never from a deep copy (a framework's module may hold

@@ -1,4 +1,4 @@
-"""Stage: step (rank side). Where a job runs: the device, the TP and DP groups, the rank context.
+"""Stage: step. Rank side: where a job runs: the device, the TP and DP groups, the rank context.
 
 Groups and DTensor meshes are created once per pool: `new_group` is a collective every rank must
 enter, and a pool serves many jobs.

@@ -1,4 +1,4 @@
-"""Stage: data (feeds record). Synthetic token streams whose ideal loss is known exactly.
+"""Stage: step. Synthetic token streams whose ideal loss is known exactly.
 
 A fixed random first-order Markov chain over `vocab` tokens: row i of the transition matrix is
 P(next = j | current = i), drawn once from a symmetric Dirichlet(concentration) from a seed.

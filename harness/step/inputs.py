@@ -1,4 +1,4 @@
-"""Stage: step (rank side). Cutting one step's global batch into this rank's pieces, calling the
+"""Stage: step. Rank side: cutting one step's global batch into this rank's pieces, calling the
 sharded model on them, and its share of the loss."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Stage: compare. The optimizer step's reference and its rounding bound, pure and process-group free.
+"""Stage: step. The optimizer step's reference and its rounding bound, pure and process-group free.
 
 The optimizer stage is judged on the sharded run's own inputs to it: its parameters, the grads
 it is about to apply and its optimizer state, all taken just before `step()`. The float64

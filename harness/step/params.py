@@ -1,4 +1,4 @@
-"""Stage: step (rank side). Where each local parameter lives in the reference, and whether the
+"""Stage: step. Rank side: where each local parameter lives in the reference, and whether the
 parameters that must stay replicated did.
 
 Every plain (non-DTensor) parameter is mapped by its `ParamSpec` or declared replicated in

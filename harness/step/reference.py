@@ -1,4 +1,4 @@
-"""Stage: step (rank side). One forward + backward of a reference model on the whole batch."""
+"""Stage: step. Rank side: one forward + backward of a reference model on the whole batch."""
 
 from __future__ import annotations
 

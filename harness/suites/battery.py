@@ -1,10 +1,10 @@
-"""Stage: gate (of the harness itself). The mutant catalogue run: does the default battery kill
+"""Stage: suites. The mutant catalogue run: does the default battery kill
 every realistic broken SP implementation?
 
 Every mutant gets the same default battery, in order, never tuned per mutant: side-by-side
 checks at an even split, an uneven split, a 2 x 2 DP x TP mesh (even, then uneven), the
 [s, b, h] layout; the collective accounting against the paper (SP must move what TP moves); the
-activation-memory check (where sp_harness.checks.memory provides it); a short lockstep convergence run
+activation-memory check (where sp_harness.checks.activation_memory provides it); a short lockstep convergence run
 through the gate; non-causal attention at an uneven split; for context-parallel cases that
 claim causal load balancing, the work each rank's attention reports (sp_harness.checks.balance);
 and 4 ranks of one replica (for a hybrid Ulysses x ring case, both degrees 2). A battery entry counts toward a kill only if the mutant's correct twin

@@ -1,14 +1,14 @@
-"""Stage: report. `sp-harness bench`: what the harness costs, what SP saves, in one table.
+"""Stage: suites. `sp-harness bench`: what the harness costs, what SP saves, in one table.
 
 One run measures, on this machine:
   (a) examples/s through the warm pool vs spawn-per-example (a fresh RankPool per example: start
       + run + close, what MultiProcessTestCase / mp.spawn-per-test pays), world sizes 2 and 4,
       for the seed case and the subject (SUBJECT); targets at 4 ranks >= 200x (seed), >= 50x;
   (b) harness overhead at the cases' small default sizes: time per verified example (`check`)
-      over the bare compute of the same models (`bare_rank`: build reference + sharded, forward /
+      over the bare compute of the same models (`bench_bare.bare_rank`: build reference + sharded, forward /
       backward / grad sync / optimizer step on both, nothing captured or compared);
   (c) cost per example of the subject vs world size 1..8 and vs sequence length;
-  (d) activation memory of one layer (sp_harness.checks.memory) for no parallelism, TP and TP+SP at every
+  (d) activation memory of one layer (sp_harness.checks.activation_memory) for no parallelism, TP and TP+SP at every
       world size, against the paper's and the adjusted formulas; communication TP vs TP+SP
       (sp_harness.compare.comm_volume); the memory mutants' verdicts beside them;
   (e) wall time of the default convergence job (`ConvergeOptions()`, 2 ranks); target < 3 min;
@@ -40,48 +40,12 @@ import torch
 
 from sp_harness.config.case import all_cases, get_case
 from sp_harness.config.check_config import CheckConfig
+from sp_harness.suites.bench_bare import timed_bare
 from sp_harness.suites.bench_targets import SUBJECT, format_targets, targets, worst_memory_ratio
 
 # (c) and the memory table need tp <= num_heads up to 8 ranks: 8 heads
 SCALE = dict(hidden=32, num_heads=8, ffn=64, seq_len=24)
 MEMORY = dict(hidden=64, num_heads=8, ffn=256, seq_len=24, dtype="float32")
-
-
-# ------------------------------------------------------------------ rank job
-
-
-def bare_rank(config: CheckConfig) -> dict:
-    """The compute a check wraps, bare: build the float64 reference and the case's sharded model
-    exactly as `sp_harness.checks.sidebyside.run_rank` does, then `config.steps` steps of forward, loss,
-    backward, grad sync and optimizer step on both. No extra reference copies, no capture, no
-    comparison, no replica-drift collectives."""
-    from sp_harness.config.case import as_batch
-    from sp_harness.step.build import build
-    from sp_harness.step.inputs import forward_loss, rank_batch
-    from sp_harness.step.optim_ref import make_optimizer
-    from sp_harness.step.params import load_declared_grads, zero_declared_grads
-    from sp_harness.step.reference import reference_pass
-
-    t_start, c_start = time.perf_counter(), time.process_time()
-    built = build(config)
-    config, case, ctx, ref, sharded = built.config, built.case, built.ctx, built.reference, built.sharded
-    opt_ref = make_optimizer(config.optimizer, config.lr, ref.parameters())
-    opt = make_optimizer(config.optimizer, config.lr, sharded.module.parameters())
-    gen = torch.Generator().manual_seed(config.seed + 7919)
-    t_setup = time.perf_counter() - t_start
-    for step in range(config.steps):
-        batch = as_batch(case.make_batch(config, step, gen))
-        reference_pass(ref, case, batch, torch.float64)
-        opt_ref.step()
-        opt_ref.zero_grad(set_to_none=True)
-        _, loss = forward_loss(case, sharded, rank_batch(batch, sharded, ctx, config.torch_dtype), batch.target, ctx)
-        loss.backward()
-        sharded.sync_grads()
-        load_declared_grads(built.params, sharded.grad_attr)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        zero_declared_grads(built.params, sharded.grad_attr)
-    return {"setup_s": t_setup, "total_s": time.perf_counter() - t_start, "cpu_s": time.process_time() - c_start}
 
 
 # ------------------------------------------------------------------ driver helpers
@@ -102,7 +66,7 @@ def _median(xs: list[float]) -> float:
 
 
 def _timed_checks(config: CheckConfig, runner, reps: int) -> tuple[list[float], str]:
-    from sp_harness.checks.verify import check
+    from sp_harness.checks.side_by_side import check
 
     times, verdict = [], ""
     for _ in range(reps):
@@ -113,22 +77,9 @@ def _timed_checks(config: CheckConfig, runner, reps: int) -> tuple[list[float], 
     return times, verdict
 
 
-def _timed_bare(config: CheckConfig, runner, reps: int) -> list[float]:
-    from sp_harness.checks.verify import resolve
-
-    config = resolve(config)
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        runner.run(config.world_size, "sp_harness.suites.bench:bare_rank", config, timeout_s=config.timeout_s,
-                   label=f"bench bare {config.case} [{config.short()}]")
-        times.append(time.perf_counter() - t0)
-    return times
-
-
 def spawn_example(config: CheckConfig) -> dict:
     """One example the spawn-per-test way: fresh ranks, rendezvous, run, tear down."""
-    from sp_harness.checks.verify import check
+    from sp_harness.checks.side_by_side import check
     from sp_harness.launch.pool import RankPool
 
     t0 = time.perf_counter()
@@ -171,7 +122,7 @@ def _spawn_cells(world_sizes: tuple[int, ...], reps: int, log) -> dict[str, dict
 
 def _warm_median(config: CheckConfig, manager, reps: int) -> tuple[float, str]:
     """Median of `reps` checks after one untimed one (a fresh size's first job: imports, groups)."""
-    from sp_harness.checks.verify import check
+    from sp_harness.checks.side_by_side import check
 
     check(config, manager)
     times, verdict = _timed_checks(config, manager, reps)
@@ -183,15 +134,15 @@ def _speed_cells(manager, ws: int, reps: int, out: dict) -> None:
     for case in speed_cases():
         cfg = CheckConfig(case=case, world_size=ws)
         check_s, verdict = _warm_median(cfg, manager, reps)
-        bare = _timed_bare(cfg, manager, reps)
+        bare = timed_bare(cfg, manager, reps)
         out["warm"][f"{case}@{ws}"] = {"s": check_s, "verdict": verdict}
         out["overhead"][f"{case}@{ws}"] = {"check_s": check_s, "bare_s": _median(bare)}
 
 
 def _memory_rows(manager, ws: int, mutants: tuple[str, ...]) -> list[dict]:
     """(d) one layer's activation bytes at `ws` (and, at ws 1, without parallelism)."""
-    from sp_harness.capture.memory import measure_reference_layer, memory_config
-    from sp_harness.checks.memory import activation_gate, activation_report, adjusted_bytes, paper_bytes
+    from sp_harness.capture.saved_activations import measure_reference_layer, memory_config
+    from sp_harness.checks.activation_memory import activation_gate, activation_report, adjusted_bytes, paper_bytes
 
     mcfg = memory_config(CheckConfig(case=SUBJECT, world_size=ws, **MEMORY))
     dims = dict(s=mcfg.seq_len, b=mcfg.batch, h=mcfg.hidden, a=mcfg.num_heads)
@@ -220,7 +171,7 @@ def _memory_rows(manager, ws: int, mutants: tuple[str, ...]) -> list[dict]:
 
 def _comm_rows(manager, ws: int) -> list[dict]:
     """(d) communication of the subject and its memory mutants against their TP baseline."""
-    from sp_harness.checks.verify import check
+    from sp_harness.checks.side_by_side import check
     from sp_harness.compare.comm_volume import paper_check
 
     base = CheckConfig(case=get_case(SUBJECT).baseline, world_size=ws)

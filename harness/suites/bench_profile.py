@@ -1,7 +1,7 @@
 """Stage: suites. Where a verified example's time goes (issue 14: "the profile that shows where
 the time goes"), per rank, from one instrumented check beside one bare job on the same pool.
 
-`profile_rank` is `sp_harness.checks.sidebyside.run_rank` with wall-clock timers around its
+`profile_rank` is `sp_harness.checks.side_by_side_rank.run_rank` with wall-clock timers around its
 stages: the sharded forward/backward, each reference pass on the rank that owns it, the
 broadcasts that share them (a non-owner's broadcast time is mostly waiting for the owner), the
 comparisons and the optimizer stage. The perturbed reference (`alt`) is split further by wrapping
@@ -103,16 +103,16 @@ def _time_alt_base(clock: _Clock, refs, batches: list) -> None:
 def profile_rank(config: CheckConfig) -> RankProfile:
     """Rank job: one check, as run_rank runs it, with its stages timed."""
     import sp_harness.checks.references as references
-    import sp_harness.checks.sidebyside as sidebyside
+    import sp_harness.checks.side_by_side_rank as rank_job
     import sp_harness.step.rounding as rounding
 
     clock = _Clock()
-    saved = (references._share, sidebyside.gather_full, rounding.order_error)
+    saved = (references._share, rank_job.gather_full, rounding.order_error)
     references._share = clock.wrap("broadcast", references._share)
-    sidebyside.gather_full = clock.wrap("gather", sidebyside.gather_full)
+    rank_job.gather_full = clock.wrap("gather", rank_job.gather_full)
     try:
         t_start, c_start = time.perf_counter(), time.process_time()
-        run = sidebyside._SideBySide(config, inline_references=True)
+        run = rank_job._SideBySide(config, inline_references=True)
         clock.seconds["setup"] = time.perf_counter() - t_start
         clock.cpu_seconds["setup"] = time.process_time() - c_start
         alt_batches = _instrument_alt(clock, run.inline)
@@ -130,7 +130,7 @@ def profile_rank(config: CheckConfig) -> RankProfile:
         total, total_cpu = time.perf_counter() - t_start, time.process_time() - c_start
         _time_alt_base(clock, run.inline, alt_batches)
     finally:
-        references._share, sidebyside.gather_full, rounding.order_error = saved
+        references._share, rank_job.gather_full, rounding.order_error = saved
     return RankProfile(rank=run.ctx.rank, total_s=total, seconds=_breakdown(clock.seconds, total), total_cpu_s=total_cpu,
                        cpu_seconds=_breakdown(clock.cpu_seconds, total_cpu), num_noised_ops=clock.num_noised_ops,
                        num_noised_elements=clock.num_noised_elements)
@@ -149,7 +149,7 @@ def _breakdown(timed: dict[str, float], total: float) -> dict[str, float]:
 
 def run_profile(config: CheckConfig, runner) -> dict:
     """One untimed warm-up check, then one profiled check and one bare job, same pool."""
-    from sp_harness.checks.verify import check, resolve
+    from sp_harness.checks.side_by_side import check, resolve
 
     config = resolve(config)
     check(config, runner)
@@ -157,7 +157,7 @@ def run_profile(config: CheckConfig, runner) -> dict:
     ranks = runner.run(config.world_size, "sp_harness.suites.bench_profile:profile_rank", config,
                        timeout_s=config.timeout_s, label=f"bench profile {config.case}")
     profiled_s = time.perf_counter() - t0
-    bare = runner.run(config.world_size, "sp_harness.suites.bench:bare_rank", config, timeout_s=config.timeout_s,
+    bare = runner.run(config.world_size, "sp_harness.suites.bench_bare:bare_rank", config, timeout_s=config.timeout_s,
                       label=f"bench bare {config.case}")
     return {"case": config.case, "world_size": config.world_size, "hidden": config.hidden, "seq_len": config.seq_len,
             "num_layers": config.num_layers, "dtype": str(config.dtype), "steps": config.steps,

@@ -101,20 +101,20 @@ def peak_rss_mib(_: object = None) -> float:
 
 
 def cost_row(config: CheckConfig, runner) -> CostRow:
-    from sp_harness.checks.verify import check
-    from sp_harness.suites.bench import _timed_bare
+    from sp_harness.checks.side_by_side import check
+    from sp_harness.suites.bench_bare import timed_bare
 
     t0 = time.perf_counter()
     res = check(config, runner)
     check_s = time.perf_counter() - t0
-    bare_s = _timed_bare(config, runner, 1)[0]
+    bare_s = timed_bare(config, runner, 1)[0]
     return CostRow(case=config.case, world_size=config.world_size, hidden=config.hidden, seq_len=config.seq_len,
                    check_s=check_s, bare_s=bare_s, verdict=res.verdict)
 
 
 def memory_row(config: CheckConfig) -> MemoryRow:
     """Fresh pools, so each peak is that job's alone."""
-    from sp_harness.checks.verify import check
+    from sp_harness.checks.side_by_side import check
     from sp_harness.launch.pool import PoolManager
 
     def fresh(job) -> tuple[float, float]:
@@ -128,7 +128,7 @@ def memory_row(config: CheckConfig) -> MemoryRow:
         finally:
             manager.close()
 
-    base_bare, bare = fresh(lambda m: m.run(config.world_size, "sp_harness.suites.bench:bare_rank", config,
+    base_bare, bare = fresh(lambda m: m.run(config.world_size, "sp_harness.suites.bench_bare:bare_rank", config,
                                             timeout_s=config.timeout_s, label="bench bare"))
     base_check, checked = fresh(lambda m: check(config, m))
     return MemoryRow(case=config.case, world_size=config.world_size, hidden=config.hidden, seq_len=config.seq_len,

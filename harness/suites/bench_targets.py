@@ -1,4 +1,4 @@
-"""Stage: report. The issue's speed and memory targets for `sp-harness bench`, each with the
+"""Stage: suites. The issue's speed and memory targets for `sp-harness bench`, each with the
 figure a run measured for it: MET, or MISSED and by what factor. Pure: reads a bench result."""
 
 from __future__ import annotations

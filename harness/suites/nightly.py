@@ -1,4 +1,4 @@
-"""Stage: report -> gate. The main job: check every case, convergence report, gate.
+"""Stage: suites. The main job: check every case, convergence report, gate.
 
 `sp-harness nightly` on the CPU defaults: every built-in case at even and uneven configs
 against its expected verdict (PASS, UNSUPPORTED, or a pinned upstream FAIL of PyTorch's DTensor
@@ -31,8 +31,9 @@ def nightly_examples() -> list[tuple[CheckConfig, str]]:
 
 
 def run_checks(runner) -> list[dict]:
-    from sp_harness.checks.verify import check, format_result
+    from sp_harness.checks.side_by_side import check
     from sp_harness.judge.expect import expected_verdict
+    from sp_harness.judge.verdict import format_result
 
     rows = []
     for config, why in nightly_examples():

@@ -1,4 +1,4 @@
-"""Stage: gate (of the harness itself). Sensitivity, measured: the smallest error each check sees.
+"""Stage: suites. Sensitivity, measured: the smallest error each check sees.
 
 For each dtype and each bug shape of the scaled mutants (cases/mutants/scaled_mutants.py: one
 rank's logits, one parameter's grad on one rank, one parameter's optimizer update on one rank,
@@ -68,7 +68,7 @@ class Sensitivity:
 
 
 def caught_by(res) -> str:
-    """Which check caught a FAIL first (sp_harness.checks.verify.CheckResult.first_check)."""
+    """Which check caught a FAIL first (sp_harness.judge.verdict.CheckResult.first_check)."""
     return res.first_check
 
 
@@ -76,7 +76,8 @@ def measure(dtype: str, shape: str, runner, *, iterations: int = ITERATIONS, lo:
             progress=None) -> Sensitivity:
     """Bisect the minimum detectable d for one dtype and bug shape."""
     from sp_harness.cases.mutants.scaled_mutants import CASES, set_scale
-    from sp_harness.checks.verify import FAIL, check
+    from sp_harness.checks.side_by_side import check
+    from sp_harness.judge.verdict import FAIL
 
     case = CASES[shape].name
     config = CheckConfig(case=case, world_size=WORLD_SIZE, dtype=dtype, timeout_s=TIMEOUT_S)

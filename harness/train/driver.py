@@ -1,4 +1,4 @@
-"""Stage: train (driver side). Runs one lockstep training on a runner, in chunks of steps, with
+"""Stage: train. Driver side: runs one lockstep training on a runner, in chunks of steps, with
 a progress display, and returns every step's results; a crash or hang ends the run there."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Stage: train (rank side). The job functions a runner calls on every rank: `train_start`
+"""Stage: train. Rank side: the job functions a runner calls on every rank: `train_start`
 builds the models, `train_steps` advances them, `train_end` drops them.
 
 State lives in the rank process between jobs (one `_Trainer` per process), so the driver can
@@ -19,9 +19,10 @@ import torch.distributed as dist
 from sp_harness.config.case import Batch, get_case
 from sp_harness.step.build import build, cast_floating, new_reference
 from sp_harness.step.context import rank_device, reference_context
-from sp_harness.step.inputs import batch_to, call, forward_loss, global_loss, rank_batch
+from sp_harness.step.inputs import batch_to, call, global_loss
+from sp_harness.step.loop import ShardedLoop
 from sp_harness.step.optim_ref import make_optimizer
-from sp_harness.step.params import load_declared_grads, replica_drift, zero_declared_grads
+from sp_harness.step.params import replica_drift
 from sp_harness.train.spec import TrainSpec, batch_at, lr_at
 
 
@@ -89,7 +90,7 @@ class _Trainer:
         else:
             self.built = build(config, reference_dtype=config.torch_dtype)
             self.device, self.ref = self.built.device, self.built.reference
-            self.opt = make_optimizer(config.optimizer, config.lr, self.built.sharded.module.parameters())
+            self.loop = ShardedLoop(self.built)
         self.ref_opt = make_optimizer(config.optimizer, config.lr, self.ref.parameters())
         self.ref_params = dict(self.ref.named_parameters())
         self.step = 0
@@ -125,24 +126,21 @@ class _Trainer:
                         tokens_per_s=_per_s(tokens, seconds))
 
     def _sharded_step(self, batch: Batch, lr: float, tokens: int) -> Measured:
-        built, spec = self.built, self.spec
+        built, spec, loop = self.built, self.spec, self.loop
         sharded, ctx, params = built.sharded, built.ctx, built.params
         t0 = time.perf_counter()
-        local = rank_batch(batch, sharded, ctx, spec.config.torch_dtype)
-        _, loss = forward_loss(self.case, sharded, local, batch.target, ctx)
-        loss.backward()
-        sharded.sync_grads()
-        load_declared_grads(params, sharded.grad_attr)
+        _, loss = loop.forward_backward(loop.local_batch(batch), batch.target)
+        loop.sync_grads()
+        loop.load_grads()
         norm_sq = _grad_norm_sq_local(params, ctx)
         if ctx.tp > 1:
             dist.all_reduce(norm_sq, group=ctx.tp_group)
         grad_norm = float(norm_sq.sqrt())
         if spec.clip_grad_norm is not None:
             self._clip(grad_norm)
-        _set_lr(self.opt, lr)
-        self.opt.step()
-        self.opt.zero_grad(set_to_none=True)
-        zero_declared_grads(params, sharded.grad_attr)
+        _set_lr(loop.opt, lr)
+        loop.optimizer_step()
+        loop.clear_grads()
         seconds = time.perf_counter() - t0
         drift = self._drift()
         return Measured(loss=float(global_loss(loss, sharded, ctx)), grad_norm=grad_norm, replica_drift=drift,

@@ -18,7 +18,7 @@ import time
 from hypothesis import HealthCheck, Phase, given, seed, settings
 from hypothesis import strategies as st
 
-from sp_harness.checks.verify import check
+from sp_harness.checks.side_by_side import check
 from sp_harness.config.strategies import gpt_configs, mlp_configs, realistic_gpt_configs
 from sp_harness.judge.expect import expected_verdict
 from sp_harness.launch.runner import default_manager

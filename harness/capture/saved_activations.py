@@ -10,7 +10,7 @@ submodule that saved it, which gives the norm-region share on its own.
 
 No parallelism is measured in-process on `reference.gpt.Block`; TP and TP+SP inside a real rank
 job (`activation_rank`) on the case's sharded model, with the tokens and shards the engine would
-hand it. The formulas and the gate are in sp_harness.checks.memory.
+hand it. The formulas and the gate are in sp_harness.checks.activation_memory.
 """
 
 from __future__ import annotations
@@ -157,19 +157,26 @@ def measure_reference_layer(config: CheckConfig) -> LayerMemory:
 
 
 def activation_rank(config: CheckConfig) -> LayerMemory:
-    """Rank job: build the case's sharded model as the engine does, run one forward + backward on
-    this rank's piece of a batch, and return what `blocks[0]` saved."""
+    """Rank job: build the case's sharded model as the engine does, run one forward + backward
+    (the engine's step, sp_harness.step.loop) on this rank's piece of a batch, and return what
+    `blocks[0]` saved (the loss after the layer saves nothing inside it)."""
     from sp_harness.config.case import as_batch
     from sp_harness.step.build import build
-    from sp_harness.step.inputs import call, local_output, rank_batch
+    from sp_harness.step.loop import ShardedLoop
 
     built = build(config)
-    model = built.sharded.module
+    meter = SavedTensorMeter(find_layer(built.sharded.module), params_of=built.sharded.module)
+
+    def phase(name: str) -> None:
+        # the forward only: a backward that recomputes the layer would be counted twice
+        if name == "forward":
+            meter.__enter__()
+        else:
+            meter.__exit__()
+
+    loop = ShardedLoop(built, phase=phase)
     batch = as_batch(built.case.make_batch(config, 0, torch.Generator().manual_seed(config.seed + 7919)))
-    local = rank_batch(batch, built.sharded, built.ctx, config.torch_dtype)
-    with SavedTensorMeter(find_layer(model), params_of=model) as meter:
-        out = call(model, local.call_inputs, local.positional)
-    out = local_output(out, built.sharded.output_layout)
-    out.float().sum().backward()
+    loop.forward_backward(loop.local_batch(batch), batch.target)
+    meter.__exit__()
     meter.result.rank = built.ctx.rank
     return meter.result

@@ -8,7 +8,7 @@ view keeps its whole storage alive and is charged for it), and storages that bel
 parameter are left out: they are weights, not activations. Every saved tensor is also labelled
 with the innermost submodule that saved it, which gives the norm-region share on its own.
 
-The measurement (sp_harness.capture.memory): per rank, the storages autograd saves for backward
+The measurement (sp_harness.capture.saved_activations): per rank, the storages autograd saves for backward
 while one layer runs forward, parameters left out; no parallelism in-process on
 `reference.gpt.Block`, TP and TP+SP in a real rank job on the case's sharded model and its TP
 baseline (`Case.baseline`).
@@ -63,7 +63,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from sp_harness.capture.memory import LayerMemory, memory_config
+from sp_harness.capture.saved_activations import LayerMemory, memory_config
 from sp_harness.checks.base import Outcome
 from sp_harness.config.case import Case, get_case
 from sp_harness.config.check_config import CheckConfig
@@ -124,10 +124,6 @@ def adjusted_terms(mode: str, config: CheckConfig, rank: int = 0) -> dict[str, f
 
 def adjusted_bytes(mode: str, config: CheckConfig, rank: int = 0) -> float:
     return float(sum(adjusted_terms(mode, config, rank).values()))
-
-
-def adjusted_norm_bytes(mode: str, config: CheckConfig, rank: int = 0) -> float:
-    return float(adjusted_terms(mode, config, rank)["norms (inputs + mean/rstd)"])
 
 
 # ------------------------------------------------------------------ report and gate
@@ -201,11 +197,11 @@ def _row(rank: int, sp: LayerMemory, tp: LayerMemory, cfg: CheckConfig) -> Memor
 def activation_report(config: CheckConfig, runner, *, tp_case: str) -> MemoryReport:
     """Measure one layer of `config.case` (claimed TP+SP) and of its TP twin `tp_case` at the same
     config, per rank, next to the paper's and the adjusted formulas; see `activation_gate` for the
-    verdict and `format_activation_report` for the table."""
+    verdict."""
     cfg = memory_config(config)
     get_case(cfg.case).validate(cfg)
     label = f"activation memory: case {cfg.case} [{cfg.short()}]"
-    job = "sp_harness.capture.memory:activation_rank"
+    job = "sp_harness.capture.saved_activations:activation_rank"
     sp_mem: list[LayerMemory] = runner.run(cfg.world_size, job, cfg, timeout_s=cfg.timeout_s, label=label,
                                            case=cfg.case)
     tp_mem: list[LayerMemory] = runner.run(cfg.world_size, job, cfg.replace(case=tp_case), timeout_s=cfg.timeout_s,
@@ -239,22 +235,6 @@ def activation_gate(report: MemoryReport, tol: float = TOLERANCE) -> tuple[bool,
     if problems:
         return False, head + ": FAIL: " + "; ".join(problems[:4])
     return True, head + f": ok within {tol:.0%}"
-
-
-def format_activation_report(report: MemoryReport) -> str:
-    lines = [f"activation memory per layer, {report.case} vs TP twin {report.tp_case} [{report.config}]",
-             f"  {'rank':>4} {'TP meas B':>10} {'TP adj B':>10} {'ratio':>6} {'SP meas B':>10} {'SP adj B':>10} "
-             f"{'ratio':>6} {'SP/TP':>6} {'expect':>6} {'norm SP/TP':>10} {'expect':>6}"]
-
-    def f(x, w, p=0):
-        return f"{'-':>{w}}" if x is None else f"{x:>{w}.{p}f}"
-
-    for row in report.rows:
-        lines.append(f"  {row.rank:>4} {row.tp_bytes:>10} {f(row.tp_adjusted, 10)} {f(row.tp_vs_adjusted, 6, 3)} "
-                     f"{row.sp_bytes:>10} {f(row.sp_adjusted, 10)} {f(row.sp_vs_adjusted, 6, 3)} "
-                     f"{row.sp_tp_ratio:>6.3f} {row.sp_tp_expected:>6.3f} {row.norm_ratio:>10.3f} "
-                     f"{row.norm_ratio_expected:>6.3f}")
-    return "\n".join(lines)
 
 
 # ------------------------------------------------------------------ the check

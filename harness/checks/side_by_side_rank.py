@@ -1,4 +1,4 @@
-"""Stage: build reference + sharded -> step -> capture -> compare (runs on every rank).
+"""Stage: checks. The side-by-side check's rank job (sp_harness.checks.side_by_side drives it).
 
 `run_rank(config)` is the job the pool runs. Every rank builds the float64 reference and a
 same-precision reference (deterministic CPU code: identical on every rank), hands a copy of the
@@ -16,55 +16,33 @@ from __future__ import annotations
 
 import contextlib
 import time
-from dataclasses import dataclass, field
 
 import torch
 
 from sp_harness.capture.comm import CommCounter
-from sp_harness.capture.islands import Island, IslandObserver
+from sp_harness.capture.islands import IslandObserver
 from sp_harness.capture.trace import Recorder
 from sp_harness.checks.references import KINDS, Inline, RefResult, Shared, make_references
 from sp_harness.checks.refproc import Remote, reference_process
-from sp_harness.compare.divergence import Divergence, first_divergence
-from sp_harness.compare.tolerance import FACTOR, TensorCheck, check_bounded, check_tensor, lp_dtype
+from sp_harness.compare.divergence import first_divergence
+from sp_harness.compare.tolerance import FACTOR, check_bounded, check_tensor, lp_dtype
 from sp_harness.config.case import as_batch
 from sp_harness.config.check_config import CheckConfig
+from sp_harness.judge.verdict import RankResult, record
 from sp_harness.launch import announce
 from sp_harness.step.adversary import ReorderAdversary
 from sp_harness.step.anchor import gather_full
 from sp_harness.step.build import build, reference_copy
 from sp_harness.step.context import reference_context
-from sp_harness.step.inputs import batch_to, cut, forward_loss, global_loss, rank_batch, replica_slice, seq_index
-from sp_harness.step.optim_ref import make_optimizer, reference_step, state_of
+from sp_harness.step.inputs import batch_to, cut, global_loss, replica_slice, seq_index
+from sp_harness.step.loop import ShardedLoop
+from sp_harness.step.optim_ref import reference_step, state_of
 from sp_harness.step.params import (
-    Drift,
     LocalParam,
     declared_grad,
-    load_declared_grads,
     replica_drift,
-    zero_declared_grads,
 )
 from sp_harness.step.reference import RefStep
-
-MAX_FAILURES_KEPT = 64
-
-
-@dataclass(kw_only=True)
-class RankResult:
-    rank: int
-    failures: list[TensorCheck] = field(default_factory=list)
-    worst: dict[str, TensorCheck] = field(default_factory=dict)
-    """Largest ratio per kind, passing or not."""
-    drift: list[Drift] = field(default_factory=list)
-    losses: list[float] = field(default_factory=list)
-    comm: list[list[dict]] = field(default_factory=list)
-    """Per step, the collective counter's rows."""
-    num_checks: int = 0
-    timings: dict[str, float] = field(default_factory=dict)
-    divergence: Divergence | None = None
-    """At the first failing step: the first module whose output or input grad left its bound."""
-    islands: list[Island] = field(default_factory=list)
-    """Ops of the sharded forward and backward at step 0 that computed below the run dtype."""
 
 
 def _lse_piece(full: torch.Tensor, rows: slice, heads: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
@@ -112,14 +90,18 @@ class _SideBySide:
                     else Remote(config, self.built.reference, self.built.device))
         self.refs = Shared(computes, self.built.device)
         self.result = RankResult(rank=self.ctx.rank)
-        self.opt = make_optimizer(config.optimizer, config.lr, self.sharded.module.parameters())
         self.counter = CommCounter(self.ctx.group_label)
+        self.loop = ShardedLoop(self.built, phase=self._phase)
+        self.opt = self.loop.opt
         self.full: dict[str, torch.Tensor] = {}
         traced = not any(p.dtensor for p in self.params)  # DTensor outputs do not line up with plain ones
         # modules holding a TP-sharded param return pieces or partial sums: not comparable
         self.pieces = frozenset(p.local_name.rpartition(".")[0] for p in self.params if not p.replicated_tp)
         self.recorder = Recorder(self.sharded.module, self.pieces) if traced else None
         self.compute_s = 0.0
+
+    def _phase(self, name: str) -> None:
+        self.counter.phase = name
 
     def _reference_copy(self) -> torch.nn.Module:
         built = self.built
@@ -150,25 +132,17 @@ class _SideBySide:
         return self.refs.finish()
 
     def sharded_pass(self, batch, step: int = 0):
-        local = rank_batch(batch, self.sharded, self.ctx, self.dtype)
+        local = self.loop.local_batch(batch)
         # islands are static: step 0 names them, later steps pay nothing
         observer = IslandObserver(self.sharded.module, self.dtype) if step == 0 else contextlib.nullcontext()
         t0 = time.perf_counter()
         with self.counter, self.adversary:
-            self.counter.phase = "forward"
             with observer:
-                if self.forward_only:  # inference: what a served model runs
-                    with torch.no_grad():
-                        out, loss = forward_loss(self.case, self.sharded, local, batch.target, self.ctx)
-                else:
-                    out, loss = forward_loss(self.case, self.sharded, local, batch.target, self.ctx)
-                    self.counter.phase = "backward"
-                    loss.backward()
+                out, loss = self.loop.forward_backward(local, batch.target, forward_only=self.forward_only)
             if step == 0:
                 self.result.islands = observer.islands
             if not self.forward_only:
-                self.counter.phase = "grad_sync"
-                self.sharded.sync_grads()
+                self.loop.sync_grads()
         self.compute_s += time.perf_counter() - t0
         return local, out, loss
 
@@ -247,15 +221,13 @@ class _SideBySide:
             self.result.comm.append(self.counter.snapshot())
             self.counter.stats.clear()
             return
-        load_declared_grads(self.params, self.sharded.grad_attr)
+        self.loop.load_grads()
         expected = [_expected_step(p, self.opt, self.config, self.dtype) for p in self.params]
         t0 = time.perf_counter()
         with self.counter:
-            self.counter.phase = "optimizer"
-            self.opt.step()
-            self.opt.zero_grad(set_to_none=True)
+            self.loop.optimizer_step()
         self.compute_s += time.perf_counter() - t0
-        zero_declared_grads(self.params, self.sharded.grad_attr)
+        self.loop.clear_grads()
         self.result.comm.append(self.counter.snapshot())
         self.counter.stats.clear()
         for p, (want, bound) in zip(self.params, expected, strict=True):
@@ -305,15 +277,6 @@ def _adversary(config: CheckConfig):
     if config.adversary == "off":
         return contextlib.nullcontext()
     return ReorderAdversary(config.seed, reorder=True, tf32=config.adversary == "reorder-tf32")
-
-
-def record(result: RankResult, chk: TensorCheck) -> None:
-    result.num_checks += 1
-    best = result.worst.get(chk.kind)
-    if best is None or chk.ratio > best.ratio:
-        result.worst[chk.kind] = chk
-    if not chk.ok and len(result.failures) < MAX_FAILURES_KEPT:
-        result.failures.append(chk)
 
 
 def _expected_step(p: LocalParam, opt: torch.optim.Optimizer, config: CheckConfig,

@@ -1,4 +1,5 @@
-"""Stage: compare -> record. The driver side of one check: run the job, merge ranks, give a verdict.
+"""Stage: judge. The side-by-side check's verdict: each rank's judged tensors (`RankResult`, filled
+by `record` on the rank) merged into one `CheckResult`, and its table.
 
 Verdicts: PASS (every judged tensor within tolerance, no replica drift), UNSUPPORTED (the case
 declared the config out of scope before any rank ran), FAIL (wrong numbers, drift, a crash or a
@@ -9,22 +10,48 @@ loss < input grad < grad < param), the worst ones, and the one-line repro.
 from __future__ import annotations
 
 import dataclasses
-import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 from sp_harness.capture.comm import CommRow
 from sp_harness.capture.islands import Island, declared_islands, summary
-from sp_harness.checks.sidebyside import Drift, RankResult
 from sp_harness.compare.divergence import Divergence
 from sp_harness.compare.tolerance import KIND_ORDER, TensorCheck
-from sp_harness.config.case import Unsupported, get_case
 from sp_harness.config.check_config import CheckConfig
-from sp_harness.launch.failure import RankError, RankFailure
-from sp_harness.launch.runner import default_manager
+from sp_harness.launch.failure import RankError
+from sp_harness.step.params import Drift
 
 PASS, FAIL, UNSUPPORTED = "PASS", "FAIL", "UNSUPPORTED"
+
+MAX_FAILURES_KEPT = 64
+
+
+@dataclass(kw_only=True)
+class RankResult:
+    rank: int
+    failures: list[TensorCheck] = field(default_factory=list)
+    worst: dict[str, TensorCheck] = field(default_factory=dict)
+    """Largest ratio per kind, passing or not."""
+    drift: list[Drift] = field(default_factory=list)
+    losses: list[float] = field(default_factory=list)
+    comm: list[list[dict]] = field(default_factory=list)
+    """Per step, the collective counter's rows."""
+    num_checks: int = 0
+    timings: dict[str, float] = field(default_factory=dict)
+    divergence: Divergence | None = None
+    """At the first failing step: the first module whose output or input grad left its bound."""
+    islands: list[Island] = field(default_factory=list)
+    """Ops of the sharded forward and backward at step 0 that computed below the run dtype."""
+
+
+def record(result: RankResult, chk: TensorCheck) -> None:
+    result.num_checks += 1
+    best = result.worst.get(chk.kind)
+    if best is None or chk.ratio > best.ratio:
+        result.worst[chk.kind] = chk
+    if not chk.ok and len(result.failures) < MAX_FAILURES_KEPT:
+        result.failures.append(chk)
 
 
 @dataclass(kw_only=True)
@@ -118,35 +145,6 @@ class CheckResult:
             "divergence": conv(self.divergence), "not_judged": list(self.not_judged),
             "islands": conv(self.islands),
         }
-
-
-def resolve(config: CheckConfig) -> CheckConfig:
-    return get_case(config.case).resolve(config)
-
-
-def check(config: CheckConfig, runner=None) -> CheckResult:
-    """Run one side-by-side check of `config` and return its verdict. Never raises on FAIL."""
-    t0 = time.perf_counter()
-    case = get_case(config.case)
-    config = case.resolve(config)
-    try:
-        case.validate(config)
-    except Unsupported as exc:
-        return CheckResult(config=config, verdict=UNSUPPORTED, reason=str(exc), wall_s=time.perf_counter() - t0)
-    runner = runner or default_manager()
-    label = f"case {config.case} [{config.short()}]"
-    try:
-        results: list[RankResult] = runner.run(config.world_size, "sp_harness.checks.sidebyside:run_rank", config,
-                                               timeout_s=config.timeout_s, label=label, case=config.case)
-    except RankFailure as exc:
-        # UNSUPPORTED only when every rank declared it: one rank alone may be a symptom of a bug
-        if len(exc.errors) == config.world_size and all(e.is_unsupported for e in exc.errors):
-            return CheckResult(config=config, verdict=UNSUPPORTED, reason=exc.errors[0].message or exc.summary_line(),
-                               wall_s=time.perf_counter() - t0)
-        return CheckResult(config=config, verdict=FAIL, reason=exc.one_line(),
-                           error=exc.describe(), crash_kind=exc.kind, rank_errors=exc.errors,
-                           wall_s=time.perf_counter() - t0)
-    return merge(config, results, wall_s=time.perf_counter() - t0, declared=case.precision_islands)
 
 
 def merge(config: CheckConfig, results: list[RankResult], *, wall_s: float = 0.0,

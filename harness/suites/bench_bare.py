@@ -1,0 +1,53 @@
+"""Stage: suites. The compute a check wraps, bare (`bare_rank`, a rank job) and its timing: what
+`sp-harness bench` (sp_harness.suites.bench, bench_realistic, bench_profile) sets a verified
+example's cost against.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from sp_harness.config.check_config import CheckConfig
+
+
+def bare_rank(config: CheckConfig) -> dict:
+    """The compute a check wraps, bare: build the float64 reference and the case's sharded model
+    exactly as `sp_harness.checks.side_by_side_rank.run_rank` does, then `config.steps` steps of forward, loss,
+    backward, grad sync and optimizer step on both. No extra reference copies, no capture, no
+    comparison, no replica-drift collectives."""
+    from sp_harness.config.case import as_batch
+    from sp_harness.step.build import build
+    from sp_harness.step.loop import ShardedLoop
+    from sp_harness.step.optim_ref import make_optimizer
+    from sp_harness.step.reference import reference_pass
+
+    t_start, c_start = time.perf_counter(), time.process_time()
+    built = build(config)
+    config, case, ref = built.config, built.case, built.reference
+    opt_ref = make_optimizer(config.optimizer, config.lr, ref.parameters())
+    loop = ShardedLoop(built)
+    gen = torch.Generator().manual_seed(config.seed + 7919)
+    t_setup = time.perf_counter() - t_start
+    for step in range(config.steps):
+        batch = as_batch(case.make_batch(config, step, gen))
+        reference_pass(ref, case, batch, torch.float64)
+        opt_ref.step()
+        opt_ref.zero_grad(set_to_none=True)
+        loop.step(batch)
+    return {"setup_s": t_setup, "total_s": time.perf_counter() - t_start, "cpu_s": time.process_time() - c_start}
+
+
+def timed_bare(config: CheckConfig, runner, reps: int) -> list[float]:
+    """Wall seconds of `reps` bare runs of `config` (resolved as a check resolves it)."""
+    from sp_harness.checks.side_by_side import resolve
+
+    config = resolve(config)
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        runner.run(config.world_size, "sp_harness.suites.bench_bare:bare_rank", config, timeout_s=config.timeout_s,
+                   label=f"bench bare {config.case} [{config.short()}]")
+        times.append(time.perf_counter() - t0)
+    return times
