@@ -9,15 +9,11 @@ and their gate are sp_harness.train.lockstep_runs.
 
 from __future__ import annotations
 
-import dataclasses
-from dataclasses import dataclass
-
 from sp_harness.checks.base import Outcome
-from sp_harness.config.case import Case, get_case
+from sp_harness.config.case import Case
 from sp_harness.config.check_config import CheckConfig
 from sp_harness.config.converge_options import ConvergeOptions, repro_line  # noqa: F401 (re-exported)
 from sp_harness.train.lockstep_runs import run_lockstep
-
 
 STEPS, SEQ_LEN, BATCH, WARMUP = 6, 12, 2, 2
 """The check's run: long enough for the LR warmup to end and clipping to bite; short enough for
