@@ -20,14 +20,11 @@ from torch.distributed.tensor.parallel import (
 
 from sp_harness.cases.common import (
     GPT_DEFAULTS,
-    build_reference_gpt,
-    gpt_batch,
-    gpt_memory_floor,
-    gpt_tokens,
+    gpt_fields,
     mse_sum,
     require_chunk_split,
+    require_heads,
     require_plain_attention,
-    token_loss_sum,
 )
 from sp_harness.config.case import Case, Example, Layout, RankContext, Sharded, Unsupported, register
 from sp_harness.config.check_config import CheckConfig
@@ -139,8 +136,7 @@ def _gpt_validate(config: CheckConfig) -> None:
         raise Unsupported(f"dtensor-gpt runs on a 1-D tp mesh: dp({config.dp}) must be 1")
     require_chunk_split(config, "dtensor-gpt")
     require_plain_attention(config, "dtensor-gpt")
-    if config.hidden % config.num_heads:
-        raise ValueError(f"num_heads({config.num_heads}) does not divide hidden({config.hidden})")
+    require_heads(config)
     head_dim = config.hidden // config.num_heads
     from sp_harness.config.shards import chunk_sizes
 
@@ -175,15 +171,10 @@ def _gpt_expect(config: CheckConfig) -> str:
 DTENSOR_GPT = register(Case(
     name="dtensor-gpt",
     description="torchtitan-style DTensor plan for the reference GPT (SequenceParallel norms, Colwise q/k/v/fc1, Rowwise out/fc2 -> Shard(1))",
-    build_reference=build_reference_gpt,
-    memory_floor=gpt_memory_floor,
-    make_batch=gpt_batch,
-    loss_sum=token_loss_sum,
-    tokens=gpt_tokens,
+    # the GPT's fields, but converge trains on its own make_batch stream (no Markov chain)
+    **{**gpt_fields(GPT_DEFAULTS, positions=False), "training": None},
     shard=_gpt_shard,
     validate=_gpt_validate,
-    defaults=GPT_DEFAULTS,
-    input_layout=Layout(seq_dim=1, batch_dim=0),
     tags=("dtensor",),
     expect=_gpt_expect,
     examples=(

@@ -45,18 +45,9 @@ import torch.distributed as dist
 from torch import nn
 
 from sp_harness import Case, Layout, Sharded, Unsupported
-from sp_harness.cases.common import (
-    GPT_DEFAULTS,
-    MARKOV_TRAINING_WITH_POSITIONS,
-    build_reference_gpt,
-    gpt_batch,
-    gpt_memory_floor,
-    gpt_tokens,
-    with_positions,
-)
-from sp_harness.cases.megatron.impl import all_reduce_coalesced
+from sp_harness.cases.common import GPT_DEFAULTS, build_reference_gpt, gpt_fields, sum_replicated_grads
 from sp_harness.config.check_config import CheckConfig
-from sp_harness.reference.gpt import attention, token_loss_sum
+from sp_harness.reference.gpt import attention
 
 YUNCHANG_VERSION = "0.6.4"
 """The release this module is tested with (the `yunchang` extra pins it)."""
@@ -298,15 +289,8 @@ def yunchang_shard(*, ring_impl_type: str = "zigzag", use_ulysses_low: bool = Tr
         sync = [groups[g] for g in sync_groups]
 
         def sync_grads() -> None:
-            for p in reference.parameters():
-                if p.grad is None:
-                    p.grad = torch.zeros_like(p)
-            grads = [p.grad for p in reference.parameters()]
-            for group in sync:  # SUM over the SP group = over the Ulysses group, then the ring
-                if dist.get_world_size(group) > 1:
-                    all_reduce_coalesced(grads, group)
-            if ctx.dp > 1:
-                all_reduce_coalesced(grads, ctx.dp_group, divide_by=ctx.dp)
+            # SUM over the SP group = over the Ulysses group, then the ring
+            sum_replicated_grads(reference, ctx, over=sync)
 
         layout = Layout(seq_dim=1, batch_dim=0, seq_order=seq_order(placement, ulysses, ring, use_ulysses_low))
         return Sharded(module=reference, input_layout=layout, output_layout=layout, replicated=("*",),
@@ -388,24 +372,20 @@ def usp_case(name: str, *, ulysses_degree: int | None = None, ring_degree: int |
         if ring_impl_type in CAUSAL_ONLY and cfg.causal is False:
             raise Unsupported(f"yunchang's {ring_impl_type} ring is causal only (it asserts causal=True)")
 
-    def make_batch(cfg: CheckConfig, step: int, gen: torch.Generator):
-        return with_positions(*gpt_batch(cfg, step, gen))
-
     case_fields.setdefault("setup", _import_yunchang)
     defaults = {**GPT_DEFAULTS, "causal": True, **case_fields.pop("defaults", {})}
+    tags = ("yunchang", "framework", "usp", *case_fields.pop("tags", ()))
+    # the GPT case's fields, its reference with each attention's core a submodule, `case_fields` over them
+    fields = {**gpt_fields(defaults, positions=True), "build_reference": build_reference, **case_fields}
     desc = (f"yunchang {YUNCHANG_VERSION} LongContextAttention (USP), ring_impl_type={ring_impl_type!r}, "
             f"ulysses x ring = {ulysses_degree or 'sp/R'} x {ring_degree or 'R'}"
             f"{'' if use_ulysses_low else ', use_ulysses_low=False'}")
     return YunchangCase(
-        name=name, description=desc, build_reference=build_reference, make_batch=make_batch,
-        loss_sum=token_loss_sum, tokens=gpt_tokens, input_layout=Layout(seq_dim=1, batch_dim=0), validate=validate,
+        name=name, description=desc, validate=validate,
         shard=yunchang_shard(ring_impl_type=ring_impl_type, use_ulysses_low=use_ulysses_low, extract=extract,
                              merge=merge, sync_groups=sync_groups, forward_swaps=forward_swaps),
-        defaults=defaults, training=case_fields.pop("training", MARKOV_TRAINING_WITH_POSITIONS),
         precision_islands={f"blocks.{i}.attn.core": "float32" for i in range(MAX_LAYERS)},
-        memory_floor=case_fields.pop("memory_floor", gpt_memory_floor),
-        fixed_ring_degree=ring_degree, fixed_ulysses_degree=ulysses_degree,
-        tags=("yunchang", "framework", "usp", *case_fields.pop("tags", ())), **case_fields)
+        fixed_ring_degree=ring_degree, fixed_ulysses_degree=ulysses_degree, tags=tags, **fields)
 
 
 def overwriting_merge(out, lse, block_out, block_lse, slice_=None):

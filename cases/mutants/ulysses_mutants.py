@@ -9,11 +9,13 @@ from __future__ import annotations
 import dataclasses
 
 import torch
+from torch import nn
 
+from sp_harness.cases.common import sum_replicated_grads
 from sp_harness.cases.ulysses import mappings
 from sp_harness.cases.ulysses.cases import ULYSSES, ulysses_shard
-from sp_harness.cases.ulysses.model import CORRECT, all_reduce_coalesced
-from sp_harness.config.case import mutant
+from sp_harness.cases.ulysses.model import CORRECT
+from sp_harness.config.case import RankContext, mutant
 from sp_harness.reference.gpt import token_loss_sum
 
 
@@ -168,10 +170,8 @@ LABEL_SHIFT_PER_SHARD = ulysses_mutant(
 # Visible at sp > 1, any split: each rank steps with its partial grads; replicas drift apart.
 
 
-def _sync_dp_only(module, ctx):
-    grads = [p.grad for p in module.parameters() if p.grad is not None]
-    if ctx.dp > 1:  # BUG: no SUM over the SP group first
-        all_reduce_coalesced(grads, ctx.dp_group, divide_by=ctx.dp)
+def _sync_dp_only(module: nn.Module, ctx: RankContext) -> None:
+    sum_replicated_grads(module, ctx, over=())  # BUG: no SUM over the SP group, only the DP average
 
 
 NO_SP_GRAD_SYNC = ulysses_mutant(

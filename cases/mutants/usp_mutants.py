@@ -11,8 +11,8 @@ import dataclasses
 
 from torch import nn
 
+from sp_harness.cases.common import sum_replicated_grads
 from sp_harness.cases.ring.placement import ORDERS
-from sp_harness.cases.ulysses.model import all_reduce_coalesced
 from sp_harness.cases.usp.cases import USP, default_ring_degree, usp_shard
 from sp_harness.cases.usp.groups import Grid, make_grid
 from sp_harness.cases.usp.model import CORRECT, build_sharded
@@ -48,11 +48,7 @@ ZIGZAG_OVER_SP = usp_mutant(
 # (b) any U > 1 (the battery's uneven entry, sp 3 = 3 x 1): the Ulysses ranks' partial grads
 # are never added.
 def _sync_over_ring_only(module: nn.Module, ctx: RankContext, grid: Grid) -> None:
-    grads = [p.grad for p in module.parameters() if p.grad is not None]
-    if grid.ring_degree > 1:
-        all_reduce_coalesced(grads, grid.ring_group)  # wrong: the Ulysses ranks' shares are missing
-    if ctx.dp > 1:
-        all_reduce_coalesced(grads, ctx.dp_group, divide_by=ctx.dp)
+    sum_replicated_grads(module, ctx, over=(grid.ring_group,))  # wrong: the Ulysses ranks' shares are missing
 
 
 GRAD_SYNC_RING_ONLY = usp_mutant(

@@ -34,7 +34,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from sp_harness.cases.megatron.impl import all_reduce_coalesced
+from sp_harness.cases.common import sum_replicated_grads
 from sp_harness.cases.ulysses import mappings
 from sp_harness.config.case import Layout, RankContext, Sharded
 from sp_harness.reference.gpt import GPT, attention
@@ -58,12 +58,8 @@ def kv_index(mine_q: tuple[int, ...], mine_kv: tuple[int, ...], group: int) -> l
 
 def sync_grads(module: nn.Module, ctx: RankContext) -> None:
     """Every grad is a partial sum over the SP group (each rank's loss saw its tokens only):
-    SUM over SP, then average over DP replicas."""
-    grads = [p.grad for p in module.parameters() if p.grad is not None]
-    if ctx.tp > 1:
-        all_reduce_coalesced(grads, ctx.tp_group)
-    if ctx.dp > 1:
-        all_reduce_coalesced(grads, ctx.dp_group, divide_by=ctx.dp)
+    SUM over SP, then average over DP replicas (`sum_replicated_grads`)."""
+    sum_replicated_grads(module, ctx)
 
 
 @dataclass(frozen=True, kw_only=True)

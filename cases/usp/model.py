@@ -27,8 +27,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from sp_harness.cases.common import sum_replicated_grads
 from sp_harness.cases.ring import attention as ring_attn
-from sp_harness.cases.ring.cases import ring_sync
 from sp_harness.cases.ring.mappings import Ring
 from sp_harness.cases.ring.placement import rank_positions
 from sp_harness.cases.ulysses import mappings
@@ -44,7 +44,7 @@ def sync_grads(module: nn.Module, ctx: RankContext, grid: Grid) -> None:
     and a Ulysses rank's attention grads cover its heads only): SUM over SP, then the DP average.
     A param this rank's tokens never reached gets a zero grad first (the all-reduce needs it):
     ring-gpt's sync, over the whole SP group."""
-    ring_sync(module, ctx)()
+    sum_replicated_grads(module, ctx)
 
 
 @dataclass(frozen=True, kw_only=True)
