@@ -20,6 +20,7 @@ from torch import nn
 from sp_harness.cases.common import (
     GPT_DEFAULTS,
     gpt_fields,
+    known,
     require_heads,
     require_plain_attention,
     sum_replicated_grads,
@@ -44,11 +45,9 @@ def _validate_model(config: CheckConfig) -> CheckConfig:
 
 def validate_parallel(config: CheckConfig) -> None:
     config = _validate_model(config)
-    if config.tp > config.num_heads:
-        raise Unsupported(
-            f"tp({config.tp}) > num_heads({config.num_heads}): "
-            f"{config.tp - config.num_heads} rank(s) would hold no heads"
-        )
+    heads = known(config.num_heads, "num_heads")
+    if config.tp > heads:
+        raise Unsupported(f"tp({config.tp}) > num_heads({heads}): {config.tp - heads} rank(s) would hold no heads")
 
 
 def validate_single(config: CheckConfig) -> None:

@@ -11,7 +11,7 @@ import dataclasses
 
 from torch import nn
 
-from sp_harness.cases.common import sum_replicated_grads
+from sp_harness.cases.common import as_gpt, sum_replicated_grads
 from sp_harness.cases.ring.placement import ORDERS
 from sp_harness.cases.usp.cases import USP, default_ring_degree, usp_shard
 from sp_harness.cases.usp.groups import Grid, make_grid
@@ -72,7 +72,7 @@ def _ring_low_groups(ref: nn.Module, ctx: RankContext) -> Sharded:
     Ulysses groups are exactly the correct ring groups, so swapping the two models it exactly."""
     grid = make_grid(ctx, ctx.config.ring_degree or default_ring_degree(ctx.tp))
     if grid.ulysses_degree == 1 or grid.ring_degree == 1:
-        return build_sharded(ref, ctx, grid, CORRECT)
+        return build_sharded(as_gpt(ref), ctx, grid, CORRECT)
     if grid.ulysses_degree != grid.ring_degree:
         raise Unsupported(f"the ring-low mutant is modelled at U = R only: U({grid.ulysses_degree}) != "
                           f"R({grid.ring_degree})")
@@ -80,7 +80,7 @@ def _ring_low_groups(ref: nn.Module, ctx: RankContext) -> Sharded:
     swapped = dataclasses.replace(grid, u=grid.r, r=grid.u, ulysses_ranks=grid.ring_ranks,
                                   ring_ranks=grid.ulysses_ranks, ulysses_group=grid.ring_group,
                                   ring_group=grid.ulysses_group)
-    return build_sharded(ref, ctx, swapped, CORRECT)
+    return build_sharded(as_gpt(ref), ctx, swapped, CORRECT)
 
 
 RING_LOW_GROUPS = mutant(

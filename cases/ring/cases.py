@@ -22,7 +22,10 @@ from torch import nn
 from sp_harness.cases.common import (
     GPT_DEFAULTS,
     LocalLoss,
+    as_gpt,
+    attention_of,
     gpt_fields,
+    known,
     require_heads,
     require_whole_cp_group,
     sum_replicated_grads,
@@ -49,14 +52,15 @@ def ring_shard(impl: Impl = CORRECT, local_loss: LocalLoss | None = None) -> Cal
 
     def shard(ref: nn.Module, ctx: RankContext) -> Sharded:
         config = with_defaults(ctx.config, DEFAULTS)
-        order = impl.placement(config.load_balancer)
+        balancer, seq_len = known(config.load_balancer, "load_balancer"), known(config.seq_len, "seq_len")
+        order = impl.placement(balancer)
         # the positions the masks are built from: where the placement puts the tokens
-        masked_as = order if impl.mask_placement is None else impl.mask_placement(config.load_balancer)
-        positions = rank_positions(masked_as(config.seq_len, ctx.seq_shards), ctx.seq_shards)
+        masked_as = order if impl.mask_placement is None else impl.mask_placement(balancer)
+        positions = rank_positions(masked_as(seq_len, ctx.seq_shards), ctx.seq_shards)
         ring = Ring(rank=ctx.tp_rank, ranks=ctx.tp_ranks, group=ctx.tp_group, seq_shards=ctx.seq_shards)
-        for block in ref.blocks:
-            to_ring(block.attn, ring=ring, positions=positions, balancer=config.load_balancer,
-                    seq_len=config.seq_len, impl=impl)
+        for block in as_gpt(ref).blocks:
+            to_ring(attention_of(block), ring=ring, positions=positions, balancer=balancer, seq_len=seq_len,
+                    impl=impl)
         layout = Layout(seq_dim=1, batch_dim=0, seq_order=order)
         return Sharded(module=ref, input_layout=layout, output_layout=layout, replicated=("*",),
                        sync_grads=lambda: sum_replicated_grads(ref, ctx), local_loss=local_loss)

@@ -40,7 +40,10 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from sp_harness.cases.common import (
     GPT_DEFAULTS,
+    as_gpt,
+    attention_of,
     gpt_fields,
+    known,
     require_chunk_split,
     require_heads,
     require_whole_cp_group,
@@ -124,18 +127,20 @@ class ContextParallelGPT(GPT):
             _cp_options.enable_load_balance = before
 
 
-def torch_cp_shard(*, math: bool):
+def torch_cp_shard(*, math: bool) -> Callable[[nn.Module, RankContext], Sharded]:
     """The sharded factory: the reference GPT (same weights) under context_parallel."""
 
     def shard(ref: nn.Module, ctx: RankContext) -> Sharded:
-        config = with_defaults(ctx.config, DEFAULTS)
+        balancer = known(with_defaults(ctx.config, DEFAULTS).load_balancer, "load_balancer")
         mesh = ctx.device_mesh if ctx.dp == 1 else ctx.device_mesh["tp"]  # 1-D over the CP group
-        for block in ref.blocks:
-            block.attn.__class__ = SDPAAttention
-        ref.__class__ = ContextParallelGPT
-        model = ref.setup(mesh=mesh, load_balancer=config.load_balancer, math=math)
+        gpt = as_gpt(ref)
+        for block in gpt.blocks:
+            attention_of(block).__class__ = SDPAAttention
+        gpt.__class__ = ContextParallelGPT  # the same modules and weights, context_parallel's forward
+        assert isinstance(gpt, ContextParallelGPT)
+        model = gpt.setup(mesh=mesh, load_balancer=balancer, math=math)
         whole = Layout(seq_dim=1, batch_dim=0, seq_sharded=False)  # context_parallel cuts the sequence itself
-        out = Layout(seq_dim=1, batch_dim=0, seq_order=torch_placement(config.load_balancer))
+        out = Layout(seq_dim=1, batch_dim=0, seq_order=torch_placement(balancer))
         return Sharded(module=model, input_layout=whole, output_layout=out, replicated=("*",),
                        sync_grads=lambda: sum_replicated_grads(model, ctx))
 
@@ -153,7 +158,7 @@ def _expect_math(config: CheckConfig) -> str:
     # causal raises (plain-tensor mask added to a DTensor); uneven shards desync (from_local) or,
     # with an empty rank, raise there
     config = with_defaults(config, DEFAULTS)
-    return "PASS" if not config.causal and config.seq_len % config.tp == 0 else "FAIL"
+    return "PASS" if not config.causal and known(config.seq_len, "seq_len") % config.tp == 0 else "FAIL"
 
 
 def _case(*, name: str, math: bool, description: str, expect: Callable[[CheckConfig], str],

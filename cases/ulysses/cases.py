@@ -20,7 +20,7 @@ from collections.abc import Callable
 
 from torch import nn
 
-from sp_harness.cases.common import GPT_DEFAULTS, gpt_fields, require_bsh, require_heads
+from sp_harness.cases.common import GPT_DEFAULTS, as_gpt, gpt_fields, require_bsh, require_heads
 from sp_harness.cases.ulysses.model import CORRECT, Impl, build_sharded
 from sp_harness.config.case import Case, Example, RankContext, Sharded, Unsupported, register
 from sp_harness.config.check_config import CheckConfig
@@ -45,7 +45,7 @@ def ulysses_shard(impl: Impl) -> Callable[[nn.Module, RankContext], Sharded]:
     """The sharded factory of the Ulysses GPT built from `impl`."""
 
     def shard(ref: nn.Module, ctx: RankContext) -> Sharded:
-        return build_sharded(ref, ctx, impl)
+        return build_sharded(as_gpt(ref), ctx, impl)
 
     return shard
 

@@ -24,7 +24,7 @@ from collections.abc import Callable
 
 from torch import nn
 
-from sp_harness.cases.common import GPT_DEFAULTS, gpt_fields, require_bsh, require_heads
+from sp_harness.cases.common import GPT_DEFAULTS, as_gpt, gpt_fields, require_bsh, require_heads
 from sp_harness.cases.usp.groups import make_grid
 from sp_harness.cases.usp.model import CORRECT, Impl, build_sharded
 from sp_harness.config.case import Case, Example, RankContext, Sharded, Unsupported, register
@@ -64,7 +64,7 @@ def usp_shard(impl: Impl = CORRECT) -> Callable[[nn.Module, RankContext], Sharde
 
     def shard(ref: nn.Module, ctx: RankContext) -> Sharded:
         grid = make_grid(ctx, ctx.config.ring_degree or default_ring_degree(ctx.tp))
-        return build_sharded(ref, ctx, grid, impl)
+        return build_sharded(as_gpt(ref), ctx, grid, impl)
 
     return shard
 
