@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from sp_harness.cases.common import sum_replicated_grads
+from sp_harness.cases.mutants.shared import loss_mean_per_rank
 from sp_harness.cases.ulysses import mappings
 from sp_harness.cases.ulysses.cases import ULYSSES, ulysses_shard
 from sp_harness.cases.ulysses.model import CORRECT
@@ -132,17 +133,12 @@ BACKWARD_FORWARD_SPLITS = ulysses_mutant(
 # Right on even shards; a mean of per-rank means weights the tokens of short shards more.
 
 
-def _loss_mean_per_rank(local_out, local_target, ctx):
-    n = max(local_target.numel(), 1)
-    return token_loss_sum(local_out, local_target) / n / ctx.tp  # BUG: mean of per-rank means
-
-
 LOSS_MEAN = ulysses_mutant(
     "mutant-ulysses-loss-mean-per-rank",
     "loss = mean of per-rank means",
     "SP loss aggregated as the mean over ranks of each rank's mean token loss: a mean of means, "
     "right only when every rank holds the same number of loss tokens",
-    local_loss=_loss_mean_per_rank,
+    local_loss=loss_mean_per_rank,
     source="DeepSpeed #7672 (Ulysses SP loss aggregation)",
 )
 
