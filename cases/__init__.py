@@ -1,7 +1,53 @@
-"""Systems under test. Importing this package registers every built-in case, and the built-in
-cases of every installed framework (sp_harness.cases.frameworks)."""
+"""Systems under test, registered lazily: importing this package imports no case. `BUILTIN`
+names the module that registers each built-in case; the registry (sp_harness.config.case)
+imports a case's module on the first lookup of its name, and every module on `all_cases()`.
+The built-in cases of a framework are listed only where it is installed (`FRAMEWORK_CASES`).
+A module listed here must register exactly the names listed for it (tests/test_registry.py).
+"""
 
-from sp_harness.cases import dtensor_plans, megatron, mutants, ring, torch_cp, ulysses, usp  # noqa: F401
-from sp_harness.cases.frameworks import register_installed
+from __future__ import annotations
 
-register_installed()
+from sp_harness.cases.frameworks import FRAMEWORK_CASES, installed
+
+BUILTIN: dict[str, tuple[str, ...]] = {
+    "sp_harness.cases.dtensor_plans": ("seed-mlp", "dtensor-gpt"),
+    "sp_harness.cases.megatron.cases": ("megatron-gpt-ref", "megatron-gpt-tp", "megatron-gpt-sp"),
+    "sp_harness.cases.mutants.clip_mutants": ("mutant-sp-clip-norm-counts-replicas",),
+    "sp_harness.cases.mutants.dtensor_mutants": (
+        "mutant-dtensor-norm-missing-sp", "mutant-dtensor-norm-init-per-rank", "mutant-dtensor-output-wrong-dim"),
+    "sp_harness.cases.mutants.megatron_collective_mutants": (
+        "mutant-sp-reduce-scatter-world", "mutant-tp-all-reduce-world", "mutant-sp-gather-dim0-bsh",
+        "mutant-sp-collectives-assume-even", "mutant-sp-gather-wrong-order", "mutant-sp-gather-backward-split"),
+    "sp_harness.cases.mutants.megatron_mutants": (
+        "mutant-sp-no-norm-grad-sync", "mutant-sp-norm-sync-lost-at-step-3", "mutant-sp-norm-grad-sync-dp-group",
+        "mutant-sp-no-row-bias-grad-sync", "mutant-sp-no-embedding-grad-sync", "mutant-sp-row-bias-before-reduce",
+        "mutant-tp-row-bias-before-reduce", "mutant-sp-local-positions", "mutant-sp-even-shard-positions",
+        "mutant-sp-loss-mean-per-rank"),
+    "sp_harness.cases.mutants.memory_mutants": ("mutant-sp-full-sequence-norms",),
+    "sp_harness.cases.mutants.ring_mutants": (
+        "mutant-ring-dkv-not-sent-back", "mutant-ring-mask-ignores-zigzag", "mutant-ring-zigzag-drops-tail",
+        "mutant-ring-merge-by-max", "mutant-ring-loss-per-rank-norm", "mutant-ring-balancer-assumes-causal",
+        "mutant-ring-zigzag-unbalanced", "mutant-ring-lse-base2"),
+    "sp_harness.cases.mutants.scaled_mutants": ("mutant-scaled-forward", "mutant-scaled-grad", "mutant-scaled-update"),
+    "sp_harness.cases.mutants.ulysses_mutants": (
+        "mutant-ulysses-a2a-assumes-even", "mutant-ulysses-gqa-kv-heads-tiled", "mutant-ulysses-backward-forward-splits",
+        "mutant-ulysses-loss-mean-per-rank", "mutant-ulysses-label-shift-per-shard", "mutant-ulysses-no-sp-grad-sync",
+        "mutant-ulysses-local-positions"),
+    "sp_harness.cases.mutants.usp_mutants": (
+        "mutant-usp-zigzag-over-sp", "mutant-usp-grad-sync-ring-only", "mutant-usp-ring-low-groups"),
+    "sp_harness.cases.ring.cases": ("ring-gpt",),
+    "sp_harness.cases.torch_cp.cases": ("torch-cp-gpt", "torch-cp-gpt-math"),
+    "sp_harness.cases.ulysses.cases": ("ulysses-gpt",),
+    "sp_harness.cases.usp.cases": ("usp-gpt",),
+}
+"""Module -> the built-in cases it registers (a mutant module imports its twin's)."""
+
+
+def builtin_modules() -> dict[str, str]:
+    """Case name -> the module registering it: every built-in case, and the built-in cases of
+    every installed framework."""
+    listed = dict(BUILTIN)
+    for framework, (module, names) in FRAMEWORK_CASES.items():
+        if installed(framework):
+            listed[module] = names
+    return {name: module for module, names in listed.items() for name in names}

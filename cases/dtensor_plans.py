@@ -9,6 +9,7 @@ breaks on uneven splits the harness reports FAIL with PyTorch's own error, and o
 from __future__ import annotations
 
 import torch
+from torch import nn
 from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
@@ -20,17 +21,16 @@ from torch.distributed.tensor.parallel import (
 
 from sp_harness.cases.common import (
     GPT_DEFAULTS,
-    build_reference_gpt,
-    gpt_batch,
-    gpt_memory_floor,
-    gpt_tokens,
+    gpt_fields,
+    known,
     mse_sum,
     require_chunk_split,
+    require_heads,
     require_plain_attention,
-    token_loss_sum,
 )
 from sp_harness.config.case import Case, Example, Layout, RankContext, Sharded, Unsupported, register
 from sp_harness.config.check_config import CheckConfig
+from sp_harness.config.shards import chunk_sizes
 from sp_harness.reference.toy_mlp import ToyModel
 
 SEED_IN, SEED_OUT = 10, 5
@@ -45,17 +45,18 @@ def seed_plan() -> dict:
 
 def _seed_reference(config: CheckConfig) -> ToyModel:
     gen = torch.Generator().manual_seed(config.seed)
-    model = ToyModel(SEED_IN, config.hidden, SEED_OUT).to(torch.float64)
+    model = ToyModel(SEED_IN, known(config.hidden, "hidden"), SEED_OUT).to(torch.float64)
     with torch.no_grad():
         for p in model.parameters():
             p.copy_(torch.randn(p.shape, generator=gen, dtype=torch.float64) / p.shape[-1] ** 0.5)
     return model
 
 
-def _seed_batch(config: CheckConfig, step: int, gen: torch.Generator):
+def _seed_batch(config: CheckConfig, step: int, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
     # (S, in): the seed feeds a 2-D input whose dim 0 is the sharded sequence
-    x = torch.rand(config.seq_len, SEED_IN, generator=gen, dtype=torch.float64)
-    y = torch.randn(config.seq_len, SEED_OUT, generator=gen, dtype=torch.float64)
+    seq_len = known(config.seq_len, "seq_len")
+    x = torch.rand(seq_len, SEED_IN, generator=gen, dtype=torch.float64)
+    y = torch.randn(seq_len, SEED_OUT, generator=gen, dtype=torch.float64)
     return x, y
 
 
@@ -67,7 +68,7 @@ def _seed_validate(config: CheckConfig) -> None:
     require_chunk_split(config, "seed-mlp")
 
 
-def _seed_shard(model: ToyModel, ctx: RankContext) -> Sharded:
+def _seed_shard(model: nn.Module, ctx: RankContext) -> Sharded:
     module = parallelize_module(model, ctx.device_mesh, seed_plan())
     layout = Layout(seq_dim=0)
     return Sharded(module=module, input_layout=layout, output_layout=layout)
@@ -75,9 +76,9 @@ def _seed_shard(model: ToyModel, ctx: RankContext) -> Sharded:
 
 def _seed_expect(config: CheckConfig) -> str:
     # torch 2.13: every split even, or the upstream failure (README "What it found")
-    tp = config.tp
-    even = config.seq_len % tp == 0 and config.hidden % tp == 0
-    return "PASS" if even and config.hidden > 1 else "FAIL"
+    tp, hidden = config.tp, known(config.hidden, "hidden")
+    even = known(config.seq_len, "seq_len") % tp == 0 and hidden % tp == 0
+    return "PASS" if even and hidden > 1 else "FAIL"
 
 
 SEED_MLP = register(Case(
@@ -139,12 +140,10 @@ def _gpt_validate(config: CheckConfig) -> None:
         raise Unsupported(f"dtensor-gpt runs on a 1-D tp mesh: dp({config.dp}) must be 1")
     require_chunk_split(config, "dtensor-gpt")
     require_plain_attention(config, "dtensor-gpt")
-    if config.hidden % config.num_heads:
-        raise ValueError(f"num_heads({config.num_heads}) does not divide hidden({config.hidden})")
-    head_dim = config.hidden // config.num_heads
-    from sp_harness.config.shards import chunk_sizes
-
-    cols = chunk_sizes(config.hidden, config.tp)
+    require_heads(config)
+    hidden = known(config.hidden, "hidden")
+    head_dim = hidden // known(config.num_heads, "num_heads")
+    cols = chunk_sizes(hidden, config.tp)
     if any(c % head_dim for c in cols):
         # Colwise splits q/k/v columns by torch.chunk, blind to head boundaries
         raise Unsupported(
@@ -153,8 +152,8 @@ def _gpt_validate(config: CheckConfig) -> None:
         )
 
 
-def _gpt_shard(model, ctx: RankContext) -> Sharded:
-    module = parallelize_module(model, ctx.device_mesh, gpt_plan(ctx.config.num_layers))
+def _gpt_shard(model: nn.Module, ctx: RankContext) -> Sharded:
+    module = parallelize_module(model, ctx.device_mesh, gpt_plan(known(ctx.config.num_layers, "num_layers")))
     # modules the plan leaves alone (the embeddings) stay plain and whole on every rank
     return Sharded(module=module, input_layout=Layout(seq_dim=1, batch_dim=0, seq_sharded=False),
                    output_layout=Layout(seq_dim=1, batch_dim=0, seq_sharded=False), replicated=("*",))
@@ -166,24 +165,18 @@ def _gpt_expect(config: CheckConfig) -> str:
     # between an S(0) state and an R grad; 4 rows over 3, also 2/2/0, pass; found by the
     # false-alarm run, pinned as measured). A RowwiseParallel linear whose input width is 1 fails
     # even on one rank (sharding propagation on `aten.view` of a [1, 1] Shard(1) grad).
-    tp = config.tp
-    even = (config.seq_len % tp == 0 and config.ffn % tp == 0 and config.hidden % tp == 0
-            and config.vocab >= tp)
-    return "PASS" if even and config.ffn > 1 and config.hidden > 1 else "FAIL"
+    tp, ffn, hidden = config.tp, known(config.ffn, "ffn"), known(config.hidden, "hidden")
+    even = known(config.seq_len, "seq_len") % tp == 0 and ffn % tp == 0 and hidden % tp == 0 and known(config.vocab, "vocab") >= tp
+    return "PASS" if even and ffn > 1 and hidden > 1 else "FAIL"
 
 
 DTENSOR_GPT = register(Case(
     name="dtensor-gpt",
     description="torchtitan-style DTensor plan for the reference GPT (SequenceParallel norms, Colwise q/k/v/fc1, Rowwise out/fc2 -> Shard(1))",
-    build_reference=build_reference_gpt,
-    memory_floor=gpt_memory_floor,
-    make_batch=gpt_batch,
-    loss_sum=token_loss_sum,
-    tokens=gpt_tokens,
+    # the GPT's fields, but converge trains on its own make_batch stream (no Markov chain)
+    **{**gpt_fields(GPT_DEFAULTS, positions=False), "training": None},
     shard=_gpt_shard,
     validate=_gpt_validate,
-    defaults=GPT_DEFAULTS,
-    input_layout=Layout(seq_dim=1, batch_dim=0),
     tags=("dtensor",),
     expect=_gpt_expect,
     examples=(

@@ -6,23 +6,32 @@ megatron_case`); each needs its framework installed (`pip install sp-harness[meg
 Each framework also has a `*_cases` module of built-in cases (a correct configuration, its
 mutants through the framework's own knobs, the main job's examples). Those are registered only
 where the framework is installed: `FRAMEWORK_CASES` maps the module that must be importable to
-the module that registers them. Registering imports no framework code: the framework is
-imported in the rank processes that run its cases (`Case.setup`), and its cases share rank
+the module that registers them and their names (the registry imports that module on the first
+lookup of one of them: sp_harness.cases). Registering imports no framework code: the framework
+is imported in the rank processes that run its cases (`Case.setup`), and its cases share rank
 processes only with each other (`Case.isolation` names the framework).
 """
 
 from __future__ import annotations
 
-import importlib
 import importlib.util
 
-FRAMEWORK_CASES: dict[str, str] = {
-    "megatron.core": "sp_harness.cases.frameworks.megatron_cases",
-    "yunchang": "sp_harness.cases.frameworks.yunchang_cases",
-    "torchtitan": "sp_harness.cases.frameworks.torchtitan_cases",
-    "deepspeed": "sp_harness.cases.frameworks.deepspeed_cases",
+FRAMEWORK_CASES: dict[str, tuple[str, tuple[str, ...]]] = {
+    "megatron.core": ("sp_harness.cases.frameworks.megatron_cases", (
+        "mcore-gpt-tp", "mcore-gpt-sp", "mutant-mcore-norm-flag-dropped", "mutant-mcore-row-bias-flag-dropped",
+        "mutant-mcore-ddp-sync-only")),
+    "yunchang": ("sp_harness.cases.frameworks.yunchang_cases", (
+        "yc-usp", "mutant-yc-zigzag-contiguous-shards", "mutant-yc-ring-merge-overwrites",
+        "mutant-yc-grad-sync-ulysses-only", "mutant-yc-causal-mask-on-received-blocks")),
+    "torchtitan": ("sp_harness.cases.frameworks.torchtitan_cases", (
+        "titan-llama3-sp", "mutant-titan-embedding-partial-as-replicate", "mutant-titan-norm-sp-dropped",
+        "mutant-titan-fsdp-grads-summed-over-dp")),
+    "deepspeed": ("sp_harness.cases.frameworks.deepspeed_cases", (
+        "ds-ulysses", "ds-ulysses-f64", "ds-ulysses-hf-llama", "mutant-ds-ulysses-detached-a2a",
+        "mutant-ds-ulysses-batch-dim-idx", "mutant-ds-ulysses-scatter-gather-swapped",
+        "mutant-ds-ulysses-engine-without-sp-group")),
 }
-"""importable framework module -> the module registering its built-in cases."""
+"""importable framework module -> (the module registering its built-in cases, their names)."""
 
 
 def installed(module: str) -> bool:
@@ -32,11 +41,3 @@ def installed(module: str) -> bool:
         return importlib.util.find_spec(module) is not None
     except ModuleNotFoundError:
         return False
-
-
-def register_installed() -> list[str]:
-    """Registers the built-in cases of every installed framework; returns their modules."""
-    found = [cases for module, cases in FRAMEWORK_CASES.items() if installed(module)]
-    for cases in found:
-        importlib.import_module(cases)
-    return found

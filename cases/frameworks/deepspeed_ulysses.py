@@ -45,8 +45,17 @@ import torch.nn.functional as F
 from torch import nn
 
 from sp_harness import Batch, Case, Layout, RankContext, Sharded, Unsupported
-from sp_harness.cases.common import GPT_DEFAULTS, gpt_batch, gpt_config, gpt_tokens, with_positions
-from sp_harness.reference.gpt import Attention, build_gpt, token_loss_sum
+from sp_harness.cases.common import (
+    GPT_DEFAULTS,
+    as_gpt,
+    attention_of,
+    gpt_batch,
+    gpt_config,
+    gpt_tokens,
+    known,
+    with_positions,
+)
+from sp_harness.reference.gpt import GPT, Attention, build_gpt, token_loss_sum
 
 DEEPSPEED_VERSION = "0.19.8"
 """The release this module is tested with (the `deepspeed` extra pins it)."""
@@ -133,7 +142,7 @@ class DeepSpeedUlyssesAttention(nn.Module):
 class UlyssesGPT(nn.Module):
     """tokens, positions (B, s_r) -> logits (B, s_r, V); the reference's modules and names."""
 
-    def __init__(self, ref: nn.Module):
+    def __init__(self, ref: GPT):
         super().__init__()
         self.tok_emb, self.pos_emb, self.blocks = ref.tok_emb, ref.pos_emb, ref.blocks
         self.norm_f, self.lm_head = ref.norm_f, ref.lm_head
@@ -216,12 +225,14 @@ def ulysses_shard(*, local_attention: LocalAttentionFn, scatter_idx: int = 2, ga
         ps = _sp_groups(ctx)
         layout_bdi, seq_dim = _layout_indices(cfg.layout)
         told_bdi = layout_bdi if batch_dim_idx is None else batch_dim_idx
-        for block in reference.blocks:
-            local = LocalAttention(local_attention, block.attn.causal, layout_bdi)
+        for block in as_gpt(reference).blocks:
+            attn = block.attn
+            assert isinstance(attn, UserAttention)  # build_reference's
+            local = LocalAttention(local_attention, attn.causal, layout_bdi)
             dist_attn = DistributedAttention(local, ctx.tp_group, scatter_idx=scatter_idx,
                                              gather_idx=seq_dim if gather_idx is None else gather_idx)
-            block.attn = DeepSpeedUlyssesAttention(block.attn, dist_attn, layout_bdi, told_bdi)
-        model = UlyssesGPT(reference)
+            block.attn = DeepSpeedUlyssesAttention(attn, dist_attn, layout_bdi, told_bdi)
+        model = UlyssesGPT(as_gpt(reference))
         if grad_sync == "engine":
             config = {"train_micro_batch_size_per_gpu": cfg.batch, "gradient_accumulation_steps": 1,
                       "zero_optimization": {"stage": 0}, **(ds_config or {})}
@@ -288,7 +299,7 @@ def ulysses_case(name: str, *, local_attention: LocalAttentionFn = sdpa_attentio
     def build_reference(cfg) -> nn.Module:
         model = build_gpt(gpt_config(cfg), seed=cfg.seed)
         for block in model.blocks:
-            block.attn = UserAttention(block.attn, local_attention)
+            block.attn = UserAttention(attention_of(block), local_attention)
         return model
 
     def make_batch(cfg, step, gen) -> Batch:
@@ -402,7 +413,8 @@ def hf_ulysses_case(name: str, llama_config: Mapping[str, Any] | None = None, *,
         launcher_env(ctx)
         groups.mpu = None
         ctx.once("deepspeed-init-distributed", _init_distributed)
-        mpu = _register_ulysses_hf(reference.lm, core=core_attn, sp=ctx.tp, batch=cfg.batch, seq_len=cfg.seq_len)
+        mpu = _register_ulysses_hf(reference.get_submodule("lm"), core=core_attn, sp=ctx.tp,
+                                  batch=known(cfg.batch, "batch"), seq_len=known(cfg.seq_len, "seq_len"))
         if mpu is not None and tuple(dist.get_process_group_ranks(mpu.get_sequence_parallel_group())) != ctx.tp_ranks:
             raise RuntimeError(f"DeepSpeed's SP group {dist.get_process_group_ranks(mpu.get_sequence_parallel_group())} "
                                f"is not the harness's {ctx.tp_ranks}")

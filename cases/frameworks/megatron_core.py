@@ -67,7 +67,8 @@ def cpu_shims() -> None:
     from megatron.core.tensor_parallel import random as mrandom
     from megatron.core.transformer import torch_norm
 
-    torch.cuda.current_device = lambda: "cpu"
+    # megatron places tensors on torch.cuda.current_device(); on CPU the shim answers a device name
+    torch.cuda.current_device = lambda: "cpu"  # type: ignore[assignment,return-value]  # a str where torch says int
     # made in bool directly: a float ones() would show as a float32 island in a float64 run
     fused_softmax.get_default_causal_mask = lambda sq: torch.ones(sq, sq, dtype=torch.bool).triu(diagonal=1)
 
@@ -309,7 +310,7 @@ def drop_sequence_parallel_flag(param_name: str) -> Callable[[nn.Module], None]:
     megatron's own knob)."""
 
     def edit(gpt: nn.Module) -> None:
-        del dict(gpt.named_parameters())[param_name].sequence_parallel
+        delattr(dict(gpt.named_parameters())[param_name], "sequence_parallel")
 
     return edit
 

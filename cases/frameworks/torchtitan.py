@@ -37,15 +37,18 @@ import importlib.util
 import sys
 import types
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from sp_harness import Batch, Case, Layout, Sharded, Unsupported
+from sp_harness import Batch, Case, Layout, RankContext, Sharded, Unsupported
 from sp_harness.cases.frameworks.common import require_tp
+
+if TYPE_CHECKING:  # imported where its cases run (Case.setup): torchtitan may not be installed
+    from torchtitan.protocols.module import Module as TitanModule
 
 TORCHTITAN_VERSION = "0.3.0"
 """The release this module is tested with (the `torchtitan` extra pins it)."""
@@ -79,7 +82,10 @@ def cpu_shims(fsdp_model: nn.Module | None = None) -> None:
         for module in fsdp_model.modules():
             if isinstance(module, FSDPModule):
                 group = module._get_fsdp_state()._fsdp_param_group
-                if group is None or dist.get_backend(group.mesh_info.shard_process_group) == "gloo":
+                # fully_shard's mesh info is an FSDPMeshInfo (it has the shard group); torch types
+                # the attribute as its base class, which has not
+                shard_group = group.mesh_info.shard_process_group if group is not None else None  # type: ignore[attr-defined]
+                if group is None or dist.get_backend(shard_group) == "gloo":
                     module.set_force_sum_reduction_for_comms(True)
         return
     if _KERNELS in sys.modules or importlib.util.find_spec("triton") is not None:
@@ -162,7 +168,7 @@ def _parallel_dims(tp_group, tp: int, world_size: int):
     return dims
 
 
-def _parallelize_with_fsdp(model: nn.Module, ctx, *, fsdp_mean: bool = True) -> None:
+def _parallelize_with_fsdp(model: TitanModule, ctx: RankContext, *, fsdp_mean: bool = True) -> None:
     """DP x TP: torchtitan's TP + SP plan on the "tp" axis, then its own data parallelism,
     `apply_fsdp_to_decoder` (FSDP2 `fully_shard` per block, the embedding, and norm + lm_head)
     on the "dp" axis of the same 2-D mesh (FSDP2 over TP DTensors needs one root mesh). Its mixed
@@ -189,7 +195,7 @@ def _parallelize_with_fsdp(model: nn.Module, ctx, *, fsdp_mean: bool = True) -> 
     cpu_shims(model)
 
 
-def _build(config, dtype: torch.dtype) -> nn.Module:
+def _build(config: Any, dtype: torch.dtype) -> TitanModule:
     model = config.build()
     model.init_states()
     # floating tensors only: the complex64 RoPE cache keeps its dtype, as torchtitan keeps it

@@ -38,7 +38,7 @@ import contextlib
 import dataclasses
 import sys
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -47,16 +47,18 @@ from torch import nn
 from sp_harness import Case, Layout, Sharded, Unsupported
 from sp_harness.cases.common import (
     GPT_DEFAULTS,
-    MARKOV_TRAINING_WITH_POSITIONS,
+    as_gpt,
+    attention_of,
     build_reference_gpt,
-    gpt_batch,
-    gpt_memory_floor,
-    gpt_tokens,
-    with_positions,
+    gpt_fields,
+    known,
+    sum_replicated_grads,
 )
-from sp_harness.cases.megatron.impl import all_reduce_coalesced
 from sp_harness.config.check_config import CheckConfig
-from sp_harness.reference.gpt import attention, token_loss_sum
+from sp_harness.reference.gpt import Attention, attention
+
+if TYPE_CHECKING:  # imported where its cases run (Case.setup): yunchang may not be installed
+    from yunchang import LongContextAttention
 
 YUNCHANG_VERSION = "0.6.4"
 """The release this module is tested with (the `yunchang` extra pins it)."""
@@ -166,7 +168,7 @@ class CoreAttention(nn.Module):
     the reference's own modules (same names, same params). (B, S, H) -> (B, S, H); the core maps
     q (B, S, a, d), k and v (B, S, a_kv, d) -> (B, S, a, d), yunchang's layout."""
 
-    def __init__(self, attn: nn.Module, core: nn.Module):
+    def __init__(self, attn: Attention, core: nn.Module):
         super().__init__()
         self.q_proj, self.k_proj, self.v_proj, self.out_proj = attn.q_proj, attn.k_proj, attn.v_proj, attn.out_proj
         self.num_heads, self.num_kv_heads, self.head_dim = attn.num_heads, attn.num_kv_heads, attn.head_dim
@@ -214,7 +216,7 @@ class YunchangCore(nn.Module):
     replace names in the ring implementation's module for the duration of the forward call only
     (set and restored around it), so no other job in the process sees them."""
 
-    def __init__(self, usp: nn.Module, causal: bool, lse_index: tuple[torch.Tensor, torch.Tensor],
+    def __init__(self, usp: LongContextAttention, causal: bool, lse_index: tuple[torch.Tensor, torch.Tensor],
                  swaps: Mapping[str, Any] | None = None):
         super().__init__()
         self.usp, self.causal, self.lse_index, self.lse = usp, causal, lse_index, None
@@ -238,9 +240,10 @@ class YunchangCore(nn.Module):
 
 def build_reference(config: CheckConfig) -> nn.Module:
     """The reference GPT, each attention's core a `PlainCore` submodule."""
-    model = build_reference_gpt(config)
+    model = as_gpt(build_reference_gpt(config))
     for block in model.blocks:
-        block.attn = CoreAttention(block.attn, PlainCore(block.attn.causal))
+        attn = attention_of(block)
+        block.attn = CoreAttention(attn, PlainCore(attn.causal))
     return model
 
 
@@ -291,22 +294,17 @@ def yunchang_shard(*, ring_impl_type: str = "zigzag", use_ulysses_low: bool = Tr
         positions = torch.cat([pieces[t] for t in members])  # the all-to-all's order: member by member
         heads_here = cfg.num_heads // ulysses
         heads = torch.arange(u * heads_here, (u + 1) * heads_here)
-        for block in reference.blocks:
+        for block in as_gpt(reference).blocks:
             usp = LongContextAttention(ring_impl_type=ring_impl_type, attn_type=AttnType.FA)
-            block.attn.core = YunchangCore(usp, block.attn.causal, (heads, positions), swaps=swaps)
+            attn = block.attn
+            assert isinstance(attn, CoreAttention)  # build_reference's
+            attn.core = YunchangCore(usp, attn.causal, (heads, positions), swaps=swaps)
         groups = {"ulysses": PROCESS_GROUP.ULYSSES_PG, "ring": PROCESS_GROUP.RING_PG}
         sync = [groups[g] for g in sync_groups]
 
         def sync_grads() -> None:
-            for p in reference.parameters():
-                if p.grad is None:
-                    p.grad = torch.zeros_like(p)
-            grads = [p.grad for p in reference.parameters()]
-            for group in sync:  # SUM over the SP group = over the Ulysses group, then the ring
-                if dist.get_world_size(group) > 1:
-                    all_reduce_coalesced(grads, group)
-            if ctx.dp > 1:
-                all_reduce_coalesced(grads, ctx.dp_group, divide_by=ctx.dp)
+            # SUM over the SP group = over the Ulysses group, then the ring
+            sum_replicated_grads(reference, ctx, over=sync)
 
         layout = Layout(seq_dim=1, batch_dim=0, seq_order=seq_order(placement, ulysses, ring, use_ulysses_low))
         return Sharded(module=reference, input_layout=layout, output_layout=layout, replicated=("*",),
@@ -367,19 +365,20 @@ def usp_case(name: str, *, ulysses_degree: int | None = None, ring_degree: int |
                                   f"(sp {sp} = ulysses {ulysses} x ring {ring})")
         if cfg.seq_shards is not None:
             raise Unsupported("yunchang's extract functions split the sequence evenly; no explicit seq_shards")
-        kv = cfg.num_kv_heads or cfg.num_heads
-        for what, n in (("num_heads", cfg.num_heads), ("num_kv_heads", kv)):
+        heads = known(cfg.num_heads, "num_heads")
+        for what, n in (("num_heads", heads), ("num_kv_heads", cfg.num_kv_heads or heads)):
             if n % ulysses:
                 raise Unsupported(f"yunchang's all-to-all splits heads evenly: {what} ({n}) % ulysses_degree "
                                   f"({ulysses}) != 0")
-        if cfg.seq_len % sp:
+        seq_len = known(cfg.seq_len, "seq_len")
+        if seq_len % sp:
             raise Unsupported(f"yunchang's all-to-all and {placement}_extract_local need equal shards: seq_len "
-                              f"({cfg.seq_len}) % sp ({sp}) != 0")
-        if placement == "zigzag" and cfg.seq_len % (2 * ring):
+                              f"({seq_len}) % sp ({sp}) != 0")
+        if placement == "zigzag" and seq_len % (2 * ring):
             raise Unsupported(f"yunchang's zigzag_extract_local cuts 2 x ring_degree equal chunks: seq_len "
-                              f"({cfg.seq_len}) % {2 * ring} != 0")
-        if placement == "strip" and cfg.seq_len % ring:
-            raise Unsupported(f"yunchang's stripe_extract_local needs seq_len ({cfg.seq_len}) % ring_degree "
+                              f"({seq_len}) % {2 * ring} != 0")
+        if placement == "strip" and seq_len % ring:
+            raise Unsupported(f"yunchang's stripe_extract_local needs seq_len ({seq_len}) % ring_degree "
                               f"({ring}) == 0")
         if ring == 1 and not cfg.forward_only and not torch.cuda.is_available():
             raise Unsupported("ring_degree 1 on gloo: yunchang's ring backward still sends dk/dv around a one-rank "
@@ -388,24 +387,20 @@ def usp_case(name: str, *, ulysses_degree: int | None = None, ring_degree: int |
         if ring_impl_type in CAUSAL_ONLY and cfg.causal is False:
             raise Unsupported(f"yunchang's {ring_impl_type} ring is causal only (it asserts causal=True)")
 
-    def make_batch(cfg: CheckConfig, step: int, gen: torch.Generator):
-        return with_positions(*gpt_batch(cfg, step, gen))
-
     case_fields.setdefault("setup", _import_yunchang)
     defaults = {**GPT_DEFAULTS, "causal": True, **case_fields.pop("defaults", {})}
+    tags = ("yunchang", "framework", "usp", *case_fields.pop("tags", ()))
+    # the GPT case's fields, its reference with each attention's core a submodule, `case_fields` over them
+    fields = {**gpt_fields(defaults, positions=True), "build_reference": build_reference, **case_fields}
     desc = (f"yunchang {YUNCHANG_VERSION} LongContextAttention (USP), ring_impl_type={ring_impl_type!r}, "
             f"ulysses x ring = {ulysses_degree or 'sp/R'} x {ring_degree or 'R'}"
             f"{'' if use_ulysses_low else ', use_ulysses_low=False'}")
     return YunchangCase(
-        name=name, description=desc, build_reference=build_reference, make_batch=make_batch,
-        loss_sum=token_loss_sum, tokens=gpt_tokens, input_layout=Layout(seq_dim=1, batch_dim=0), validate=validate,
+        name=name, description=desc, validate=validate,
         shard=yunchang_shard(ring_impl_type=ring_impl_type, use_ulysses_low=use_ulysses_low, extract=extract,
                              merge=merge, sync_groups=sync_groups, forward_swaps=forward_swaps),
-        defaults=defaults, training=case_fields.pop("training", MARKOV_TRAINING_WITH_POSITIONS),
         precision_islands={f"blocks.{i}.attn.core": "float32" for i in range(MAX_LAYERS)},
-        memory_floor=case_fields.pop("memory_floor", gpt_memory_floor),
-        fixed_ring_degree=ring_degree, fixed_ulysses_degree=ulysses_degree,
-        tags=("yunchang", "framework", "usp", *case_fields.pop("tags", ())), **case_fields)
+        fixed_ring_degree=ring_degree, fixed_ulysses_degree=ulysses_degree, tags=tags, **fields)
 
 
 def overwriting_merge(out, lse, block_out, block_lse, slice_=None):

@@ -13,67 +13,41 @@ tp > 1.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 
-import torch
 from torch import nn
 
 from sp_harness.cases.common import (
     GPT_DEFAULTS,
-    MARKOV_TRAINING,
-    build_reference_gpt,
-    gpt_batch,
-    gpt_memory_floor,
-    gpt_tokens,
+    gpt_fields,
+    known,
+    require_heads,
     require_plain_attention,
-    token_loss_sum,
+    sum_replicated_grads,
+    with_defaults,
 )
-from sp_harness.cases.megatron.impl import CORRECT, Impl, all_reduce_coalesced
+from sp_harness.cases.megatron.impl import CORRECT, Impl
 from sp_harness.cases.megatron.model import build_sharded
 from sp_harness.config.case import Case, Example, Layout, RankContext, Sharded, Unsupported, register
 from sp_harness.config.check_config import CheckConfig
 
 DEFAULTS = dict(GPT_DEFAULTS)
-INPUT_LAYOUT = Layout(seq_dim=1, batch_dim=0)
-
-
-def _filled(config: CheckConfig) -> CheckConfig:
-    if config.seq_len is None and config.seq_shards is not None:
-        config = config.replace(seq_len=sum(config.seq_shards))
-    filled = {k: v for k, v in DEFAULTS.items() if getattr(config, k, None) is None}
-    config = config.replace(**filled) if filled else config
-    if config.seq_shards is not None and sum(config.seq_shards) != config.seq_len:
-        raise ValueError(
-            f"seq_shards {list(config.seq_shards)} sum to {sum(config.seq_shards)}, "
-            f"not seq_len({config.seq_len})"
-        )
-    return config
-
-
-def build_reference(config: CheckConfig) -> nn.Module:
-    """reference.gpt.build_gpt in float64 from the config (max_seq_len >= seq_len)."""
-    return build_reference_gpt(_filled(config))
-
-
-def make_batch(config: CheckConfig, step: int, gen: torch.Generator):
-    """int64 tokens [dp*batch, seq_len] and their next tokens as targets."""
-    return gpt_batch(_filled(config), step, gen)
+FIELDS = gpt_fields(DEFAULTS, positions=False)
+"""The Case fields the three share: the GPT takes its tokens only (it embeds positions itself)."""
 
 
 def _validate_model(config: CheckConfig) -> CheckConfig:
-    config = _filled(config)
+    config = with_defaults(config, DEFAULTS)
     require_plain_attention(config, "the Megatron-style GPT")
-    if config.hidden % config.num_heads:
-        raise ValueError(f"num_heads({config.num_heads}) does not divide hidden({config.hidden})")
+    require_heads(config)
     return config
 
 
 def validate_parallel(config: CheckConfig) -> None:
     config = _validate_model(config)
-    if config.tp > config.num_heads:
-        raise Unsupported(
-            f"tp({config.tp}) > num_heads({config.num_heads}): "
-            f"{config.tp - config.num_heads} rank(s) would hold no heads"
-        )
+    heads = known(config.num_heads, "num_heads")
+    if config.tp > heads:
+        raise Unsupported(f"tp({config.tp}) > num_heads({heads}): {config.tp - heads} rank(s) would hold no heads")
 
 
 def validate_single(config: CheckConfig) -> None:
@@ -88,16 +62,12 @@ def validate_single(config: CheckConfig) -> None:
 def _shard_single(ref: nn.Module, ctx: RankContext) -> Sharded:
     """The reference itself on each DP replica; grads averaged over DP."""
 
-    def sync() -> None:
-        if ctx.dp > 1:
-            grads = [p.grad for p in ref.parameters() if p.grad is not None]
-            all_reduce_coalesced(grads, ctx.dp_group, divide_by=ctx.dp)
-
     io = Layout(seq_dim=1, batch_dim=0, seq_sharded=False)
-    return Sharded(module=ref, input_layout=io, output_layout=io, sync_grads=sync, replicated=("*",))
+    return Sharded(module=ref, input_layout=io, output_layout=io, replicated=("*",),
+                   sync_grads=lambda: sum_replicated_grads(ref, ctx, over=()))
 
 
-def megatron_shard(impl: Impl, *, sequence_parallel: bool):
+def megatron_shard(impl: Impl, *, sequence_parallel: bool) -> Callable[[nn.Module, RankContext], Sharded]:
     """The sharded factory of the Megatron GPT built from `impl`."""
     return lambda ref, ctx: build_sharded(ref, ctx, impl, sequence_parallel=sequence_parallel)
 
@@ -120,21 +90,14 @@ def megatron_case(
     return Case(
         name=name,
         description=description,
-        build_reference=build_reference,
-        memory_floor=gpt_memory_floor,
-        make_batch=make_batch,
-        loss_sum=token_loss_sum,
-        tokens=gpt_tokens,
+        **FIELDS,
         shard=megatron_shard(impl, sequence_parallel=sp),
         validate=validate_parallel,
-        defaults=DEFAULTS,
-        input_layout=INPUT_LAYOUT,
         tags=tags,
         models_bug=models_bug,
         twin=twin,
         # an SP implementation must match its TP twin's communication volume and training curve
         baseline="megatron-gpt-tp" if sp else "",
-        training=MARKOV_TRAINING,
     )
 
 
@@ -142,18 +105,11 @@ REF = register(
     Case(
         name="megatron-gpt-ref",
         description="nanoGPT reference on one device per DP replica (tp must be 1)",
-        build_reference=build_reference,
-        memory_floor=gpt_memory_floor,
-        make_batch=make_batch,
-        loss_sum=token_loss_sum,
-        tokens=gpt_tokens,
+        **FIELDS,
         shard=_shard_single,
         validate=validate_single,
-        defaults=DEFAULTS,
-        input_layout=INPUT_LAYOUT,
         tags=("megatron", "reference"),
         examples=(Example(fields=(("world_size", 2), ("dp", 2)), note="reference mode on 2 DP replicas"),),
-        training=MARKOV_TRAINING,
     )
 )
 TP = register(dataclasses.replace(

@@ -28,9 +28,9 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 from torch.nn import functional as F
 
+from sp_harness.cases.common import all_reduce_coalesced
 from sp_harness.cases.megatron import mappings
 
 SP_KINDS = frozenset({"norm", "row_bias", "embedding", "lm_head"})
@@ -58,18 +58,6 @@ def seq_dim(layout: str) -> int:
 
 def tp_group(ctx) -> dist.ProcessGroup:
     return ctx.tp_group
-
-
-def all_reduce_coalesced(grads: list[torch.Tensor], group, divide_by: int = 1) -> None:
-    """One flat all-reduce for a list of grads (Megatron / NeMo coalesce these), in place."""
-    if not grads:
-        return
-    flat = _flatten_dense_tensors(grads)
-    dist.all_reduce(flat, group=group)
-    if divide_by != 1:
-        flat /= divide_by
-    for g, synced in zip(grads, _unflatten_dense_tensors(flat, grads), strict=True):
-        g.copy_(synced)
 
 
 def sync_grads(module: nn.Module, ctx, impl: "Impl", sequence_parallel: bool) -> None:

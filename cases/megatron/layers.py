@@ -55,11 +55,12 @@ class Parallel:
             return self.impl.reduce_scatter_to_sp(x, self.seq_dim, self.seq_sizes, self.group)
         return self.impl.reduce_from_tp(x, self.group)
 
-    def mark(self, param: nn.Parameter, kind: str | None) -> nn.Parameter:
-        """Tag a parameter with its kind; under SP mark it the way Megatron does."""
-        param.sp_kind = kind
+    def mark(self, param: torch.Tensor, kind: str | None) -> torch.Tensor:
+        """Tag a parameter with its kind; under SP mark it the way Megatron does (setattr on the
+        parameter, read back with getattr)."""
+        setattr(param, "sp_kind", kind)  # noqa: B010 (an attribute no Tensor type declares)
         if self.sequence_parallel and kind in self.impl.sequence_parallel_kinds:
-            param.sequence_parallel = True
+            setattr(param, "sequence_parallel", True)  # noqa: B010
         return param
 
 

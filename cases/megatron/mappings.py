@@ -150,52 +150,6 @@ class _ReduceFromTP(torch.autograd.Function):
         return grad, None
 
 
-class _GatherFromSP(torch.autograd.Function):
-    """forward: all-gather on the seq dim; backward: reduce-scatter on the seq dim.
-
-    Entering a column-parallel region from sequence shards (SP): the region's consumers are
-    tensor-parallel, so every rank's grad of the full sequence is a partial sum."""
-
-    @staticmethod
-    def forward(ctx, x, dim, sizes, group):
-        ctx.dim, ctx.sizes, ctx.group = dim, tuple(sizes), group
-        return all_gather_seq(x, dim, sizes, group)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return reduce_scatter_seq(grad, ctx.dim, ctx.sizes, ctx.group), None, None, None
-
-
-class _ReduceScatterToSP(torch.autograd.Function):
-    """forward: reduce-scatter on the seq dim; backward: all-gather on the seq dim.
-
-    Leaving a row-parallel region to sequence shards (SP)."""
-
-    @staticmethod
-    def forward(ctx, x, dim, sizes, group):
-        ctx.dim, ctx.sizes, ctx.group = dim, tuple(sizes), group
-        return reduce_scatter_seq(x, dim, sizes, group)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return all_gather_seq(grad, ctx.dim, ctx.sizes, ctx.group), None, None, None
-
-
-class _ScatterToSP(torch.autograd.Function):
-    """forward: split on the seq dim (keep this rank's piece); backward: all-gather on seq.
-
-    From a replicated full sequence to sequence shards (Megatron's embedding output)."""
-
-    @staticmethod
-    def forward(ctx, x, dim, sizes, group):
-        ctx.dim, ctx.sizes, ctx.group = dim, tuple(sizes), group
-        return split_seq(x, dim, sizes, group)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return all_gather_seq(grad, ctx.dim, ctx.sizes, ctx.group), None, None, None
-
-
 # Uniform call signatures, so an `Impl` can swap any of them for a broken one:
 #   tp mappings:  f(x, group)              seq mappings:  f(x, dim, sizes, group)
 
@@ -210,24 +164,10 @@ def reduce_from_tp(x: torch.Tensor, group) -> torch.Tensor:
     return _ReduceFromTP.apply(x, group)
 
 
-def gather_from_sp(x: torch.Tensor, dim: int, sizes: Sequence[int], group) -> torch.Tensor:
-    """forward: all-gather on seq dim; backward: reduce-scatter."""
-    return _GatherFromSP.apply(x, dim, tuple(sizes), group)
-
-
-def reduce_scatter_to_sp(x: torch.Tensor, dim: int, sizes: Sequence[int], group) -> torch.Tensor:
-    """forward: reduce-scatter on seq dim; backward: all-gather."""
-    return _ReduceScatterToSP.apply(x, dim, tuple(sizes), group)
-
-
-def scatter_to_sp(x: torch.Tensor, dim: int, sizes: Sequence[int], group) -> torch.Tensor:
-    """forward: split on seq dim; backward: all-gather."""
-    return _ScatterToSP.apply(x, dim, tuple(sizes), group)
-
-
 def seq_mapping(name: str, forward, backward, doc: str):
-    """A new sequence mapping from two primitives `f(x, dim, sizes, group)`: for variants
-    (mutants) that pair a forward with a different backward than the conjugate one."""
+    """A sequence mapping (an autograd Function applied as `f(x, dim, sizes, group)`) from two
+    primitives `f(x, dim, sizes, group)`, the forward's and the backward's: the three SP mappings
+    below, and variants (mutants) that pair a forward with another backward than its conjugate."""
 
     def fwd(ctx, x, dim, sizes, group):
         ctx.dim, ctx.sizes, ctx.group = dim, tuple(sizes), group
@@ -246,3 +186,21 @@ def seq_mapping(name: str, forward, backward, doc: str):
     apply.__doc__ = doc
     apply.__name__ = name
     return apply
+
+
+gather_from_sp = seq_mapping(
+    "GatherFromSP", all_gather_seq, reduce_scatter_seq,
+    """forward: all-gather on the seq dim; backward: reduce-scatter on the seq dim.
+
+    Entering a column-parallel region from sequence shards (SP): the region's consumers are
+    tensor-parallel, so every rank's grad of the full sequence is a partial sum.""")
+reduce_scatter_to_sp = seq_mapping(
+    "ReduceScatterToSP", reduce_scatter_seq, all_gather_seq,
+    """forward: reduce-scatter on the seq dim; backward: all-gather on the seq dim.
+
+    Leaving a row-parallel region to sequence shards (SP).""")
+scatter_to_sp = seq_mapping(
+    "ScatterToSP", split_seq, all_gather_seq,
+    """forward: split on the seq dim (keep this rank's piece); backward: all-gather on seq.
+
+    From a replicated full sequence to sequence shards (Megatron's embedding output).""")

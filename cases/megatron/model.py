@@ -21,9 +21,12 @@ after the embedding (Megatron, seq dim 0) and back before returning [b, s, V] lo
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 import torch
 from torch import nn
 
+from sp_harness.cases.common import as_gpt, known
 from sp_harness.cases.megatron.impl import Impl
 from sp_harness.cases.megatron.layers import Parallel, ParallelAttention, ParallelMLP, make_norm
 from sp_harness.config.case import Layout, ParamSpec, RankContext, Sharded
@@ -92,10 +95,25 @@ def param_specs(model: nn.Module) -> dict[str, ParamSpec]:
     return specs
 
 
+def copy_pieces(model: nn.Module, ref: nn.Module, specs: Mapping[str, ParamSpec], tp_rank: int) -> None:
+    """Load every param of this rank's `model` with its piece of the reference param `specs` names."""
+    ref_params = dict(ref.named_parameters())
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            spec = specs[name]
+            full = ref_params[spec.ref_name]
+            if spec.dim is not None and spec.sizes is None:
+                raise ValueError(f"{name}: its ParamSpec splits dim {spec.dim} without sizes")
+            piece = full if spec.dim is None or spec.sizes is None else shard(full, spec.dim, spec.sizes, tp_rank)
+            if piece.shape != p.shape:
+                raise RuntimeError(f"{name}: local shape {tuple(p.shape)} vs piece {tuple(piece.shape)}")
+            p.copy_(piece)
+
+
 def build_sharded(ref: nn.Module, ctx: RankContext, impl: Impl, sequence_parallel: bool) -> Sharded:
     """Cut this rank's Megatron twin out of its copy of the reference (already in run dtype)."""
-    cfg = ref.cfg
-    layout = ctx.config.layout
+    cfg = as_gpt(ref).cfg
+    layout = known(ctx.config.layout, "layout")
     parallel = Parallel(
         impl=impl,
         group=ctx.tp_group,
@@ -103,21 +121,13 @@ def build_sharded(ref: nn.Module, ctx: RankContext, impl: Impl, sequence_paralle
         tp_rank=ctx.tp_rank,
         sequence_parallel=sequence_parallel,
         seq_dim=impl.seq_dim(layout),
-        seq_sizes=tuple(ctx.seq_shards) if sequence_parallel else (ctx.config.seq_len,),
+        seq_sizes=tuple(ctx.seq_shards) if sequence_parallel else (known(ctx.config.seq_len, "seq_len"),),
     )
     ref_dtype = next(ref.parameters()).dtype
     with torch.device(ctx.device):
         model = ParallelGPT(cfg, parallel, layout).to(ref_dtype)
     specs = param_specs(model)
-    ref_params = dict(ref.named_parameters())
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            spec = specs[name]
-            full = ref_params[spec.ref_name]
-            piece = full if spec.dim is None else shard(full, spec.dim, spec.sizes, ctx.tp_rank)
-            if piece.shape != p.shape:
-                raise RuntimeError(f"{name}: local shape {tuple(p.shape)} vs piece {tuple(piece.shape)}")
-            p.copy_(piece)
+    copy_pieces(model, ref, specs, ctx.tp_rank)
     io = Layout(seq_dim=1, batch_dim=0, seq_sharded=sequence_parallel)
     return Sharded(
         module=model,

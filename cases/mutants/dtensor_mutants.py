@@ -9,6 +9,7 @@ import torch
 from torch.distributed.tensor import Shard
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
+from sp_harness.cases.common import known
 from sp_harness.cases.dtensor_plans import DTENSOR_GPT, SEED_MLP, gpt_plan
 from sp_harness.config.case import Layout, RankContext, Sharded, mutant
 
@@ -17,7 +18,7 @@ def _gpt_shard(plan_edit=None, before=None):
     def shard(model, ctx: RankContext) -> Sharded:
         if before is not None:
             before(model, ctx)
-        plan = gpt_plan(ctx.config.num_layers)
+        plan = gpt_plan(known(ctx.config.num_layers, "num_layers"))
         if plan_edit is not None:
             plan_edit(plan)
         module = parallelize_module(model, ctx.device_mesh, plan)

@@ -4,11 +4,25 @@ assume even shards, a backward that splits instead of reducing. Each is `CORRECT
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.distributed as dist
 
 from sp_harness.cases.megatron import mappings as mp
 from sp_harness.cases.mutants.megatron_mutants import megatron_mutant
+
+
+def _seq_collectives(name: str, gather, reduce_scatter, how: str) -> dict[str, Any]:
+    """`Impl` fields for a broken pair of sequence collectives: the all-gather and the
+    reduce-scatter are each other's backward, both broken the same way (`how`)."""
+    return dict(
+        gather_from_sp=mp.seq_mapping(f"Gather{name}", gather, reduce_scatter,
+                                      f"forward: all-gather {how}; backward: reduce-scatter {how}"),
+        reduce_scatter_to_sp=mp.seq_mapping(f"ReduceScatter{name}", reduce_scatter, gather,
+                                            f"forward: reduce-scatter {how}; backward: all-gather {how}"),
+    )
+
 
 # ----------------------------------------------------------------- collectives
 
@@ -119,14 +133,7 @@ GATHER_DIM0 = megatron_mutant(
     "all_gather_into_tensor / reduce_scatter_tensor concatenate and split on dim 0, right for "
     "Megatron's [s, b, h], wrong for GPT-NeoX's [b, s, h] (GPT-NeoX PR #1260 'Fix gather and "
     "reduce scatter ops on sequence dimension'); visible with layout=bsh",
-    gather_from_sp=mp.seq_mapping(
-        "GatherNoMovedim", _gather_no_movedim, _reduce_scatter_no_movedim,
-        "forward: all-gather on dim 0 (BUG for [b, s, h]); backward: reduce-scatter on dim 0",
-    ),
-    reduce_scatter_to_sp=mp.seq_mapping(
-        "ReduceScatterNoMovedim", _reduce_scatter_no_movedim, _gather_no_movedim,
-        "forward: reduce-scatter on dim 0 (BUG for [b, s, h]); backward: all-gather on dim 0",
-    ),
+    **_seq_collectives("NoMovedim", _gather_no_movedim, _reduce_scatter_no_movedim, "on dim 0 (BUG for [b, s, h])"),
     source="GPT-NeoX PR #1260 'Fix gather and reduce scatter ops on sequence dimension'",
 )
 
@@ -162,14 +169,7 @@ EVEN_COLLECTIVES = megatron_mutant(
     "_gather_along_first_dim / _reduce_scatter_along_first_dim, which require seq_len % tp == 0): "
     "identical on even shards; on uneven shards the ranks disagree on the message size (gloo "
     "aborts or the shapes break)",
-    gather_from_sp=mp.seq_mapping(
-        "GatherAssumeEven", _gather_assume_even, _reduce_scatter_assume_even,
-        "forward: all-gather assuming even shards; backward: reduce-scatter assuming even shards",
-    ),
-    reduce_scatter_to_sp=mp.seq_mapping(
-        "ReduceScatterAssumeEven", _reduce_scatter_assume_even, _gather_assume_even,
-        "forward: reduce-scatter assuming even shards; backward: all-gather assuming even shards",
-    ),
+    **_seq_collectives("AssumeEven", _gather_assume_even, _reduce_scatter_assume_even, "assuming even shards"),
     source="Megatron-LM mappings.py _gather_along_first_dim / _reduce_scatter_along_first_dim (assume seq_len % tp == 0)",
 )
 

@@ -14,8 +14,8 @@ from torch.nn import functional as F
 
 from sp_harness.cases.megatron.cases import SP, TP, megatron_shard
 from sp_harness.cases.megatron.impl import CORRECT, SP_KINDS, sync_grads
+from sp_harness.cases.mutants.shared import loss_mean_per_rank
 from sp_harness.config.case import mutant
-from sp_harness.reference.gpt import token_loss_sum
 
 TAGS = ("mutant", "megatron")
 
@@ -171,17 +171,12 @@ EVEN_POSITIONS = megatron_mutant(
 )
 
 
-def _loss_mean_per_rank(local_out, local_target, ctx):
-    n = max(local_target.numel(), 1)
-    return token_loss_sum(local_out, local_target) / n / ctx.tp  # BUG: mean of per-rank means
-
-
 LOSS_MEAN = megatron_mutant(
     "mutant-sp-loss-mean-per-rank",
     "sp",
     "loss = mean of per-rank means",
     "loss averaged over each rank's own tokens, then averaged across the TP ranks: a mean of "
     "means, which weights tokens on short shards more; right only for even shards",
-    local_loss=_loss_mean_per_rank,
+    local_loss=loss_mean_per_rank,
     source="DeepSpeed #7672 (SP loss aggregation); ms-swift PR #10185",
 )

@@ -18,16 +18,19 @@ all-gather pairs.
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 from torch import nn
 
+from sp_harness.cases.common import as_gpt, known
 from sp_harness.cases.megatron import mappings as mp
 from sp_harness.cases.megatron.cases import SP
 from sp_harness.cases.megatron.impl import CORRECT
 from sp_harness.cases.megatron.layers import Parallel
-from sp_harness.cases.megatron.model import ParallelBlock, ParallelGPT, param_specs
+from sp_harness.cases.megatron.model import ParallelBlock, ParallelGPT, copy_pieces, param_specs
 from sp_harness.config.case import Layout, RankContext, Sharded, mutant
-from sp_harness.config.shards import chunk_sizes, shard
+from sp_harness.config.shards import chunk_sizes
 
 # forward: all-gather on seq; backward: keep this rank's piece (the grad is replicated over TP
 # downstream, so a reduce-scatter would count it t times): Megatron's
@@ -53,11 +56,11 @@ class FullSequenceBlock(ParallelBlock):
 
 
 def _shard_full_sequence(ref: nn.Module, ctx: RankContext) -> Sharded:
-    cfg = ref.cfg
-    layout = ctx.config.layout
-    common = dict(impl=CORRECT, group=ctx.tp_group, tp=ctx.tp, tp_rank=ctx.tp_rank, seq_dim=CORRECT.seq_dim(layout))
-    sp = Parallel(sequence_parallel=True, seq_sizes=tuple(ctx.seq_shards), **common)
-    tp = Parallel(sequence_parallel=False, seq_sizes=(ctx.config.seq_len,), **common)
+    cfg = as_gpt(ref).cfg
+    layout = known(ctx.config.layout, "layout")
+    sp = Parallel(impl=CORRECT, group=ctx.tp_group, tp=ctx.tp, tp_rank=ctx.tp_rank, seq_dim=CORRECT.seq_dim(layout),
+                  sequence_parallel=True, seq_sizes=tuple(ctx.seq_shards))
+    tp = dataclasses.replace(sp, sequence_parallel=False, seq_sizes=(known(ctx.config.seq_len, "seq_len"),))
     ref_dtype = next(ref.parameters()).dtype
     with torch.device(ctx.device):
         model = ParallelGPT(cfg, sp, layout)  # embeddings, final norm, LM head on the shard (marked)
@@ -65,12 +68,7 @@ def _shard_full_sequence(ref: nn.Module, ctx: RankContext) -> Sharded:
         model.blocks = nn.ModuleList(FullSequenceBlock(cfg, heads, ffn, tp, sp) for _ in range(cfg.num_layers))
         model = model.to(ref_dtype)
     specs = param_specs(model)
-    ref_params = dict(ref.named_parameters())
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            spec = specs[name]
-            full = ref_params[spec.ref_name]
-            p.copy_(full if spec.dim is None else shard(full, spec.dim, spec.sizes, ctx.tp_rank))
+    copy_pieces(model, ref, specs, ctx.tp_rank)
     io = Layout(seq_dim=1, batch_dim=0, seq_sharded=True)
     return Sharded(module=model, input_layout=io, output_layout=io, params=specs,
                    sync_grads=lambda: CORRECT.sync_grads(model, ctx, CORRECT, True))

@@ -9,11 +9,14 @@ from __future__ import annotations
 import dataclasses
 
 import torch
+from torch import nn
 
+from sp_harness.cases.common import sum_replicated_grads
+from sp_harness.cases.mutants.shared import loss_mean_per_rank
 from sp_harness.cases.ulysses import mappings
 from sp_harness.cases.ulysses.cases import ULYSSES, ulysses_shard
-from sp_harness.cases.ulysses.model import CORRECT, all_reduce_coalesced
-from sp_harness.config.case import mutant
+from sp_harness.cases.ulysses.model import CORRECT
+from sp_harness.config.case import RankContext, mutant
 from sp_harness.reference.gpt import token_loss_sum
 
 
@@ -130,17 +133,12 @@ BACKWARD_FORWARD_SPLITS = ulysses_mutant(
 # Right on even shards; a mean of per-rank means weights the tokens of short shards more.
 
 
-def _loss_mean_per_rank(local_out, local_target, ctx):
-    n = max(local_target.numel(), 1)
-    return token_loss_sum(local_out, local_target) / n / ctx.tp  # BUG: mean of per-rank means
-
-
 LOSS_MEAN = ulysses_mutant(
     "mutant-ulysses-loss-mean-per-rank",
     "loss = mean of per-rank means",
     "SP loss aggregated as the mean over ranks of each rank's mean token loss: a mean of means, "
     "right only when every rank holds the same number of loss tokens",
-    local_loss=_loss_mean_per_rank,
+    local_loss=loss_mean_per_rank,
     source="DeepSpeed #7672 (Ulysses SP loss aggregation)",
 )
 
@@ -168,10 +166,8 @@ LABEL_SHIFT_PER_SHARD = ulysses_mutant(
 # Visible at sp > 1, any split: each rank steps with its partial grads; replicas drift apart.
 
 
-def _sync_dp_only(module, ctx):
-    grads = [p.grad for p in module.parameters() if p.grad is not None]
-    if ctx.dp > 1:  # BUG: no SUM over the SP group first
-        all_reduce_coalesced(grads, ctx.dp_group, divide_by=ctx.dp)
+def _sync_dp_only(module: nn.Module, ctx: RankContext) -> None:
+    sum_replicated_grads(module, ctx, over=())  # BUG: no SUM over the SP group, only the DP average
 
 
 NO_SP_GRAD_SYNC = ulysses_mutant(

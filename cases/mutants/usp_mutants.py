@@ -11,8 +11,8 @@ import dataclasses
 
 from torch import nn
 
+from sp_harness.cases.common import as_gpt, sum_replicated_grads
 from sp_harness.cases.ring.placement import ORDERS
-from sp_harness.cases.ulysses.model import all_reduce_coalesced
 from sp_harness.cases.usp.cases import USP, default_ring_degree, usp_shard
 from sp_harness.cases.usp.groups import Grid, make_grid
 from sp_harness.cases.usp.model import CORRECT, build_sharded
@@ -48,11 +48,7 @@ ZIGZAG_OVER_SP = usp_mutant(
 # (b) any U > 1 (the battery's uneven entry, sp 3 = 3 x 1): the Ulysses ranks' partial grads
 # are never added.
 def _sync_over_ring_only(module: nn.Module, ctx: RankContext, grid: Grid) -> None:
-    grads = [p.grad for p in module.parameters() if p.grad is not None]
-    if grid.ring_degree > 1:
-        all_reduce_coalesced(grads, grid.ring_group)  # wrong: the Ulysses ranks' shares are missing
-    if ctx.dp > 1:
-        all_reduce_coalesced(grads, ctx.dp_group, divide_by=ctx.dp)
+    sum_replicated_grads(module, ctx, over=(grid.ring_group,))  # wrong: the Ulysses ranks' shares are missing
 
 
 GRAD_SYNC_RING_ONLY = usp_mutant(
@@ -76,7 +72,7 @@ def _ring_low_groups(ref: nn.Module, ctx: RankContext) -> Sharded:
     Ulysses groups are exactly the correct ring groups, so swapping the two models it exactly."""
     grid = make_grid(ctx, ctx.config.ring_degree or default_ring_degree(ctx.tp))
     if grid.ulysses_degree == 1 or grid.ring_degree == 1:
-        return build_sharded(ref, ctx, grid, CORRECT)
+        return build_sharded(as_gpt(ref), ctx, grid, CORRECT)
     if grid.ulysses_degree != grid.ring_degree:
         raise Unsupported(f"the ring-low mutant is modelled at U = R only: U({grid.ulysses_degree}) != "
                           f"R({grid.ring_degree})")
@@ -84,7 +80,7 @@ def _ring_low_groups(ref: nn.Module, ctx: RankContext) -> Sharded:
     swapped = dataclasses.replace(grid, u=grid.r, r=grid.u, ulysses_ranks=grid.ring_ranks,
                                   ring_ranks=grid.ulysses_ranks, ulysses_group=grid.ring_group,
                                   ring_group=grid.ulysses_group)
-    return build_sharded(ref, ctx, swapped, CORRECT)
+    return build_sharded(as_gpt(ref), ctx, swapped, CORRECT)
 
 
 RING_LOW_GROUPS = mutant(

@@ -1,3 +1,1 @@
-"""ring-gpt: context parallelism by ring attention (issue 11)."""
-
-from sp_harness.cases.ring import cases  # noqa: F401
+"""ring-gpt: context parallelism by ring attention (issue 11). Registered by ring/cases.py."""

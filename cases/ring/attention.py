@@ -138,4 +138,5 @@ class RingAttention(Attention):
 def to_ring(attn: Attention, **setup) -> RingAttention:
     """Turn the reference's Attention into a RingAttention in place (weights kept)."""
     attn.__class__ = RingAttention
+    assert isinstance(attn, RingAttention)
     return attn.setup(**setup)

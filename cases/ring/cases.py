@@ -17,91 +17,53 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-import torch
 from torch import nn
 
 from sp_harness.cases.common import (
     GPT_DEFAULTS,
-    MARKOV_TRAINING_WITH_POSITIONS,
-    build_reference_gpt,
-    gpt_batch,
-    gpt_memory_floor,
-    gpt_tokens,
-    with_positions,
+    LocalLoss,
+    as_gpt,
+    attention_of,
+    gpt_fields,
+    known,
+    require_heads,
+    require_whole_cp_group,
+    sum_replicated_grads,
+    with_defaults,
 )
-from sp_harness.cases.megatron.impl import all_reduce_coalesced
 from sp_harness.cases.ring.attention import CORRECT, Impl, to_ring
 from sp_harness.cases.ring.mappings import Ring
 from sp_harness.cases.ring.placement import rank_positions
-from sp_harness.config.case import Batch, Case, Example, Layout, RankContext, Sharded, Unsupported, register
+from sp_harness.config.case import Case, Example, Layout, RankContext, Sharded, register
 from sp_harness.config.check_config import CheckConfig
-from sp_harness.reference.gpt import token_loss_sum
 
 DEFAULTS = dict(GPT_DEFAULTS, load_balancer="zigzag", causal=True)
 """A small GPT; zigzag placement by default (as PyTorch's context_parallel balances by default)."""
 
 
-def _filled(config: CheckConfig) -> CheckConfig:
-    if config.seq_len is None and config.seq_shards is not None:
-        config = config.replace(seq_len=sum(config.seq_shards))
-    filled = {k: v for k, v in DEFAULTS.items() if getattr(config, k, None) is None}
-    return config.replace(**filled) if filled else config
-
-
-def make_batch(config: CheckConfig, step: int, gen: torch.Generator) -> Batch:
-    return with_positions(*gpt_batch(_filled(config), step, gen))
-
-
-def build_reference(config: CheckConfig) -> nn.Module:
-    return build_reference_gpt(_filled(config))
-
-
 def validate(config: CheckConfig) -> None:
-    config = _filled(config)
-    if config.layout == "sbh":
-        raise Unsupported("ring-gpt runs the reference GPT in [b, s, h]: layout 'sbh' asked")
-    if config.ring_degree not in (None, 1, config.tp):
-        raise Unsupported(f"ring-gpt rings the whole CP group: ring_degree({config.ring_degree}) must be 1 or "
-                          f"cp = world_size({config.world_size}) / dp({config.dp}) = {config.tp}")
-    kv = config.num_kv_heads or config.num_heads
-    if config.num_heads % kv or config.hidden % config.num_heads:
-        raise ValueError(f"num_kv_heads({kv}) must divide num_heads({config.num_heads}), which must divide "
-                         f"hidden({config.hidden})")
+    config = with_defaults(config, DEFAULTS)
+    require_whole_cp_group(config, "ring-gpt")
+    require_heads(config)
 
 
-def ring_sync(module: nn.Module, ctx: RankContext) -> Callable[[], None]:
-    """Replicated grads: SUM over CP (each rank's loss is its tokens' share of the global mean),
-    then the DP average. A param this rank's tokens never reached gets a zero grad first."""
-
-    def sync() -> None:
-        for p in module.parameters():
-            if p.grad is None:
-                p.grad = torch.zeros_like(p)
-        grads = [p.grad for p in module.parameters()]
-        if ctx.tp > 1:
-            all_reduce_coalesced(grads, ctx.tp_group)
-        if ctx.dp > 1:
-            all_reduce_coalesced(grads, ctx.dp_group, divide_by=ctx.dp)
-
-    return sync
-
-
-def ring_shard(impl: Impl = CORRECT, local_loss=None):
+def ring_shard(impl: Impl = CORRECT, local_loss: LocalLoss | None = None) -> Callable[[nn.Module, RankContext], Sharded]:
     """The sharded factory of ring-gpt built from `impl` (and an optional broken local loss)."""
 
     def shard(ref: nn.Module, ctx: RankContext) -> Sharded:
-        config = _filled(ctx.config)
-        order = impl.placement(config.load_balancer)
+        config = with_defaults(ctx.config, DEFAULTS)
+        balancer, seq_len = known(config.load_balancer, "load_balancer"), known(config.seq_len, "seq_len")
+        order = impl.placement(balancer)
         # the positions the masks are built from: where the placement puts the tokens
-        masked_as = order if impl.mask_placement is None else impl.mask_placement(config.load_balancer)
-        positions = rank_positions(masked_as(config.seq_len, ctx.seq_shards), ctx.seq_shards)
+        masked_as = order if impl.mask_placement is None else impl.mask_placement(balancer)
+        positions = rank_positions(masked_as(seq_len, ctx.seq_shards), ctx.seq_shards)
         ring = Ring(rank=ctx.tp_rank, ranks=ctx.tp_ranks, group=ctx.tp_group, seq_shards=ctx.seq_shards)
-        for block in ref.blocks:
-            to_ring(block.attn, ring=ring, positions=positions, balancer=config.load_balancer,
-                    seq_len=config.seq_len, impl=impl)
+        for block in as_gpt(ref).blocks:
+            to_ring(attention_of(block), ring=ring, positions=positions, balancer=balancer, seq_len=seq_len,
+                    impl=impl)
         layout = Layout(seq_dim=1, batch_dim=0, seq_order=order)
         return Sharded(module=ref, input_layout=layout, output_layout=layout, replicated=("*",),
-                       sync_grads=ring_sync(ref, ctx), local_loss=local_loss)
+                       sync_grads=lambda: sum_replicated_grads(ref, ctx), local_loss=local_loss)
 
     return shard
 
@@ -109,18 +71,10 @@ def ring_shard(impl: Impl = CORRECT, local_loss=None):
 RING = register(Case(
     name="ring-gpt",
     description="context parallel GPT: ring attention (p2p k/v ring, LSE merge), zigzag or contiguous",
-    build_reference=build_reference,
-    memory_floor=gpt_memory_floor,
-    make_batch=make_batch,
-    loss_sum=token_loss_sum,
-    tokens=gpt_tokens,
+    **gpt_fields(DEFAULTS, positions=True),
     shard=ring_shard(),
     validate=validate,
-    defaults=DEFAULTS,
-    input_layout=Layout(seq_dim=1, batch_dim=0),
     tags=("ring", "context-parallel"),
-    baseline="",
-    training=MARKOV_TRAINING_WITH_POSITIONS,
     examples=(
         Example(fields=(("world_size", 2),), note="even: 12 tokens, zigzag 3+3 per rank"),
         Example(fields=(("world_size", 3), ("seq_len", 10)), note="uneven 4/4/2, 10 % 6 != 0 under zigzag"),
@@ -135,4 +89,4 @@ RING = register(Case(
     ),
 ))
 
-__all__ = ["RING", "ring_shard", "ring_sync", "CORRECT", "Impl", "make_batch"]
+__all__ = ["RING", "ring_shard", "CORRECT", "Impl", "validate"]

@@ -45,6 +45,8 @@ def exchange(send: torch.Tensor, to: int, recv: torch.Tensor, frm: int, group) -
     """Send `send` to global rank `to` while receiving `recv` from `frm`; both posted first."""
     ops = [dist.isend(send.contiguous(), to, group=group), dist.irecv(recv, frm, group=group)]
     for op in ops:
+        if op is None:  # torch hands None only to a rank outside `group`
+            raise RuntimeError(f"exchange with ranks {to} and {frm} from a rank outside their group")
         op.wait()
     return recv
 

@@ -3,7 +3,7 @@ context_parallel`) on the reference GPT, run as a user would run it on CPU.
 
 Stage: build reference + build sharded. world_size = dp x cp; the engine's TP group is the CP
 group (a 1-D DeviceMesh over it). Every parameter is a replicated copy, grads are SUMMED over CP
-and averaged over DP (ring-gpt's `ring_sync`). Each rank gets the whole sequence of its batch
+and averaged over DP (`sum_replicated_grads`, as ring-gpt's). Each rank gets the whole sequence of its batch
 rows; the model's forward enters `context_parallel(mesh, buffers=[tokens, positions],
 buffer_seq_dims=[1, 1])`, which cuts them itself (torch.chunk, head-tail permuted when its load
 balancer is on and 2W divides seq_len), and each attention calls `F.scaled_dot_product_attention`
@@ -40,36 +40,22 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from sp_harness.cases.common import (
     GPT_DEFAULTS,
-    MARKOV_TRAINING_WITH_POSITIONS,
-    build_reference_gpt,
-    gpt_batch,
-    gpt_memory_floor,
-    gpt_tokens,
+    as_gpt,
+    attention_of,
+    gpt_fields,
+    known,
     require_chunk_split,
-    with_positions,
+    require_heads,
+    require_whole_cp_group,
+    sum_replicated_grads,
+    with_defaults,
 )
-from sp_harness.cases.ring.cases import ring_sync
-from sp_harness.config.case import Batch, Case, Example, Layout, RankContext, Sharded, Unsupported, register
+from sp_harness.config.case import Case, Example, Layout, RankContext, Sharded, register
 from sp_harness.config.check_config import CheckConfig
-from sp_harness.reference.gpt import GPT, Attention, token_loss_sum
+from sp_harness.reference.gpt import GPT, Attention
 
 DEFAULTS = dict(GPT_DEFAULTS, load_balancer="zigzag", causal=True)
 """A small GPT; the load balancer on, as `_cp_options.enable_load_balance` is by default."""
-
-
-def _filled(config: CheckConfig) -> CheckConfig:
-    if config.seq_len is None and config.seq_shards is not None:
-        config = config.replace(seq_len=sum(config.seq_shards))
-    filled = {k: v for k, v in DEFAULTS.items() if getattr(config, k, None) is None}
-    return config.replace(**filled) if filled else config
-
-
-def make_batch(config: CheckConfig, step: int, gen: torch.Generator) -> Batch:
-    return with_positions(*gpt_batch(_filled(config), step, gen))
-
-
-def build_reference(config: CheckConfig) -> nn.Module:
-    return build_reference_gpt(_filled(config))
 
 
 def balanced(load_balancer: str, seq_len: int, cp: int) -> bool:
@@ -93,18 +79,11 @@ def torch_placement(load_balancer: str) -> Callable[[int, tuple[int, ...]], torc
 
 
 def validate(config: CheckConfig) -> None:
-    config = _filled(config)
-    if config.layout == "sbh":
-        raise Unsupported("torch-cp-gpt runs the reference GPT in [b, s, h]: layout 'sbh' asked")
-    if config.ring_degree not in (None, 1, config.tp):
-        raise Unsupported(f"torch-cp-gpt runs context_parallel over the whole CP group: ring_degree"
-                          f"({config.ring_degree}) must be 1 or cp = {config.tp}")
+    config = with_defaults(config, DEFAULTS)
+    require_whole_cp_group(config, "torch-cp-gpt")
     # context_parallel cuts its buffers with DTensor Shard(1), i.e. torch.chunk
     require_chunk_split(config, "torch-cp-gpt")
-    kv = config.num_kv_heads or config.num_heads
-    if config.num_heads % kv or config.hidden % config.num_heads:
-        raise ValueError(f"num_kv_heads({kv}) must divide num_heads({config.num_heads}), which must divide "
-                         f"hidden({config.hidden})")
+    require_heads(config)
 
 
 class SDPAAttention(Attention):
@@ -148,20 +127,22 @@ class ContextParallelGPT(GPT):
             _cp_options.enable_load_balance = before
 
 
-def torch_cp_shard(*, math: bool):
+def torch_cp_shard(*, math: bool) -> Callable[[nn.Module, RankContext], Sharded]:
     """The sharded factory: the reference GPT (same weights) under context_parallel."""
 
     def shard(ref: nn.Module, ctx: RankContext) -> Sharded:
-        config = _filled(ctx.config)
+        balancer = known(with_defaults(ctx.config, DEFAULTS).load_balancer, "load_balancer")
         mesh = ctx.device_mesh if ctx.dp == 1 else ctx.device_mesh["tp"]  # 1-D over the CP group
-        for block in ref.blocks:
-            block.attn.__class__ = SDPAAttention
-        ref.__class__ = ContextParallelGPT
-        model = ref.setup(mesh=mesh, load_balancer=config.load_balancer, math=math)
+        gpt = as_gpt(ref)
+        for block in gpt.blocks:
+            attention_of(block).__class__ = SDPAAttention
+        gpt.__class__ = ContextParallelGPT  # the same modules and weights, context_parallel's forward
+        assert isinstance(gpt, ContextParallelGPT)
+        model = gpt.setup(mesh=mesh, load_balancer=balancer, math=math)
         whole = Layout(seq_dim=1, batch_dim=0, seq_sharded=False)  # context_parallel cuts the sequence itself
-        out = Layout(seq_dim=1, batch_dim=0, seq_order=torch_placement(config.load_balancer))
+        out = Layout(seq_dim=1, batch_dim=0, seq_order=torch_placement(balancer))
         return Sharded(module=model, input_layout=whole, output_layout=out, replicated=("*",),
-                       sync_grads=ring_sync(model, ctx))
+                       sync_grads=lambda: sum_replicated_grads(model, ctx))
 
     return shard
 
@@ -176,27 +157,20 @@ def _expect_math(config: CheckConfig) -> str:
     # torch 2.13 on CPU, math kernel: non-causal on even shards runs (DTensor op-by-op sharding);
     # causal raises (plain-tensor mask added to a DTensor); uneven shards desync (from_local) or,
     # with an empty rank, raise there
-    config = _filled(config)
-    return "PASS" if not config.causal and config.seq_len % config.tp == 0 else "FAIL"
+    config = with_defaults(config, DEFAULTS)
+    return "PASS" if not config.causal and known(config.seq_len, "seq_len") % config.tp == 0 else "FAIL"
 
 
-def _case(*, name: str, math: bool, description: str, expect, examples) -> Case:
+def _case(*, name: str, math: bool, description: str, expect: Callable[[CheckConfig], str],
+          examples: tuple[Example, ...]) -> Case:
     return register(Case(
         name=name,
         description=description,
-        build_reference=build_reference,
-        memory_floor=gpt_memory_floor,
-        make_batch=make_batch,
-        loss_sum=token_loss_sum,
-        tokens=gpt_tokens,
+        **gpt_fields(DEFAULTS, positions=True),
         shard=torch_cp_shard(math=math),
         validate=validate,
-        defaults=DEFAULTS,
-        input_layout=Layout(seq_dim=1, batch_dim=0),
         tags=("torch-cp", "context-parallel"),
-        baseline="",
         expect=expect,
-        training=MARKOV_TRAINING_WITH_POSITIONS,
         examples=examples,
     ))
 
@@ -224,4 +198,4 @@ TORCH_CP_MATH = _case(
     ),
 )
 
-__all__ = ["TORCH_CP", "TORCH_CP_MATH", "torch_cp_shard", "torch_placement", "balanced", "make_batch"]
+__all__ = ["TORCH_CP", "TORCH_CP_MATH", "torch_cp_shard", "torch_placement", "balanced", "validate"]

@@ -1,3 +1,1 @@
-"""DeepSpeed-Ulysses all-to-all sequence parallelism: the `ulysses-gpt` case."""
-
-from sp_harness.cases.ulysses import cases  # noqa: F401
+"""DeepSpeed-Ulysses all-to-all sequence parallelism: the `ulysses-gpt` case (ulysses/cases.py)."""

@@ -16,46 +16,23 @@ ring inside; a hybrid case would be another case).
 
 from __future__ import annotations
 
-import torch
+from collections.abc import Callable
+
 from torch import nn
 
-from sp_harness.cases.common import (
-    GPT_DEFAULTS,
-    MARKOV_TRAINING_WITH_POSITIONS,
-    build_reference_gpt,
-    gpt_batch,
-    gpt_memory_floor,
-    gpt_tokens,
-    with_positions,
-)
+from sp_harness.cases.common import GPT_DEFAULTS, as_gpt, gpt_fields, require_bsh, require_heads
 from sp_harness.cases.ulysses.model import CORRECT, Impl, build_sharded
-from sp_harness.config.case import Batch, Case, Example, Layout, RankContext, Sharded, Unsupported, register
+from sp_harness.config.case import Case, Example, RankContext, Sharded, Unsupported, register
 from sp_harness.config.check_config import CheckConfig
-from sp_harness.reference.gpt import token_loss_sum
 
 DEFAULTS = dict(GPT_DEFAULTS, num_kv_heads=2)
 """A small GPT: 4 query heads sharing 2 k/v heads (GQA by default, so the default battery's
 3-rank entry already has fewer k/v heads than ranks: 2/1/1 query heads need k/v heads 0/1/1)."""
-INPUT_LAYOUT = Layout(seq_dim=1, batch_dim=0)
-
-
-def make_batch(config: CheckConfig, step: int, gen: torch.Generator) -> Batch:
-    """int64 tokens and positions [dp*batch, seq_len], next tokens as targets."""
-    return with_positions(*gpt_batch(config, step, gen))
-
-
-def build_reference(config: CheckConfig) -> nn.Module:
-    return build_reference_gpt(config)
 
 
 def validate(config: CheckConfig) -> None:
-    a, a_kv = config.num_heads, config.num_kv_heads or config.num_heads
-    if config.hidden % a:
-        raise ValueError(f"num_heads({a}) does not divide hidden({config.hidden})")
-    if a % a_kv:
-        raise ValueError(f"num_kv_heads({a_kv}) does not divide num_heads({a})")
-    if config.layout not in (None, "bsh"):
-        raise Unsupported(f"ulysses-gpt keeps activations [b, s, h]: layout {config.layout!r} asked")
+    require_heads(config)
+    require_bsh(config, "ulysses-gpt")
     if config.load_balancer not in (None, "none"):
         raise Unsupported(f"ulysses-gpt shards the sequence contiguously: load_balancer {config.load_balancer!r} "
                           f"asked (a causal load balancer is a ring-attention concern)")
@@ -64,11 +41,11 @@ def validate(config: CheckConfig) -> None:
                           f"(sp = {config.tp} ranks all in the all-to-all)")
 
 
-def ulysses_shard(impl: Impl):
+def ulysses_shard(impl: Impl) -> Callable[[nn.Module, RankContext], Sharded]:
     """The sharded factory of the Ulysses GPT built from `impl`."""
 
     def shard(ref: nn.Module, ctx: RankContext) -> Sharded:
-        return build_sharded(ref, ctx, impl)
+        return build_sharded(as_gpt(ref), ctx, impl)
 
     return shard
 
@@ -76,18 +53,10 @@ def ulysses_shard(impl: Impl):
 ULYSSES = register(Case(
     name="ulysses-gpt",
     description="DeepSpeed-Ulysses SP GPT: sequence-sharded activations, all-to-all seq<->heads around attention",
-    build_reference=build_reference,
-    memory_floor=gpt_memory_floor,
-    make_batch=make_batch,
-    loss_sum=token_loss_sum,
-    tokens=gpt_tokens,
+    **gpt_fields(DEFAULTS, positions=True),
     shard=ulysses_shard(CORRECT),
     validate=validate,
-    defaults=DEFAULTS,
-    input_layout=INPUT_LAYOUT,
     tags=("ulysses",),
-    baseline="",
-    training=MARKOV_TRAINING_WITH_POSITIONS,
     examples=(
         Example(fields=(("world_size", 2),), note="even: 12 tokens 6/6, 4 heads 2/2, k/v heads 1/1"),
         Example(fields=(("world_size", 3), ("seq_len", 10)),

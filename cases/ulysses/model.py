@@ -34,10 +34,10 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from sp_harness.cases.megatron.impl import all_reduce_coalesced
+from sp_harness.cases.common import attention_of, sum_replicated_grads
 from sp_harness.cases.ulysses import mappings
 from sp_harness.config.case import Layout, RankContext, Sharded
-from sp_harness.reference.gpt import GPT, attention
+from sp_harness.reference.gpt import GPT, Attention, attention
 
 
 def engine_seq_sizes(ctx: RankContext) -> tuple[int, ...]:
@@ -58,12 +58,8 @@ def kv_index(mine_q: tuple[int, ...], mine_kv: tuple[int, ...], group: int) -> l
 
 def sync_grads(module: nn.Module, ctx: RankContext) -> None:
     """Every grad is a partial sum over the SP group (each rank's loss saw its tokens only):
-    SUM over SP, then average over DP replicas."""
-    grads = [p.grad for p in module.parameters() if p.grad is not None]
-    if ctx.tp > 1:
-        all_reduce_coalesced(grads, ctx.tp_group)
-    if ctx.dp > 1:
-        all_reduce_coalesced(grads, ctx.dp_group, divide_by=ctx.dp)
+    SUM over SP, then average over DP replicas (`sum_replicated_grads`)."""
+    sum_replicated_grads(module, ctx)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -86,7 +82,7 @@ CORRECT = Impl()
 class UlyssesAttention(nn.Module):
     """Attention on sequence shards via two all-to-alls; the reference's projections."""
 
-    def __init__(self, ref_attn: nn.Module, ctx: RankContext, impl: Impl):
+    def __init__(self, ref_attn: Attention, ctx: RankContext, impl: Impl):
         super().__init__()
         # the reference's own Linear modules: same parameter names, replicated weights
         self.q_proj, self.k_proj = ref_attn.q_proj, ref_attn.k_proj
@@ -136,7 +132,7 @@ class UlyssesGPT(nn.Module):
         self.norm_f, self.lm_head = ref.norm_f, ref.lm_head
         self.ctx, self.impl = ctx, impl
         for block in self.blocks:
-            block.attn = UlyssesAttention(block.attn, ctx, impl)
+            block.attn = UlyssesAttention(attention_of(block), ctx, impl)
 
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         pos = self.impl.positions(positions, self.ctx)  # (B, s_r): my tokens' global positions

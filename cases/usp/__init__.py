@@ -1,3 +1,1 @@
-"""usp-gpt: the Ulysses x ring hybrid ("USP", yunchang / TransformerEngine's a2a+p2p)."""
-
-from sp_harness.cases.usp import cases  # noqa: F401
+"""usp-gpt: the Ulysses x ring hybrid ("USP", yunchang / TransformerEngine's a2a+p2p); usp/cases.py."""

@@ -20,24 +20,15 @@ that does not divide sp.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 
-import torch
 from torch import nn
 
-from sp_harness.cases.common import (
-    GPT_DEFAULTS,
-    MARKOV_TRAINING_WITH_POSITIONS,
-    build_reference_gpt,
-    gpt_batch,
-    gpt_memory_floor,
-    gpt_tokens,
-    with_positions,
-)
+from sp_harness.cases.common import GPT_DEFAULTS, as_gpt, gpt_fields, require_bsh, require_heads
 from sp_harness.cases.usp.groups import make_grid
 from sp_harness.cases.usp.model import CORRECT, Impl, build_sharded
-from sp_harness.config.case import Batch, Case, Example, Layout, RankContext, Sharded, Unsupported, register
+from sp_harness.config.case import Case, Example, RankContext, Sharded, Unsupported, register
 from sp_harness.config.check_config import CheckConfig
-from sp_harness.reference.gpt import token_loss_sum
 
 DEFAULTS = dict(GPT_DEFAULTS, num_kv_heads=2, load_balancer="zigzag", causal=True)
 """A small GPT: 4 query heads sharing 2 k/v heads, zigzag over the ring (as yunchang's
@@ -59,35 +50,21 @@ class USPCase(Case):
         return super().resolve(config)
 
 
-def make_batch(config: CheckConfig, step: int, gen: torch.Generator) -> Batch:
-    """int64 tokens and positions [dp*batch, seq_len], next tokens as targets."""
-    return with_positions(*gpt_batch(config, step, gen))
-
-
-def build_reference(config: CheckConfig) -> nn.Module:
-    return build_reference_gpt(config)
-
-
 def validate(config: CheckConfig) -> None:
-    a, a_kv = config.num_heads, config.num_kv_heads or config.num_heads
-    if config.hidden % a:
-        raise ValueError(f"num_heads({a}) does not divide hidden({config.hidden})")
-    if a % a_kv:
-        raise ValueError(f"num_kv_heads({a_kv}) does not divide num_heads({a})")
-    if config.layout not in (None, "bsh"):
-        raise Unsupported(f"usp-gpt keeps activations [b, s, h]: layout {config.layout!r} asked")
+    require_heads(config)
+    require_bsh(config, "usp-gpt")
     sp, ring = config.tp, config.ring_degree or default_ring_degree(config.tp)
     if sp % ring:
         raise Unsupported(f"ring_degree({ring}) does not divide sp({sp}) = world_size({config.world_size}) / "
                           f"dp({config.dp})")
 
 
-def usp_shard(impl: Impl = CORRECT):
+def usp_shard(impl: Impl = CORRECT) -> Callable[[nn.Module, RankContext], Sharded]:
     """The sharded factory of usp-gpt built from `impl`."""
 
     def shard(ref: nn.Module, ctx: RankContext) -> Sharded:
         grid = make_grid(ctx, ctx.config.ring_degree or default_ring_degree(ctx.tp))
-        return build_sharded(ref, ctx, grid, impl)
+        return build_sharded(as_gpt(ref), ctx, grid, impl)
 
     return shard
 
@@ -95,18 +72,10 @@ def usp_shard(impl: Impl = CORRECT):
 USP = register(USPCase(
     name="usp-gpt",
     description="USP hybrid GPT: Ulysses all-to-all inside ring attention (a2a+p2p), zigzag over the ring",
-    build_reference=build_reference,
-    memory_floor=gpt_memory_floor,
-    make_batch=make_batch,
-    loss_sum=token_loss_sum,
-    tokens=gpt_tokens,
+    **gpt_fields(DEFAULTS, positions=True),
     shard=usp_shard(),
     validate=validate,
-    defaults=DEFAULTS,
-    input_layout=Layout(seq_dim=1, batch_dim=0),
     tags=("usp", "ulysses", "ring"),
-    baseline="",
-    training=MARKOV_TRAINING_WITH_POSITIONS,
     examples=(
         Example(fields=(("world_size", 4),), note="2 x 2 (Ulysses x ring): 12 tokens 3/3/3/3, zigzag over the ring"),
         Example(fields=(("world_size", 4), ("seq_len", 11)), note="2 x 2 uneven: 11 tokens 3/3/3/2, groups 6/5"),

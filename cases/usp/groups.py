@@ -56,19 +56,16 @@ def _make_groups(world_size: int, dp: int, ulysses: int) -> dict[str, tuple[tupl
     if key not in _GROUPS:
         sp, me = world_size // dp, dist.get_rank()
         ring = sp // ulysses
+        blocks = {
+            "ulysses": [tuple(d * sp + r * ulysses + u for u in range(ulysses)) for d in range(dp) for r in range(ring)],
+            "ring": [tuple(d * sp + r * ulysses + u for r in range(ring)) for d in range(dp) for u in range(ulysses)],
+        }
         mine = {}
-        for d in range(dp):
-            for r in range(ring):
-                ranks = tuple(d * sp + r * ulysses + u for u in range(ulysses))
+        for name, partition in blocks.items():
+            for ranks in partition:  # every rank creates every group, in the same order
                 g = dist.new_group(list(ranks))
                 if me in ranks:
-                    mine["ulysses"] = (ranks, g)
-        for d in range(dp):
-            for u in range(ulysses):
-                ranks = tuple(d * sp + r * ulysses + u for r in range(ring))
-                g = dist.new_group(list(ranks))
-                if me in ranks:
-                    mine["ring"] = (ranks, g)
+                    mine[name] = (ranks, g)
         _GROUPS[key] = mine
     return _GROUPS[key]
 

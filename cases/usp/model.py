@@ -27,8 +27,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from sp_harness.cases.common import attention_of, known, sum_replicated_grads
 from sp_harness.cases.ring import attention as ring_attn
-from sp_harness.cases.ring.cases import ring_sync
 from sp_harness.cases.ring.mappings import Ring
 from sp_harness.cases.ring.placement import rank_positions
 from sp_harness.cases.ulysses import mappings
@@ -36,7 +36,7 @@ from sp_harness.cases.ulysses.model import kv_index
 from sp_harness.cases.usp.groups import Grid, group_positions
 from sp_harness.cases.usp.placement import usp_order
 from sp_harness.config.case import Layout, RankContext, Sharded
-from sp_harness.reference.gpt import GPT
+from sp_harness.reference.gpt import GPT, Attention
 
 
 def sync_grads(module: nn.Module, ctx: RankContext, grid: Grid) -> None:
@@ -44,7 +44,7 @@ def sync_grads(module: nn.Module, ctx: RankContext, grid: Grid) -> None:
     and a Ulysses rank's attention grads cover its heads only): SUM over SP, then the DP average.
     A param this rank's tokens never reached gets a zero grad first (the all-reduce needs it):
     ring-gpt's sync, over the whole SP group."""
-    ring_sync(module, ctx)()
+    sum_replicated_grads(module, ctx)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -74,7 +74,7 @@ def _repeat_compatible(index: list[int], num_kv: int) -> bool:
 class USPAttention(nn.Module):
     """Attention on sequence shards: all-to-all in the Ulysses group, ring over the ring group."""
 
-    def __init__(self, ref_attn: nn.Module, ctx: RankContext, grid: Grid, positions: tuple, impl: Impl):
+    def __init__(self, ref_attn: Attention, ctx: RankContext, grid: Grid, positions: tuple, impl: Impl):
         super().__init__()
         # the reference's own Linear modules: same parameter names, replicated weights
         self.q_proj, self.k_proj = ref_attn.q_proj, ref_attn.k_proj
@@ -110,7 +110,8 @@ class USPAttention(nn.Module):
         lse: list[torch.Tensor] = []
         if q.shape[1]:
             y = ring_attn.ring_attention(q, k, v, ring=self.ring, positions=self.positions, causal=self.causal,
-                                         balancer=self.config.load_balancer, seq_len=self.config.seq_len,
+                                         balancer=known(self.config.load_balancer, "load_balancer"),
+                                         seq_len=known(self.config.seq_len, "seq_len"),
                                          impl=self.impl.ring, lse=lse)  # (B, h_u, S_r, d)
         else:
             # no heads here (more Ulysses ranks than heads): neither has any rank of my ring, so
@@ -132,7 +133,7 @@ class USPGPT(nn.Module):
         self.tok_emb, self.pos_emb, self.blocks = ref.tok_emb, ref.pos_emb, ref.blocks
         self.norm_f, self.lm_head = ref.norm_f, ref.lm_head
         for block in self.blocks:
-            block.attn = USPAttention(block.attn, ctx, grid, positions, impl)
+            block.attn = USPAttention(attention_of(block), ctx, grid, positions, impl)
 
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         x = self.tok_emb(tokens) + self.pos_emb(positions)  # (B, s_t, H): global positions
@@ -142,10 +143,10 @@ class USPGPT(nn.Module):
 
 
 def build_sharded(ref: GPT, ctx: RankContext, grid: Grid, impl: Impl) -> Sharded:
-    config = ctx.config
-    order = impl.placement(config.load_balancer, grid.ring_degree)
-    masked_as = order if impl.mask_placement is None else impl.mask_placement(config.load_balancer, grid.ring_degree)
-    sp_positions = rank_positions(masked_as(config.seq_len, ctx.seq_shards), ctx.seq_shards)
+    balancer, seq_len = known(ctx.config.load_balancer, "load_balancer"), known(ctx.config.seq_len, "seq_len")
+    order = impl.placement(balancer, grid.ring_degree)
+    masked_as = order if impl.mask_placement is None else impl.mask_placement(balancer, grid.ring_degree)
+    sp_positions = rank_positions(masked_as(seq_len, ctx.seq_shards), ctx.seq_shards)
     positions = group_positions(grid, sp_positions, ctx.seq_shards)  # per ring rank
     module = USPGPT(ref, ctx, grid, positions, impl)
     layout = Layout(seq_dim=1, batch_dim=0, seq_order=order)

@@ -457,8 +457,17 @@ def register(case: Case) -> Case:
     return case
 
 
-def _load_builtin() -> None:
-    importlib.import_module("sp_harness.cases")
+def _load_builtin(name: str | None = None) -> None:
+    """Imports the module registering built-in case `name` (None: every built-in case's), by the
+    table in sp_harness.cases, read by name: the engine names no case module."""
+    table: dict[str, str] = importlib.import_module("sp_harness.cases").builtin_modules()
+    modules = dict.fromkeys(table.values()) if name is None else [table[name]] if name in table else []
+    for module in modules:
+        importlib.import_module(module)
+    missing = sorted(n for n in table if (name is None or n == name) and n not in _REGISTRY)
+    if missing:
+        raise LookupError(f"sp_harness.cases lists {missing} in {sorted({table[n] for n in missing})}, "
+                          f"which registered no such case")
 
 
 def all_cases() -> dict[str, Case]:
@@ -477,10 +486,11 @@ def get_case(name: str) -> Case:
             raise ValueError(f"{path} has no Case named {attr!r}; Cases there: {found}")
         # keep the user's name (path:NAME) so ranks can load it the same way
         return case if case.name == name else _rename(case, name)
-    cases = all_cases()
-    if name not in cases:
-        raise ValueError(f"unknown case {name!r}; known cases: {', '.join(sorted(cases))}")
-    return cases[name]
+    if name not in _REGISTRY:
+        _load_builtin(name)
+    if name not in _REGISTRY:
+        raise ValueError(f"unknown case {name!r}; known cases: {', '.join(sorted(all_cases()))}")
+    return _REGISTRY[name]
 
 
 def _rename(case: Case, name: str) -> Case:
