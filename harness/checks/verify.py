@@ -16,7 +16,7 @@ from typing import Any
 
 from sp_harness.capture.comm import CommRow
 from sp_harness.capture.islands import Island, declared_islands, summary
-from sp_harness.checks.sidebyside import Drift, RankResult
+from sp_harness.checks.sidebyside import Drift, RankResult, run_rank
 from sp_harness.compare.divergence import Divergence
 from sp_harness.compare.tolerance import KIND_ORDER, TensorCheck
 from sp_harness.config.case import Unsupported, get_case
@@ -136,7 +136,7 @@ def check(config: CheckConfig, runner=None) -> CheckResult:
     runner = runner or default_manager()
     label = f"case {config.case} [{config.short()}]"
     try:
-        results: list[RankResult] = runner.run(config.world_size, "sp_harness.checks.sidebyside:run_rank", config,
+        results: list[RankResult] = runner.run(config.world_size, run_rank, config,
                                                timeout_s=config.timeout_s, label=label, case=config.case)
     except RankFailure as exc:
         # UNSUPPORTED only when every rank declared it: one rank alone may be a symptom of a bug
