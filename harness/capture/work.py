@@ -35,7 +35,8 @@ class RankWork:
 
 def work_meters(model: torch.nn.Module) -> list[list[int]]:
     """The `work` lists of the modules that keep one (see the module docstring)."""
-    return [m.work for m in model.modules() if isinstance(getattr(m, "work", None), list)]
+    found = [getattr(m, "work", None) for m in model.modules()]
+    return [work for work in found if isinstance(work, list)]
 
 
 def attention_work_rank(config: CheckConfig) -> RankWork:

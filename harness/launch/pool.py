@@ -253,6 +253,7 @@ class RankPool:
         sp_harness.launch.wire.job_ref); results indexed by rank.
         `progress`, if given, gets a line for a person as the pool starts and as rank 0 reports.
         `setup`: a case whose `Case.setup` runs first, once per rank process, on its own budget."""
+        job_ref(fn)  # a job the ranks cannot import fails here, before any rank starts
         if not self.alive:
             if progress:
                 progress(f"starting {self.world_size} ranks...")

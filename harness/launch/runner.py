@@ -61,9 +61,10 @@ class WithProgress:
         self.progress = progress
 
     def run(self, world_size: int, fn: Callable[[P], R], payload: P, *, timeout_s: float, label: str,
-            case: str | None = None) -> list[R]:
-        return self.inner.run(world_size, fn, payload, timeout_s=timeout_s, label=label, progress=self.progress,
-                              case=case)
+            case: str | None = None, progress: Callable[[str], None] | None = None) -> list[R]:
+        """`progress`: where this job's lines go instead of the runner's own."""
+        return self.inner.run(world_size, fn, payload, timeout_s=timeout_s, label=label,
+                              progress=progress or self.progress, case=case)
 
     def close(self) -> None:
         self.inner.close()
