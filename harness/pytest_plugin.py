@@ -17,12 +17,16 @@ visible devices between them.
 from __future__ import annotations
 
 import os
+from typing import TYPE_CHECKING
 
 import pytest
 
 from sp_harness.config import profiles  # noqa: F401  (registers, never loads, the hypothesis profiles)
 
-POOL_KEY = pytest.StashKey["PoolManager"]()
+if TYPE_CHECKING:
+    from sp_harness.launch.pool import PoolManager  # imports torch: only where a fixture needs it
+
+POOL_KEY: pytest.StashKey[PoolManager] = pytest.StashKey()
 OPTIONS = {
     # name: (type, default, help)
     "sp_timeout": (float, 120.0, "seconds per job before it counts as hung (generous: CI runners are loaded)"),

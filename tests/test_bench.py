@@ -1,11 +1,12 @@
 """The benchmark's bare-compute job runs the same models as a check, without capture or compare."""
 
 from sp_harness.config.check_config import CheckConfig
+from sp_harness.suites.bench_bare import bare_rank
 
 
 def test_bare_rank_runs_the_case_without_capture(sp_pool):
     config = CheckConfig(case="megatron-gpt-sp", world_size=2, seq_len=10)
-    rows = sp_pool.run(2, "sp_harness.suites.bench_bare:bare_rank", config, timeout_s=60, label="bare megatron-gpt-sp")
+    rows = sp_pool.run(2, bare_rank, config, timeout_s=60, label="bare megatron-gpt-sp")
     assert len(rows) == 2 and all(r["total_s"] > 0 for r in rows)
 
 

@@ -11,6 +11,7 @@ import pytest
 
 from sp_harness.config.check_config import CheckConfig
 from sp_harness.judge.verdict import FAIL, PASS, UNSUPPORTED
+from sp_harness.launch.worker import health_check
 
 FAULTY = os.path.join(os.path.dirname(__file__), "faulty_cases.py")
 
@@ -161,7 +162,7 @@ def test_pool_scratch_dir_is_removed_on_close():
 
     pool = RankPool(2)
     try:
-        assert pool.run("sp_harness.launch.worker:health_check", None, timeout_s=60, label="scratch") == [2, 2]
+        assert pool.run(health_check, None, timeout_s=60, label="scratch") == [2, 2]
         scratch = pool.scratch_dir
         assert scratch and os.path.isdir(scratch)
     finally:
@@ -178,7 +179,7 @@ def test_the_largest_pool_starts():
     world_size = max_world_size()
     pool = RankPool(world_size)
     try:
-        assert pool.run("sp_harness.launch.worker:health_check", None, timeout_s=120, label="largest") == [
+        assert pool.run(health_check, None, timeout_s=120, label="largest") == [
             world_size] * world_size
     finally:
         pool.close()
@@ -186,8 +187,9 @@ def test_the_largest_pool_starts():
 
 def test_pool_scratch_dir_is_removed_at_exit_without_close():
     script = ("from sp_harness.launch.pool import RankPool\n"
+              "from sp_harness.launch.worker import health_check\n"
               "pool = RankPool(1)\n"
-              "pool.run('sp_harness.launch.worker:health_check', None, timeout_s=60, label='exit')\n"
+              "pool.run(health_check, None, timeout_s=60, label='exit')\n"
               "print(pool.scratch_dir)\n")
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr

@@ -44,7 +44,7 @@ def _probe_capability(_payload):
 
 def test_the_pool_really_runs_the_other_family(other_pool, request):
     family = request.node.callspec.params["other_pool"]
-    got = other_pool.run(1, "tests.test_other_kernels:_probe_capability", None, timeout_s=120, label="probe")
+    got = other_pool.run(1, _probe_capability, None, timeout_s=120, label="probe")
     assert got == [family]
 
 

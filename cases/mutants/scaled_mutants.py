@@ -75,7 +75,7 @@ def set_scale(runner, d: float | None, world_size: int = 2, timeout_s: float = 6
         os.environ.pop(ENV, None)
     else:
         os.environ[ENV] = repr(float(d))
-    got = runner.run(world_size, f"{__name__}:set_scale_job", d, timeout_s=timeout_s,
+    got = runner.run(world_size, set_scale_job, d, timeout_s=timeout_s,
                      label=f"set {ENV}={d!r}")
     want = scale_d()
     if any(g != want for g in got):

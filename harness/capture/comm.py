@@ -16,12 +16,16 @@ from __future__ import annotations
 
 from collections import defaultdict
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, cast
 
 import torch
 import torch.distributed as dist
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from sp_harness.launch import announce
+
+if TYPE_CHECKING:
+    from torch.distributed.distributed_c10d import GroupName
 
 # op name -> (kind, which argument carries the payload, how to size it)
 _RAW = {
@@ -65,7 +69,7 @@ def _nbytes(t) -> int:
 def _group_ranks(group) -> tuple[int, ...]:
     try:
         if isinstance(group, str):
-            group = dist.distributed_c10d._resolve_process_group(group)
+            group = dist.distributed_c10d._resolve_process_group(cast("GroupName", group))
         elif isinstance(group, torch.ScriptObject):
             # raw c10d ops carry the group boxed as a TorchBind object
             group = dist.ProcessGroup.unbox(group)

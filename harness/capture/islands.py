@@ -15,6 +15,7 @@ import os
 import sys
 from collections.abc import Mapping
 from dataclasses import dataclass
+from types import FrameType
 
 import torch
 from torch import nn
@@ -140,16 +141,26 @@ def _skipped(func) -> bool:
 
 
 _TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
-_ENGINE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
-"""The engine's own folder (the sp_harness package): the built-in cases live outside it."""
+# real paths: an editable install's files are links (setup.py), a wheel's are not
+_ENGINE_DIR = os.path.dirname(os.path.dirname(os.path.realpath(__file__))) + os.sep
+"""The engine's own folder (the sp_harness package, the source's harness/)."""
+_CASE_DIRS = tuple(_ENGINE_DIR + name + os.sep for name in ("cases", "reference"))
+"""Where an installed package keeps the built-in cases and references: inside the engine's
+folder, yet their lines are the cases' own."""
+
+
+@functools.cache
+def _is_engine(filename: str) -> bool:
+    path = os.path.realpath(filename)
+    return path.startswith(_ENGINE_DIR) and not path.startswith(_CASE_DIRS)
 
 
 def _source_line() -> str:
     """The first frame outside torch and this module: the user's line ('model.py:12'), or ''
     where that frame is the engine's own (the loss's mean over tokens, sp_harness.step.inputs)."""
-    frame = sys._getframe(1)
+    frame: FrameType | None = sys._getframe(1)
     while frame is not None and (frame.f_code.co_filename == __file__ or frame.f_code.co_filename.startswith(_TORCH_DIR)):
         frame = frame.f_back
-    if frame is None or os.path.abspath(frame.f_code.co_filename).startswith(_ENGINE_DIR):
+    if frame is None or _is_engine(frame.f_code.co_filename):
         return ""
     return f"{os.path.basename(frame.f_code.co_filename)}:{frame.f_lineno}"

@@ -33,8 +33,10 @@ class RankWork:
     """Unmasked (query, key) pairs scored, over all layers, per sequence and head."""
 
 
-def work_meters(model: torch.nn.Module) -> list[torch.nn.Module]:
-    return [m for m in model.modules() if isinstance(getattr(m, "work", None), list)]
+def work_meters(model: torch.nn.Module) -> list[list[int]]:
+    """The `work` lists of the modules that keep one (see the module docstring)."""
+    found = [getattr(m, "work", None) for m in model.modules()]
+    return [work for work in found if isinstance(work, list)]
 
 
 def attention_work_rank(config: CheckConfig) -> RankWork:
@@ -47,12 +49,12 @@ def attention_work_rank(config: CheckConfig) -> RankWork:
     built = build(config)
     model = built.sharded.module
     meters = work_meters(model)
-    for m in meters:
-        m.work.clear()
+    for work in meters:
+        work.clear()
     batch = as_batch(built.case.make_batch(config, 0, torch.Generator().manual_seed(config.seed + 7919)))
     local = rank_batch(batch, built.sharded, built.ctx, config.torch_dtype)
     with torch.no_grad():
         call(model, local.call_inputs, local.positional)
-    counts = [w for m in meters for w in m.work]
+    counts = [w for work in meters for w in work]
     return RankWork(rank=built.ctx.rank, cp_rank=built.ctx.tp_rank, dp_rank=built.ctx.dp_rank, num_meters=len(meters),
                     num_blocks=len(counts), score_elements=sum(counts))

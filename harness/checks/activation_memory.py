@@ -63,7 +63,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from sp_harness.capture.saved_activations import LayerMemory, memory_config
+from sp_harness.capture.saved_activations import LayerMemory, activation_rank, memory_config
 from sp_harness.checks.base import Outcome
 from sp_harness.config.case import Case, get_case
 from sp_harness.config.check_config import CheckConfig
@@ -201,7 +201,7 @@ def activation_report(config: CheckConfig, runner, *, tp_case: str) -> MemoryRep
     cfg = memory_config(config)
     get_case(cfg.case).validate(cfg)
     label = f"activation memory: case {cfg.case} [{cfg.short()}]"
-    job = "sp_harness.capture.saved_activations:activation_rank"
+    job = activation_rank
     sp_mem: list[LayerMemory] = runner.run(cfg.world_size, job, cfg, timeout_s=cfg.timeout_s, label=label,
                                            case=cfg.case)
     tp_mem: list[LayerMemory] = runner.run(cfg.world_size, job, cfg.replace(case=tp_case), timeout_s=cfg.timeout_s,

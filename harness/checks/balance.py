@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from sp_harness.capture.work import RankWork
+from sp_harness.capture.work import RankWork, attention_work_rank
 from sp_harness.checks.base import Outcome, not_applicable
 from sp_harness.config import shards as sh
 from sp_harness.config.case import Case, get_case
@@ -61,7 +61,7 @@ class LoadBalance:
         case = get_case(config.case)
         config = case.resolve(config)
         label = f"load balance: case {config.case} [{config.short()}]"
-        ranks = runner.run(config.world_size, "sp_harness.capture.work:attention_work_rank", config,
+        ranks = runner.run(config.world_size, attention_work_rank, config,
                            timeout_s=config.timeout_s, label=label, case=config.case)
         fig = Balance(ranks=tuple(ranks))
         if not any(r.num_meters for r in fig.ranks):

@@ -77,7 +77,7 @@ class ReferenceProcess:
 
     def __init__(self):
         # a companion started with the pool (sp_harness.launch.companion): its torch import is done
-        served = companion.take("sp_harness.checks.refproc:serve")
+        served = companion.take(serve)
         self.proc, self.conn = served.proc, served.conn
         self._waiting = False
 

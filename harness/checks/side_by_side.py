@@ -9,6 +9,7 @@ from __future__ import annotations
 import time
 
 from sp_harness.checks.base import Outcome
+from sp_harness.checks.side_by_side_rank import run_rank
 from sp_harness.config.case import Case, Unsupported, get_case
 from sp_harness.config.check_config import CheckConfig
 from sp_harness.judge.verdict import FAIL, UNSUPPORTED, CheckResult, RankResult, format_result, merge
@@ -33,7 +34,7 @@ def check(config: CheckConfig, runner=None) -> CheckResult:
     runner = runner or default_manager()
     label = f"case {config.case} [{config.short()}]"
     try:
-        results: list[RankResult] = runner.run(config.world_size, "sp_harness.checks.side_by_side_rank:run_rank", config,
+        results: list[RankResult] = runner.run(config.world_size, run_rank, config,
                                                timeout_s=config.timeout_s, label=label, case=config.case)
     except RankFailure as exc:
         # UNSUPPORTED only when every rank declared it: one rank alone may be a symptom of a bug

@@ -359,7 +359,7 @@ class Case:
     killer. None: not estimated."""
     setup: Callable[[], None] | None = None
     """Run once per rank process (and reference process) before the case's first job there,
-    outside the job's timeout (its own budget: sp_harness.launch.pool.SETUP_TIMEOUT_S): a
+    outside the job's timeout (its own budget: sp_harness.launch.case_setup.SETUP_TIMEOUT_S): a
     framework's first-use work, such as a C++ op JIT-built on first import. It raising, or
     running past its budget, is a setup error (exit 2), not a FAIL."""
     precision_islands: Mapping[str, str] = field(default_factory=dict)

@@ -136,7 +136,7 @@ def default_pairs(names: Sequence[str], reference: str | None = "ref") -> tuple[
     that is (sp, tp), (sp, ref), (tp, ref)."""
     others = [n for n in names if n != reference]
     pairs = [(b, a) for a, b in itertools.combinations(others, 2)][::-1]
-    if reference in names:
+    if reference is not None and reference in names:
         pairs += [(n, reference) for n in reversed(others)]
     return tuple(pairs)
 
@@ -159,7 +159,7 @@ def evaluate(
         raise ValueError("no runs to judge")
     GateBands.eps(dtype)  # validates the name before any work
     names = list(runs)
-    pairs = default_pairs(names, reference) if pairs is None else tuple(tuple(p) for p in pairs)
+    pairs = default_pairs(names, reference) if pairs is None else tuple((a, b) for a, b in pairs)
     for a, b in pairs:
         if a not in runs or b not in runs:
             raise ValueError(f"pair ({a!r}, {b!r}) names a run not in {names}")

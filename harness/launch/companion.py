@@ -1,6 +1,6 @@
 """Stage: launch. A rank's companion process: a child the rank starts while the pool warms
-up, which imports torch and then waits to be told what to serve (by "module:function", as a job
-is). The reference process (sp_harness.checks.refproc) is one: started here, its imports (seconds
+up, which imports torch and then waits to be told what to serve (a module-level function, sent
+by name as a job is). The reference process (sp_harness.checks.refproc) is one: started here, its imports (seconds
 on a loaded machine) overlap the rank's own warm-up and are pool start-up, never a job's time.
 
 The companion dies with the rank (PR_SET_PDEATHSIG) and is in the rank's process group, so a
@@ -15,8 +15,11 @@ import socket
 import subprocess
 import sys
 import traceback
+from collections.abc import Callable
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
+
+from sp_harness.launch.wire import job_ref
 
 
 @dataclass(kw_only=True)
@@ -70,8 +73,10 @@ def set_up(case_name: str) -> None:
 _SETUP = b"setup:"
 
 
-def take(fn_ref: str) -> Companion:
-    """A companion serving `fn_ref(conn)`: the spare one if it is alive, else a new one."""
+def take(serve: Callable[[Connection], object]) -> Companion:
+    """A companion serving `serve(conn)` (a module-level function: the companion imports it by
+    name): the spare one if it is alive, else a new one."""
+    fn_ref = job_ref(serve)
     global _SPARE
     companion = _SPARE if _SPARE is not None and _SPARE.proc.poll() is None else _spawn()
     _SPARE = None
@@ -104,7 +109,8 @@ def _main(fd: int) -> None:
     torch.nn.Linear(1, 1)
     all_cases()
 
-    from sp_harness.launch.worker import resolve, run_setup
+    from sp_harness.launch.case_setup import setup_once
+    from sp_harness.launch.wire import resolve
 
     conn = Connection(fd)
     try:
@@ -112,7 +118,7 @@ def _main(fd: int) -> None:
         msg = conn.recv_bytes()
         while msg.startswith(_SETUP):
             try:
-                run_setup(msg[len(_SETUP):].decode())
+                setup_once(msg[len(_SETUP):].decode())
                 conn.send_bytes(b"done")
             except BaseException:
                 conn.send_bytes(traceback.format_exc().encode())

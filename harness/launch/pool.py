@@ -39,9 +39,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from multiprocessing.connection import Listener
 from multiprocessing.connection import wait as wait_conns
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from sp_harness.config.case import SHARED_PROCESSES, get_case, isolation_key
+from sp_harness.launch.case_setup import SETUP_TIMEOUT_S
 from sp_harness.launch.desync import DesyncWatch
 from sp_harness.launch.failure import (
     JobError,
@@ -65,8 +66,12 @@ from sp_harness.launch.wire import (
     Shutdown,
     StartFailed,
     WorkerSpec,
+    job_ref,
 )
-from sp_harness.launch.worker import START_TIMEOUT_S
+from sp_harness.launch.worker import START_TIMEOUT_S, health_check, run_setup, warm_up
+
+if TYPE_CHECKING:
+    from torch.distributed import TCPStore
 
 # re-exported: callers import the pool's whole surface from here
 __all__ = ["JobError", "PoolManager", "PoolOptions", "RankError", "RankFailure", "RankPool", "SetupError",
@@ -78,9 +83,8 @@ _FAILURE_GRACE_S = 2.0
 # silent before their stacks are sampled (a desync where counts differ: sp_harness.launch.desync)
 _POLL_S = 0.5
 _STALL_S = 2.0
-SETUP_TIMEOUT_S = 600.0
-"""A case's per-process setup (`Case.setup`) budget: first-use compiles take minutes, and are not
-the job's time."""
+P = TypeVar("P")
+R = TypeVar("R")
 
 
 @dataclass(kw_only=True)
@@ -130,7 +134,7 @@ class RankPool:
         self._logs: list[Any] = []
         self._tmpdir: str | None = None
         self._remove_tmpdir: weakref.finalize | None = None
-        self._store = None
+        self._store: TCPStore | None = None
         self._job_id = 0
         self.set_up: set[str] = set()
         """Case names whose `setup` ran in the current rank processes."""
@@ -148,6 +152,7 @@ class RankPool:
         return self._tmpdir
 
     def _path(self, rank: int, suffix: str) -> str:
+        assert self._tmpdir is not None, "the pool is not running"
         return os.path.join(self._tmpdir, f"rank{rank}.{suffix}")
 
     def start(self) -> None:
@@ -158,7 +163,8 @@ class RankPool:
         self._started_at = time.monotonic()
         label = f"starting {self.world_size} ranks"
         # the driver hosts the store on an OS-chosen port: no fixed ports, no xdist collisions
-        self._store = dist.TCPStore("127.0.0.1", 0, self.world_size + 1, is_master=True, wait_for_workers=False)
+        self._store = store = dist.TCPStore("127.0.0.1", 0, self.world_size + 1, is_master=True,
+                                            wait_for_workers=False)
         authkey = secrets.token_bytes(16)
         # every rank connects at once: with the default backlog of 1 a connect beyond the queue
         # waits out the kernel's SYN retry backoff (1, 3, 7, ... s); an 8-rank start once lost a
@@ -173,7 +179,7 @@ class RankPool:
         env = dict(os.environ, SP_HARNESS_AUTHKEY=authkey.hex(), TMPDIR=self._tmpdir, **dict(self.options.env))
         try:
             for rank in range(self.world_size):
-                self._procs.append(self._spawn(rank, listener.address, env))
+                self._procs.append(self._spawn(rank, store.port, listener.address, env))
             deadline = time.monotonic() + START_TIMEOUT_S
             self._connect(listener, deadline, label)
             self._await_ready(deadline, label)
@@ -184,11 +190,11 @@ class RankPool:
             listener.close()
         self.num_starts += 1
         # start-up has its own budget: a job's --timeout measures the job, not the imports
-        self._run("sp_harness.launch.worker:warm_up", None, timeout_s=START_TIMEOUT_S, label=label + " (warm-up)")
+        self._run(warm_up, None, timeout_s=START_TIMEOUT_S, label=label + " (warm-up)")
         self.start_s = time.monotonic() - self._started_at
 
-    def _spawn(self, rank: int, address: tuple[str, int], env: dict[str, str]) -> subprocess.Popen:
-        spec = WorkerSpec(rank=rank, world_size=self.world_size, store_port=self._store.port, address=tuple(address),
+    def _spawn(self, rank: int, store_port: int, address: tuple[str, int], env: dict[str, str]) -> subprocess.Popen:
+        spec = WorkerSpec(rank=rank, world_size=self.world_size, store_port=store_port, address=(address[0], address[1]),
                           stack_path=self._path(rank, "stack.txt"), fatal_path=self._path(rank, "fatal.txt"),
                           options=self.options, sys_path=tuple(_import_path()))
         # rank output goes to a per-rank log; its tail is attached to failures (a C++ abort such
@@ -204,7 +210,9 @@ class RankPool:
 
     def _connect(self, listener: Listener, deadline: float, label: str) -> None:
         self._conns = [None] * self.world_size
-        listener._listener._socket.settimeout(1.0)  # wake up to notice ranks that died
+        # wake up to notice ranks that died: accept() has no timeout of its own, so the private socket's
+        # (typeshed does not declare Listener's private attributes)
+        listener._listener._socket.settimeout(1.0)  # type: ignore[attr-defined]
         while any(c is None for c in self._conns):
             if time.monotonic() > deadline:
                 raise RankFailure(label, [RankError(rank=r, kind="timeout", detail="did not connect")
@@ -237,11 +245,13 @@ class RankPool:
             if not isinstance(msg, Ready):
                 raise TypeError(f"rank {rank} sent {msg!r} instead of Ready")
 
-    def run(self, fn_ref: str, payload: Any, *, timeout_s: float, label: str,
-            progress: Callable[[str], None] | None = None, setup: str | None = None) -> list[Any]:
-        """Run `fn_ref(payload)` ("module:function") on every rank; results indexed by rank.
+    def run(self, fn: Callable[[P], R], payload: P, *, timeout_s: float, label: str,
+            progress: Callable[[str], None] | None = None, setup: str | None = None) -> list[R]:
+        """Run `fn(payload)` on every rank (a module-level function: the ranks import it by name,
+        sp_harness.launch.wire.job_ref); results indexed by rank.
         `progress`, if given, gets a line for a person as the pool starts and as rank 0 reports.
         `setup`: a case whose `Case.setup` runs first, once per rank process, on its own budget."""
+        job_ref(fn)  # a job the ranks cannot import fails here, before any rank starts
         if not self.alive:
             if progress:
                 progress(f"starting {self.world_size} ranks...")
@@ -250,19 +260,20 @@ class RankPool:
                 progress(f"started {self.world_size} ranks in {self.start_s:.1f}s")
         if setup is not None and setup not in self.set_up:
             self._run_setup(setup, label, progress)
-        return self._run(fn_ref, payload, timeout_s=timeout_s, label=label, progress=progress)
+        return self._run(fn, payload, timeout_s=timeout_s, label=label, progress=progress)
 
     def _run_setup(self, case: str, label: str, progress: Callable[[str], None] | None) -> None:
         if progress:
             progress(f"setting up {case} on {self.world_size} ranks...")
         try:
-            self._run("sp_harness.launch.worker:run_setup", case, timeout_s=SETUP_TIMEOUT_S, label=label + " (setup)")
+            self._run(run_setup, case, timeout_s=SETUP_TIMEOUT_S, label=label + " (setup)")
         except RankFailure as exc:
             raise SetupError.of(case, exc) from exc
         self.set_up.add(case)
 
-    def _run(self, fn_ref: str, payload: Any, *, timeout_s: float, label: str,
-             progress: Callable[[str], None] | None = None) -> list[Any]:
+    def _run(self, fn: Callable[[P], R], payload: P, *, timeout_s: float, label: str,
+             progress: Callable[[str], None] | None = None) -> list[R]:
+        fn_ref = job_ref(fn)
         self._job_id += 1
         for conn in self._conns:
             conn.send(Job(job_id=self._job_id, fn_ref=fn_ref, payload=payload))
@@ -351,7 +362,7 @@ class RankPool:
         self._job_id += 1
         try:
             for conn in self._conns:
-                conn.send(Job(job_id=self._job_id, fn_ref="sp_harness.launch.worker:health_check", payload=None))
+                conn.send(Job(job_id=self._job_id, fn_ref=job_ref(health_check), payload=None))
             for conn in self._conns:
                 if not conn.poll(5.0):
                     return False
@@ -462,15 +473,15 @@ class PoolManager:
                 old.close()
             return pool
 
-    def run(self, world_size: int, fn_ref: str, payload: Any, *, timeout_s: float, label: str,
-            progress: Callable[[str], None] | None = None, case: str | None = None) -> list[Any]:
-        """`case`: the case the job runs, which picks the pool (its isolation) and whose setup runs
+    def run(self, world_size: int, fn: Callable[[P], R], payload: P, *, timeout_s: float, label: str,
+            progress: Callable[[str], None] | None = None, case: str | None = None) -> list[R]:
+        """Run `fn(payload)` on `world_size` ranks (see `RankPool.run`). `case`: the case the job runs, which picks the pool (its isolation) and whose setup runs
         first; None for jobs of no case (health checks, probes), on the shared pool."""
         if case is None:
-            return self.get(world_size).run(fn_ref, payload, timeout_s=timeout_s, label=label, progress=progress)
+            return self.get(world_size).run(fn, payload, timeout_s=timeout_s, label=label, progress=progress)
         spec = get_case(case)
         return self.get(world_size, isolation_key(spec)).run(
-            fn_ref, payload, timeout_s=timeout_s, label=label, progress=progress,
+            fn, payload, timeout_s=timeout_s, label=label, progress=progress,
             setup=case if spec.setup is not None else None)
 
     def close(self) -> None:

@@ -1,13 +1,41 @@
-"""Stage: launch. Which runner a command uses: the process's warm pools, or the torchrun
-world it was started in."""
+"""Stage: launch. The runner interface, and which runner a command uses: the process's warm
+pools, or the torchrun world it was started in."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import Protocol, TypeVar
 
 from sp_harness.launch.pool import PoolManager
 from sp_harness.launch.torchrun import TorchrunWorld, under_torchrun
+
+P = TypeVar("P")
+R = TypeVar("R")
+
+
+class Runner(Protocol):
+    """What runs a job on a world of ranks: `PoolManager` (this process's pools), `TorchrunWorld`
+    (the torchrun world this process is a rank of), `WithProgress` around either."""
+
+    def run(self, world_size: int, fn: Callable[[P], R], payload: P, *, timeout_s: float, label: str,
+            case: str | None = None) -> list[R]:
+        """`fn(payload)` on every rank, the results indexed by rank. `fn` is a module-level
+        function (ranks import it by name: sp_harness.launch.wire.job_ref); `case` is the case the
+        job runs, whose setup runs first (None for jobs of no case); a rank's failure raises
+        sp_harness.launch.failure.RankFailure naming `label`."""
+        ...
+
+    def close(self) -> None:
+        """Ends the ranks this runner started (none under torchrun)."""
+        ...
+
+
+class ProgressRunner(Runner, Protocol):
+    """A runner that also reports progress lines, as jobs start and as rank 0 reports."""
+
+    def run(self, world_size: int, fn: Callable[[P], R], payload: P, *, timeout_s: float, label: str,
+            case: str | None = None, progress: Callable[[str], None] | None = None) -> list[R]: ...
+
 
 _DEFAULT_MANAGER: PoolManager | None = None
 
@@ -20,7 +48,7 @@ def default_manager() -> PoolManager:
     return _DEFAULT_MANAGER
 
 
-def runner():
+def runner() -> ProgressRunner:
     """The torchrun world under torchrun, else this process's pools."""
     return TorchrunWorld() if under_torchrun() else default_manager()
 
@@ -28,14 +56,15 @@ def runner():
 class WithProgress:
     """A runner whose jobs report progress lines to `progress` (the CLI's stderr)."""
 
-    def __init__(self, inner, progress: Callable[[str], None]):
+    def __init__(self, inner: ProgressRunner, progress: Callable[[str], None]):
         self.inner = inner
         self.progress = progress
 
-    def run(self, world_size: int, fn_ref: str, payload: Any, *, timeout_s: float, label: str,
-            case: str | None = None) -> list[Any]:
-        return self.inner.run(world_size, fn_ref, payload, timeout_s=timeout_s, label=label, progress=self.progress,
-                              case=case)
+    def run(self, world_size: int, fn: Callable[[P], R], payload: P, *, timeout_s: float, label: str,
+            case: str | None = None, progress: Callable[[str], None] | None = None) -> list[R]:
+        """`progress`: where this job's lines go instead of the runner's own."""
+        return self.inner.run(world_size, fn, payload, timeout_s=timeout_s, label=label,
+                              progress=progress or self.progress, case=case)
 
     def close(self) -> None:
         self.inner.close()

@@ -16,11 +16,15 @@ import os
 import sys
 import threading
 from collections.abc import Callable
-from typing import Any
+from typing import Any, TypeVar
 
+from sp_harness.launch.case_setup import SETUP_TIMEOUT_S
 from sp_harness.launch.failure import RankFailure, SetupError, raised
-from sp_harness.launch.wire import Job, JobRaised
-from sp_harness.launch.worker import run_job
+from sp_harness.launch.wire import Job, JobDone, JobRaised, job_ref
+from sp_harness.launch.worker import run_job, run_setup
+
+P = TypeVar("P")
+R = TypeVar("R")
 
 
 class TorchrunWorld:
@@ -39,20 +43,20 @@ class TorchrunWorld:
         self.rank = dist.get_rank()
         self._job_id = 0
 
-    def run(self, world_size: int, fn_ref: str, payload: Any, *, timeout_s: float, label: str,
-            progress: Callable[[str], None] | None = None, case: str | None = None) -> list[Any]:
+    def run(self, world_size: int, fn: Callable[[P], R], payload: P, *, timeout_s: float, label: str,
+            progress: Callable[[str], None] | None = None, case: str | None = None) -> list[R]:
         """`progress` is accepted and unused: there is no driver to report to. Nor is a desync
         detected: each rank runs in-process and a mismatch ends as the backend's own error or
         timeout, as it would in production."""
+        fn_ref = job_ref(fn)
         if world_size != self.world_size:
             raise ValueError(f"torchrun world has {self.world_size} ranks, the job asks for {world_size}")
         if case is not None:
             # one world, one process per rank: no isolation to give; the case's setup runs once
-            from sp_harness.launch.pool import SETUP_TIMEOUT_S
 
             self._job_id += 1
             with Watchdog(SETUP_TIMEOUT_S, label + " (setup)", self.rank):
-                setup = run_job(Job(job_id=self._job_id, fn_ref="sp_harness.launch.worker:run_setup", payload=case))
+                setup = run_job(Job(job_id=self._job_id, fn_ref=job_ref(run_setup), payload=case))
                 try:
                     self._gather(setup, label + " (setup)")
                 except RankFailure as exc:
@@ -62,7 +66,7 @@ class TorchrunWorld:
             reply = run_job(Job(job_id=self._job_id, fn_ref=fn_ref, payload=payload))
             return self._gather(reply, label)
 
-    def _gather(self, reply, label: str) -> list[Any]:
+    def _gather(self, reply: JobDone | JobRaised, label: str) -> list[Any]:
         import torch.distributed as dist
 
         gathered: list[Any] = [None] * self.world_size

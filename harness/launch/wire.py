@@ -8,7 +8,11 @@ the message's type, never on its position in a tuple or on text inside it.
 from __future__ import annotations
 
 import dataclasses
+import importlib
+import inspect
 import json
+import sys
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -80,7 +84,7 @@ class StartFailed:
 
 @dataclass(kw_only=True, frozen=True)
 class Job:
-    """Driver -> rank: run `fn_ref(payload)` ("module:function")."""
+    """Driver -> rank: run `fn_ref(payload)` ("module:function", from `job_ref`)."""
 
     job_id: int
     fn_ref: str
@@ -162,3 +166,26 @@ class Progress:
     """What is counted, e.g. 'step'."""
     done: int
     total: int
+
+
+def job_ref(fn: Callable[..., object]) -> str:
+    """The name ("module:function") a rank process imports `fn` by. Ranks are other processes,
+    so a job (or a companion's service) must be a module-level function of a module they can
+    import: a lambda, a nested function, a method or a function of `__main__` is an error here,
+    in the driver, not an ImportError on every rank."""
+    if not (inspect.isfunction(fn) or inspect.isbuiltin(fn)):
+        raise TypeError(f"a rank job must be a module-level function, got {fn!r}")
+    module, name = fn.__module__, fn.__qualname__
+    if module in (None, "__main__") or "." in name or "<" in name:
+        raise ValueError(f"a rank job must be a module-level function of an importable module (ranks are "
+                         f"separate processes that import it by name), got {module}.{name}")
+    if getattr(sys.modules.get(module), name, None) is not fn:
+        raise ValueError(f"a rank job must be importable by its name: {module}.{name} is not {fn!r} "
+                         f"(a decorator without functools.wraps, or a rebound name)")
+    return f"{module}:{name}"
+
+
+def resolve(fn_ref: str) -> Callable[..., Any]:
+    """The function a job names (`job_ref`'s inverse), imported in the process that runs it."""
+    module, _, name = fn_ref.partition(":")
+    return getattr(importlib.import_module(module), name)

@@ -11,7 +11,6 @@ from __future__ import annotations
 import ctypes
 import datetime
 import faulthandler
-import importlib
 import os
 import signal
 import sys
@@ -20,6 +19,7 @@ import traceback
 from multiprocessing.connection import Client
 
 from sp_harness.launch import announce
+from sp_harness.launch.case_setup import setup_once
 from sp_harness.launch.failure import JobError
 from sp_harness.launch.wire import (
     Hello,
@@ -30,6 +30,7 @@ from sp_harness.launch.wire import (
     Shutdown,
     StartFailed,
     WorkerSpec,
+    resolve,
 )
 
 START_TIMEOUT_S = 120.0
@@ -41,11 +42,6 @@ def _set_pdeathsig() -> None:
             ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
         except OSError:
             pass
-
-
-def resolve(fn_ref: str):
-    module, _, name = fn_ref.partition(":")
-    return getattr(importlib.import_module(module), name)
 
 
 def _is_unsupported(exc: BaseException) -> bool:
@@ -99,21 +95,13 @@ def warm_up(_: object = None) -> int:
     return health_check()
 
 
-_SET_UP: set[str] = set()
-
-
 def run_setup(case_name: str) -> bool:
     """A case's per-process setup (`Case.setup`), once per process: the pool's setup job, before the
     case's first job there; its reference process runs it on opening the case."""
-    if case_name not in _SET_UP:
-        from sp_harness.config.case import get_case
-        from sp_harness.launch import companion
+    from sp_harness.launch import companion
 
-        setup = get_case(case_name).setup
-        if setup is not None:
-            setup()
-            companion.set_up(case_name)
-        _SET_UP.add(case_name)
+    if setup_once(case_name):
+        companion.set_up(case_name)
     return True
 
 

@@ -83,7 +83,7 @@ def run_figures(records: Sequence[StepRecord], floor: float | None) -> dict[str,
     drift = max(recs, key=lambda r: math.inf if math.isnan(r.max_replica_drift) else r.max_replica_drift)
     errs = [r.param_err_vs_ref for r in recs if r.param_err_vs_ref is not None]
     final = recs[-1]
-    has_floor = floor is not None and math.isfinite(floor)
+    known_floor = floor if floor is not None and math.isfinite(floor) else None
     return {
         "num_steps": len(recs),
         "final_step": final.step,
@@ -91,8 +91,8 @@ def run_figures(records: Sequence[StepRecord], floor: float | None) -> dict[str,
         "min_loss": best.loss if best else math.nan,
         "min_loss_step": best.step if best else None,
         "floor": floor,
-        "final_distance_to_floor": final.loss - floor if has_floor else None,
-        "min_distance_to_floor": (best.loss - floor) if (has_floor and best) else None,
+        "final_distance_to_floor": final.loss - known_floor if known_floor is not None else None,
+        "min_distance_to_floor": (best.loss - known_floor) if (known_floor is not None and best) else None,
         "final_grad_norm": final.grad_norm,
         "max_replica_drift": drift.max_replica_drift,
         "max_replica_drift_step": drift.step,
@@ -156,9 +156,10 @@ def _markdown(meta, gate: GateResult, figures) -> str:
         )
     if not gate.passed:
         first = gate.first_failure
-        lines += ["", f"**First failure:** step {first.step}, {first.rule} `{first.metric}` ({first.run}"
-                  + (f" vs {first.other}" if first.other else "")
-                  + (f", parameter `{first.param}`" if first.param else "") + ")", ""]
+        if first is not None:  # a FAIL has failures
+            lines += ["", f"**First failure:** step {first.step}, {first.rule} `{first.metric}` ({first.run}"
+                      + (f" vs {first.other}" if first.other else "")
+                      + (f", parameter `{first.param}`" if first.param else "") + ")", ""]
         lines += [f"- {r}" for r in gate.reasons]
     return "\n".join(lines) + "\n"
 
@@ -201,9 +202,10 @@ def _html(meta, gate: GateResult, figures, pngs) -> str:
         out.append(f"<p>All gate rules hold. Comparisons made: {e(checked)}.</p>")
     else:
         first = gate.first_failure
-        out.append(f"<p><b>First failure:</b> step {first.step}, {e(first.rule)} <code>{e(first.metric)}</code>, "
-                   f"run {e(first.run)}" + (f" vs {e(first.other)}" if first.other else "")
-                   + (f", parameter <code>{e(first.param)}</code>" if first.param else "") + "</p>")
+        if first is not None:  # a FAIL has failures
+            out.append(f"<p><b>First failure:</b> step {first.step}, {e(first.rule)} <code>{e(first.metric)}</code>, "
+                       f"run {e(first.run)}" + (f" vs {e(first.other)}" if first.other else "")
+                       + (f", parameter <code>{e(first.param)}</code>" if first.param else "") + "</p>")
         out.append("<h2>Reasons</h2><ol class='reasons'>")
         out += [f"<li>{e(r)}</li>" for r in gate.reasons]
         out.append("</ol>")

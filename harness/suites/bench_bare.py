@@ -47,7 +47,7 @@ def timed_bare(config: CheckConfig, runner, reps: int) -> list[float]:
     times = []
     for _ in range(reps):
         t0 = time.perf_counter()
-        runner.run(config.world_size, "sp_harness.suites.bench_bare:bare_rank", config, timeout_s=config.timeout_s,
+        runner.run(config.world_size, bare_rank, config, timeout_s=config.timeout_s,
                    label=f"bench bare {config.case} [{config.short()}]")
         times.append(time.perf_counter() - t0)
     return times

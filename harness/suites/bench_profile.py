@@ -150,14 +150,15 @@ def _breakdown(timed: dict[str, float], total: float) -> dict[str, float]:
 def run_profile(config: CheckConfig, runner) -> dict:
     """One untimed warm-up check, then one profiled check and one bare job, same pool."""
     from sp_harness.checks.side_by_side import check, resolve
+    from sp_harness.suites.bench_bare import bare_rank
 
     config = resolve(config)
     check(config, runner)
     t0 = time.perf_counter()
-    ranks = runner.run(config.world_size, "sp_harness.suites.bench_profile:profile_rank", config,
+    ranks = runner.run(config.world_size, profile_rank, config,
                        timeout_s=config.timeout_s, label=f"bench profile {config.case}")
     profiled_s = time.perf_counter() - t0
-    bare = runner.run(config.world_size, "sp_harness.suites.bench_bare:bare_rank", config, timeout_s=config.timeout_s,
+    bare = runner.run(config.world_size, bare_rank, config, timeout_s=config.timeout_s,
                       label=f"bench bare {config.case}")
     return {"case": config.case, "world_size": config.world_size, "hidden": config.hidden, "seq_len": config.seq_len,
             "num_layers": config.num_layers, "dtype": str(config.dtype), "steps": config.steps,

@@ -116,19 +116,20 @@ def memory_row(config: CheckConfig) -> MemoryRow:
     """Fresh pools, so each peak is that job's alone."""
     from sp_harness.checks.side_by_side import check
     from sp_harness.launch.pool import PoolManager
+    from sp_harness.suites.bench_bare import bare_rank
 
     def fresh(job) -> tuple[float, float]:
         manager = PoolManager(max_pools=1)
         try:
-            base = max(manager.run(config.world_size, "sp_harness.suites.bench_realistic:peak_rss_mib", None,
+            base = max(manager.run(config.world_size, peak_rss_mib, None,
                                    timeout_s=600, label="bench rss"))
             job(manager)
-            return base, max(manager.run(config.world_size, "sp_harness.suites.bench_realistic:peak_rss_mib", None,
+            return base, max(manager.run(config.world_size, peak_rss_mib, None,
                                          timeout_s=600, label="bench rss"))
         finally:
             manager.close()
 
-    base_bare, bare = fresh(lambda m: m.run(config.world_size, "sp_harness.suites.bench_bare:bare_rank", config,
+    base_bare, bare = fresh(lambda m: m.run(config.world_size, bare_rank, config,
                                             timeout_s=config.timeout_s, label="bench bare"))
     base_check, checked = fresh(lambda m: check(config, m))
     return MemoryRow(case=config.case, world_size=config.world_size, hidden=config.hidden, seq_len=config.seq_len,
@@ -194,7 +195,7 @@ def run_realistic(*, quick: bool, suite: bool, log=print, world_sizes: tuple[int
     for ws in world_sizes:
         memory.append(memory_row(runnable(realistic_config(SUBJECT, ws, *gpt_sizes[0]))))
         log(f"  memory {SUBJECT} ws={ws}: ratio {memory[-1].ratio:.2f}x")
-    repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.realpath(__file__))))
     suite_s = suite_seconds(repo) if suite else None
     return {"cost": [dataclasses.asdict(r) | {"ratio": r.ratio} for r in cost],
             "memory": [dataclasses.asdict(r) | {"ratio": r.ratio} for r in memory], "suite_s": suite_s,

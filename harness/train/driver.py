@@ -7,10 +7,9 @@ import sys
 from dataclasses import dataclass, field
 
 from sp_harness.launch.pool import RankFailure
-from sp_harness.train.rank import StepResult
+from sp_harness.train.rank import StepResult, train_end, train_start, train_steps
 from sp_harness.train.spec import TrainSpec
 
-JOBS = "sp_harness.train.rank"
 """Module of the rank-side job functions."""
 
 
@@ -58,10 +57,10 @@ def train(spec: TrainSpec, runner, *, chunk: int = 25, progress: bool = True,
     bar = Progress(spec.run, spec.steps) if progress else None
     outcome = TrainOutcome(spec=spec)
     try:
-        runner.run(cfg.world_size, f"{JOBS}:train_start", spec, timeout_s=cfg.timeout_s, label=label, case=cfg.case)
+        runner.run(cfg.world_size, train_start, spec, timeout_s=cfg.timeout_s, label=label, case=cfg.case)
         while len(outcome.steps) < spec.steps:
             n = min(chunk, spec.steps - len(outcome.steps))
-            outcome.steps += runner.run(cfg.world_size, f"{JOBS}:train_steps", n, timeout_s=cfg.timeout_s + n * 5.0,
+            outcome.steps += runner.run(cfg.world_size, train_steps, n, timeout_s=cfg.timeout_s + n * 5.0,
                                         label=label, case=cfg.case)[0]
             if bar:
                 last = outcome.steps[-1]
@@ -72,7 +71,7 @@ def train(spec: TrainSpec, runner, *, chunk: int = 25, progress: bool = True,
         outcome.failure = exc
     finally:
         try:
-            runner.run(cfg.world_size, f"{JOBS}:train_end", None, timeout_s=cfg.timeout_s, label=label, case=cfg.case)
+            runner.run(cfg.world_size, train_end, None, timeout_s=cfg.timeout_s, label=label, case=cfg.case)
         except Exception:
             pass  # the pool replaces ranks that died; the outcome already says what happened
     return outcome
