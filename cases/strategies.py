@@ -10,10 +10,12 @@ module (ring/strategies.py, ...) fixes what its case takes.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from typing import cast
 
 from hypothesis import strategies as st
 
-from sp_harness.config.check_config import CheckConfig
+from sp_harness.config.check_config import Adversary, CheckConfig, DType
+from sp_harness.config.gpt_knobs import Norm
 from sp_harness.config.strategies import dtypes, meshes, norms, seeds, shard_sizes
 
 
@@ -61,9 +63,11 @@ def sp_gpt_configs(*, case: str, min_world_size: int, max_world_size: int, max_d
             causal=draw(st.sampled_from([True, False])),
             load_balancer=draw(st.sampled_from(load_balancers)) if load_balancers is not None else None,
             ffn=draw(st.integers(1, 16)), num_layers=draw(st.integers(1, 2)), vocab=draw(st.integers(2, 16)),
-            norm=draw(norms()), layout=draw(st.sampled_from(list(layouts))),
-            dtype=draw(dtypes()), steps=draw(st.integers(1, max_steps)), seed=draw(seeds()),
-            adversary=draw(adversary_choices) if adversary_choices is not None else "off",
+            # norms() and dtypes() draw from NORMS and DTYPES, the literals' own values; the
+            # adversary strategy's draws are modes the caller names (config.strategies.adversaries)
+            norm=cast(Norm, draw(norms())), layout=draw(st.sampled_from(list(layouts))),
+            dtype=cast(DType, draw(dtypes())), steps=draw(st.integers(1, max_steps)), seed=draw(seeds()),
+            adversary=cast(Adversary, draw(adversary_choices)) if adversary_choices is not None else "off",
         )
 
     return build()

@@ -15,6 +15,7 @@ output, the reduce-scatter's input (sp_harness.compare.comm_volume turns them in
 from __future__ import annotations
 
 from collections import defaultdict
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, cast
 
@@ -102,7 +103,8 @@ class CommRow:
 class CommCounter(TorchDispatchMode):
     """Counts collectives by (phase, kind, group label). Set `phase` between regions."""
 
-    def __init__(self, group_label=lambda ranks: "ranks" + "-".join(map(str, ranks))):
+    def __init__(self, group_label: Callable[[tuple[int, ...]], str] = lambda ranks: "ranks" + "-".join(map(str, ranks))
+                 ) -> None:
         super().__init__()
         self.group_label = group_label
         self.phase = "forward"

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 
 import torch
 from torch import nn
+from torch.utils.hooks import RemovableHandle
 
 from sp_harness.config.check_config import CheckConfig
 
@@ -70,7 +71,7 @@ class SavedTensorMeter:
         self._param_ptrs = {p.untyped_storage().data_ptr() for p in (params_of or layer).parameters()}
         self._stack: list[str] = []
         self._ctx = None
-        self._handles = []
+        self._handles: list[RemovableHandle] = []
 
     def _pack(self, t: torch.Tensor):
         try:
@@ -135,6 +136,7 @@ def memory_config(config: CheckConfig) -> CheckConfig:
 
     cfg = get_case(config.case).resolve(config)
     if config.ffn is None:
+        assert cfg.hidden is not None, f"case {cfg.case} resolves no hidden size: no layer to measure"
         cfg = cfg.replace(ffn=4 * cfg.hidden)
     return cfg
 
@@ -148,6 +150,7 @@ def measure_reference_layer(config: CheckConfig) -> LayerMemory:
     cfg = memory_config(config)
     block = cast_floating(find_layer(new_reference(get_case(cfg.case), cfg, None)), cfg.torch_dtype)
     gen = torch.Generator().manual_seed(cfg.seed)
+    assert cfg.batch is not None and cfg.seq_len is not None and cfg.hidden is not None, "memory_config resolves the shape"
     x = torch.randn(cfg.dp * cfg.batch, cfg.seq_len, cfg.hidden, generator=gen, dtype=torch.float64)
     x = x.to(cfg.torch_dtype).requires_grad_(True)
     with SavedTensorMeter(block) as meter:

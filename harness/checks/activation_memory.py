@@ -97,10 +97,19 @@ def paper_bytes(mode: str, *, s: int, b: int, h: int, a: int, t: int = 1) -> flo
     raise ValueError(f"mode must be none/tp/sp, got {mode!r}")
 
 
+def _shape(cfg: CheckConfig) -> tuple[int, int, int, int, int]:
+    """(seq_len, batch, hidden, num_heads, ffn) of a resolved config (`memory_config` fills them)."""
+    assert (cfg.seq_len is not None and cfg.batch is not None and cfg.hidden is not None
+            and cfg.num_heads is not None and cfg.ffn is not None), \
+        f"activation memory of an unresolved config [{cfg.short()}] (memory_config fills the shape)"
+    return cfg.seq_len, cfg.batch, cfg.hidden, cfg.num_heads, cfg.ffn
+
+
 def adjusted_terms(mode: str, config: CheckConfig, rank: int = 0) -> dict[str, float]:
     """Per-rank bytes our layer saves, term by term (see the module docstring)."""
     cfg = config
-    s, b, h, a, f = cfg.seq_len, cfg.dp * cfg.batch if mode == "none" else cfg.batch, cfg.hidden, cfg.num_heads, cfg.ffn
+    seq_len, batch, hidden, num_heads, ffn = _shape(cfg)
+    s, b, h, a, f = seq_len, cfg.dp * batch if mode == "none" else batch, hidden, num_heads, ffn
     e = torch.empty((), dtype=cfg.torch_dtype).element_size()
     t = 1 if mode == "none" else cfg.tp
     tr = rank % t
@@ -182,7 +191,8 @@ class MemoryReport:
 def _row(rank: int, sp: LayerMemory, tp: LayerMemory, cfg: CheckConfig) -> MemoryRow:
     layernorm = cfg.norm == "layernorm"
     sp_adj, tp_adj = adjusted_bytes("sp", cfg, rank), adjusted_bytes("tp", cfg, rank)
-    shards = cfg.seq_shards or chunk_sizes(cfg.seq_len, cfg.tp)
+    seq_len = _shape(cfg)[0]
+    shards = cfg.seq_shards or chunk_sizes(seq_len, cfg.tp)
     return MemoryRow(
         rank=rank, sp_bytes=sp.activation_bytes, tp_bytes=tp.activation_bytes,
         sp_adjusted=sp_adj if layernorm else None, tp_adjusted=tp_adj if layernorm else None,
@@ -190,7 +200,7 @@ def _row(rank: int, sp: LayerMemory, tp: LayerMemory, cfg: CheckConfig) -> Memor
         tp_vs_adjusted=_ratio(tp.activation_bytes, tp_adj) if layernorm else None,
         sp_tp_ratio=_ratio(sp.activation_bytes, tp.activation_bytes), sp_tp_expected=_ratio(sp_adj, tp_adj),
         norm_sp_bytes=sp.region_bytes(), norm_tp_bytes=tp.region_bytes(),
-        norm_ratio=_ratio(sp.region_bytes(), tp.region_bytes()), norm_ratio_expected=shards[rank % cfg.tp] / cfg.seq_len,
+        norm_ratio=_ratio(sp.region_bytes(), tp.region_bytes()), norm_ratio_expected=shards[rank % cfg.tp] / seq_len,
         sp_regions=sp.by_region(), tp_regions=tp.by_region())
 
 
@@ -206,9 +216,11 @@ def activation_report(config: CheckConfig, runner, *, tp_case: str) -> MemoryRep
                                            case=cfg.case)
     tp_mem: list[LayerMemory] = runner.run(cfg.world_size, job, cfg.replace(case=tp_case), timeout_s=cfg.timeout_s,
                                            label=label + f" (TP twin {tp_case})", case=tp_case)
-    dims = dict(s=cfg.seq_len, b=cfg.batch, h=cfg.hidden, a=cfg.num_heads, t=cfg.tp)
+    seq_len, batch, hidden, num_heads, ffn = _shape(cfg)
+    assert cfg.dtype is not None, "memory_config resolves the dtype"
+    dims = dict(s=seq_len, b=batch, h=hidden, a=num_heads, t=cfg.tp)
     return MemoryReport(
-        case=cfg.case, tp_case=tp_case, config=cfg.short(), dtype=cfg.dtype, ffn=cfg.ffn, tp=cfg.tp, dims=dims,
+        case=cfg.case, tp_case=tp_case, config=cfg.short(), dtype=cfg.dtype, ffn=ffn, tp=cfg.tp, dims=dims,
         layernorm=cfg.norm == "layernorm",
         rows=tuple(_row(r, sp_mem[r], tp_mem[r], cfg) for r in range(cfg.world_size)),
         paper_sp_bytes=paper_bytes("sp", **dims), paper_tp_bytes=paper_bytes("tp", **dims),

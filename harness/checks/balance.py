@@ -52,6 +52,7 @@ class LoadBalance:
             return f"{case.name} is not tagged 'context-parallel'"
         if config.load_balancer != "zigzag" or not config.causal:
             return "balance is claimed only for causal attention under load_balancer='zigzag'"
+        assert config.seq_len is not None, "Case.resolve fills seq_len"
         shards = config.seq_shards or sh.chunk_sizes(config.seq_len, config.tp)
         if config.tp < 2 or not sh.is_even(shards) or config.seq_len % (2 * config.tp):
             return f"exact balance needs cp >= 2, even shards and 2W | seq_len (shards {list(shards)})"

@@ -15,11 +15,19 @@ from sp_harness.config.shards import chunk_sizes, is_even
 from sp_harness.judge.verdict import PASS
 
 
+def _shards(config: CheckConfig) -> tuple[int, ...]:
+    """Tokens per TP rank: the explicit shards, else torch.chunk's split of seq_len."""
+    if config.seq_shards:
+        return config.seq_shards
+    assert config.seq_len is not None, f"no seq_len to split [{config.short()}] (Case.resolve fills it)"
+    return chunk_sizes(config.seq_len, config.tp)
+
+
 def padding_note(config: CheckConfig, fig: PaperComparison) -> str:
     """Why uneven shards move more than TP: the collectives pad every shard to the largest."""
     if fig.matches or not fig.tp_ring_bytes:
         return ""
-    sizes = config.seq_shards or chunk_sizes(config.seq_len, config.tp)
+    sizes = _shards(config)
     if is_even(sizes):
         return ""
     return (f"; uneven shards {'/'.join(map(str, sizes))} are padded to {max(sizes)} tokens per rank "
@@ -45,7 +53,7 @@ class CommVsBaseline:
             return not_applicable(self.name, f"no figures ({sp.config.case} {sp.verdict}, {case.baseline} {tp.verdict})")
         fig = paper_check(tp.comm, sp.comm, tp=sp.config.tp)
         detail = fig.describe() + padding_note(sp.config, fig)
-        if not is_even(sp.config.seq_shards or chunk_sizes(sp.config.seq_len, sp.config.tp)):
+        if not is_even(_shards(sp.config)):
             return Outcome(check=self.name, status="n/a", detail=detail, figures=fig)
         return Outcome(check=self.name, status="pass" if fig.matches else "fail",
                        caught_by="" if fig.matches else self.label, detail=detail, repro=sp.config.repro(), figures=fig)

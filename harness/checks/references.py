@@ -25,7 +25,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Protocol, cast
 
 import torch
 import torch.distributed as dist
@@ -219,8 +219,13 @@ def _tensors(result: RefResult) -> list[torch.Tensor | None]:
             + [step.lse[k] for k in sorted(step.lse)] + [result.grads[k] for k in sorted(result.grads)])
 
 
+_Meta = tuple[tuple[int, ...], torch.dtype] | None
+"""One tensor of a shared step: its shape and dtype, None for a None."""
+
+
 def _share(result: RefResult | None, src: int, device: torch.device) -> RefResult:
     """Broadcast `src`'s reference result to every rank."""
+    header: list[tuple[list[str], list[str], list[str], list[_Meta]] | None]
     if result is not None:
         tensors = _tensors(result)
         header = [(sorted(result.step.input_grads), sorted(result.step.lse), sorted(result.grads),
@@ -229,7 +234,9 @@ def _share(result: RefResult | None, src: int, device: torch.device) -> RefResul
     else:
         header = [None]
     dist.broadcast_object_list(header, src=src, device=device if device.type == "cuda" else None)
-    names, lse_names, param_names, metas = header[0]
+    shared = header[0]
+    assert shared is not None, f"the owner (rank {src}) of a reference sent no result"
+    names, lse_names, param_names, metas = shared
     if result is None:
         flat = torch.empty(sum(_numel(m[0]) for m in metas if m is not None), dtype=torch.float64, device=device)
     dist.broadcast(flat, src=src)
@@ -245,9 +252,11 @@ def _share(result: RefResult | None, src: int, device: torch.device) -> RefResul
         tensors.append(flat[at:at + n].reshape(shape).to(dtype))
         at += n
     out, loss, out_grad = tensors[:3]
+    assert out is not None and loss is not None, "a reference step has an output and a loss"
     at = 3 + len(names)
-    grads = dict(zip(names, tensors[3:at], strict=True))
-    lse = dict(zip(lse_names, tensors[at:at + len(lse_names)], strict=True))
+    # what the owner's RefStep held, entry for entry (a None only where it held one)
+    grads = cast(dict[str, torch.Tensor], dict(zip(names, tensors[3:at], strict=True)))
+    lse = cast(dict[str, torch.Tensor], dict(zip(lse_names, tensors[at:at + len(lse_names)], strict=True)))
     params = dict(zip(param_names, tensors[at + len(lse_names):], strict=True))
     return RefResult(step=RefStep(out=out, loss=loss, input_grads=grads, out_grad=out_grad, lse=lse), grads=params)
 

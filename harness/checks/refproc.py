@@ -21,7 +21,7 @@ import sys
 import traceback
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
-from typing import Any
+from typing import Any, overload
 
 import torch
 
@@ -201,14 +201,27 @@ def _on(tensors: dict[str, torch.Tensor], device: torch.device) -> dict[str, tor
     return {k: v.to(device) for k, v in tensors.items()}
 
 
+@overload
+def _moved(t: torch.Tensor, device: str | torch.device) -> torch.Tensor: ...
+
+
+@overload
+def _moved(t: None, device: str | torch.device) -> None: ...
+
+
+def _moved(t: torch.Tensor | None, device: str | torch.device) -> torch.Tensor | None:
+    """`t` on `device` with no autograd graph attached (None stays None)."""
+    return None if t is None else t.detach().to(device)
+
+
 def _to(result: RefResult, device: str | torch.device) -> RefResult:
     """A result fit to pickle: on `device`, with no autograd graph attached."""
     step = result.step
-    move = lambda t: None if t is None else t.detach().to(device)  # noqa: E731
-    step = type(step)(out=move(step.out), loss=move(step.loss), out_grad=move(step.out_grad),
-                      input_grads={k: move(v) for k, v in step.input_grads.items()},
-                      lse={k: move(v) for k, v in step.lse.items()})
-    return RefResult(step=step, grads={k: move(v) for k, v in result.grads.items()})
+    step = type(step)(out=_moved(step.out, device), loss=_moved(step.loss, device),
+                      out_grad=_moved(step.out_grad, device),
+                      input_grads={k: _moved(v, device) for k, v in step.input_grads.items()},
+                      lse={k: _moved(v, device) for k, v in step.lse.items()})
+    return RefResult(step=step, grads={k: _moved(v, device) for k, v in result.grads.items()})
 
 
 def serve(conn: Connection) -> None:

@@ -86,7 +86,7 @@ class _SideBySide:
         """The reference's params before step 0 (what the sharded factory must start from)."""
         self.inline = make_references(self.built.reference, self._reference_copy, config,
                                       self.built.device) if inline_references else None
-        computes = (Inline(self.inline, self.case) if inline_references
+        computes = (Inline(self.inline, self.case) if self.inline is not None
                     else Remote(config, self.built.reference, self.built.device))
         self.refs = Shared(computes, self.built.device)
         self.result = RankResult(rank=self.ctx.rank)
@@ -134,12 +134,12 @@ class _SideBySide:
     def sharded_pass(self, batch, step: int = 0):
         local = self.loop.local_batch(batch)
         # islands are static: step 0 names them, later steps pay nothing
-        observer = IslandObserver(self.sharded.module, self.dtype) if step == 0 else contextlib.nullcontext()
+        observer = IslandObserver(self.sharded.module, self.dtype) if step == 0 else None
         t0 = time.perf_counter()
         with self.counter, self.adversary:
-            with observer:
+            with observer if observer is not None else contextlib.nullcontext():
                 out, loss = self.loop.forward_backward(local, batch.target, forward_only=self.forward_only)
-            if step == 0:
+            if observer is not None:
                 self.result.islands = observer.islands
             if not self.forward_only:
                 self.loop.sync_grads()
@@ -200,12 +200,16 @@ class _SideBySide:
         grads = {w: refs[w].grads for w in KINDS}
         for p in self.params:
             ref = p.spec.ref_name
-            got, w64, wlp, off = p.full_or_piece(declared_grad(p.param, self.sharded.grad_attr), grads["r64"][ref],
-                                                 grads["lp"][ref], self.ctx)
+            got_grad = declared_grad(p.param, self.sharded.grad_attr)
+            g64, glp = grads["r64"][ref], grads["lp"][ref]
+            assert g64 is not None and glp is not None, f"the references computed no grad of {ref} (backward ran)"
+            got, w64, wlp, off = p.full_or_piece(got_grad, g64, glp, self.ctx)
             self.judge("grad", ref, step, got, w64, wlp, off, p.piece_of(grads["alt"][ref], self.ctx), dof=tokens)
 
     def localize(self, step: int, batch) -> None:
         """At the first failing step, the first module whose output or input grad diverged."""
+        assert self.recorder is not None, "localize runs on traced runs only (step)"
+        assert self.config.seq_len is not None, "the check resolves seq_len"
         traces = self.refs.traces(self.full, batch, self.pieces)
         self.result.divergence = first_divergence(
             step=step, rank=self.ctx.rank, sharded=self.recorder, ref64=traces["r64"], ref_lp=traces["lp"],
@@ -261,6 +265,7 @@ def run_rank(config: CheckConfig) -> RankResult:
     run.result.timings["setup_s"] = time.perf_counter() - t_start
     run.check_init()
     gen = torch.Generator().manual_seed(config.seed + 7919)
+    assert config.steps is not None, "the check resolves steps"
     for step in range(config.steps):
         run.step(step, gen)
         announce.progress("step", step + 1, config.steps)
@@ -285,6 +290,7 @@ def _expected_step(p: LocalParam, opt: torch.optim.Optimizer, config: CheckConfi
     to_full = (lambda t: t.full_tensor()) if p.dtensor else (lambda t: t)
     value = to_full(p.param.detach())
     grad = None if p.param.grad is None else to_full(p.param.grad)
+    assert config.optimizer is not None and config.lr is not None, "the check resolves optimizer and lr"
     ref = reference_step(optimizer=config.optimizer, lr=config.lr, param=value, grad=grad,
                          state=state_of(opt, p.param, to_full), dtype=dtype)
     return ref.param, ref.bound

@@ -35,7 +35,7 @@ class RankResult:
     """Largest ratio per kind, passing or not."""
     drift: list[Drift] = field(default_factory=list)
     losses: list[float] = field(default_factory=list)
-    comm: list[list[dict]] = field(default_factory=list)
+    comm: list[list[CommRow]] = field(default_factory=list)
     """Per step, the collective counter's rows."""
     num_checks: int = 0
     timings: dict[str, float] = field(default_factory=dict)
@@ -203,7 +203,7 @@ def format_result(res: CheckResult, *, verbose: bool = False) -> str:
     if res.verdict == FAIL:
         lines.append(f"FAIL: first failure: {res.first_failure}")
         if res.islands:  # right after it: a reader sees the low-precision ops as candidate causes
-            lines.append(summary(res.islands, cfg.dtype, "candidate cause, precision islands"))
+            lines.append(summary(res.islands, str(cfg.dtype), "candidate cause, precision islands"))
         if res.divergence is not None:
             lines.append(res.divergence.describe())
         names = res.failing_names
@@ -217,7 +217,7 @@ def format_result(res: CheckResult, *, verbose: bool = False) -> str:
     else:
         lines.append(f"PASS ({res.num_checks} tensor checks over {cfg.steps} step(s), all ranks)")
         if res.islands:
-            lines.append(summary(res.islands, cfg.dtype))
+            lines.append(summary(res.islands, str(cfg.dtype)))
     if res.not_judged:
         lines.append(f"forward only: not judged: {', '.join(res.not_judged)}")
     return "\n".join(lines)
