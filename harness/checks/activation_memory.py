@@ -68,6 +68,7 @@ from sp_harness.checks.base import Outcome
 from sp_harness.config.case import Case, get_case
 from sp_harness.config.check_config import CheckConfig
 from sp_harness.config.shards import chunk_sizes
+from sp_harness.launch.runner import Runner
 
 TOLERANCE = 0.05
 
@@ -204,7 +205,7 @@ def _row(rank: int, sp: LayerMemory, tp: LayerMemory, cfg: CheckConfig) -> Memor
         sp_regions=sp.by_region(), tp_regions=tp.by_region())
 
 
-def activation_report(config: CheckConfig, runner, *, tp_case: str) -> MemoryReport:
+def activation_report(config: CheckConfig, runner: Runner, *, tp_case: str) -> MemoryReport:
     """Measure one layer of `config.case` (claimed TP+SP) and of its TP twin `tp_case` at the same
     config, per rank, next to the paper's and the adjusted formulas; see `activation_gate` for the
     verdict."""
@@ -212,6 +213,7 @@ def activation_report(config: CheckConfig, runner, *, tp_case: str) -> MemoryRep
     get_case(cfg.case).validate(cfg)
     label = f"activation memory: case {cfg.case} [{cfg.short()}]"
     job = activation_rank
+    assert cfg.timeout_s is not None, "memory_config resolves timeout_s"
     sp_mem: list[LayerMemory] = runner.run(cfg.world_size, job, cfg, timeout_s=cfg.timeout_s, label=label,
                                            case=cfg.case)
     tp_mem: list[LayerMemory] = runner.run(cfg.world_size, job, cfg.replace(case=tp_case), timeout_s=cfg.timeout_s,
@@ -266,7 +268,7 @@ class ActivationMemory:
             return "tp = 1: SP and TP save the same activations"
         return None
 
-    def run(self, config: CheckConfig, runner) -> Outcome:
+    def run(self, config: CheckConfig, runner: Runner) -> Outcome:
         case = get_case(config.case)
         report = activation_report(config, runner, tp_case=case.baseline)
         ok, message = activation_gate(report)

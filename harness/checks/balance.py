@@ -18,6 +18,7 @@ from sp_harness.checks.base import Outcome, not_applicable
 from sp_harness.config import shards as sh
 from sp_harness.config.case import Case, get_case
 from sp_harness.config.check_config import CheckConfig
+from sp_harness.launch.runner import Runner
 
 SLACK = 0.05
 """max / min causal work allowed where 2W divides seq_len over even shards (zigzag gives 1.0)."""
@@ -58,10 +59,11 @@ class LoadBalance:
             return f"exact balance needs cp >= 2, even shards and 2W | seq_len (shards {list(shards)})"
         return None
 
-    def run(self, config: CheckConfig, runner) -> Outcome:
+    def run(self, config: CheckConfig, runner: Runner) -> Outcome:
         case = get_case(config.case)
         config = case.resolve(config)
         label = f"load balance: case {config.case} [{config.short()}]"
+        assert config.timeout_s is not None, "Case.resolve fills timeout_s"
         ranks = runner.run(config.world_size, attention_work_rank, config,
                            timeout_s=config.timeout_s, label=label, case=config.case)
         fig = Balance(ranks=tuple(ranks))

@@ -13,6 +13,7 @@ from typing import Any, Literal, Protocol, runtime_checkable
 
 from sp_harness.config.case import Case
 from sp_harness.config.check_config import CheckConfig
+from sp_harness.launch.runner import Runner
 
 Status = Literal["pass", "fail", "n/a"]
 
@@ -45,7 +46,7 @@ def not_applicable(check: str, why: str, repro: str = "") -> Outcome:
     return Outcome(check=check, status="n/a", detail=why, repro=repro)
 
 
-def run_check(check: "Check", config: CheckConfig, runner) -> Outcome:
+def run_check(check: "Check", config: CheckConfig, runner: Runner) -> Outcome:
     """The one way a check runs: n/a where it does not apply to the case and config, else its run."""
     from sp_harness.config.case import get_case
 
@@ -67,7 +68,7 @@ class Check(Protocol):
     def applies(self, case: Case, config: CheckConfig) -> str | None:
         """None where the check applies to `config` of `case`, else why not (one line)."""
 
-    def run(self, config: CheckConfig, runner) -> Outcome:
+    def run(self, config: CheckConfig, runner: Runner) -> Outcome:
         """Run the check where it applies (callers go through `run_check`) on a runner (a
         PoolManager or the torchrun world); never raises on a fail."""
 

@@ -13,6 +13,7 @@ from sp_harness.config.case import Case, get_case
 from sp_harness.config.check_config import CheckConfig
 from sp_harness.config.shards import chunk_sizes, is_even
 from sp_harness.judge.verdict import PASS
+from sp_harness.launch.runner import Runner
 
 
 def _shards(config: CheckConfig) -> tuple[int, ...]:
@@ -45,7 +46,7 @@ class CommVsBaseline:
             return "tp = 1: no TP collectives to compare"
         return None
 
-    def run(self, config: CheckConfig, runner) -> Outcome:
+    def run(self, config: CheckConfig, runner: Runner) -> Outcome:
         case = get_case(config.case)
         sp = check(config, runner)
         tp = check(config.replace(case=case.baseline), runner)

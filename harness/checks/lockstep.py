@@ -13,6 +13,7 @@ from sp_harness.checks.base import Outcome
 from sp_harness.config.case import Case
 from sp_harness.config.check_config import CheckConfig
 from sp_harness.config.converge_options import ConvergeOptions, repro_line  # noqa: F401 (re-exported)
+from sp_harness.launch.runner import Runner
 from sp_harness.train.lockstep_runs import run_lockstep
 
 STEPS, SEQ_LEN, BATCH, WARMUP = 6, 12, 2, 2
@@ -29,7 +30,7 @@ class Lockstep:
             return f"{case.name} declares no baseline to train beside"
         return None
 
-    def run(self, config: CheckConfig, runner) -> Outcome:
+    def run(self, config: CheckConfig, runner: Runner) -> Outcome:
         opts = ConvergeOptions(case=config.case, world_size=config.world_size, steps=STEPS, seq_len=SEQ_LEN,
                                batch=BATCH, warmup_steps=WARMUP)
         run = run_lockstep(opts, runner, progress=False)

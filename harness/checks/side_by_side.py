@@ -14,7 +14,7 @@ from sp_harness.config.case import Case, Unsupported, get_case
 from sp_harness.config.check_config import CheckConfig
 from sp_harness.judge.verdict import FAIL, UNSUPPORTED, CheckResult, RankResult, format_result, merge
 from sp_harness.launch.failure import RankFailure
-from sp_harness.launch.runner import default_manager
+from sp_harness.launch.runner import Runner, default_manager
 
 
 def resolve(config: CheckConfig) -> CheckConfig:
@@ -22,7 +22,7 @@ def resolve(config: CheckConfig) -> CheckConfig:
     return get_case(config.case).resolve(config)
 
 
-def check(config: CheckConfig, runner=None) -> CheckResult:
+def check(config: CheckConfig, runner: Runner | None = None) -> CheckResult:
     """Run one side-by-side check of `config` and return its verdict. Never raises on FAIL."""
     t0 = time.perf_counter()
     case = get_case(config.case)
@@ -33,6 +33,7 @@ def check(config: CheckConfig, runner=None) -> CheckResult:
         return CheckResult(config=config, verdict=UNSUPPORTED, reason=str(exc), wall_s=time.perf_counter() - t0)
     runner = runner or default_manager()
     label = f"case {config.case} [{config.short()}]"
+    assert config.timeout_s is not None, "Case.resolve fills timeout_s"
     try:
         results: list[RankResult] = runner.run(config.world_size, run_rank, config,
                                                timeout_s=config.timeout_s, label=label, case=config.case)
@@ -69,7 +70,7 @@ class SideBySide:
     def applies(self, case: Case, config: CheckConfig) -> str | None:
         return None  # a case declares what it cannot run through `validate` (UNSUPPORTED)
 
-    def run(self, config: CheckConfig, runner) -> Outcome:
+    def run(self, config: CheckConfig, runner: Runner) -> Outcome:
         return outcome_of(check(config, runner), self.name)
 
     def render(self, outcome: Outcome) -> str:
