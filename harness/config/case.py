@@ -293,8 +293,10 @@ class Case:
     """Registry name, e.g. 'megatron-gpt-sp'."""
     description: str
     """One line shown by `sp-harness list`."""
-    build_reference: Callable[[CheckConfig], nn.Module]
-    """Single-device model in float64, deterministic in config.seed (global RNG untouched)."""
+    build_reference: Callable[[CheckConfig], nn.Module] | Callable[[CheckConfig, RankContext], nn.Module]
+    """Single-device model in float64, deterministic in config.seed (global RNG untouched). A
+    factory that takes a second argument gets the reference's own rank context (a framework's
+    TP=1 reference makes its one-rank state from it)."""
     make_batch: Callable[[CheckConfig, int, torch.Generator], Batch | tuple[torch.Tensor, torch.Tensor]]
     """(config, step, generator) -> one step's global `Batch` (named inputs and target), or the
     short form `(input, target)`; float64 or int tensors."""

@@ -13,12 +13,15 @@ import math
 import shlex
 import typing
 from dataclasses import dataclass
-from typing import Literal, TypeVar
+from typing import TYPE_CHECKING, Literal, TypeVar
 
 import torch
 
 from sp_harness.config.flags import check_values, knob, repro_args
 from sp_harness.config.gpt_knobs import LAYOUTS, LOAD_BALANCERS, NORMS, GPTKnobs  # noqa: F401 (re-exported)
+
+if TYPE_CHECKING:
+    from _typeshed import DataclassInstance
 
 DType = Literal["float64", "float32", "bfloat16"]
 Optimizer = Literal["adamw", "sgd"]
@@ -26,7 +29,7 @@ Adversary = Literal["off", "reorder", "reorder-tf32"]
 DTYPES: dict[str, torch.dtype] = {name: getattr(torch, name) for name in typing.get_args(DType)}
 OPTIMIZERS: tuple[str, ...] = typing.get_args(Optimizer)
 ADVERSARIES: tuple[str, ...] = typing.get_args(Adversary)
-K = TypeVar("K")
+K = TypeVar("K", bound="DataclassInstance")
 DEFAULT_STEPS = 3
 """Optimizer steps per check: the third step is the first with two steps of optimizer state
 behind it and the first after a DDP-style grad-bucket rebuild (tests/test_conventions.py)."""

@@ -87,9 +87,9 @@ def specs(cls: type) -> tuple[Spec, ...]:
     out = []
     for f in dataclasses.fields(cls):
         # a subclass that only changes a default keeps the Flag declared with the field
-        flag = next((k.__dataclass_fields__[f.name].metadata["flag"] for k in cls.__mro__
-                     if f.name in getattr(k, "__dataclass_fields__", {})
-                     and "flag" in k.__dataclass_fields__[f.name].metadata), Flag())
+        declared: list[dict[str, dataclasses.Field]] = [getattr(k, "__dataclass_fields__", {}) for k in cls.__mro__]
+        flag = next((fs[f.name].metadata["flag"] for fs in declared
+                     if f.name in fs and "flag" in fs[f.name].metadata), Flag())
         kind, choices = _kind(hints[f.name])
         out.append(Spec(name=f.name, flag=flag, kind=kind, choices=choices, default=f.default, doc=docs.get(f.name, "")))
     return tuple(out)
@@ -117,7 +117,8 @@ def to_arg(value: Any) -> str:
 
 def check_values(obj: Any) -> None:
     """ValueError naming the field, the value and what is valid, for each declared rule."""
-    for s in specs(type(obj)):
+    cls: type = type(obj)  # annotated: mypy finds type(obj) not Hashable for the cache
+    for s in specs(cls):
         value = getattr(obj, s.name)
         if value is None:
             continue
@@ -211,10 +212,15 @@ def from_args(cls: type, args: argparse.Namespace, **changes: Any) -> Any:
 def repro_args(obj: Any, default: Any, *, keep: typing.Container[str] = ()) -> list[str]:
     """The flags that make `default` into `obj`: each field that differs (or is in `keep`); a
     None that has no spelling on the command line is left to the rerun's own default."""
-    out = []
-    for s in specs(type(obj)):
+    out: list[str] = []
+    cls: type = type(obj)  # annotated: mypy finds type(obj) not Hashable for the cache
+    for s in specs(cls):
         value = getattr(obj, s.name)
         if s.name not in keep and (value == getattr(default, s.name) or (value is None and s.flag.none is None)):
             continue
-        out += [s.option, s.flag.none if value is None else to_arg(value)]
+        if value is None:
+            assert s.flag.none is not None, f"kept field {s.name} is None and None has no spelling"
+            out += [s.option, s.flag.none]
+        else:
+            out += [s.option, to_arg(value)]
     return out

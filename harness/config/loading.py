@@ -31,6 +31,8 @@ def load_case_file(path: str) -> ModuleType:
     if folder not in sys.path:
         sys.path.insert(0, folder)  # first, as for a script: its helpers win over same-named installed modules
     spec = importlib.util.spec_from_file_location(mod_name, file)
+    # a path ending in .py always gets a spec with a source loader
+    assert spec is not None and spec.loader is not None, f"no module spec for {file}"
     module = importlib.util.module_from_spec(spec)
     sys.modules[mod_name] = module
     try:

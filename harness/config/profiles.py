@@ -16,6 +16,7 @@ found once is replayed first on the next run.
 from __future__ import annotations
 
 import os
+from typing import Any
 
 from hypothesis import HealthCheck, Phase, settings
 from hypothesis.database import DirectoryBasedExampleDatabase
@@ -25,9 +26,9 @@ NAMES = ("dev", "ci", "nightly", "replay")
 
 _DB = DirectoryBasedExampleDatabase(os.environ.get("SP_HARNESS_HYPOTHESIS_DB", ".hypothesis/examples"))
 # every example runs real ranks: wall time is the pool's, not hypothesis' business
-_COMMON = dict(deadline=None, database=_DB, print_blob=True,
-               suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture,
-                                      HealthCheck.data_too_large])
+_COMMON: dict[str, Any] = dict(deadline=None, database=_DB, print_blob=True,
+                               suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture,
+                                                      HealthCheck.data_too_large])
 
 settings.register_profile(PREFIX + "dev", max_examples=5, **_COMMON)
 settings.register_profile(PREFIX + "ci", max_examples=12, **_COMMON)

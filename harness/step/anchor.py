@@ -14,12 +14,17 @@ drift check's business; the anchor takes the owner's copy.
 
 from __future__ import annotations
 
-from typing import Protocol
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Protocol, cast
 
 import torch
 import torch.distributed as dist
 
 from sp_harness.config import shards as sh
+from sp_harness.config.case import ParamSpec, RankContext
+
+if TYPE_CHECKING:
+    from torch.distributed.tensor import DTensor
 
 
 class LocalParam(Protocol):
@@ -27,11 +32,11 @@ class LocalParam(Protocol):
 
     param: torch.nn.Parameter
     dtensor: bool
-    spec: object
-    """A sp_harness.config.case.ParamSpec: ref_name, dim, sizes, index."""
+    spec: ParamSpec
 
 
-def gather_full(params: list[LocalParam], shapes: dict[str, torch.Size], ctx) -> dict[str, torch.Tensor]:
+def gather_full(params: Sequence[LocalParam], shapes: dict[str, torch.Size],
+                ctx: RankContext) -> dict[str, torch.Tensor]:
     """Full float64 tensors, by reference name, of the sharded run's current parameters.
     A collective over the world: every rank calls it with its params in the same order."""
     names = list(shapes)
@@ -46,7 +51,7 @@ def gather_full(params: list[LocalParam], shapes: dict[str, torch.Size], ctx) ->
         name = p.spec.ref_name
         local = p.param.detach()
         if p.dtensor:
-            full = local.full_tensor()  # a collective for sharded placements: every rank calls it
+            full = cast("DTensor", local).full_tensor()  # a collective for sharded placements: every rank calls it
             if ctx.rank == 0:
                 value_of[name].copy_(full)
                 owner_of[name].add_(1)

@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import cast
 
 import torch
 from torch import nn
@@ -51,8 +53,10 @@ def new_reference(case: Case, config: CheckConfig, ctx: RankContext | None) -> n
     takes two arguments, `build_reference(config, ctx)` with the reference's own rank context."""
     factory = case.build_reference
     if _takes_context(factory):
-        return factory(config, ctx)
-    return factory(config)
+        # the two-argument form (its second positional parameter); ctx is None only for a caller
+        # outside any rank, which the factory's own contract (RankContext) does not cover
+        return cast("Callable[[CheckConfig, RankContext | None], nn.Module]", factory)(config, ctx)
+    return cast("Callable[[CheckConfig], nn.Module]", factory)(config)
 
 
 def _takes_context(factory) -> bool:

@@ -63,7 +63,9 @@ def make_context(config: CheckConfig, device: torch.device) -> RankContext:
                       tp_group=groups["tp"][0], dp_group=groups["dp"][0], tp_ranks=groups["tp"][1],
                       dp_ranks=groups["dp"][1], seq_shards=tuple(seq_shards), device=device)
     tp_group, dp_group = groups["tp"][0], groups["dp"][0]
-    ctx.groups.update(tp=tp_group, sp=tp_group, cp=tp_group, dp=dp_group, world=dist.group.WORLD)
+    world = dist.group.WORLD
+    assert world is not None, "the default group exists (dist.get_world_size answered above)"
+    ctx.groups.update(tp=tp_group, sp=tp_group, cp=tp_group, dp=dp_group, world=world)
     key = (world_size, config.dp, device.type)
     if key in _MESHES:
         ctx._mesh = _MESHES[key]

@@ -54,6 +54,7 @@ def cut(tensor: torch.Tensor, layout: Layout, ctx: RankContext) -> tuple[torch.T
 
 
 def _split_dim(layout: Layout, ndim: int) -> int:
+    assert layout.split_dim is not None, "cut asks only for a layout with a split_dim"
     dim = layout.split_dim % ndim if -ndim <= layout.split_dim < ndim else None
     taken = {d % ndim for d in (layout.seq_dim, layout.batch_dim) if d is not None and -ndim <= d < ndim}
     if dim is None or dim in taken:
@@ -106,7 +107,8 @@ class RankBatch:
 
 
 def rank_batch(batch: Batch, sharded: Sharded, ctx: RankContext, dtype: torch.dtype) -> RankBatch:
-    inputs, offsets = {}, {}
+    inputs: dict[str, Any] = {}
+    offsets: dict[str, tuple[int, ...]] = {}
     for name, value in batch.inputs.items():
         if not isinstance(value, torch.Tensor):  # a mask spec, a callable: passed as it is
             inputs[name], offsets[name] = value, ()
@@ -136,6 +138,7 @@ def local_output(out, layout: Layout):
         return out
     from torch.distributed.tensor import Replicate, Shard
 
+    want: Shard | Replicate
     if layout.split_dim is not None:
         want = Shard(layout.split_dim % out.ndim)
     elif layout.seq_sharded and layout.seq_dim is not None:

@@ -35,7 +35,9 @@ class ShardedLoop:
         self.built = built
         self.case, self.sharded, self.ctx, self.params = built.case, built.sharded, built.ctx, built.params
         self.dtype = built.config.torch_dtype
-        self.opt = make_optimizer(built.config.optimizer, built.config.lr, self.sharded.module.parameters())
+        optimizer, lr = built.config.optimizer, built.config.lr
+        assert optimizer is not None and lr is not None, "build resolves optimizer and lr"
+        self.opt = make_optimizer(optimizer, lr, self.sharded.module.parameters())
         self.phase = phase
 
     def local_batch(self, batch: Batch) -> RankBatch:

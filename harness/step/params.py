@@ -9,6 +9,7 @@ an error naming it, not a silently skipped check.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, cast, overload
 
 import torch
 import torch.distributed as dist
@@ -17,6 +18,9 @@ from torch import nn
 from sp_harness.config import shards as sh
 from sp_harness.config.case import ParamSpec, RankContext, Sharded
 from sp_harness.step.context import is_dtensor
+
+if TYPE_CHECKING:
+    from torch.distributed.tensor import DTensor
 
 
 def param_piece(ref: torch.Tensor, spec: ParamSpec, ctx: RankContext) -> tuple[torch.Tensor, tuple[int, ...]]:
@@ -45,26 +49,35 @@ class LocalParam:
         if self.dtensor:
             from torch.distributed.tensor import Replicate
 
-            names = param.device_mesh.mesh_dim_names
+            dparam = cast("DTensor", param)
+            names = dparam.device_mesh.mesh_dim_names
             if names is not None and "tp" in names and len(names) > 1:
                 tp_dim = names.index("tp")
-                self.replicated_tp = isinstance(param.placements[tp_dim], Replicate)
-                self.sharded_dp = any(not isinstance(p, Replicate) for i, p in enumerate(param.placements)
+                self.replicated_tp = isinstance(dparam.placements[tp_dim], Replicate)
+                self.sharded_dp = any(not isinstance(p, Replicate) for i, p in enumerate(dparam.placements)
                                       if i != tp_dim)
             else:
-                self.replicated_tp = all(isinstance(p, Replicate) for p in param.placements)
+                self.replicated_tp = all(isinstance(p, Replicate) for p in dparam.placements)
         else:
             self.replicated_tp = spec.replicated_tp
 
+    @overload
+    def local(self, t: torch.Tensor) -> torch.Tensor: ...
+    @overload
+    def local(self, t: None) -> None: ...
     def local(self, t: torch.Tensor | None) -> torch.Tensor | None:
         if t is None:
             return None
-        return t.to_local() if is_dtensor(t) else t
+        return cast("DTensor", t).to_local() if is_dtensor(t) else t
 
     def full(self, t: torch.Tensor) -> torch.Tensor:
         """The whole tensor for a DTensor param, this rank's piece otherwise."""
-        return t.full_tensor() if self.dtensor else t
+        return cast("DTensor", t).full_tensor() if self.dtensor else t
 
+    @overload
+    def piece_of(self, ref: torch.Tensor, ctx: RankContext) -> torch.Tensor: ...
+    @overload
+    def piece_of(self, ref: None, ctx: RankContext) -> None: ...
     def piece_of(self, ref: torch.Tensor | None, ctx: RankContext) -> torch.Tensor | None:
         """This rank's piece of a reference tensor (the whole tensor for DTensor params)."""
         if ref is None or self.dtensor:
@@ -77,7 +90,7 @@ class LocalParam:
     def full_or_piece(self, t: torch.Tensor | None, ref64: torch.Tensor, ref_lp: torch.Tensor, ctx: RankContext):
         """(value to judge, matching ref64 piece, ref_lp piece, offset)."""
         if self.dtensor:
-            value = None if t is None else t.full_tensor()
+            value = None if t is None else cast("DTensor", t).full_tensor()
             return value, ref64, ref_lp, ()
         piece64, offset = param_piece(ref64, self.spec, ctx)
         piece_lp, _ = param_piece(ref_lp, self.spec, ctx)

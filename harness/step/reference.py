@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass, field
+from typing import cast
 
 import torch
 from torch import nn
@@ -54,7 +55,8 @@ def reference_pass(model: nn.Module, case: Case, batch: Batch, dtype: torch.dtyp
             out_grad = out.grad
         else:
             out_grad = torch.autograd.grad(loss, out)[0] if out.requires_grad else None
-    grads = {name: t.grad for name, t in inputs.items()
-             if backward and isinstance(t, torch.Tensor) and t.is_floating_point()}
+    # each floating input is a grad leaf the loss depends on: backward gave it a grad
+    grads = cast(dict[str, torch.Tensor], {name: t.grad for name, t in inputs.items()
+                                           if backward and isinstance(t, torch.Tensor) and t.is_floating_point()})
     lse = {name: m.lse for name, m in model.named_modules() if isinstance(getattr(m, "lse", None), torch.Tensor)}
     return RefStep(out=out.detach(), loss=loss.detach(), input_grads=grads, out_grad=out_grad, lse=lse)

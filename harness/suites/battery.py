@@ -18,10 +18,14 @@ from __future__ import annotations
 import json
 import time
 from dataclasses import asdict, dataclass
+from typing import TYPE_CHECKING
 
 from sp_harness.checks import Outcome, get_check, run_check
 from sp_harness.config.case import all_cases, get_case
 from sp_harness.config.check_config import CheckConfig
+
+if TYPE_CHECKING:
+    from sp_harness.launch.runner import Runner
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -74,7 +78,7 @@ class MutantOutcome:
 class Battery:
     """Runs entries for cases, caching the correct twins' outcomes."""
 
-    def __init__(self, runner):
+    def __init__(self, runner: Runner) -> None:
         self.runner = runner
         self._twin: dict[tuple[str, str], Outcome] = {}
 

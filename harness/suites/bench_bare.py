@@ -6,10 +6,14 @@ example's cost against.
 from __future__ import annotations
 
 import time
+from typing import TYPE_CHECKING
 
 import torch
 
 from sp_harness.config.check_config import CheckConfig
+
+if TYPE_CHECKING:
+    from sp_harness.launch.runner import Runner
 
 
 def bare_rank(config: CheckConfig) -> dict:
@@ -26,6 +30,8 @@ def bare_rank(config: CheckConfig) -> dict:
     t_start, c_start = time.perf_counter(), time.process_time()
     built = build(config)
     config, case, ref = built.config, built.case, built.reference
+    assert config.optimizer is not None and config.lr is not None and config.steps is not None, \
+        "build resolves optimizer, lr and steps"
     opt_ref = make_optimizer(config.optimizer, config.lr, ref.parameters())
     loop = ShardedLoop(built)
     gen = torch.Generator().manual_seed(config.seed + 7919)
@@ -39,11 +45,12 @@ def bare_rank(config: CheckConfig) -> dict:
     return {"setup_s": t_setup, "total_s": time.perf_counter() - t_start, "cpu_s": time.process_time() - c_start}
 
 
-def timed_bare(config: CheckConfig, runner, reps: int) -> list[float]:
+def timed_bare(config: CheckConfig, runner: Runner, reps: int) -> list[float]:
     """Wall seconds of `reps` bare runs of `config` (resolved as a check resolves it)."""
     from sp_harness.checks.side_by_side import resolve
 
     config = resolve(config)
+    assert config.timeout_s is not None, "resolve fills timeout_s"
     times = []
     for _ in range(reps):
         t0 = time.perf_counter()

@@ -18,10 +18,14 @@ import copy
 import time
 from collections import defaultdict
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
 from sp_harness.config.check_config import CheckConfig
+
+if TYPE_CHECKING:
+    from sp_harness.launch.runner import Runner
 
 STAGES = ("setup", "sharded", "r64", "lp", "alt", "anchor", "broadcast", "gather", "compare", "optimizer")
 """Per-rank stages, in the order the table prints them; everything else is `other`."""
@@ -59,6 +63,11 @@ class _Clock:
                 self.seconds[key] += time.perf_counter() - t0
                 self.cpu_seconds[key] += time.process_time() - c0
         return timed
+
+
+def _time_method(clock: _Clock, key: str, obj: object, name: str) -> None:
+    """`obj.name`, timed under `key` from now on (an instance attribute over its method)."""
+    setattr(obj, name, clock.wrap(key, getattr(obj, name)))
 
 
 def _instrument_alt(clock: _Clock, refs) -> list:
@@ -115,14 +124,16 @@ def profile_rank(config: CheckConfig) -> RankProfile:
         run = rank_job._SideBySide(config, inline_references=True)
         clock.seconds["setup"] = time.perf_counter() - t_start
         clock.cpu_seconds["setup"] = time.process_time() - c_start
+        assert run.inline is not None, "inline_references=True: this rank holds the references"
         alt_batches = _instrument_alt(clock, run.inline)
-        run.inline.anchor = clock.wrap("anchor", run.inline.anchor)
-        run.sharded_pass = clock.wrap("sharded", run.sharded_pass)
-        run.judge_outputs = clock.wrap("compare", run.judge_outputs)
-        run.judge_grads = clock.wrap("compare", run.judge_grads)
-        run.optimizer_stage = clock.wrap("optimizer", run.optimizer_stage)
+        _time_method(clock, "anchor", run.inline, "anchor")
+        _time_method(clock, "sharded", run, "sharded_pass")
+        _time_method(clock, "compare", run, "judge_outputs")
+        _time_method(clock, "compare", run, "judge_grads")
+        _time_method(clock, "optimizer", run, "optimizer_stage")
         run.check_init()
         gen = torch.Generator().manual_seed(config.seed + 7919)
+        assert config.steps is not None, "run_profile resolves steps"
         for step in range(config.steps):
             run.step(step, gen)
         if run.recorder is not None:
@@ -147,12 +158,13 @@ def _breakdown(timed: dict[str, float], total: float) -> dict[str, float]:
     return seconds
 
 
-def run_profile(config: CheckConfig, runner) -> dict:
+def run_profile(config: CheckConfig, runner: Runner) -> dict:
     """One untimed warm-up check, then one profiled check and one bare job, same pool."""
     from sp_harness.checks.side_by_side import check, resolve
     from sp_harness.suites.bench_bare import bare_rank
 
     config = resolve(config)
+    assert config.timeout_s is not None, "resolve fills timeout_s"
     check(config, runner)
     t0 = time.perf_counter()
     ranks = runner.run(config.world_size, profile_rank, config,

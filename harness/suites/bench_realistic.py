@@ -22,10 +22,14 @@ import subprocess
 import sys
 import time
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from sp_harness.config.case import Unsupported, all_cases, get_case
 from sp_harness.config.check_config import CheckConfig
 from sp_harness.suites.bench_targets import BIG, SUBJECT
+
+if TYPE_CHECKING:
+    from sp_harness.launch.runner import Runner
 
 GPT_SIZES = ((256, 512), (1024, 2048), (1024, 512), (256, 2048))
 """(hidden, seq_len) of the GPT cells: 4 layers, float32, head_dim 64, ffn 4h, one sequence."""
@@ -100,7 +104,7 @@ def peak_rss_mib(_: object = None) -> float:
     return own + int(hwm) / 1024.0
 
 
-def cost_row(config: CheckConfig, runner) -> CostRow:
+def cost_row(config: CheckConfig, runner: Runner) -> CostRow:
     from sp_harness.checks.side_by_side import check
     from sp_harness.suites.bench_bare import timed_bare
 
@@ -108,6 +112,7 @@ def cost_row(config: CheckConfig, runner) -> CostRow:
     res = check(config, runner)
     check_s = time.perf_counter() - t0
     bare_s = timed_bare(config, runner, 1)[0]
+    assert config.hidden is not None and config.seq_len is not None, "realistic_config sets hidden and seq_len"
     return CostRow(case=config.case, world_size=config.world_size, hidden=config.hidden, seq_len=config.seq_len,
                    check_s=check_s, bare_s=bare_s, verdict=res.verdict)
 
@@ -132,6 +137,7 @@ def memory_row(config: CheckConfig) -> MemoryRow:
     base_bare, bare = fresh(lambda m: m.run(config.world_size, bare_rank, config,
                                             timeout_s=config.timeout_s, label="bench bare"))
     base_check, checked = fresh(lambda m: check(config, m))
+    assert config.hidden is not None and config.seq_len is not None, "realistic_config sets hidden and seq_len"
     return MemoryRow(case=config.case, world_size=config.world_size, hidden=config.hidden, seq_len=config.seq_len,
                      baseline_mib=min(base_bare, base_check), bare_mib=bare, check_mib=checked)
 
@@ -173,7 +179,9 @@ def profile_subject(*, quick: bool, size: tuple[int, int] | None = None, manager
     own = manager is None
     manager = manager or PoolManager(max_pools=1)
     try:
-        return run_profile(runnable(realistic_config(SUBJECT, 2, hidden, seq_len)), manager)
+        config = runnable(realistic_config(SUBJECT, 2, hidden, seq_len))
+        assert config is not None, f"{SUBJECT} runs, and passes, at its realistic sizes"
+        return run_profile(config, manager)
     finally:
         if own:
             manager.close()
@@ -193,7 +201,9 @@ def run_realistic(*, quick: bool, suite: bool, log=print, world_sizes: tuple[int
         manager.close()
     memory = []
     for ws in world_sizes:
-        memory.append(memory_row(runnable(realistic_config(SUBJECT, ws, *gpt_sizes[0]))))
+        config = runnable(realistic_config(SUBJECT, ws, *gpt_sizes[0]))
+        assert config is not None, f"{SUBJECT} runs, and passes, at its realistic sizes"
+        memory.append(memory_row(config))
         log(f"  memory {SUBJECT} ws={ws}: ratio {memory[-1].ratio:.2f}x")
     repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.realpath(__file__))))
     suite_s = suite_seconds(repo) if suite else None

@@ -21,6 +21,7 @@ import dataclasses
 import os
 import shlex
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch.distributed as dist
 
@@ -30,8 +31,11 @@ from sp_harness.config.flags import add_flags, from_args
 from sp_harness.train.lockstep_runs import base_config, config_sources, plain_config, run_lockstep
 from sp_harness.train.spec import loss_floor, training_of
 
+if TYPE_CHECKING:
+    from sp_harness.launch.runner import Runner
 
-def converge(opts: ConvergeOptions, runner, out_dir: str | os.PathLike, *, golden: str | None = None,
+
+def converge(opts: ConvergeOptions, runner: Runner, out_dir: str | os.PathLike, *, golden: str | None = None,
              progress: bool = True):
     """Train reference, baseline and case in lockstep, write records, gate, write the report.
     Returns (gate result, report.html path, records by run)."""

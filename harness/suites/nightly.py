@@ -14,10 +14,14 @@ import html
 import json
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from sp_harness.config.check_config import CheckConfig
 from sp_harness.config.converge_options import ConvergeOptions
 from sp_harness.config.flags import add_flags, from_args
+
+if TYPE_CHECKING:
+    from sp_harness.launch.runner import Runner
 
 GOLDEN_DIR = Path(__file__).resolve().parent.parent.parent / "reports" / "golden"
 """Golden curves by case name (`sp-harness golden --out reports/golden/CASE.json`)."""
@@ -30,7 +34,7 @@ def nightly_examples() -> list[tuple[CheckConfig, str]]:
             if "mutant" not in case.tags for ex in case.examples]
 
 
-def run_checks(runner) -> list[dict]:
+def run_checks(runner: Runner) -> list[dict]:
     from sp_harness.checks.side_by_side import check
     from sp_harness.judge.expect import expected_verdict
     from sp_harness.judge.verdict import format_result

@@ -19,8 +19,12 @@ import json
 import math
 import time
 from dataclasses import asdict, dataclass, field
+from typing import TYPE_CHECKING
 
-from sp_harness.config.check_config import CheckConfig
+from sp_harness.config.check_config import CheckConfig, DType
+
+if TYPE_CHECKING:
+    from sp_harness.launch.runner import Runner
 
 SHAPES = ("forward", "grad", "update")
 DTYPES = ("float64", "float32", "bfloat16")
@@ -72,7 +76,7 @@ def caught_by(res) -> str:
     return res.first_check
 
 
-def measure(dtype: str, shape: str, runner, *, iterations: int = ITERATIONS, lo: float = LO, hi: float = HI,
+def measure(dtype: DType, shape: str, runner: Runner, *, iterations: int = ITERATIONS, lo: float = LO, hi: float = HI,
             progress=None) -> Sensitivity:
     """Bisect the minimum detectable d for one dtype and bug shape."""
     from sp_harness.cases.mutants.scaled_mutants import CASES, set_scale
@@ -156,10 +160,10 @@ def format_table(rows: list[Sensitivity]) -> str:
     for dt in dtypes:
         parts = []
         for s in shapes:
-            r = cell.get((dt, s))
-            parts.append("" if r is None else ("not caught" if r.min_d is None else f"{r.min_d:.2g} ({r.caught_by})"))
-        met = [cell[(dt, s)].target_met for s in shapes if (dt, s) in cell]
-        verdict = "met" if met and all(met) else "NOT met"
+            c = cell.get((dt, s))
+            parts.append("" if c is None else ("not caught" if c.min_d is None else f"{c.min_d:.2g} ({c.caught_by})"))
+        mets = [cell[(dt, s)].target_met for s in shapes if (dt, s) in cell]
+        verdict = "met" if mets and all(mets) else "NOT met"
         lines.append(f"{dt:<18}" + "".join(f"{p:>26}" for p in parts) + f"{TARGETS.get(dt, float('nan')):>10g} {verdict}")
     return "\n".join(lines)
 

@@ -5,10 +5,14 @@ from __future__ import annotations
 
 import sys
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, TextIO
 
 from sp_harness.launch.pool import RankFailure
 from sp_harness.train.rank import StepResult, train_end, train_start, train_steps
 from sp_harness.train.spec import TrainSpec
+
+if TYPE_CHECKING:
+    from sp_harness.launch.runner import Runner
 
 """Module of the rank-side job functions."""
 
@@ -19,7 +23,7 @@ class Progress:
 
     run: str
     total: int
-    stream: object = field(default_factory=lambda: sys.stderr)
+    stream: TextIO = field(default_factory=lambda: sys.stderr)
     _last_quarter: int = -1
 
     def update(self, done: int, loss: float) -> None:
@@ -48,11 +52,12 @@ class TrainOutcome:
     """The crash or hang that ended the run early; None if it ran every step."""
 
 
-def train(spec: TrainSpec, runner, *, chunk: int = 25, progress: bool = True,
+def train(spec: TrainSpec, runner: Runner, *, chunk: int = 25, progress: bool = True,
           catch_failures: bool = False) -> TrainOutcome:
     """Run one lockstep training. A run that crashes or hangs stops there: with
     `catch_failures` its results so far come back with the failure, else the failure is raised."""
     cfg = spec.config
+    assert cfg.timeout_s is not None, "base_config resolves timeout_s"
     label = f"converge {spec.run}: case {cfg.case} [{cfg.short()}]"
     bar = Progress(spec.run, spec.steps) if progress else None
     outcome = TrainOutcome(spec=spec)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import time
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 from sp_harness.config.case import get_case
 from sp_harness.config.check_config import CheckConfig
@@ -17,7 +18,11 @@ from sp_harness.config.converge_options import ConvergeOptions
 from sp_harness.judge.gate import GateResult, evaluate
 from sp_harness.record.records import StepRecord
 from sp_harness.train.driver import TrainOutcome, train
+from sp_harness.train.rank import Measured, StepResult
 from sp_harness.train.spec import TrainSpec
+
+if TYPE_CHECKING:
+    from sp_harness.launch.runner import Runner
 
 
 def base_config(opts: ConvergeOptions) -> CheckConfig:
@@ -48,11 +53,11 @@ def config_sources(case, opts: ConvergeOptions) -> dict[str, str]:
     return out
 
 
-def train_runs(opts, runner, *, progress: bool = True) -> dict[str, TrainOutcome]:
+def train_runs(opts: ConvergeOptions, runner: Runner, *, progress: bool = True) -> dict[str, TrainOutcome]:
     """Train the case (with its reference copy) and its baseline: run name -> outcome. When the
     case's job crashes, 'ref' is a reference-only run (the copy inside the job is lost)."""
     base = base_config(opts)
-    common = dict(steps=opts.steps, warmup_steps=opts.warmup_steps, clip_grad_norm=opts.clip_grad_norm,
+    common: dict[str, Any] = dict(steps=opts.steps, warmup_steps=opts.warmup_steps, clip_grad_norm=opts.clip_grad_norm,
                   data_case=opts.case, data_seed=opts.data_seed)
     runs = {"sp": train(TrainSpec(run="sp", config=base, **common), runner, progress=progress, catch_failures=True)}
     if runs["sp"].failure is not None:
@@ -69,7 +74,7 @@ def to_records(outcomes: dict[str, TrainOutcome]) -> dict[str, list[StepRecord]]
     """Step records in report order (ref, tp, sp): the reference from the case run's copy unless
     it was trained alone."""
     def records(name: str, outcome: TrainOutcome, reference: bool) -> list[StepRecord]:
-        return [StepRecord(run=name, step=s.step, lr=s.lr, **dataclasses.asdict(s.ref if reference else s.run))
+        return [StepRecord(run=name, step=s.step, lr=s.lr, **dataclasses.asdict(_measured(s, reference)))
                 for s in outcome.steps]
 
     alone = outcomes.get("ref")
@@ -80,13 +85,21 @@ def to_records(outcomes: dict[str, TrainOutcome]) -> dict[str, list[StepRecord]]
     return runs
 
 
+def _measured(s: StepResult, reference: bool) -> Measured:
+    m = s.ref if reference else s.run
+    assert m is not None, "a sharded run's steps measure the sharded model"
+    return m
+
+
 def _with_crashes(result, crashes: dict[str, TrainOutcome]):
     from sp_harness.judge.gate import Failure
 
-    extra = tuple(Failure(rule="crash", metric="step", run=run, step=len(o.steps), value=float("nan"), band=0.0,
-                          detail=o.failure.one_line())
-                  for run, o in sorted(crashes.items()))
-    failures = tuple(sorted(extra + tuple(result.failures), key=lambda f: f.sort_key))
+    extra = []
+    for run, o in sorted(crashes.items()):
+        assert o.failure is not None, "crashes holds the outcomes a failure ended"
+        extra.append(Failure(rule="crash", metric="step", run=run, step=len(o.steps), value=float("nan"), band=0.0,
+                             detail=o.failure.one_line()))
+    failures = tuple(sorted(tuple(extra) + tuple(result.failures), key=lambda f: f.sort_key))
     return dataclasses.replace(result, verdict="FAIL", failures=failures)
 
 
@@ -105,7 +118,7 @@ class LockstepRun:
     wall_s: float
 
 
-def run_lockstep(opts, runner, *, golden_doc: dict | None = None,
+def run_lockstep(opts: ConvergeOptions, runner: Runner, *, golden_doc: dict | None = None,
                  progress: bool = True) -> LockstepRun:
     """Train reference, baseline and case in lockstep and gate the records (a crash is a FAIL)."""
     t0 = time.perf_counter()

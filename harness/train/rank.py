@@ -12,12 +12,13 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from typing import cast
 
 import torch
 import torch.distributed as dist
 
 from sp_harness.config.case import Batch, get_case
-from sp_harness.step.build import build, cast_floating, new_reference
+from sp_harness.step.build import Built, build, cast_floating, new_reference
 from sp_harness.step.context import rank_device, reference_context
 from sp_harness.step.inputs import batch_to, call, global_loss
 from sp_harness.step.loop import ShardedLoop
@@ -82,7 +83,7 @@ class _Trainer:
         self.spec = spec
         self.case = get_case(config.case)
         self.data_case = get_case(spec.data_case) if spec.data_case else self.case
-        self.built = None
+        self.built: Built | None = None
         if spec.reference_only:
             self.device = rank_device()
             ref = new_reference(self.case, config, reference_context(config, self.device))
@@ -91,6 +92,7 @@ class _Trainer:
             self.built = build(config, reference_dtype=config.torch_dtype)
             self.device, self.ref = self.built.device, self.built.reference
             self.loop = ShardedLoop(self.built)
+        assert config.optimizer is not None and config.lr is not None, "base_config resolves optimizer and lr"
         self.ref_opt = make_optimizer(config.optimizer, config.lr, self.ref.parameters())
         self.ref_params = dict(self.ref.named_parameters())
         self.step = 0
@@ -114,8 +116,9 @@ class _Trainer:
         t0 = time.perf_counter()
         loss = self.case.loss_sum(call(self.ref, inputs, batch.positional), target) / self.case.tokens(target)
         loss.backward()
-        norm = torch.sqrt(sum(p.grad.detach().double().pow(2).sum() for p in self.ref.parameters()
-                              if p.grad is not None))
+        # a tensor: the reference has parameters, and backward gave them grads
+        norm = torch.sqrt(cast(torch.Tensor, sum(p.grad.detach().double().pow(2).sum() for p in self.ref.parameters()
+                                                 if p.grad is not None)))
         if self.spec.clip_grad_norm is not None:
             torch.nn.utils.clip_grad_norm_(self.ref.parameters(), self.spec.clip_grad_norm)
         _set_lr(self.ref_opt, lr)
@@ -125,8 +128,14 @@ class _Trainer:
         return Measured(loss=float(loss.detach()), grad_norm=float(norm), step_time_s=seconds,
                         tokens_per_s=_per_s(tokens, seconds))
 
+    @property
+    def _built(self) -> Built:
+        """The sharded side's models; the methods below run only when there is one."""
+        assert self.built is not None, "a reference-only run has no sharded model"
+        return self.built
+
     def _sharded_step(self, batch: Batch, lr: float, tokens: int) -> Measured:
-        built, spec, loop = self.built, self.spec, self.loop
+        built, spec, loop = self._built, self.spec, self.loop
         sharded, ctx, params = built.sharded, built.ctx, built.params
         t0 = time.perf_counter()
         _, loss = loop.forward_backward(loop.local_batch(batch), batch.target)
@@ -137,7 +146,7 @@ class _Trainer:
             dist.all_reduce(norm_sq, group=ctx.tp_group)
         grad_norm = float(norm_sq.sqrt())
         if spec.clip_grad_norm is not None:
-            self._clip(grad_norm)
+            self._clip(grad_norm, spec.clip_grad_norm)
         _set_lr(loop.opt, lr)
         loop.optimizer_step()
         loop.clear_grads()
@@ -147,18 +156,18 @@ class _Trainer:
                         max_replica_drift=max(drift.values(), default=0.0), param_err_vs_ref=self._param_err(),
                         step_time_s=seconds, tokens_per_s=_per_s(tokens, seconds))
 
-    def _clip(self, grad_norm: float) -> None:
-        sharded, max_norm = self.built.sharded, self.spec.clip_grad_norm
+    def _clip(self, grad_norm: float, max_norm: float) -> None:
+        sharded = self._built.sharded
         if sharded.clip_grad_norm is not None:
             sharded.clip_grad_norm(max_norm)  # the implementation's own clipping is under test
             return
         coef = min(1.0, max_norm / (grad_norm + 1e-6))  # torch.nn.utils.clip_grad_norm_'s formula
-        for p in self.built.params:
+        for p in self._built.params:
             if p.param.grad is not None:
                 p.param.grad.mul_(coef)
 
     def _drift(self) -> dict[str, float]:
-        ctx, params = self.built.ctx, self.built.params
+        ctx, params = self._built.ctx, self._built.params
         by_name: dict[str, float] = {}
         for d in replica_drift(self.step, params, ctx, set(self.case.replicated_hint)):
             by_name[d.name] = max(by_name.get(d.name, 0.0), d.max_abs)
@@ -169,9 +178,9 @@ class _Trainer:
         return by_name
 
     def _param_err(self) -> float:
-        ctx = self.built.ctx
+        ctx = self._built.ctx
         err = torch.zeros((), dtype=torch.float64)
-        for p in self.built.params:
+        for p in self._built.params:
             want = p.piece_of(self.ref_params[p.spec.ref_name].detach(), ctx)
             got = p.full(p.param.detach())
             if want.numel():

@@ -43,6 +43,7 @@ class TrainSpec:
 
 def lr_at(spec: TrainSpec, step: int) -> float:
     base = spec.config.lr
+    assert base is not None, "base_config resolves lr"
     if step < spec.warmup_steps:
         return base * (step + 1) / spec.warmup_steps
     span = max(1, spec.steps - spec.warmup_steps)
