@@ -24,6 +24,9 @@ BUILTIN: dict[str, tuple[str, ...]] = {
         "mutant-tp-row-bias-before-reduce", "mutant-sp-local-positions", "mutant-sp-even-shard-positions",
         "mutant-sp-loss-mean-per-rank"),
     "sp_harness.cases.mutants.memory_mutants": ("mutant-sp-full-sequence-norms",),
+    "sp_harness.cases.mutants.precision_mutants": (
+        "mutant-sp-positions-bf16", "mutant-ulysses-positions-bf16", "mutant-ring-positions-bf16",
+        "mutant-usp-positions-bf16"),
     "sp_harness.cases.mutants.ring_mutants": (
         "mutant-ring-dkv-not-sent-back", "mutant-ring-mask-ignores-zigzag", "mutant-ring-zigzag-drops-tail",
         "mutant-ring-merge-by-max", "mutant-ring-loss-per-rank-norm", "mutant-ring-balancer-assumes-causal",

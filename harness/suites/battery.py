@@ -7,7 +7,8 @@ checks at an even split, an uneven split, a 2 x 2 DP x TP mesh (even, then uneve
 activation-memory check (where sp_harness.checks.activation_memory provides it); a short lockstep convergence run
 through the gate; non-causal attention at an uneven split; for context-parallel cases that
 claim causal load balancing, the work each rank's attention reports (sp_harness.checks.balance);
-and 4 ranks of one replica (for a hybrid Ulysses x ring case, both degrees 2). A battery entry counts toward a kill only if the mutant's correct twin
+and 4 ranks of one replica (for a hybrid Ulysses x ring case, both degrees 2); last, a bfloat16
+run past 256 tokens, for bugs that are exact in float32/64. A battery entry counts toward a kill only if the mutant's correct twin
 (`Case.twin`) passes it, so a kill is never an artefact of the config. The first entry that
 fails is the killer; its check (forward, grad, param-after-step, replica drift, crash, collective
 accounting, activation memory, lockstep gate) and config are reported.
@@ -55,6 +56,11 @@ BATTERY: tuple[Entry, ...] = (
     Entry(name="balance", check="load-balance", fields=(("world_size", 4), ("seq_len", 16))),
     # 4 ranks of one replica: for a hybrid case the only entry with Ulysses and ring degrees both 2
     Entry(name="2x2", check="side-by-side", fields=(("world_size", 4),)),
+    # bfloat16 past 256 tokens, where bf16 stops holding every integer: position ids that pass
+    # through the run dtype alias there. 290 = 2 mod 4: the last id (289) rounds down to 288,
+    # inside the position table (a real model's table is longer than its sequence), so an
+    # aliasing bug shows as wrong numbers, not as an out-of-range index
+    Entry(name="bf16", check="side-by-side", fields=(("world_size", 2), ("dtype", "bfloat16"), ("seq_len", 290))),
 )
 
 
