@@ -38,21 +38,38 @@ from sp_harness.config.check_config import CheckConfig
 from sp_harness.step.adversary import ReorderAdversary
 from sp_harness.step.build import cast_floating
 from sp_harness.step.reference import RefStep, reference_pass
-from sp_harness.step.rounding import RoundingNoise, perturb_
+from sp_harness.step.rounding import RoundedResults, RoundingNoise, perturb_
 
 KINDS = ("r64", "lp", "alt")
-COST = {"alt": 3.0, "lp": 1.5, "r64": 1.0}
+"""The three references every check has (sp_harness.compare.tolerance)."""
+SAMPLES = ("rounded",)
+"""More references in the run's precision for a run below float32 (kinds_for): with `lp`, the
+ensemble whose largest error norm bounds the sharded run's forward outputs and LSEs
+(sp_harness.compare.tolerance.ensemble_factor). 'rounded' is the model at the next finer
+precision with every op's result rounded to the run dtype (sp_harness.step.rounding.
+RoundedResults) under the sharded side's legal orders (every reduction split over at most
+world-size parts, each rounded to the run dtype: a collective's sum): another legal kernel
+choice than this CPU's fused ones."""
+COST = {"alt": 3.0, "lp": 1.5, "r64": 1.0, "rounded": 0.7}
 """Relative cost of one pass: the perturbed reference rounds every op's inputs and result and adds
-a worst-order summation error (an extra |A||B| matmul) in float64; the run-precision one adds that
-error at its own precision; the float64 one is a plain pass."""
+a worst-order summation error (an extra |A||B| matmul) in float64; the run-precision ones add that
+error at their own precision; the float64 one is a plain pass; the ensemble's member runs forward
+only."""
 
 
-def owner(which: str, world_size: int) -> int:
+def kinds_for(dtype: torch.dtype) -> tuple[str, ...]:
+    """The references a run in `dtype` computes: the ensemble's members for a run below float32
+    only (float32's two-reference bound is within 1.2x of its targets already, and the member,
+    a float64 pass under a dispatch mode, costs a quarter of a check)."""
+    return KINDS + SAMPLES if torch.finfo(dtype).bits < 32 else KINDS
+
+
+def owner(which: str, world_size: int, kinds: tuple[str, ...] = KINDS) -> int:
     """The rank that computes reference `which`: the most expensive first, each to the least
     loaded rank (ties to the lowest), so at 2 ranks the perturbed reference runs alone."""
     load = [0.0] * world_size
     placed = {}
-    for kind in sorted(KINDS, key=lambda k: -COST[k]):
+    for kind in sorted(kinds, key=lambda k: -COST[k]):
         rank = min(range(world_size), key=lambda r: (load[r], r))
         placed[kind] = rank
         load[rank] += COST[kind]
@@ -80,6 +97,31 @@ def platform_noise(config: CheckConfig) -> ReorderAdversary:
     return ReorderAdversary(config.seed + 1, reorder=False, order_noise=True, tf32=config.adversary == "reorder-tf32")
 
 
+def finer(dtype: torch.dtype) -> torch.dtype:
+    """The precision the 'rounded' sample computes in before rounding each result to `dtype`."""
+    return torch.float32 if torch.finfo(dtype).bits < 32 else torch.float64
+
+
+def sample_mode(config: CheckConfig, which: str) -> contextlib.AbstractContextManager:
+    """The mode an ensemble reference (SAMPLES) runs under: every op's result rounded to the run
+    dtype, and the sharded side's legal orders (every matmul and sum split into at most
+    world-size parts, each rounded to the run dtype and summed in it in a random order: a
+    reduction split over the ranks and finished by a collective), plus a worst-order error."""
+    assert which in SAMPLES, which
+    orders = ReorderAdversary(config.seed + 8, reorder=True, order_noise=True,
+                              tf32=config.adversary == "reorder-tf32", partials=max(2, config.world_size),
+                              partial_dtype=config.torch_dtype)
+    rounding = RoundedResults(config.torch_dtype)
+
+    @contextlib.contextmanager
+    def both():
+        # the rounding mode innermost: it rounds what the order mode's pieces return
+        with orders, rounding:
+            yield
+
+    return both()
+
+
 @dataclass(kw_only=True)
 class RefResult:
     """One reference's step: its outputs and grads, and its param grads by reference name."""
@@ -102,6 +144,10 @@ class References:
     """The run dtype."""
     platform: contextlib.AbstractContextManager
     """The order-noise mode the run-precision reference runs under."""
+    config: CheckConfig
+    rounded: nn.Module | None = None
+    """The 'rounded' ensemble reference (SAMPLES), at the precision above the run's; None for a
+    float64 run."""
     forward_only: bool = False
     """A forward-only check: the references skip backward (`reference_pass(backward=False)`)."""
 
@@ -128,6 +174,10 @@ class References:
         elif which == "lp":
             with self.platform:
                 step = reference_pass(model, case, batch, lp_dtype(self.dtype), backward=backward)
+        elif which in SAMPLES:
+            # forward only: the ensemble judges forward outputs and LSEs (ENSEMBLE_KINDS)
+            with sample_mode(self.config, which):
+                step = reference_pass(model, case, batch, finer(self.dtype), backward=False)
         else:
             step = reference_pass(model, case, batch, torch.float64, noise=self.alt_noise, backward=backward)
         return RefResult(step=step, grads={n: p.grad for n, p in model.named_parameters()})
@@ -156,6 +206,8 @@ def make_references(reference: nn.Module, build_copy, config: CheckConfig, devic
     noise = RoundingNoise(torch.finfo(dtype).eps, alt_gen, torch.finfo(accumulator).eps, matmul_input_rel, magnitude)
     return References(r64=reference, lp=cast_floating(build_copy(), lp_dtype(dtype)), alt=build_copy(),
                       alt_noise=noise, alt_gen=alt_gen, dtype=dtype, platform=platform_noise(config),
+                      config=config,
+                      rounded=cast_floating(build_copy(), finer(dtype)) if "rounded" in kinds_for(dtype) else None,
                       forward_only=bool(config.forward_only))
 
 
@@ -191,11 +243,12 @@ class Inline:
 class Shared:
     """Every reference's step on every rank: each computed by its owner and broadcast."""
 
-    def __init__(self, computes: Computes, device: torch.device):
+    def __init__(self, computes: Computes, device: torch.device, dtype: torch.dtype):
         self.computes, self.device = computes, device
+        self.kinds = kinds_for(dtype)
         self.world_size = dist.get_world_size() if dist.is_initialized() else 1
         self.rank = dist.get_rank() if dist.is_initialized() else 0
-        self.mine = tuple(w for w in KINDS if owner(w, self.world_size) == self.rank)
+        self.mine = tuple(w for w in self.kinds if owner(w, self.world_size, self.kinds) == self.rank)
 
     def start(self, full: dict[str, torch.Tensor], batch: Batch) -> None:
         self.computes.start(self.mine, full, batch)
@@ -205,7 +258,7 @@ class Shared:
         done = self.computes.finish()
         if self.world_size == 1:
             return done
-        return {w: _share(done.get(w), owner(w, self.world_size), self.device) for w in KINDS}
+        return {w: _share(done.get(w), owner(w, self.world_size, self.kinds), self.device) for w in self.kinds}
 
     def traces(self, full: dict[str, torch.Tensor], batch: Batch, skip: frozenset[str]) -> dict[str, Trace]:
         return self.computes.traces(full, batch, skip)

@@ -22,10 +22,10 @@ import torch
 from sp_harness.capture.comm import CommCounter
 from sp_harness.capture.islands import IslandObserver
 from sp_harness.capture.trace import Recorder
-from sp_harness.checks.references import KINDS, Inline, RefResult, Shared, make_references
+from sp_harness.checks.references import KINDS, SAMPLES, Inline, RefResult, Shared, make_references
 from sp_harness.checks.refproc import Remote, reference_process
 from sp_harness.compare.divergence import first_divergence
-from sp_harness.compare.tolerance import FACTOR, check_bounded, check_tensor, lp_dtype
+from sp_harness.compare.tolerance import FACTOR, TensorCheck, check_bounded, check_tensor, lp_dtype
 from sp_harness.config.case import as_batch
 from sp_harness.config.check_config import CheckConfig
 from sp_harness.judge.verdict import RankResult, record
@@ -88,7 +88,7 @@ class _SideBySide:
                                       self.built.device) if inline_references else None
         computes = (Inline(self.inline, self.case) if self.inline is not None
                     else Remote(config, self.built.reference, self.built.device))
-        self.refs = Shared(computes, self.built.device)
+        self.refs = Shared(computes, self.built.device, self.dtype)
         self.result = RankResult(rank=self.ctx.rank)
         self.counter = CommCounter(self.ctx.group_label)
         self.loop = ShardedLoop(self.built, phase=self._phase)
@@ -108,10 +108,10 @@ class _SideBySide:
         return reference_copy(built.case, built.config, reference_context(built.config, built.device),
                               built.reference, torch.float64, built.device)
 
-    def judge(self, kind, name, step, got, want64, want_lp, offset=(), want_alt=None, extra=0.0, dof=0):
+    def judge(self, kind, name, step, got, want64, want_lp, offset=(), want_alt=None, extra=0.0, dof=0, samples=()):
         record(self.result, check_tensor(kind=kind, name=name, step=step, rank=self.ctx.rank, got=got, ref64=want64,
                                          ref_lp=want_lp, dtype=self.dtype, offset=offset, ref_alt=want_alt,
-                                         extra_allowed=extra, dof=dof))
+                                         extra_allowed=extra, dof=dof, ref_samples=samples))
 
     def check_init(self) -> None:
         """The sharded factory must start from the reference's weights, cast to the run dtype."""
@@ -152,8 +152,10 @@ class _SideBySide:
         ctx, layout = self.ctx, self.sharded.output_layout
         want64, out_offset = cut(r64.out, layout, ctx)
         local_tokens = self.case.tokens(local.target)
+        samples = [refs[w].step for w in SAMPLES if w in refs]
         self.judge("forward", "output", step, out, want64, cut(r_lp.out, layout, ctx)[0], out_offset,
-                   cut(r_alt.out, layout, ctx)[0], dof=local_tokens)
+                   cut(r_alt.out, layout, ctx)[0], dof=local_tokens,
+                   samples=[cut(r.out, layout, ctx)[0] for r in samples])
         total = global_loss(loss, self.sharded, ctx)
         self.judge("loss", "loss", step, total, r64.loss, r_lp.loss, (), r_alt.loss,
                    extra=_loss_allowance(r64, r_lp, r_alt, self.dtype))
@@ -181,14 +183,22 @@ class _SideBySide:
         r64 = refs["r64"].step
         for name, module in self.sharded.module.named_modules():
             index = getattr(module, "lse_index", None)
-            if index is None or name not in r64.lse:
+            if index is None:
+                continue
+            if name not in r64.lse:
+                why = (f"lse of '{name}': the reference has no attention module of that name "
+                       f"exposing an LSE (it has: {', '.join(sorted(r64.lse)) or 'none'}); name the sharded module "
+                       f"as the reference's to have its LSE checked")
+                if why not in self.result.not_run:
+                    self.result.not_run.append(why)
                 continue
             heads, positions = index
             got = module.lse
             rows = slice(self.ctx.dp_rank * got.shape[0], (self.ctx.dp_rank + 1) * got.shape[0])
             want64, want_lp, want_alt = (_lse_piece(refs[w].step.lse[name], rows, heads, positions) for w in KINDS)
+            samples = [_lse_piece(refs[w].step.lse[name], rows, heads, positions) for w in SAMPLES if w in refs]
             self.judge("lse", f"{name}.lse", step, got, want64, want_lp,
-                       want_alt=want_alt, dof=len(positions))
+                       want_alt=want_alt, dof=len(positions), samples=samples)
 
     @property
     def forward_only(self) -> bool:
@@ -197,7 +207,7 @@ class _SideBySide:
     def judge_grads(self, step: int, tokens: int, refs: dict[str, RefResult]) -> None:
         if self.forward_only:
             return
-        grads = {w: refs[w].grads for w in KINDS}
+        grads = {w: refs[w].grads for w in refs}
         for p in self.params:
             ref = p.spec.ref_name
             got_grad = declared_grad(p.param, self.sharded.grad_attr)
@@ -206,7 +216,7 @@ class _SideBySide:
             got, w64, wlp, off = p.full_or_piece(got_grad, g64, glp, self.ctx)
             self.judge("grad", ref, step, got, w64, wlp, off, p.piece_of(grads["alt"][ref], self.ctx), dof=tokens)
 
-    def localize(self, step: int, batch) -> None:
+    def localize(self, step: int, batch, failed_kind: str) -> None:
         """At the first failing step, the first module whose output or input grad diverged."""
         assert self.recorder is not None, "localize runs on traced runs only (step)"
         assert self.config.seq_len is not None, "the check resolves seq_len"
@@ -214,7 +224,7 @@ class _SideBySide:
         self.result.divergence = first_divergence(
             step=step, rank=self.ctx.rank, sharded=self.recorder, ref64=traces["r64"], ref_lp=traces["lp"],
             ref_alt=traces["alt"], dtype=self.dtype, seq_len=self.config.seq_len, seq_shards=self.ctx.seq_shards,
-            tp_rank=self.ctx.tp_rank,
+            tp_rank=self.ctx.tp_rank, failed_kind=failed_kind, skipped=self.pieces,
             seq_index=seq_index(self.sharded.output_layout, self.config.seq_len, self.ctx.seq_shards,
                                 self.ctx.tp_rank))
 
@@ -254,7 +264,7 @@ class _SideBySide:
         self.judge_lse(step, refs)
         self.judge_grads(step, self.case.tokens(batch.target), refs)
         if self.recorder is not None and not failures_before and len(self.result.failures) > failures_before:
-            self.localize(step, batch)
+            self.localize(step, batch, min(self.result.failures, key=TensorCheck.sort_key).kind)
         self.optimizer_stage(step)
 
 

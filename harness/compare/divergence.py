@@ -17,24 +17,38 @@ class Divergence:
     step: int
     rank: int
     phase: str
-    """'forward' (the module's output), 'backward' (its input grad), or 'none' (every traced
-    module agrees: the error is in the param grads or their sync)."""
+    """'forward' (the module's output), 'backward' (its input grad), 'none' (every traced
+    module agrees and the first failure is a param grad or update: the error is in the param
+    grads or their sync), or 'unaligned' (the first failure is in the forward or an input grad,
+    yet no module that could be compared diverged: `note` says which modules could not be and
+    why)."""
     module: str
     ratio: float
     """max |error| / allowed at this module."""
     order: int = 0
     """Position in its phase's execution order (for picking the earliest across ranks)."""
+    note: str = ""
+    """For 'unaligned': the modules that could not be compared, and why."""
 
     def sort_key(self):
-        return (self.step, ("forward", "backward", "none").index(self.phase), self.order, self.rank)
+        return (self.step, PHASES.index(self.phase), self.order, self.rank)
 
     def describe(self) -> str:
+        if self.phase == "unaligned":
+            return (f"no module could be localised at step {self.step} (rank {self.rank}): every module that lines "
+                    f"up with the reference is within its bound, and {self.note}")
         if self.phase == "none":
             return (f"every traced module's output and input grad is within its bound at step {self.step} "
                     f"(rank {self.rank}): the error enters after backward, in the grad sync or the param grads")
         what = "output" if self.phase == "forward" else "input grad"
         return (f"first diverging module: {self.module} ({what}, {self.phase}, step {self.step}, rank {self.rank}, "
                 f"{self.ratio:.3g}x its bound)")
+
+
+PHASES = ("forward", "backward", "unaligned", "none")
+FORWARD_KINDS = frozenset({"forward", "lse", "loss"})
+"""First-failure kinds whose error must have entered in the forward."""
+MAX_NAMED = 4
 
 
 def _line_up(got: torch.Tensor, ref: torch.Tensor, seq_len: int, seq_shards, tp_rank: int,
@@ -56,9 +70,13 @@ def _line_up(got: torch.Tensor, ref: torch.Tensor, seq_len: int, seq_shards, tp_
 
 def first_divergence(*, step: int, rank: int, sharded: Recorder | Trace, ref64: Recorder | Trace,
                      ref_lp: Recorder | Trace, ref_alt: Recorder | Trace, dtype: torch.dtype, seq_len: int, seq_shards, tp_rank: int,
-                     seq_index: torch.Tensor | None = None) -> Divergence:
+                     seq_index: torch.Tensor | None = None, failed_kind: str = "grad",
+                     skipped: frozenset[str] = frozenset()) -> Divergence:
     """`seq_index`: the global positions this rank's sequence pieces hold, for a permuted
-    (load-balanced) layout; None for contiguous shards."""
+    (load-balanced) layout; None for contiguous shards. `failed_kind`: the kind of the step's
+    first failure (sp_harness.compare.tolerance.KIND_ORDER); `skipped`: the modules the trace
+    left out (they hold TP-sharded params: their outputs are pieces or partial sums)."""
+    unaligned: dict[str, list[str]] = {"forward": [], "backward": []}
     for phase in ("forward", "backward"):
         got_side = getattr(sharded, phase)
         for order, (name, got) in enumerate(got_side.items()):
@@ -66,13 +84,28 @@ def first_divergence(*, step: int, rank: int, sharded: Recorder | Trace, ref64: 
             want_lp = getattr(ref_lp, phase).get(name)
             want_alt = getattr(ref_alt, phase).get(name)
             if want is None or want_lp is None:
+                unaligned[phase].append(f"'{name}' (no module of that name in the reference)")
                 continue
             cut = _line_up(got, want, seq_len, seq_shards, tp_rank, seq_index)
             if cut is None:
+                unaligned[phase].append(f"'{name}' ({phase} {tuple(got.shape)} is neither the reference's "
+                                        f"{tuple(want.shape)} nor this rank's sequence slice of it)")
                 continue
             chk = check_tensor(kind=phase, name=name, step=step, rank=rank, got=got, ref64=cut(want),
                                ref_lp=cut(want_lp), dtype=dtype,
                                ref_alt=None if want_alt is None else cut(want_alt))
             if not chk.ok:
                 return Divergence(step=step, rank=rank, phase=phase, module=name, ratio=chk.ratio, order=order)
+    if failed_kind in FORWARD_KINDS or failed_kind == "input_grad":
+        phase = "forward" if failed_kind in FORWARD_KINDS else "backward"
+        why = unaligned[phase] + [f"'{n}' (holds TP-sharded params: its {phase} is a piece or a partial sum)"
+                                  for n in sorted(skipped)]
+        if not why:
+            note = (f"the model has no submodule to trace: the {failed_kind} failure enters inside the top-level "
+                    f"module's own {phase}")
+        else:
+            more = f" and {len(why) - MAX_NAMED} more" if len(why) > MAX_NAMED else ""
+            note = (f"the {failed_kind} failure enters in a module that could not be compared: "
+                    + "; ".join(why[:MAX_NAMED]) + more)
+        return Divergence(step=step, rank=rank, phase="unaligned", module="", ratio=0.0, note=note)
     return Divergence(step=step, rank=rank, phase="none", module="", ratio=0.0)

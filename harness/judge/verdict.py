@@ -33,6 +33,8 @@ class RankResult:
     failures: list[TensorCheck] = field(default_factory=list)
     worst: dict[str, TensorCheck] = field(default_factory=dict)
     """Largest ratio per kind, passing or not."""
+    worst_norm: dict[str, TensorCheck] = field(default_factory=dict)
+    """Largest norm-wise ratio per kind (the bound that makes low precision sharp), passing or not."""
     drift: list[Drift] = field(default_factory=list)
     losses: list[float] = field(default_factory=list)
     comm: list[list[CommRow]] = field(default_factory=list)
@@ -43,6 +45,9 @@ class RankResult:
     """At the first failing step: the first module whose output or input grad left its bound."""
     islands: list[Island] = field(default_factory=list)
     """Ops of the sharded forward and backward at step 0 that computed below the run dtype."""
+    not_run: list[str] = field(default_factory=list)
+    """Checks the case asked for that could not run, each with why (an attention module that
+    exposes an LSE under a name the reference has no LSE for)."""
 
 
 def record(result: RankResult, chk: TensorCheck) -> None:
@@ -50,6 +55,9 @@ def record(result: RankResult, chk: TensorCheck) -> None:
     best = result.worst.get(chk.kind)
     if best is None or chk.ratio > best.ratio:
         result.worst[chk.kind] = chk
+    best = result.worst_norm.get(chk.kind)
+    if chk.norm_ratio and (best is None or chk.norm_ratio > best.norm_ratio):
+        result.worst_norm[chk.kind] = chk
     if not chk.ok and len(result.failures) < MAX_FAILURES_KEPT:
         result.failures.append(chk)
 
@@ -61,6 +69,8 @@ class CheckResult:
     reason: str = ""
     failures: list[TensorCheck] = field(default_factory=list)
     worst: dict[str, TensorCheck] = field(default_factory=dict)
+    worst_norm: dict[str, TensorCheck] = field(default_factory=dict)
+    """Largest norm-wise ratio per kind over all ranks (RankResult.worst_norm)."""
     drift: list[Drift] = field(default_factory=list)
     losses: list[float] = field(default_factory=list)
     comm: list[CommRow] = field(default_factory=list)
@@ -82,6 +92,8 @@ class CheckResult:
     islands: list[Island] = field(default_factory=list)
     """Precision islands: each distinct op the sharded run computed below the run dtype (any
     rank, step 0; sp_harness.capture.islands), then those the case declared."""
+    not_run: list[str] = field(default_factory=list)
+    """Checks that could not run, each with why, over all ranks (RankResult.not_run)."""
 
     @property
     def not_judged(self) -> tuple[str, ...]:
@@ -140,10 +152,10 @@ class CheckResult:
         return {
             "verdict": self.verdict, "reason": self.reason, "first_failure": self.first_failure if self.verdict == FAIL else "",
             "config": conv(self.config), "repro": self.config.repro(), "failures": conv(self.failures),
-            "worst": conv(self.worst), "drift": conv(self.drift), "losses": self.losses, "comm": conv(self.comm),
+            "worst": conv(self.worst), "worst_norm": conv(self.worst_norm), "drift": conv(self.drift), "losses": self.losses, "comm": conv(self.comm),
             "error": self.error, "crash_kind": self.crash_kind, "rank_errors": conv(self.rank_errors), "wall_s": self.wall_s, "num_checks": self.num_checks,
             "divergence": conv(self.divergence), "not_judged": list(self.not_judged),
-            "islands": conv(self.islands),
+            "islands": conv(self.islands), "not_run": list(self.not_run),
         }
 
 
@@ -155,6 +167,11 @@ def merge(config: CheckConfig, results: list[RankResult], *, wall_s: float = 0.0
         for kind, chk in r.worst.items():
             if kind not in worst or chk.ratio > worst[kind].ratio:
                 worst[kind] = chk
+    worst_norm: dict[str, TensorCheck] = {}
+    for r in results:
+        for kind, chk in r.worst_norm.items():
+            if kind not in worst_norm or chk.norm_ratio > worst_norm[kind].norm_ratio:
+                worst_norm[kind] = chk
     drift: dict[tuple[int, str, str], Drift] = {}
     for r in results:
         for d in r.drift:
@@ -165,11 +182,12 @@ def merge(config: CheckConfig, results: list[RankResult], *, wall_s: float = 0.0
     verdict = FAIL if failures or drifts else PASS
     divergences = [r.divergence for r in results if r.divergence is not None]
     divergence = min(divergences, key=Divergence.sort_key, default=None)
-    res = CheckResult(config=config, verdict=verdict, failures=failures, worst=worst, drift=drifts,
+    res = CheckResult(config=config, verdict=verdict, failures=failures, worst=worst, worst_norm=worst_norm, drift=drifts,
                       losses=results[0].losses, comm=results[0].comm[0] if results[0].comm else [],
                       wall_s=wall_s, num_checks=sum(r.num_checks for r in results), divergence=divergence,
                       islands=list(dict.fromkeys([i for r in results for i in r.islands]
-                                                 + declared_islands(declared or {}))))
+                                                 + declared_islands(declared or {}))),
+                      not_run=list(dict.fromkeys(n for r in results for n in r.not_run)))
     if verdict == FAIL:
         n = len({(f.step, f.kind, f.name) for f in failures})
         res.reason = f"{n} tensor mismatch(es), {len(drifts)} replica drift(s); first: {res.first_failure}"
@@ -220,6 +238,8 @@ def format_result(res: CheckResult, *, verbose: bool = False) -> str:
             lines.append(summary(res.islands, str(cfg.dtype)))
     if res.not_judged:
         lines.append(f"forward only: not judged: {', '.join(res.not_judged)}")
+    for why in res.not_run:
+        lines.append(f"not run: {why}")
     return "\n".join(lines)
 
 

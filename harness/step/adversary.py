@@ -84,9 +84,18 @@ class ReorderAdversary(TorchDispatchMode):
     ranks that compute a replicated parameter's grad from the same inputs get the same bits, as
     Megatron-style TP relies on (with torch.use_deterministic_algorithms on GPU)."""
 
-    def __init__(self, seed: int, *, reorder: bool = True, order_noise: bool = True, tf32: bool = False):
+    def __init__(self, seed: int, *, reorder: bool = True, order_noise: bool = True, tf32: bool = False,
+                 partials: int = 1, partial_dtype: torch.dtype | None = None):
+        """`partials` > 1: every split reduction has at most that many parts, and each part is
+        rounded to the op's dtype before the parts are summed in it: what a reduction split over
+        that many ranks and summed by a collective in the run dtype does (a row-parallel
+        matmul's reduce-scatter, a DP grad all-reduce). The ensemble references
+        (sp_harness.checks.references.SAMPLES) run so, with the job's world size.
+        `partial_dtype`: the dtype the parts are rounded to, where the model computes finer
+        than the run dtype (default: the op's)."""
         super().__init__()
         self.seed, self.reorder, self.tf32 = seed, reorder, tf32
+        self.partials, self.partial_dtype = partials, partial_dtype
         self.order_noise = order_noise
         self.gen = torch.Generator()
         self.num_rewritten = 0
@@ -116,7 +125,8 @@ class ReorderAdversary(TorchDispatchMode):
     def _cuts(self, n: int) -> list[int]:
         if not self.reorder or n < 2:
             return [n]
-        k = int(torch.randint(2, min(n, MAX_CHUNKS) + 1, (), generator=self.gen))
+        most = MAX_CHUNKS if self.partials <= 1 else self.partials
+        k = int(torch.randint(2, min(n, most) + 1, (), generator=self.gen))
         points = sorted(torch.randperm(n - 1, generator=self.gen)[: k - 1].add(1).tolist())
         return [b - a for a, b in zip([0] + points, points + [n], strict=True)]
 
@@ -124,6 +134,9 @@ class ReorderAdversary(TorchDispatchMode):
         return torch.randperm(k, generator=self.gen).tolist() if self.reorder else list(range(k))
 
     def _sum(self, parts: list[torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
+        if self.partials > 1 and len(parts) > 1:
+            # each rank's partial in the run dtype
+            parts = [p.to(self.partial_dtype or dtype).to(p.dtype) for p in parts]
         order = self._order(len(parts))
         acc = parts[order[0]]
         for i in order[1:]:

@@ -211,6 +211,37 @@ _FLOATING = (torch.float64, torch.float32, torch.float16, torch.bfloat16,
                if hasattr(torch, n)))
 
 
+class RoundedResults(TorchDispatchMode):
+    """Every op's floating result rounded to `dtype` (round to nearest even), in a model that runs
+    at a finer precision: the least accurate legal kernel choice, every intermediate materialised
+    in the run dtype (attention scores and probabilities, a blockwise attention's partial
+    outputs, each backward op's result), where the same-precision reference on this CPU keeps
+    some of them in float32 inside fused kernels. One member of the ensemble
+    (sp_harness.checks.references.SAMPLES). Views and in-place ops pass through (aliasing)."""
+
+    def __init__(self, dtype: torch.dtype):
+        super().__init__()
+        self.dtype = dtype
+
+    def _round(self, out, args, kwargs):
+        if not (isinstance(out, torch.Tensor) and out.is_floating_point() and out.numel()
+                and torch.finfo(out.dtype).bits > torch.finfo(self.dtype).bits):
+            return out
+        rounded = out.to(self.dtype).to(out.dtype)
+        if out.untyped_storage().data_ptr() not in _storages((*args, *kwargs.values())):
+            return out.copy_(rounded)  # this call's own result: no new tensor
+        return rounded
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        if _passes_through(func):
+            return out
+        if isinstance(out, (tuple, list)):
+            return type(out)(self._round(o, args, kwargs) for o in out)
+        return self._round(out, args, kwargs)
+
+
 def coarser_dtypes(rel: float, floor: float = 0.0) -> dict[torch.dtype, float]:
     """Floating dtypes that round above `rel` (the run's eps), with the eps they round at: their
     own, or `floor` (a declared island's) where that is larger."""

@@ -28,8 +28,16 @@ if TYPE_CHECKING:
 
 SHAPES = ("forward", "grad", "update")
 DTYPES = ("float64", "float32", "bfloat16")
-TARGETS = {"float64": 1e-10, "float32": 1e-5, "bfloat16": 2e-2}
-"""Largest acceptable minimum detectable d per dtype (issue 10, "Sensitivity, measured")."""
+SIZES = ("default", "training")
+def sized(config: CheckConfig, size: str) -> CheckConfig:
+    """`config` at `size`: 'default' leaves the case's defaults, 'training' is the training-like
+    size (hidden 256, 256 tokens per sequence, 2 layers, head_dim 64, ffn 4h, vocab 256)."""
+    if size == "default":
+        return config
+    return config.replace(hidden=256, ffn=1024, num_heads=4, seq_len=256, num_layers=2, vocab=256)
+TARGETS = {"default": {"float64": 1e-10, "float32": 1e-5, "bfloat16": 2e-2},
+           "training": {"float64": 1e-10, "float32": 1e-6, "bfloat16": 1e-2}}
+"""Largest acceptable minimum detectable d per size and dtype (issues 10 and 23)."""
 LO, HI = 1e-16, 1.0
 ITERATIONS = 10
 WORLD_SIZE = 2
@@ -52,6 +60,8 @@ class Sensitivity:
     dtype: str
     shape: str
     case: str
+    size: str = "default"
+    """'default' (the case's default GPT config) or 'training' (TRAINING)."""
     min_d: float | None
     """Smallest d that FAILed (the bracket's upper end); None if even d = HI passed."""
     max_pass_d: float | None
@@ -77,16 +87,16 @@ def caught_by(res) -> str:
 
 
 def measure(dtype: DType, shape: str, runner: Runner, *, iterations: int = ITERATIONS, lo: float = LO, hi: float = HI,
-            progress=None) -> Sensitivity:
+            progress=None, size: str = "default") -> Sensitivity:
     """Bisect the minimum detectable d for one dtype and bug shape."""
     from sp_harness.cases.mutants.scaled_mutants import CASES, set_scale
     from sp_harness.checks.side_by_side import check
     from sp_harness.judge.verdict import FAIL
 
     case = CASES[shape].name
-    config = CheckConfig(case=case, world_size=WORLD_SIZE, dtype=dtype, timeout_s=TIMEOUT_S)
-    out = Sensitivity(dtype=dtype, shape=shape, case=case, min_d=None, max_pass_d=None,
-                      target=TARGETS.get(dtype))
+    config = sized(CheckConfig(case=case, world_size=WORLD_SIZE, dtype=dtype, timeout_s=TIMEOUT_S), size)
+    out = Sensitivity(dtype=dtype, shape=shape, case=case, size=size, min_d=None, max_pass_d=None,
+                      target=TARGETS[size].get(dtype))
     t0 = time.perf_counter()
     failed = None
 
@@ -101,7 +111,7 @@ def measure(dtype: DType, shape: str, runner: Runner, *, iterations: int = ITERA
                   seconds=res.wall_s)
         out.probes.append(p)
         if progress:
-            progress(f"  {dtype:<9} {shape:<8} d={d:<10.4g} {res.verdict:<5} {p.caught_by:<14} {res.wall_s:.1f}s")
+            progress(f"  {size:<8} {dtype:<9} {shape:<8} d={d:<10.4g} {res.verdict:<5} {p.caught_by:<14} {res.wall_s:.1f}s")
         if res.error:
             out.error = f"d={d!r}: {res.reason}"
         return res
@@ -143,41 +153,47 @@ def measure(dtype: DType, shape: str, runner: Runner, *, iterations: int = ITERA
 
 
 def format_table(rows: list[Sensitivity]) -> str:
-    lines = [f"{'dtype':<9} {'shape':<8} {'min detectable d':>17} {'(largest pass)':>15}  {'caught by':<14} "
+    lines = [f"{'size':<8} {'dtype':<9} {'shape':<8} {'min detectable d':>17} {'(largest pass)':>15}  {'caught by':<14} "
              f"{'target':>7}  {'met':<4} {'checks':>6} {'time':>7}"]
     for r in rows:
         min_d = "not caught" if r.min_d is None else f"{r.min_d:.3g}"
         passed = "-" if r.max_pass_d is None else f"{r.max_pass_d:.3g}"
         target = "" if r.target is None else f"{r.target:g}"
         met = "" if r.target_met is None else ("yes" if r.target_met else "NO")
-        lines.append(f"{r.dtype:<9} {r.shape:<8} {min_d:>17} {passed:>15}  {r.caught_by:<14} {target:>7}  {met:<4} "
+        lines.append(f"{r.size:<8} {r.dtype:<9} {r.shape:<8} {min_d:>17} {passed:>15}  {r.caught_by:<14} {target:>7}  {met:<4} "
                      f"{r.checks:>6} {r.seconds:>6.1f}s" + (f"  ERROR {r.error[:80]}" if r.error else ""))
-    dtypes = list(dict.fromkeys(r.dtype for r in rows))
+    keys = list(dict.fromkeys((r.size, r.dtype) for r in rows))
     shapes = list(dict.fromkeys(r.shape for r in rows))
-    cell = {(r.dtype, r.shape): r for r in rows}
+    cell = {(r.size, r.dtype, r.shape): r for r in rows}
     lines.append("")
-    lines.append(f"{'min d (caught by)':<18}" + "".join(f"{s:>26}" for s in shapes) + f"{'target':>10}")
-    for dt in dtypes:
+    lines.append(f"{'min d (caught by)':<27}" + "".join(f"{s:>26}" for s in shapes) + f"{'target':>10}")
+    for size, dt in keys:
         parts = []
         for s in shapes:
-            c = cell.get((dt, s))
+            c = cell.get((size, dt, s))
             parts.append("" if c is None else ("not caught" if c.min_d is None else f"{c.min_d:.2g} ({c.caught_by})"))
-        mets = [cell[(dt, s)].target_met for s in shapes if (dt, s) in cell]
+        mets = [cell[(size, dt, s)].target_met for s in shapes if (size, dt, s) in cell]
         verdict = "met" if mets and all(mets) else "NOT met"
-        lines.append(f"{dt:<18}" + "".join(f"{p:>26}" for p in parts) + f"{TARGETS.get(dt, float('nan')):>10g} {verdict}")
+        goal = TARGETS[size].get(dt, float("nan"))
+        lines.append(f"{size + ' ' + dt:<27}" + "".join(f"{p:>26}" for p in parts) + f"{goal:>10g} {verdict}")
     return "\n".join(lines)
 
 
 def cmd_sensitivity(args) -> int:
     from sp_harness.launch.runner import runner as _runner
 
+    if not LO <= args.lo < HI:
+        raise ValueError(f"--lo {args.lo!r} is outside [{LO:g}, {HI:g})")
+    if args.iterations < 1:
+        raise ValueError(f"--iterations {args.iterations} must be at least 1")
     runner = _runner()
     t0 = time.perf_counter()
     rows = []
-    for dtype in args.dtype:
-        for shape in args.shape:
-            rows.append(measure(dtype, shape, runner, iterations=args.iterations,
-                                progress=lambda line: print(line, flush=True)))
+    for size in args.size:
+        for dtype in args.dtype:
+            for shape in args.shape:
+                rows.append(measure(dtype, shape, runner, iterations=args.iterations, size=size, lo=args.lo,
+                                    progress=lambda line: print(line, flush=True)))
     print(format_table(rows))
     print(f"total {time.perf_counter() - t0:.1f}s, {sum(r.checks for r in rows)} checks")
     if args.json:
@@ -193,5 +209,10 @@ def add_subcommands(sub) -> None:
     p.add_argument("--shape", nargs="+", choices=SHAPES, default=list(SHAPES),
                    help="bug shapes (scaled mutants) to measure (default: all)")
     p.add_argument("--iterations", type=int, default=ITERATIONS, help=f"bisection steps (default {ITERATIONS})")
+    p.add_argument("--size", nargs="+", choices=SIZES, default=["default"],
+                   help="model sizes: the case's default config, and/or 'training' (hidden 256, seq 256, 2 layers) "
+                        "(default: default)")
+    p.add_argument("--lo", type=float, default=LO, help=f"the bracket's lower end (default {LO:g}); a higher one "
+                   "spends the bisection where a low-precision dtype's answer lies")
     p.add_argument("--json", metavar="FILE", help="write the records (full-precision numbers) as JSON")
     p.set_defaults(func=cmd_sensitivity)

@@ -33,6 +33,8 @@ parser.add_argument("--expected", default=None, help="only draws whose expected 
                     "the DTensor plans' pinned upstream crashes on uneven splits say nothing about tolerances, "
                     "and each costs a pool rebuild)")
 parser.add_argument("--seed", type=int, default=0, help="hypothesis seed: other draws per run")
+parser.add_argument("--dtype", nargs="+", default=None, help="run every draw in one of these dtypes instead of the "
+                    "one drawn (a campaign per dtype)")
 args = parser.parse_args()
 case = args.case
 adv = st.sampled_from(args.adversary)
@@ -73,6 +75,8 @@ else:
 # so hypothesis can replay it
 strategy = (st.integers(0, args.realistic_every - 1).flatmap(lambda i: big if i == 0 else small)
             if args.realistic_every else small)
+if args.dtype:
+    strategy = st.tuples(strategy, st.sampled_from(args.dtype)).map(lambda t: t[0].replace(dtype=t[1]))
 if args.expected:
     strategy = strategy.filter(lambda c: expected_verdict(c) == args.expected)
 stats = {"n": 0, "false_alarms": 0, "verdicts": {}}
@@ -100,7 +104,10 @@ def run(config):
             "case": case, "verdict": res.verdict, "expected": want, "repro": c.repro(), "dtype": c.dtype,
             "adversary": c.adversary, "world_size": c.world_size, "dp": c.dp, "seq_len": c.seq_len,
             "hidden": c.hidden, "num_layers": c.num_layers, "steps": c.steps, "env": env,
-            "worst": {k: v.ratio for k, v in res.worst.items()}, "seconds": time.perf_counter() - t}) + "\n")
+            "worst": {k: v.ratio for k, v in res.worst.items()},
+            "worst_norm": {k: {"ratio": v.norm_ratio, "err": v.err_norm, "noise": v.noise_norm, "ref": v.ref_norm,
+                               "name": v.name} for k, v in res.worst_norm.items()},
+            "seconds": time.perf_counter() - t}) + "\n")
         out.flush()
     if stats["n"] % 25 == 0:
         el = time.perf_counter() - t0

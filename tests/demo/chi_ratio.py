@@ -1,0 +1,25 @@
+"""The chi-ratio quantiles behind sp_harness.compare.tolerance.CHI_RATIO_QUANTILE.
+
+For m degrees of freedom, draw X and Y1..Yn chi-distributed (the norm of m independent unit
+normal contributions) and print the 1 - 1e-5 quantile of X / max(Yk): how far one rounding
+process's error norm exceeds the largest of an ensemble (two by default) once in 1e5 pieces.
+
+    python tests/demo/chi_ratio.py [--draws N]
+"""
+
+import argparse
+
+import torch
+
+parser = argparse.ArgumentParser()
+parser.add_argument("--draws", type=int, default=1_000_000)
+parser.add_argument("--samples", type=int, default=2, help="ensemble size")
+args = parser.parse_args()
+torch.manual_seed(0)
+for m in (8, 16, 32, 64, 256):
+    chi = torch.distributions.Chi2(torch.tensor(float(m)))
+    x = chi.sample((args.draws,)).sqrt()
+    y = chi.sample((args.draws, args.samples)).sqrt().max(1).values
+    r = (x / y).sort().values
+    print(f"m={m:<4} q(1-1e-3)={float(r[int(args.draws * (1 - 1e-3))]):.3f} "
+          f"q(1-1e-5)={float(r[int(args.draws * (1 - 1e-5))]):.3f} max={float(r[-1]):.3f}")

@@ -1,0 +1,100 @@
+"""The ensemble bound (sp_harness.compare.tolerance: ENSEMBLE_KINDS, ensemble_factor), the
+'rounded' ensemble member (sp_harness.step.rounding.RoundedResults) and localisation's words
+for a forward failure no module explains (sp_harness.compare.divergence). Pure: no process
+group."""
+
+import torch
+
+from sp_harness.capture.trace import Trace
+from sp_harness.compare.divergence import first_divergence
+from sp_harness.compare.tolerance import (
+    CHI_RATIO_QUANTILE,
+    MISMATCH,
+    NORM_FACTOR,
+    check_tensor,
+    ensemble_factor,
+)
+from sp_harness.step.rounding import RoundedResults
+
+
+def _bf16_like(ref64: torch.Tensor, gen: torch.Generator, rel: float) -> torch.Tensor:
+    """ref64 with a rounding-sized random relative error of `rel` rms."""
+    return ref64 * (1 + rel * torch.randn(ref64.shape, generator=gen, dtype=torch.float64))
+
+
+def test_factor_follows_the_chi_ratio_table_and_falls_with_more_tokens():
+    assert ensemble_factor(1) == ensemble_factor(8) == MISMATCH * CHI_RATIO_QUANTILE[0][1]
+    assert ensemble_factor(10_000) == MISMATCH * CHI_RATIO_QUANTILE[-1][1]
+    values = [ensemble_factor(m) for m in (8, 12, 16, 24, 32, 100, 256, 512)]
+    assert values == sorted(values, reverse=True)
+
+
+def test_ensemble_catches_a_3_percent_scaled_bf16_piece_the_two_reference_bound_passes():
+    gen = torch.Generator().manual_seed(0)
+    ref64 = torch.randn(48, 64, generator=gen, dtype=torch.float64)
+    ref_lp, sample = _bf16_like(ref64, gen, 4e-3), _bf16_like(ref64, gen, 4e-3)
+    alt = _bf16_like(ref64, gen, 1.2e-2)  # the perturbed reference: about 3x a real kernel's error
+    correct = _bf16_like(ref64, gen, 4e-3)
+    scaled = correct * 1.03
+    common = dict(kind="forward", name="output", step=0, rank=0, ref64=ref64, ref_lp=ref_lp, ref_alt=alt,
+                  dtype=torch.bfloat16, dof=48)
+    assert check_tensor(got=correct, ref_samples=[sample], **common).ok
+    assert not check_tensor(got=scaled, ref_samples=[sample], **common).ok
+    # without the ensemble (a float64 run's path, or no samples) the same piece passes
+    assert check_tensor(got=scaled, **common).ok
+
+
+def test_grads_keep_the_two_reference_bound():
+    gen = torch.Generator().manual_seed(1)
+    ref64 = torch.randn(48, 64, generator=gen, dtype=torch.float64)
+    ref_lp, sample = _bf16_like(ref64, gen, 4e-3), _bf16_like(ref64, gen, 4e-3)
+    alt = _bf16_like(ref64, gen, 1.2e-2)
+    got = _bf16_like(ref64, gen, 4e-3) * 1.03
+    chk = check_tensor(kind="grad", name="w", step=0, rank=0, got=got, ref64=ref64, ref_lp=ref_lp, ref_alt=alt,
+                       dtype=torch.bfloat16, dof=48, ref_samples=[sample])
+    assert chk.ok and chk.noise_norm > 2 * float((ref_lp - ref64).norm())  # alt's, scaled by NORM_FACTOR
+    assert NORM_FACTOR * chk.noise_norm >= chk.err_norm
+
+
+def test_a_cancellation_keeps_the_two_reference_bound():
+    gen = torch.Generator().manual_seed(2)
+    ref64 = 1e-9 * torch.randn(32, 32, generator=gen, dtype=torch.float64)  # a grad zero in exact arithmetic
+    noise = 1e-6 * torch.randn(32, 32, generator=gen, dtype=torch.float64)
+    chk = check_tensor(kind="forward", name="output", step=0, rank=0, got=ref64 + noise, ref64=ref64,
+                       ref_lp=ref64 + noise.flip(0), ref_alt=ref64 + 2 * noise, dtype=torch.bfloat16, dof=32,
+                       ref_samples=[ref64 - noise])
+    assert chk.ok
+
+
+def test_rounded_results_round_every_result_to_the_run_dtype():
+    gen = torch.Generator().manual_seed(3)
+    a = torch.randn(8, 16, generator=gen)
+    b = torch.randn(16, 4, generator=gen)
+    with RoundedResults(torch.bfloat16):
+        out = (a @ b).exp()
+    assert out.dtype == torch.float32
+    assert torch.equal(out, out.to(torch.bfloat16).float())
+    exact = (a.double() @ b.double()).exp()
+    assert not torch.equal(out.double(), exact)
+
+
+def test_a_forward_failure_in_a_flat_module_is_not_blamed_on_the_grad_sync():
+    empty = Trace(forward={}, backward={})
+    d = first_divergence(step=0, rank=1, sharded=empty, ref64=empty, ref_lp=empty, ref_alt=empty,
+                         dtype=torch.float64, seq_len=8, seq_shards=(4, 4), tp_rank=1, failed_kind="forward")
+    assert d.phase == "unaligned"
+    assert "no submodule" in d.note and "grad sync" not in d.describe()
+
+
+def test_unaligned_modules_are_named_with_why():
+    got = Trace(forward={"attn": torch.zeros(2, 3, 5)}, backward={})
+    ref = Trace(forward={"attn": torch.zeros(2, 7, 5)}, backward={})
+    d = first_divergence(step=0, rank=0, sharded=got, ref64=ref, ref_lp=ref, ref_alt=ref, dtype=torch.float64,
+                         seq_len=8, seq_shards=(4, 4), tp_rank=0, failed_kind="lse",
+                         skipped=frozenset({"blocks.0.mlp"}))
+    assert d.phase == "unaligned"
+    assert "'attn'" in d.note and "(2, 3, 5)" in d.note and "'blocks.0.mlp'" in d.note
+    # a param-grad failure with nothing diverging is still the grad sync's
+    d = first_divergence(step=0, rank=0, sharded=got, ref64=ref, ref_lp=ref, ref_alt=ref, dtype=torch.float64,
+                         seq_len=8, seq_shards=(4, 4), tp_rank=0, failed_kind="grad")
+    assert d.phase == "none"
