@@ -75,3 +75,10 @@ def test_a_complex_rope_cache_survives_the_cast(sp_check, dtype):
 def test_a_model_holding_its_process_group_is_built_from_the_factory(sp_check):
     result = sp_check(CheckConfig(case=_case("HOLDS_GROUP"), world_size=2))
     assert result.verdict == "PASS", result.reason
+
+
+def test_an_lse_under_a_name_the_reference_lacks_is_reported_not_run(sp_check):
+    result = sp_check(CheckConfig(case=_case("RENAMED_RING"), world_size=2, steps=1))
+    assert result.verdict == "PASS", result.reason
+    assert "lse" not in result.worst
+    assert any("'blocks.0.attn.sp_attn'" in why and "blocks.0.attn" in why for why in result.not_run), result.not_run

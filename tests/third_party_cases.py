@@ -190,3 +190,45 @@ REGISTERING_WRONG_OFFSET = mutant(REGISTERING, name="mutant-registering-wrong-of
                                       "queries dropped)",
                                   source="tests/third_party_cases.py (engine test)",
                                   shard=_registering_shard_wrong_offset)
+
+
+class _Renamed(nn.Module):
+    """An SP attention held one level down, as a framework's wrapper holds it (`self.sp_attn`):
+    its name is the reference's attention name plus '.sp_attn'."""
+
+    def __init__(self, inner: nn.Module):
+        super().__init__()
+        self.sp_attn = inner
+
+    def forward(self, x):
+        return self.sp_attn(x)
+
+
+def _renamed_ring_shard(model, ctx):
+    import dataclasses
+
+    from sp_harness import ParamSpec
+    from sp_harness.cases.ring.cases import ring_shard
+
+    sharded = ring_shard()(model, ctx)
+    for block in model.blocks:
+        block.attn = _Renamed(block.attn)
+    # the wrapper renames the params too: each maps to the reference's own
+    params = {name: ParamSpec(ref_name=name.replace(".sp_attn.", "."))
+              for name, _ in model.named_parameters() if ".sp_attn." in name}
+    return dataclasses.replace(sharded, params=params)
+
+
+def _renamed_ring():
+    import dataclasses
+
+    from sp_harness.cases.ring.cases import RING
+
+    return dataclasses.replace(RING, name="ring-renamed-attention",
+                               description="a correct ring-gpt, its attention under another module name",
+                               shard=_renamed_ring_shard)
+
+
+RENAMED_RING = _renamed_ring()
+"""A correct ring-gpt whose attention exposes its LSE under 'blocks.N.attn.sp_attn': the LSE
+check cannot pair it with the reference's 'blocks.N.attn' and must say so."""
