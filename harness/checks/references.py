@@ -23,7 +23,7 @@ each reference is recomputed with its modules traced.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import Protocol, cast
 
@@ -102,24 +102,18 @@ def finer(dtype: torch.dtype) -> torch.dtype:
     return torch.float32 if torch.finfo(dtype).bits < 32 else torch.float64
 
 
-def sample_mode(config: CheckConfig, which: str) -> contextlib.AbstractContextManager:
+@contextlib.contextmanager
+def sample_mode(config: CheckConfig, which: str) -> Iterator[None]:
     """The mode an ensemble reference (SAMPLES) runs under: every op's result rounded to the run
     dtype, and the sharded side's legal orders (every matmul and sum split into at most
     world-size parts, each rounded to the run dtype and summed in it in a random order: a
     reduction split over the ranks and finished by a collective), plus a worst-order error."""
     assert which in SAMPLES, which
-    orders = ReorderAdversary(config.seed + 8, reorder=True, order_noise=True,
-                              tf32=config.adversary == "reorder-tf32", partials=max(2, config.world_size),
-                              partial_dtype=config.torch_dtype)
-    rounding = RoundedResults(config.torch_dtype)
-
-    @contextlib.contextmanager
-    def both():
-        # the rounding mode innermost: it rounds what the order mode's pieces return
-        with orders, rounding:
-            yield
-
-    return both()
+    orders = ReorderAdversary(config.seed + 8, reorder=True, order_noise=True, tf32=config.adversary == "reorder-tf32",
+                              partials=max(2, config.world_size), partial_dtype=config.torch_dtype)
+    # the rounding mode entered last: it sees each op first and rounds what the order mode returns
+    with orders, RoundedResults(config.torch_dtype):
+        yield
 
 
 @dataclass(kw_only=True)
@@ -146,8 +140,8 @@ class References:
     """The order-noise mode the run-precision reference runs under."""
     config: CheckConfig
     rounded: nn.Module | None = None
-    """The 'rounded' ensemble reference (SAMPLES), at the precision above the run's; None for a
-    float64 run."""
+    """The 'rounded' ensemble reference (SAMPLES), at the precision above the run's; None where
+    the run has no ensemble (kinds_for)."""
     forward_only: bool = False
     """A forward-only check: the references skip backward (`reference_pass(backward=False)`)."""
 

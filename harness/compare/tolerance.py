@@ -154,8 +154,9 @@ class TensorCheck:
     err_norm: float = 0.0
     """||got - ref64|| over the piece (where a norm-wise bound applies)."""
     noise_norm: float = 0.0
-    """The references' error norm the norm-wise bound scales: the ensemble's largest for a run
-    below float64, else the larger of the run-precision and perturbed references'."""
+    """The references' error norm the norm-wise bound scales: the ensemble's largest where it
+    judges (ENSEMBLE_KINDS, runs below float32), else the larger of the run-precision and
+    perturbed references'."""
     ref_norm: float = 0.0
     """||ref64|| over the piece (where a norm-wise bound applies)."""
 
@@ -183,8 +184,8 @@ def check_tensor(*, kind: str, name: str, step: int, rank: int, got: torch.Tenso
     reported index is a reference index. `extra_allowed` is an absolute allowance the caller
     derives from the computation (the loss's, propagated from its output's error). `dof`: the
     number of tokens behind the tensor, which gates the norm-wise bound (NORM_MIN_DOF).
-    `ref_samples`: the ensemble's other same-precision references (sp_harness.checks.references.
-    SAMPLES), for a run below float64: with them the norm-wise bound is the ensemble's.
+    `ref_samples`: the ensemble's other members (sp_harness.checks.references.SAMPLES), for a
+    run below float32: with them the norm-wise bound of a forward or LSE piece is the ensemble's.
     """
     if got is None:
         return TensorCheck(kind=kind, name=name, step=step, rank=rank, max_abs=float("inf"),
@@ -240,8 +241,6 @@ class NormBound:
     err: float = 0.0
     noise: float = 0.0
     ref: float = 0.0
-    factor: float = 0.0
-    """The factor the references' error norm was scaled by."""
 
 
 def _norm_bound(kind: str, diff: torch.Tensor, ref64: torch.Tensor, ref_lp: torch.Tensor, ref_alt: torch.Tensor | None,
@@ -256,21 +255,20 @@ def _norm_bound(kind: str, diff: torch.Tensor, ref64: torch.Tensor, ref_lp: torc
     got = float(diff.norm())
     if kind not in ENSEMBLE_KINDS:
         samples = ()
-    errs = [s.detach().to(torch.float64) - ref64 for s in (ref_lp, *samples)] if samples and dtype != torch.float64 else []
+    errs = [s.detach().to(torch.float64) - ref64 for s in (ref_lp, *samples)] if samples else []
     noise = max((float(e.norm()) for e in errs), default=0.0)
     if samples and noise < CANCELLATION * ref_norm:
         factor = ensemble_factor(min(dof, diff.numel()))
         bound = factor * noise + ENSEMBLE_FLOOR_UNITS * eps(dtype) / 2 * ref_norm
         ratio = got / bound if bound else float("inf") if got else 0.0
-        return NormBound(ratio=ratio, err=got, noise=noise, ref=ref_norm, factor=factor)
+        return NormBound(ratio=ratio, err=got, noise=noise, ref=ref_norm)
     noise = float((ref_lp.detach().to(torch.float64) - ref64).norm()) * (eps(dtype) / eps(lp))
     if ref_alt is not None:
         noise = max(noise, float((ref_alt.detach().to(torch.float64) - ref64).norm()))
     bound = NORM_FACTOR * noise + NORM_FLOOR_ULPS * eps(dtype) * ref_norm
     if got == 0:
-        return NormBound(err=0.0, noise=noise, ref=ref_norm, factor=NORM_FACTOR)
-    return NormBound(ratio=got / bound if bound else float("inf"), err=got, noise=noise, ref=ref_norm,
-                     factor=NORM_FACTOR)
+        return NormBound(err=0.0, noise=noise, ref=ref_norm)
+    return NormBound(ratio=got / bound if bound else float("inf"), err=got, noise=noise, ref=ref_norm)
 
 
 def check_bounded(*, kind: str, name: str, step: int, rank: int, got: torch.Tensor | None, want: torch.Tensor,

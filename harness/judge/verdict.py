@@ -159,19 +159,21 @@ class CheckResult:
         }
 
 
+def _worst_over(per_rank: list[dict[str, TensorCheck]], ratio) -> dict[str, TensorCheck]:
+    """Per kind, the check with the largest `ratio(check)` over the ranks' worst ones."""
+    worst: dict[str, TensorCheck] = {}
+    for by_kind in per_rank:
+        for kind, chk in by_kind.items():
+            if kind not in worst or ratio(chk) > ratio(worst[kind]):
+                worst[kind] = chk
+    return worst
+
+
 def merge(config: CheckConfig, results: list[RankResult], *, wall_s: float = 0.0,
           declared: Mapping[str, str] | None = None) -> CheckResult:
     failures = sorted((f for r in results for f in r.failures), key=TensorCheck.sort_key)
-    worst: dict[str, TensorCheck] = {}
-    for r in results:
-        for kind, chk in r.worst.items():
-            if kind not in worst or chk.ratio > worst[kind].ratio:
-                worst[kind] = chk
-    worst_norm: dict[str, TensorCheck] = {}
-    for r in results:
-        for kind, chk in r.worst_norm.items():
-            if kind not in worst_norm or chk.norm_ratio > worst_norm[kind].norm_ratio:
-                worst_norm[kind] = chk
+    worst = _worst_over([r.worst for r in results], lambda c: c.ratio)
+    worst_norm = _worst_over([r.worst_norm for r in results], lambda c: c.norm_ratio)
     drift: dict[tuple[int, str, str], Drift] = {}
     for r in results:
         for d in r.drift:

@@ -29,12 +29,6 @@ if TYPE_CHECKING:
 SHAPES = ("forward", "grad", "update")
 DTYPES = ("float64", "float32", "bfloat16")
 SIZES = ("default", "training")
-def sized(config: CheckConfig, size: str) -> CheckConfig:
-    """`config` at `size`: 'default' leaves the case's defaults, 'training' is the training-like
-    size (hidden 256, 256 tokens per sequence, 2 layers, head_dim 64, ffn 4h, vocab 256)."""
-    if size == "default":
-        return config
-    return config.replace(hidden=256, ffn=1024, num_heads=4, seq_len=256, num_layers=2, vocab=256)
 TARGETS = {"default": {"float64": 1e-10, "float32": 1e-5, "bfloat16": 2e-2},
            "training": {"float64": 1e-10, "float32": 1e-6, "bfloat16": 1e-2}}
 """Largest acceptable minimum detectable d per size and dtype (issues 10 and 23)."""
@@ -43,6 +37,14 @@ ITERATIONS = 10
 WORLD_SIZE = 2
 TIMEOUT_S = 300.0
 """Per check: generous, the machine may be shared; a timeout is an error here, never a kill."""
+
+
+def sized(config: CheckConfig, size: str) -> CheckConfig:
+    """`config` at `size`: 'default' leaves the case's defaults, 'training' is the training-like
+    size (hidden 256, 256 tokens per sequence, 2 layers, head_dim 64, ffn 4h, vocab 256)."""
+    if size == "default":
+        return config
+    return config.replace(hidden=256, ffn=1024, num_heads=4, seq_len=256, num_layers=2, vocab=256)
 
 
 @dataclass(kw_only=True)
@@ -61,7 +63,7 @@ class Sensitivity:
     shape: str
     case: str
     size: str = "default"
-    """'default' (the case's default GPT config) or 'training' (TRAINING)."""
+    """'default' (the case's default GPT config) or 'training' (see `sized`)."""
     min_d: float | None
     """Smallest d that FAILed (the bracket's upper end); None if even d = HI passed."""
     max_pass_d: float | None
