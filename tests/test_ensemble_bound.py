@@ -44,16 +44,50 @@ def test_ensemble_catches_a_3_percent_scaled_bf16_piece_the_two_reference_bound_
     assert check_tensor(got=scaled, **common).ok
 
 
-def test_grads_keep_the_two_reference_bound():
+def test_grads_and_input_grads_are_judged_by_the_ensemble_too():
     gen = torch.Generator().manual_seed(1)
     ref64 = torch.randn(48, 64, generator=gen, dtype=torch.float64)
     ref_lp, sample = _bf16_like(ref64, gen, 4e-3), _bf16_like(ref64, gen, 4e-3)
     alt = _bf16_like(ref64, gen, 1.2e-2)
-    got = _bf16_like(ref64, gen, 4e-3) * 1.03
-    chk = check_tensor(kind="grad", name="w", step=0, rank=0, got=got, ref64=ref64, ref_lp=ref_lp, ref_alt=alt,
-                       dtype=torch.bfloat16, dof=48, ref_samples=[sample])
-    assert chk.ok and chk.noise_norm > 2 * float((ref_lp - ref64).norm())  # alt's, scaled by NORM_FACTOR
-    assert NORM_FACTOR * chk.noise_norm >= chk.err_norm
+    correct = _bf16_like(ref64, gen, 4e-3)
+    for kind in ("grad", "input_grad"):
+        common = dict(kind=kind, name="w", step=0, rank=0, ref64=ref64, ref_lp=ref_lp, ref_alt=alt,
+                      dtype=torch.bfloat16, dof=48, ref_samples=[sample])
+        assert check_tensor(got=correct, **common).ok
+        chk = check_tensor(got=correct * 1.03, **common)
+        assert not chk.ok and chk.noise_norm < 2 * float((ref_lp - ref64).norm())  # the ensemble's, not alt's
+        assert NORM_FACTOR * float((alt - ref64).norm()) > chk.err_norm  # the old bound passed it
+
+
+def test_the_rounded_member_forms_softmax_row_sums_from_its_output_as_a_flash_kernel():
+    # D = rowsum(dO * O) from the P @ V it rounded and the dO of g's matmul, not softmax's own
+    # D = rowsum(p * g); the dO it reads carries a rounding of its own (RoundedResults)
+    bf16 = torch.bfloat16
+    seed = torch.Generator().manual_seed(5)
+    # values and output grads with a common offset: every g_j = dO . v_j is near D, p (g - D)
+    # cancels and D's rounding shows; all exact in bf16, so the member rounds no input
+    scores, v, w = (torch.randn(6, 32, 32 if i == 0 else 16, generator=seed) + (4 if i else 0) for i in range(3))
+    scores, v, w = (t.to(bf16).float() for t in (scores, v, w))
+
+    def rounded(t: torch.Tensor) -> torch.Tensor:
+        return t.to(bf16).float()
+
+    def score_grad(gen: torch.Generator | None) -> torch.Tensor:
+        leaf = scores.clone().requires_grad_()
+        with RoundedResults(bf16, gen):
+            (torch.bmm(leaf.softmax(-1), v) * w).sum().backward()
+        return leaf.grad
+
+    prob = rounded(scores.softmax(-1))  # (B, S, S)
+    out = rounded(torch.bmm(prob, v))  # (B, S, d)
+    g = rounded(torch.bmm(w, v.transpose(1, 2)))  # (B, S, S)
+    u = torch.finfo(bf16).eps / 2
+    drawn = torch.rand(w.shape, generator=torch.Generator().manual_seed(6), dtype=torch.float64).float()
+    rowsum = (w * (1 + u * (2 * drawn - 1)) * out).sum(-1, keepdim=True)  # (B, S, 1)
+    flash = rounded(prob * (g - rowsum))
+    ulp = torch.finfo(bf16).eps * flash.abs().max()
+    assert float((score_grad(torch.Generator().manual_seed(6)) - flash).abs().max()) <= float(ulp)
+    assert float((score_grad(None) - flash).abs().max()) > 2 * float(ulp)
 
 
 def test_a_cancellation_keeps_the_two_reference_bound():

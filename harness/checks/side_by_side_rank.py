@@ -171,7 +171,7 @@ class _SideBySide:
             want_alt, _ = cut(r_alt.input_grads[name] * scale, in_layout, ctx)
             label = "input" if batch.positional else f"input:{name}"
             self.judge("input_grad", label, step, local.inputs[name].grad, want64, want_lp, in_off, want_alt,
-                       dof=local_tokens)
+                       dof=local_tokens, samples=[cut(r.input_grads[name] * scale, in_layout, ctx)[0] for r in samples])
 
     def judge_lse(self, step: int, refs: dict[str, RefResult]) -> None:
         """Attention log-sum-exps, where the sharded model exposes them. A module exposes its own
@@ -214,7 +214,8 @@ class _SideBySide:
             g64, glp = grads["r64"][ref], grads["lp"][ref]
             assert g64 is not None and glp is not None, f"the references computed no grad of {ref} (backward ran)"
             got, w64, wlp, off = p.full_or_piece(got_grad, g64, glp, self.ctx)
-            self.judge("grad", ref, step, got, w64, wlp, off, p.piece_of(grads["alt"][ref], self.ctx), dof=tokens)
+            self.judge("grad", ref, step, got, w64, wlp, off, p.piece_of(grads["alt"][ref], self.ctx), dof=tokens,
+                       samples=[p.piece_of(grads[w][ref], self.ctx) for w in SAMPLES if w in grads])
 
     def localize(self, step: int, batch, failed_kind: str) -> None:
         """At the first failing step, the first module whose output or input grad diverged."""

@@ -96,13 +96,13 @@ def ensemble_factor(dof: int) -> float:
     return MISMATCH * table[-1][1]
 
 
-ENSEMBLE_KINDS = frozenset({"forward", "lse"})
-"""The checks the ensemble bound judges. Not grads and input grads: a ring's blockwise backward
-forms softmax's row sum D = rowsum(dO * O) from its rounded output, a legal choice the ensemble
-(explicit softmax, whose backward forms D from the probabilities) does not make, and a correct
-bfloat16 ring's q/k-proj grads erred 5x the ensemble's largest at hidden 256, seq 512 (docs/
-tolerance.md, "The ensemble bound"); the two-reference bound, whose perturbed reference adds
-that row-sum error, judges them."""
+ENSEMBLE_KINDS = frozenset({"forward", "lse", "grad", "input_grad"})
+"""The checks the ensemble bound judges: every one the references compute (the loss has its
+propagated allowance, the update its own bound). Grads need the 'rounded' member's backward to
+form softmax's row sum D as a flash kernel does, from the rounded output (sp_harness.step.
+rounding.RoundedResults): without it a correct bfloat16 ring's q/k-proj grads erred 7x the
+ensemble's largest at hidden 256, seq 512, with it 1.2x (docs/tolerance.md, "The ensemble
+bound")."""
 CANCELLATION = 0.5
 """A piece whose ensemble errs by this fraction of its own norm or more is a cancellation of much
 larger terms (a grad that is zero in exact arithmetic, softmax's shift invariance): the

@@ -136,7 +136,7 @@ class ReorderAdversary(TorchDispatchMode):
     def _sum(self, parts: list[torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
         if self.partials > 1 and len(parts) > 1:
             # each rank's partial in the run dtype
-            parts = [p.to(self.partial_dtype or dtype).to(p.dtype) for p in parts]
+            parts = [p.copy_(p.to(self.partial_dtype or dtype)) for p in parts]  # fresh results: in place
         order = self._order(len(parts))
         acc = parts[order[0]]
         for i in order[1:]:

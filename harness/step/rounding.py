@@ -12,7 +12,7 @@ from collections.abc import Mapping
 
 import torch
 from torch import nn
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 
 from sp_harness.config.case import island_dtype
 from sp_harness.step.adversary import order_error
@@ -217,29 +217,96 @@ class RoundedResults(TorchDispatchMode):
     in the run dtype (attention scores and probabilities, a blockwise attention's partial
     outputs, each backward op's result), where the same-precision reference on this CPU keeps
     some of them in float32 inside fused kernels. One member of the ensemble
-    (sp_harness.checks.references.SAMPLES). Views and in-place ops pass through (aliasing)."""
+    (sp_harness.checks.references.SAMPLES). Views and in-place ops pass through (aliasing).
 
-    def __init__(self, dtype: torch.dtype):
+    Softmax's backward is p (g - D), D the row sum of p g. An explicit softmax forms D from the
+    g it subtracts it from; a FlashAttention-style kernel (a ring's blockwise backward among
+    them) forms D = rowsum(dO * O) from the forward's rounded output O instead, which breaks that
+    cancellation by the roundings of O and of g: on a key grad, a sum over queries whose exact
+    part cancels (softmax's shift invariance), that error is most of what a correct bf16 ring
+    errs by (13% of a k-proj grad's norm at hidden 256, seq 512). Where the model's attention is
+    an explicit softmax followed by a matmul with V, this member forms D the flash way, from the
+    P @ V result it rounded and the dO of the matmul that produced g: the other legal choice than
+    the run-precision reference's."""
+
+    def __init__(self, dtype: torch.dtype, gen: torch.Generator | None = None):
         super().__init__()
         self.dtype = dtype
+        self.gen = gen
+        """Draws the rounding of the dO a flash row sum reads (None: no flash row sum)."""
+        self._softmax_out: dict[int, None] = {}
+        """Storages of recent softmax results (the P of P @ V)."""
+        self._attn_out: dict[int, torch.Tensor] = {}
+        """P's storage -> its P @ V result as rounded (O), for D = rowsum(dO * O) in backward."""
+        self._grad_of: dict[int, torch.Tensor] = {}
+        """A recent matmul result's storage (and its reshapes') -> its first operand: for the
+        g = dO @ V^T that reaches softmax's backward, dO."""
 
     def _round(self, out, args, kwargs):
         if not (isinstance(out, torch.Tensor) and out.is_floating_point() and out.numel()
                 and torch.finfo(out.dtype).bits > torch.finfo(self.dtype).bits):
             return out
-        rounded = out.to(self.dtype).to(out.dtype)
         if out.untyped_storage().data_ptr() not in _storages((*args, *kwargs.values())):
-            return out.copy_(rounded)  # this call's own result: no new tensor
-        return rounded
+            return out.copy_(out.to(self.dtype))  # this call's own result: no new tensor
+        return out.to(self.dtype).to(out.dtype)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if func is _SOFTMAX_BACKWARD and self.gen is not None:
+            flash = self._flash_softmax_backward(*args[:3])
+            if flash is not None:
+                return self._round(flash, (), {})
         out = func(*args, **kwargs)
         if _passes_through(func):
             return out
         if isinstance(out, (tuple, list)):
             return type(out)(self._round(o, args, kwargs) for o in out)
-        return self._round(out, args, kwargs)
+        out = self._round(out, args, kwargs)
+        self._track(func, args, out)
+        return out
+
+    def _track(self, func, args, out) -> None:
+        if func is _SOFTMAX:
+            _remember(self._softmax_out, _ptr(out), None)
+        elif func in _MATMULS[:2] and isinstance(out, torch.Tensor):
+            first = args[0]
+            if func is torch.ops.aten.bmm.default and _ptr(first) in self._softmax_out:
+                # the forward's P @ V comes first; backward's P^T @ dO reads the same storage
+                self._attn_out.setdefault(_ptr(first), out)
+            _remember(self._grad_of, _ptr(out), first)
+        elif func in _RESHAPES and isinstance(out, torch.Tensor) and _ptr(args[0]) in self._grad_of:
+            _remember(self._grad_of, _ptr(out), self._grad_of[_ptr(args[0])])
+
+    def _flash_softmax_backward(self, grad: torch.Tensor, prob: torch.Tensor, dim: int) -> torch.Tensor | None:
+        """p (g - rowsum(dO * O)), where g came out of dO @ V^T and p's P @ V was O; None where
+        the model's attention is not that shape (another reference's softmax keeps its own D)."""
+        attn_out, d_out = self._attn_out.get(_ptr(prob)), self._grad_of.get(_ptr(grad))
+        if attn_out is None or d_out is None or tuple(attn_out.shape) != tuple(d_out.shape):
+            return None
+        if dim not in (-1, prob.dim() - 1) or attn_out.numel() // attn_out.shape[-1] != prob.numel() // prob.shape[-1]:
+            return None
+        # a kernel's own float32 arithmetic: no mode below this one splits or rounds it
+        with _disable_current_modes():
+            # the dO D reads is rounded apart from the one g came from (a ring rounds each block's
+            # share of dO to the run dtype for its dP matmul; D reads the float32 one): a rounding
+            # drawn at the run dtype's unit roundoff
+            u = torch.finfo(self.dtype).eps / 2
+            drawn = torch.rand(d_out.shape, generator=self.gen, dtype=torch.float64).to(d_out.device, prob.dtype)
+            d_out = d_out.to(prob.dtype) * (1 + u * (2 * drawn - 1))
+            rowsum = (d_out * attn_out.to(prob.dtype)).sum(-1)  # one per query row
+            return prob * (grad - rowsum.reshape(*prob.shape[:-1], 1))
+
+
+def _ptr(t: torch.Tensor) -> int:
+    return t.untyped_storage().data_ptr()
+
+
+def _remember(table: dict, key: int, value) -> None:
+    """Keep the last MAX_REMEMBERED entries of `table`."""
+    table.pop(key, None)
+    table[key] = value
+    while len(table) > MAX_REMEMBERED:
+        table.pop(next(iter(table)))
 
 
 def coarser_dtypes(rel: float, floor: float = 0.0) -> dict[torch.dtype, float]:
@@ -255,6 +322,7 @@ def _within(name: str, prefix: str) -> bool:
 
 
 _SOFTMAX_BACKWARD = torch.ops.aten._softmax_backward_data.default
+_SOFTMAX = torch.ops.aten._softmax.default
 _RESHAPES = (torch.ops.aten._unsafe_view.default, torch.ops.aten.clone.default, torch.ops.aten.view.default,
              torch.ops.aten.reshape.default)
 MAX_REMEMBERED = 4
