@@ -8,6 +8,7 @@ import torch
 from sp_harness.capture.trace import Trace
 from sp_harness.compare.divergence import first_divergence
 from sp_harness.compare.tolerance import (
+    ALT_OVERESTIMATE,
     CHI_RATIO_QUANTILE,
     MISMATCH,
     NORM_FACTOR,
@@ -57,6 +58,20 @@ def test_grads_and_input_grads_are_judged_by_the_ensemble_too():
         chk = check_tensor(got=correct * 1.03, **common)
         assert not chk.ok and chk.noise_norm < 2 * float((ref_lp - ref64).norm())  # the ensemble's, not alt's
         assert NORM_FACTOR * float((alt - ref64).norm()) > chk.err_norm  # the old bound passed it
+
+
+def test_a_grad_whose_perturbed_reference_errs_far_more_keeps_a_third_of_it():
+    # a cancelling sum (a norm's bias grad): alt, rounding every op's inputs, errs 12x the
+    # members; a correct sharded run splitting the sum by its shards errs 3.6x them
+    gen = torch.Generator().manual_seed(7)
+    ref64 = torch.randn(48, 64, generator=gen, dtype=torch.float64)
+    ref_lp, sample = _bf16_like(ref64, gen, 4e-3), _bf16_like(ref64, gen, 4e-3)
+    alt, got = _bf16_like(ref64, gen, 4.8e-2), _bf16_like(ref64, gen, 1.45e-2)
+    common = dict(name="b", step=0, rank=0, got=got, ref64=ref64, ref_lp=ref_lp, ref_alt=alt, dtype=torch.bfloat16,
+                  dof=48, ref_samples=[sample])
+    grad = check_tensor(kind="grad", **common)
+    assert grad.ok and abs(grad.noise_norm - float((alt - ref64).norm()) / ALT_OVERESTIMATE) < 1e-12
+    assert not check_tensor(kind="forward", **common).ok  # a forward output has no such sum
 
 
 def test_the_rounded_member_forms_softmax_row_sums_from_its_output_as_a_flash_kernel():

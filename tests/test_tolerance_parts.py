@@ -37,6 +37,51 @@ def test_adamw_bound_catches_a_scaled_update():
     assert not chk.ok
 
 
+def test_optimizer_bounds_hold_over_random_magnitudes_and_a_cancelling_momentum():
+    # params 1e-3..10, grads 1e-6..10, lr 1e-4..1e-1, coherent and random grads, and an AdamW
+    # step whose grad cancels the momentum (m' = 0): the bound's derivation, not one point
+    worst = 0.0
+    for opt_name in ("adamw", "sgd"):
+        for dtype in (torch.bfloat16, torch.float32, torch.float64):
+            for seed in range(24):
+                gen = torch.Generator().manual_seed(seed)
+                p_scale, g_scale, lr = (10 ** float(torch.empty(1).uniform_(lo, hi, generator=gen))
+                                        for lo, hi in ((-3, 1), (-6, 1), (-4, -1)))
+                p = torch.nn.Parameter((torch.randn(64, 33, generator=gen, dtype=torch.float64) * p_scale).to(dtype))
+                opt = make_optimizer(opt_name, lr, [p])
+                for step in range(4):
+                    g = torch.randn(64, 33, generator=gen, dtype=torch.float64) * g_scale + (g_scale if step % 2 else 0)
+                    if step == 3 and opt_name == "adamw" and seed % 2:
+                        g = -9 * opt.state[p]["exp_avg"].double() + 1e-3 * g
+                    p.grad = g.to(dtype)
+                    before, state = p.detach().clone(), state_of(opt, p, lambda t: t)
+                    ref = reference_step(optimizer=opt_name, lr=lr, param=before, grad=p.grad, state=state, dtype=dtype)
+                    opt.step()
+                    chk = check_bounded(kind="param", name="p", step=step, rank=0, got=p, want=ref.param,
+                                        bound=ref.bound)
+                    assert chk.ok, (opt_name, dtype, seed, step, chk.describe())
+                    worst = max(worst, chk.ratio)
+    assert worst > 0.1  # the bound is near what rounding does, not far above it
+
+
+def test_a_bf16_update_off_by_15_percent_is_caught():
+    # the update term's bound is about 10 eps of the update (8% in bf16); the model before
+    # counted |m| + |g| whole and 8 eps everywhere, about 40% of AdamW's first updates
+    gen = torch.Generator().manual_seed(4)
+    p = torch.nn.Parameter((0.02 * torch.randn(64, 64, generator=gen, dtype=torch.float64)).to(torch.bfloat16))
+    opt = make_optimizer("adamw", 1e-2, [p])
+    for step in range(2):
+        p.grad = torch.randn(64, 64, generator=gen, dtype=torch.float64).to(torch.bfloat16)
+        before, state = p.detach().clone(), state_of(opt, p, lambda t: t)
+        ref = reference_step(optimizer="adamw", lr=1e-2, param=before, grad=p.grad, state=state, dtype=torch.bfloat16)
+        opt.step()
+        correct = p.detach().double()
+        scaled = (before.double() + 1.15 * (correct - before.double())).to(torch.bfloat16)
+        common = dict(kind="param", name="p", step=step, rank=0, want=ref.param, bound=ref.bound)
+        assert check_bounded(got=correct, **common).ok
+        assert not check_bounded(got=scaled, **common).ok, step
+
+
 def test_sgd_reference_matches_torch():
     gen = torch.Generator().manual_seed(1)
     p = torch.nn.Parameter(torch.randn(5, 3, generator=gen, dtype=torch.float32))

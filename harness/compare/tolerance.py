@@ -100,9 +100,20 @@ ENSEMBLE_KINDS = frozenset({"forward", "lse", "grad", "input_grad"})
 """The checks the ensemble bound judges: every one the references compute (the loss has its
 propagated allowance, the update its own bound). Grads need the 'rounded' member's backward to
 form softmax's row sum D as a flash kernel does, from the rounded output (sp_harness.step.
-rounding.RoundedResults): without it a correct bfloat16 ring's q/k-proj grads erred 7x the
-ensemble's largest at hidden 256, seq 512, with it 1.2x (docs/tolerance.md, "The ensemble
-bound")."""
+rounding.RoundedResults): without it a correct bfloat16 ring's k-proj grads erred 7x the
+ensemble's largest at hidden 256, seq 512, 4 layers, with it 1.2x; and the perturbed reference
+over ALT_OVERESTIMATE as a third member (docs/tolerance.md, "The ensemble bound")."""
+BACKWARD_KINDS = frozenset({"grad", "input_grad"})
+ALT_OVERESTIMATE = 3.0
+"""For grads and input grads the ensemble's largest error is at least the perturbed reference's
+over this (the issue's measured 3x: alt's error norm is 2.9x the ensemble's at the median of a
+4-rank megatron run, 5x at the default config). A grad is a sum over tokens that a sharded run
+splits by its own shards and reduces across ranks in the run dtype; where that sum cancels (a
+norm's bias grad, an MLP of one unit), the rounding of its per-rank parts follows the parts,
+not the result, which the members (rounding results, at random splits) see less of than alt
+(rounding every op's inputs: the backward-error view). Found by the campaign: megatron-gpt-sp,
+4 ranks, shards (0, 4, 1, 8), ffn 1, where correct grads erred 4.55x the members' largest and
+at most 2.04x this (docs/false-alarms.md)."""
 CANCELLATION = 0.5
 """A piece whose ensemble errs by this fraction of its own norm or more is a cancellation of much
 larger terms (a grad that is zero in exact arithmetic, softmax's shift invariance): the
@@ -258,6 +269,8 @@ def _norm_bound(kind: str, diff: torch.Tensor, ref64: torch.Tensor, ref_lp: torc
     errs = [s.detach().to(torch.float64) - ref64 for s in (ref_lp, *samples)] if samples else []
     noise = max((float(e.norm()) for e in errs), default=0.0)
     if samples and noise < CANCELLATION * ref_norm:
+        if kind in BACKWARD_KINDS and ref_alt is not None:
+            noise = max(noise, float((ref_alt.detach().to(torch.float64) - ref64).norm()) / ALT_OVERESTIMATE)
         factor = ensemble_factor(min(dof, diff.numel()))
         bound = factor * noise + ENSEMBLE_FLOOR_UNITS * eps(dtype) / 2 * ref_norm
         ratio = got / bound if bound else float("inf") if got else 0.0

@@ -8,11 +8,24 @@ element (Higham's model, fl(a op b) = (a op b)(1 + d), |d| <= u):
 
     AdamW  p' = p (1 - lr wd) - step_size * m' / (sqrt(v') / sqrt(bc2) + eps)
            m' = lerp(m, g, 1 - b1),  v' = b2 v + (1 - b2) g^2
-    bound  = C * eps * (|p| + |p' - p| + step_size * (|m| + |g|) / denom)
+    bound  = eps * (P |p| + C (|p' - p| + step_size * (|m'| + (1 - b1) (|m| + |g|)) / denom))
 
-`|m| + |g|` rather than `|m'|` because the lerp may cancel; every term of v' is non-negative,
-so its rounding is relative and folds into the |p' - p| term. C = 8 units of eps (16 of the unit
-roundoff) covers the ~8 roundings of the step with room for a kernel that rounds twice.
+The lerp m + (1 - b1)(g - m) rounds its result (|m'|) and, inside, g - m and its product with
+1 - b1 (each at most (1 - b1)(|m| + |g|) after the product, where m' may cancel): not the whole
+|m| + |g|, which at AdamW's first steps is 5-10 times the update and hid a bf16 update off by
+30%. Every term of v' is non-negative, so its rounding is relative and folds into the |p' - p|
+term. The update u = step_size m' / denom
+rounds about 5 times relative to itself (m' once, v' twice, sqrt, / sqrt(bc2) and + eps once
+each, through denom), and the two terms C multiplies are each at least |u|: C = 4 units of eps
+(8 unit roundoffs per term, 16 on |u|) is three times that count (it was 8 until bfloat16's
+update check had to see a few percent: 8 eps |u| x 2 terms is 12% of the update in bf16). Only
+three roundings happen at the parameter's own magnitude: the decay factor 1 - lr wd (a float32
+run's scalar is rounded to float32), the decayed p and the final sum. So |p| gets P = 2 units
+of eps (4 unit roundoffs: those three and a fourth, for a master weight the optimizer updates
+that the param was rounded down from). |p| is the largest term by far in a low-precision run
+(bf16's eps |p| is about the whole update at lr 1e-2), so its coefficient is what the update
+check can see: float32 AdamW reached 2.3 unit roundoffs of |p| over 600 random steps
+(tests/test_tolerance_parts.py).
 
 Nothing is carried from one step to the next: an error in step k's grads cannot be amplified by
 AdamW's 1/sqrt(v) into step k+1's bound (that amplification, on an element whose grad was 26x
@@ -25,8 +38,10 @@ from dataclasses import dataclass
 
 import torch
 
-ROUNDINGS = 8.0
-"""C above: units of eps(dtype) per bound term, from counting the step's roundings."""
+ROUNDINGS = 4.0
+"""C above: units of eps(dtype) per bound term of the update, from counting its roundings."""
+PARAM_ROUNDINGS = 2.0
+"""P above: units of eps(dtype) on |p|, the roundings at the parameter's own magnitude."""
 
 ADAMW_BETAS = (0.9, 0.999)
 ADAMW_EPS = 1e-8
@@ -73,10 +88,10 @@ def reference_step(*, optimizer: str, lr: float, param: torch.Tensor, grad: torc
     if optimizer == "sgd":
         buf = g if state.momentum_buffer is None else SGD_MOMENTUM * state.momentum_buffer + g
         new = p - lr * buf
-        scale = p.abs() + lr * g.abs()
+        scale = lr * g.abs() + (new - p).abs()
         if state.momentum_buffer is not None:
             scale = scale + lr * SGD_MOMENTUM * state.momentum_buffer.abs()
-        return StepReference(param=new, bound=ROUNDINGS * eps * (scale + (new - p).abs()))
+        return StepReference(param=new, bound=eps * (PARAM_ROUNDINGS * p.abs() + ROUNDINGS * scale))
     b1, b2 = ADAMW_BETAS
     m = torch.zeros_like(p) if state.exp_avg is None else state.exp_avg
     v = torch.zeros_like(p) if state.exp_avg_sq is None else state.exp_avg_sq
@@ -87,8 +102,8 @@ def reference_step(*, optimizer: str, lr: float, param: torch.Tensor, grad: torc
     denom = v_new.sqrt() / (1 - b2 ** t) ** 0.5 + ADAMW_EPS
     decayed = p * (1 - lr * WEIGHT_DECAY)
     new = decayed - step_size * m_new / denom
-    scale = p.abs() + (new - p).abs() + step_size * (m.abs() + g.abs()) / denom
-    return StepReference(param=new, bound=ROUNDINGS * eps * scale)
+    scale = (new - p).abs() + step_size * (m_new.abs() + (1 - b1) * (m.abs() + g.abs())) / denom
+    return StepReference(param=new, bound=eps * (PARAM_ROUNDINGS * p.abs() + ROUNDINGS * scale))
 
 
 def state_of(optimizer: torch.optim.Optimizer, param: torch.Tensor, to_full) -> OptimState:
