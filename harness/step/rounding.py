@@ -60,7 +60,7 @@ class RoundingNoise(TorchDispatchMode):
         """Unit roundoff x 2 of a matmul's accumulator: float32's for bfloat16 runs."""
         self.matmul_input_rel = rel if matmul_input_rel is None else matmul_input_rel
         """Relative rounding of a matmul's inputs: TF32's 2**-10 where the platform uses it."""
-        self._order_scales: dict[int, torch.Tensor] = {}
+        self._order_scales: dict[int, tuple[torch.Tensor, float]] = {}
         """Recent matmul results' order-error magnitudes, by the result's storage (and the
         storages of reshapes of it): what softmax's backward needs to know about its grad."""
         self._coarse = coarser_dtypes(rel)
@@ -146,8 +146,8 @@ class RoundingNoise(TorchDispatchMode):
         if func is _SOFTMAX_BACKWARD:
             error = self._rowsum_error(*args[:3], known=known)
             out = out.add_(error) if fresh else out + error
-        if func in _RESHAPES and known is not None and known.numel() == out.numel():
-            self._remember(out, known)
+        if func in _RESHAPES and known is not None and known[0].numel() == out.numel():
+            self._remember(out, *known)
         # a matmul's reduction order is the kernel's choice: add the error of a random order
         if func in _MATMULS:
             a, b = args[-2], args[-1]
@@ -162,19 +162,20 @@ class RoundingNoise(TorchDispatchMode):
                 out = out + order_error(a, b, op, self.gen, u, pool=self.pool, magnitude_dtype=self.magnitude_dtype,
                                         scale_out=scale)
             out = self._noisy_in_place(out) if fresh else self._noisy(out)
-            self._remember(out, scale[0])
+            self._remember(out, scale[0], u * a.shape[-1] ** 0.5)
             return out
         return self._noisy_in_place(out) if fresh else self._noisy(out)
 
-    def _remember(self, result: torch.Tensor, scale: torch.Tensor) -> None:
+    def _remember(self, result: torch.Tensor, scale: torch.Tensor, order_rel: float) -> None:
+        """`scale` = order_rel x |a| @ |b| of the matmul that produced `result`."""
         # the last few only: a softmax backward follows its grad's matmul within a reshape or two
-        self._order_scales[result.untyped_storage().data_ptr()] = scale
+        self._order_scales[result.untyped_storage().data_ptr()] = (scale, order_rel)
         while len(self._order_scales) > MAX_REMEMBERED:
             self._order_scales.pop(next(iter(self._order_scales)))
 
 
     def _rowsum_error(self, grad: torch.Tensor, prob: torch.Tensor, dim: int,
-                      known: torch.Tensor | None = None) -> torch.Tensor:
+                      known: tuple[torch.Tensor, float] | None = None) -> torch.Tensor:
         """Softmax backward is p (g - D) with D = sum_j p_j g_j. The reference forms D from the
         same g it subtracts it from, so where the two cancel (one key: p = 1, an exact 0) every
         reference is exact. FlashAttention-style kernels (a ring's blocks among them) form D as
@@ -188,16 +189,26 @@ class RoundingNoise(TorchDispatchMode):
         product over the head dim than the dP it cancels against, so it also carries its own
         summation-order error, of the magnitude the reference gave dP's matmul (tracked from that
         matmul through reshapes): the campaign found seq_len-1 usp-gpt / ring-gpt runs at up to
-        9x without it."""
+        9x without it. Where the matmul's inputs are coarser than its accumulator (bfloat16
+        products summed in float32, TF32 inputs), D and dP may also read dO rounded differently:
+        a ring merges in float32 and rounds each block's dO to bfloat16 for its dP matmul while
+        D = dO . O reads the float32 one, so g - D errs by rel x sum_i |dO_i v_i| however much
+        dO . v cancels; that magnitude is rel x (|dO| @ |V^T|), from the same tracked matmul.
+        Found by the campaign: a one-key bfloat16 ring's k-bias grad (zero in exact arithmetic)
+        at 1.75x its max-abs bound."""
         rel, coarse = self.matmul_input_rel, self._coarse.get(prob.dtype)
         if coarse is not None and coarse > rel:
             rel = coarse
         scale = (prob * grad).abs().sum(dim, keepdim=True) * rel
-        if known is not None and known.numel() == grad.numel():
+        if known is not None and known[0].numel() == grad.numel():
             # g came out of a matmul dO @ V^T whose summation-order error the reference gave it;
             # a flash kernel's D = dO . O is another dot product over the same head dim, with an
             # error of its own of at most sum_j p_j u sqrt(d) |dO| . |v_j|: the same magnitudes
-            scale = scale + (prob * known.reshape(grad.shape).to(prob.dtype)).sum(dim, keepdim=True)
+            magnitude, order_rel = known
+            factor = 1.0
+            if self.accumulate_rel < self.rel or self.matmul_input_rel > self.rel:
+                factor += rel / order_rel  # dO rounded apart: rel x |dO| @ |V^T|
+            scale = scale + factor * (prob * magnitude.reshape(grad.shape).to(prob.dtype)).sum(dim, keepdim=True)
         # at its magnitude with a random sign, not scaled by a uniform draw: on an exact
         # cancellation this is the one error the tensor has, and a uniform factor near 0 (one
         # draw in 16 below 1/16) left the bound under the sharded run's single error by luck

@@ -16,7 +16,7 @@ parser.add_argument("--draws", type=int, default=1_000_000)
 parser.add_argument("--samples", type=int, default=2, help="ensemble size")
 args = parser.parse_args()
 torch.manual_seed(0)
-for m in (8, 16, 32, 64, 256):
+for m in (2, 3, 4, 6, 8, 16, 32, 64, 256):
     chi = torch.distributions.Chi2(torch.tensor(float(m)))
     x = chi.sample((args.draws,)).sqrt()
     y = chi.sample((args.draws, args.samples)).sqrt().max(1).values
