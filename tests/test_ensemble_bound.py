@@ -74,6 +74,26 @@ def test_a_grad_whose_perturbed_reference_errs_far_more_keeps_a_third_of_it():
     assert not check_tensor(kind="forward", **common).ok  # a forward output has no such sum
 
 
+def test_a_forward_error_from_a_few_tokens_counts_those_tokens_not_all():
+    # 128 tokens, but every member's error sits on 3 of them (a LayerNorm whose variance cancels
+    # there): the sharded run's error norm is a chi ratio of 3 degrees of freedom, not 128
+    gen = torch.Generator().manual_seed(8)
+    ref64 = torch.randn(128, 12, generator=gen, dtype=torch.float64)
+
+    def few_tokens(rel: float) -> torch.Tensor:
+        err = torch.zeros_like(ref64)
+        err[[5, 40, 99]] = rel * torch.randn(3, 12, generator=gen, dtype=torch.float64)
+        return ref64 + err
+
+    common = dict(kind="forward", name="output", step=0, rank=0, ref64=ref64, dtype=torch.bfloat16, dof=128)
+    got = few_tokens(0.12)
+    chk = check_tensor(got=got, ref_lp=few_tokens(0.03), ref_alt=few_tokens(0.1), ref_samples=[few_tokens(0.03)],
+                       **common)
+    assert chk.ok and chk.err_norm > 3 * chk.noise_norm  # within F(3), beyond F(128) = 1.86
+    assert not check_tensor(got=got * 1.3, ref_lp=few_tokens(0.03), ref_alt=few_tokens(0.1),
+                            ref_samples=[few_tokens(0.03)], **common).ok
+
+
 def test_the_rounded_member_forms_softmax_row_sums_from_its_output_as_a_flash_kernel():
     # D = rowsum(dO * O) from the P @ V it rounded and the dO of g's matmul, not softmax's own
     # D = rowsum(p * g); the dO it reads carries a rounding of its own (RoundedResults)
