@@ -44,8 +44,8 @@ KINDS = ("r64", "lp", "alt")
 """The three references every check has (sp_harness.compare.tolerance)."""
 SAMPLES = ("rounded",)
 """More references in the run's precision for a run below float32 (kinds_for): with `lp`, the
-ensemble whose largest error norm bounds the sharded run's forward outputs and LSEs
-(sp_harness.compare.tolerance.ensemble_factor). 'rounded' is the model at the next finer
+ensemble whose largest error norm bounds the sharded run's forward outputs, LSEs, grads and
+input grads (sp_harness.compare.tolerance.ensemble_factor, ENSEMBLE_KINDS). 'rounded' is the model at the next finer
 precision with every op's result rounded to the run dtype (sp_harness.step.rounding.
 RoundedResults) under the sharded side's legal orders (every reduction split over at most
 world-size parts, each rounded to the run dtype: a collective's sum): another legal kernel
@@ -60,8 +60,7 @@ the ensemble's member is a float32 pass under two dispatch modes (1.24x a float6
 
 def kinds_for(dtype: torch.dtype) -> tuple[str, ...]:
     """The references a run in `dtype` computes: the ensemble's members for a run below float32
-    only (float32's two-reference bound is within 1.2x of its targets already, and the member,
-    a float64 pass under a dispatch mode, costs a quarter of a check)."""
+    only (float32 keeps the two-reference bound: docs/sensitivity.md says what is left there)."""
     return KINDS + SAMPLES if torch.finfo(dtype).bits < 32 else KINDS
 
 
@@ -112,10 +111,9 @@ def sample_mode(config: CheckConfig, which: str) -> Iterator[None]:
     """The mode an ensemble reference (SAMPLES) runs under: every op's result rounded to the run
     dtype, and the sharded side's legal orders (every matmul and sum split into at most
     world-size parts, each rounded to the run dtype and summed in it in a random order: a
-    reduction split over the ranks and finished by a collective), plus a worst-order error."""
+    reduction split over the ranks and finished by a collective). No worst-order error, as for
+    the run-precision reference below float32 (platform_noise says why)."""
     assert which in SAMPLES, which
-    # no worst-order error: below float32 it sits at the float32 accumulator's precision, 1e-4
-    # of the run-dtype rounding of the result it is added to, at the cost of a matmul per matmul
     orders = ReorderAdversary(config.seed + 8, reorder=True, order_noise=False, tf32=config.adversary == "reorder-tf32",
                               partials=max(2, config.world_size), partial_dtype=config.torch_dtype)
     # the rounding mode entered last: it sees each op first and rounds what the order mode returns
@@ -176,7 +174,6 @@ class References:
             with self.platform:
                 step = reference_pass(model, case, batch, lp_dtype(self.dtype), backward=backward)
         elif which in SAMPLES:
-            # forward only: the ensemble judges forward outputs and LSEs (ENSEMBLE_KINDS)
             with sample_mode(self.config, which):
                 step = reference_pass(model, case, batch, finer(self.dtype), backward=backward)
         else:

@@ -130,7 +130,7 @@ class RoundingNoise(TorchDispatchMode):
         if _passes_through(func):
             return func(*args, **(kwargs or {}))
         # looked up before the inputs are noised (a noised input is a new tensor)
-        known = (self._order_scales.get(args[0].untyped_storage().data_ptr())
+        known = (self._order_scales.get(_ptr(args[0]))
                  if func is _SOFTMAX_BACKWARD or func in _RESHAPES else None)
         if func in _MATMULS and self.matmul_input_rel != self.rel:
             args = tuple(self._noisy(a, self.matmul_input_rel) for a in args)
@@ -169,7 +169,7 @@ class RoundingNoise(TorchDispatchMode):
     def _remember(self, result: torch.Tensor, scale: torch.Tensor, order_rel: float) -> None:
         """`scale` = order_rel x |a| @ |b| of the matmul that produced `result`."""
         # the last few only: a softmax backward follows its grad's matmul within a reshape or two
-        self._order_scales[result.untyped_storage().data_ptr()] = (scale, order_rel)
+        self._order_scales[_ptr(result)] = (scale, order_rel)
         while len(self._order_scales) > MAX_REMEMBERED:
             self._order_scales.pop(next(iter(self._order_scales)))
 
