@@ -1,6 +1,7 @@
 """The tolerance model's parts, pure and process-group free: the optimizer-stage reference and
 its bound, the reorder adversary, the norm-wise criterion's gates."""
 
+import pytest
 import torch
 
 from sp_harness.compare.tolerance import NORM_MIN_DOF, check_bounded, check_tensor
@@ -138,3 +139,33 @@ def test_norm_wise_bound_needs_enough_tokens_behind_the_tensor():
                         dtype=torch.float32, dof=NORM_MIN_DOF)
     assert few.ok and few.norm_ratio == 0
     assert not many.ok and many.norm_ratio > 1 and many.max_abs <= many.allowed
+
+
+def _sequential_fp32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """a @ b summed one term at a time in float32, in the natural order of the reduction dim."""
+    acc = torch.zeros(a.shape[0], b.shape[1], dtype=torch.float32)
+    for i in range(a.shape[1]):
+        acc += a[:, i:i + 1].float() * b[i:i + 1, :].float()
+    return acc.double()
+
+
+@pytest.mark.parametrize("trend", [False, True], ids=["cancelling", "trend along K"])
+def test_order_error_is_the_size_of_a_sequential_float32_sum(trend):
+    # a K = 512 sum of centred terms (a grad over tokens): a naive loop's error, in norm, is what
+    # the model's rms is; the earlier walk, u sqrt(K) |a| @ |b|, was 20x it. With a trend along K
+    # (the first half's terms positive, the second's negative) the partial sums grow to K / 2
+    # terms, and the model follows them
+    gen = torch.Generator().manual_seed(0)
+    a = torch.randn(48, 512, generator=gen, dtype=torch.float64)
+    b = torch.randn(512, 24, generator=gen, dtype=torch.float64)
+    if trend:
+        a, b = a.abs(), b.abs()
+        a[:, 256:] *= -1
+    a, b = a.float().double(), b.float().double()  # exact in float32: the error is the sum's alone
+    actual = (_sequential_fp32(a, b) - a @ b).norm()
+    u = torch.finfo(torch.float32).eps / 2
+    modelled = order_error(a, b, torch.mm, gen, u).norm()  # rms: the magnitude / sqrt(3)
+    walk = order_error(a, b, torch.mm, gen, u, walk=True).norm()
+    assert 0.5 < float(modelled / actual) < 2.5
+    if not trend:
+        assert walk > 10 * modelled

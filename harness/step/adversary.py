@@ -39,32 +39,58 @@ def round_tf32(x: torch.Tensor) -> torch.Tensor:
     return ((bits + 0x1000) & ~0x1FFF).view(torch.float32).view(x.shape)
 
 
+ORDER_BLOCKS = 8
+"""Blocks of the reduction dim whose natural-order prefix sums `order_error` follows: a kernel
+that walks K in order carries each block's running total into the next, so a sum with a trend
+along K (a grad whose tokens' terms drift with position) has larger partial sums than a random
+order would give it."""
+
+
 def order_error(a: torch.Tensor, b: torch.Tensor, op, gen: torch.Generator, u: float, pool=None,
                 magnitude_dtype: torch.dtype | None = None, into: torch.Tensor | None = None,
-                scale_out: list | None = None) -> torch.Tensor:
+                scale_out: list | None = None, walk: bool = False) -> torch.Tensor:
     """An error some legal summation order could make in op(a, b) at unit roundoff u.
 
-    Each element of a K-term dot product summed in any order differs from the exact one by at
-    most gamma_K (|a| @ |b|) (Higham, Thm 3.1); sequential accumulation in a random order errs
-    like a random walk, u * sqrt(K) * (|a| @ |b|). This returns that walk times U(-1, 1) per
-    element: the range of a kernel less accurate than this CPU's (split-K, atomics, a naive
-    loop), not only of the accurate blocked sums the chunking above produces. u is the
-    accumulator's: bfloat16 and float16 products accumulate in float32 on every real kernel.
+    A K-term dot product summed one term at a time rounds each partial sum P_i (and each
+    product t_i), an error sum_i d_i P_i + d'_i t_i with |d| <= u: independent roundings, so its
+    root mean square is u / sqrt(3) x sqrt(sum_i P_i^2 + sum_i t_i^2). This returns
+    u x sqrt(sum_i P_i^2 + sum_i t_i^2) x U(-1, 1) per element, whose rms is that: the error of a
+    sequential kernel (a naive loop, split-K with atomics), less accurate than the blocked sums
+    of this CPU's, so what a legal kernel on another platform may do. sum_i P_i^2 is taken in
+    expectation over orders within each of ORDER_BLOCKS blocks of K walked in natural order:
+    with S_b the block's sum and Q_b the total before it, a block of L terms contributes
+    L (Q_b^2 + Q_b S_b + S_b^2 / 3) + L^2 sigma_b^2 / 6, the last term bounded here by
+    K / 6 x sum_t t^2 (one matmul of squares) for every block at once. Where a sum cancels (a
+    grad over tokens, a centred activation times a weight) the partial sums stay near sqrt(K)
+    terms, not K: the earlier worst-over-orders walk, u sqrt(K) |a| @ |b|, exceeded this by
+    sqrt(2K), 32x at 512 tokens, which set float32's sensitivity at the training size
+    (docs/tolerance.md, "Order error").
+
+    `walk`: that earlier magnitude instead, u sqrt(K) |a| @ |b|, for a caller that needs
+    |a| @ |b| itself (sp_harness.step.rounding.RoundingNoise where the matmul's inputs are
+    coarser than its accumulator, so the accumulator's u, which the walk overstates, is far
+    below the inputs' rounding). u is the accumulator's: bfloat16 and float16 products
+    accumulate in float32 on every real kernel.
 
     `magnitude_dtype` (float32 where a float64 pass simulates a run of float32 or less) is the
-    dtype |a| @ |b| is formed in: it is only an error's magnitude, which float32's K * 2**-24
-    relative error does not change, and a run of that precision cannot hold a value that would
-    overflow float32. Half the matmul cost of float64 on a CPU. With `into` (a result this call
-    may write), the error is added to it in place and `into` returned. `scale_out` gets the
-    error's magnitude u sqrt(K) |a| @ |b| (before the random factor)."""
+    dtype the magnitude is formed in: it is only an error's size, which float32's own rounding
+    does not change, and a run of that precision cannot hold a value that would overflow
+    float32. Half the matmul cost of float64 on a CPU. With `into` (a result this call may
+    write), the error is added to it in place and `into` returned. `scale_out` gets the
+    error's magnitude (before the random factor)."""
     if magnitude_dtype is not None and magnitude_dtype != a.dtype:
-        a_abs, b_abs = a.to(magnitude_dtype, copy=True).abs_(), b.to(magnitude_dtype, copy=True).abs_()
+        a_m, b_m = a.to(magnitude_dtype), b.to(magnitude_dtype)
     else:
-        a_abs, b_abs = a.abs(), b.abs()
-    # the scalar rides on the smaller operand (the same product up to rounding, which an error
-    # magnitude does not notice): a pass over an operand, not over a result that may be larger
-    (a_abs if a_abs.numel() <= b_abs.numel() else b_abs).mul_(u * a.shape[-1] ** 0.5)
-    scale = op(a_abs, b_abs)
+        a_m, b_m = a, b
+    k = a.shape[-1]
+    if walk:
+        a_abs, b_abs = a_m.abs(), b_m.abs()
+        # the scalar rides on the smaller operand (the same product up to rounding, which an error
+        # magnitude does not notice): a pass over an operand, not over a result that may be larger
+        (a_abs if a_abs.numel() <= b_abs.numel() else b_abs).mul_(u * k ** 0.5)
+        scale = op(a_abs, b_abs)
+    else:
+        scale = _partial_sums_square(a_m, b_m, op).sqrt_().mul_(u)
     if pool is not None:  # sp_harness.step.noise_pool.NoisePool: windows of one buffer, not fresh draws
         noise = pool.window(scale.shape, a.dtype, scale.device)
     else:
@@ -74,6 +100,28 @@ def order_error(a: torch.Tensor, b: torch.Tensor, op, gen: torch.Generator, u: f
     if into is not None:  # added where it goes in one pass, a float32 magnitude promoted on the way
         return into.addcmul_(scale, noise)
     return scale.mul_(noise) if scale.dtype == noise.dtype and scale_out is None else torch.mul(scale, noise)
+
+
+def _partial_sums_square(a: torch.Tensor, b: torch.Tensor, op) -> torch.Tensor:
+    """sum_i P_i^2 + sum_i t_i^2 for op(a, b) over a's last dim (see order_error): the blocks'
+    natural-order trend from their sums, the spread within them from one matmul of squares."""
+    k = a.shape[-1]
+    a_sq = a.square()
+    a_sq.mul_(k / 6 + 1)  # the within-block spread, bounded for every block by the whole sum's
+    total = op(a_sq, b.square())
+    before = None
+    step = -(-k // min(ORDER_BLOCKS, k))
+    for lo in range(0, k, step):
+        hi = min(lo + step, k)
+        block = op(a[..., lo:hi], b[..., lo:hi, :])
+        # L (Q^2 + Q S + S^2 / 3): the mean of P^2 along a line from Q to Q + S, times its L steps
+        total.add_(block.square(), alpha=(hi - lo) / 3)
+        if before is None:
+            before = block
+            continue
+        total.add_(before * (before + block), alpha=hi - lo)
+        before.add_(block)
+    return total
 
 
 class ReorderAdversary(TorchDispatchMode):

@@ -155,19 +155,29 @@ class RoundingNoise(TorchDispatchMode):
             u, scale = self.accumulate_rel / 2, []
             if a.dtype in self._coarse:  # an island's matmul: float32's accumulator (bfloat16's too)
                 u = max(self.accumulate_rel, _EPS32) / 2
+            walk = self._inputs_coarser
             if fresh:
                 out = order_error(a, b, op, self.gen, u, pool=self.pool, magnitude_dtype=self.magnitude_dtype, into=out,
-                                  scale_out=scale)
+                                  scale_out=scale, walk=walk)
             else:
                 out = out + order_error(a, b, op, self.gen, u, pool=self.pool, magnitude_dtype=self.magnitude_dtype,
-                                        scale_out=scale)
+                                        scale_out=scale, walk=walk)
             out = self._noisy_in_place(out) if fresh else self._noisy(out)
             self._remember(out, scale[0], u * a.shape[-1] ** 0.5)
             return out
         return self._noisy_in_place(out) if fresh else self._noisy(out)
 
+    @property
+    def _inputs_coarser(self) -> bool:
+        """Whether a matmul's inputs round coarser than its accumulator (bfloat16 products summed
+        in float32, TF32 inputs): then softmax's backward needs |dO| @ |V^T| (`_rowsum_error`),
+        which the walk order error (order_error's `walk`) computes, and the accumulator's u it
+        overstates is far below the inputs' rounding."""
+        return self.accumulate_rel < self.rel or self.matmul_input_rel > self.rel
+
     def _remember(self, result: torch.Tensor, scale: torch.Tensor, order_rel: float) -> None:
-        """`scale` = order_rel x |a| @ |b| of the matmul that produced `result`."""
+        """`scale`: the order error's magnitude for the matmul that produced `result`; where
+        `_inputs_coarser`, order_rel x |a| @ |b|."""
         # the last few only: a softmax backward follows its grad's matmul within a reshape or two
         self._order_scales[_ptr(result)] = (scale, order_rel)
         while len(self._order_scales) > MAX_REMEMBERED:
@@ -206,7 +216,7 @@ class RoundingNoise(TorchDispatchMode):
             # error of its own of at most sum_j p_j u sqrt(d) |dO| . |v_j|: the same magnitudes
             magnitude, order_rel = known
             factor = 1.0
-            if self.accumulate_rel < self.rel or self.matmul_input_rel > self.rel:
+            if self._inputs_coarser:
                 factor += rel / order_rel  # dO rounded apart: rel x |dO| @ |V^T|
             scale = scale + factor * (prob * magnitude.reshape(grad.shape).to(prob.dtype)).sum(dim, keepdim=True)
         # at its magnitude with a random sign, not scaled by a uniform draw: on an exact
