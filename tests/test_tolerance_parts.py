@@ -169,3 +169,10 @@ def test_order_error_is_the_size_of_a_sequential_float32_sum(trend):
     assert 0.5 < float(modelled / actual) < 2.5
     if not trend:
         assert walk > 10 * modelled
+
+
+def test_order_error_of_an_empty_sum_is_zero():
+    # a rank whose shard holds no token multiplies over an empty dim (found by the campaign:
+    # a ZeroDivisionError on a megatron-gpt-sp rank)
+    err = order_error(torch.randn(3, 0), torch.randn(0, 4), torch.mm, torch.Generator().manual_seed(0), 1e-8)
+    assert err.shape == (3, 4) and not err.any()

@@ -6,7 +6,7 @@ deviate by is not tuned per case or per machine: it is measured on the very comp
 more references, both run by sp_harness.checks.side_by_side_rank:
 
 - `ref_lp`, the same model in the run's precision (float32 for a float64 run, its error scaled
-  by eps64/eps32), its matmuls carrying a random worst-order summation error
+  by eps64/eps32), its matmuls carrying a random sequential-order summation error
   (sp_harness.step.adversary.order_error): what a correct single-device run on the least accurate legal
   kernel errs by.
 - `ref_alt`, float64 with every weight, float input, and every op's inputs and result perturbed by

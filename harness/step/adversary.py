@@ -4,7 +4,7 @@ A verdict must not depend on the order a CPU's or GPU's kernels happen to sum in
 wait for other machines, this dispatch mode makes the sharded side of a run reduce differently
 on every call: each matmul (mm, addmm, bmm) is split along its reduction dim into randomly
 sized chunks whose partial products are summed in a random order, plus the error of a random
-worst-order summation (`order_error`), and each single-dim sum is split the same way. bfloat16 products accumulate in float32 and round once (what tensor cores
+sequential-order summation (`order_error`), and each single-dim sum is split the same way. bfloat16 products accumulate in float32 and round once (what tensor cores
 and oneDNN do); with `tf32=True` float32 matmul inputs are first rounded to TF32's 10-bit
 mantissa, as on an Ampere+ GPU with `allow_tf32`. TF32 is a property of the platform, not of
 the sharding, so the engine applies it to the same-precision reference too (a real platform
@@ -110,7 +110,7 @@ def _partial_sums_square(a: torch.Tensor, b: torch.Tensor, op) -> torch.Tensor:
     a_sq.mul_(k / 6 + 1)  # the within-block spread, bounded for every block by the whole sum's
     total = op(a_sq, b.square())
     before = None
-    step = -(-k // min(ORDER_BLOCKS, k))
+    step = -(-k // min(ORDER_BLOCKS, k)) if k else 1  # an empty sum (a 0-token shard) has none
     for lo in range(0, k, step):
         hi = min(lo + step, k)
         block = op(a[..., lo:hi], b[..., lo:hi, :])
@@ -192,7 +192,7 @@ class ReorderAdversary(TorchDispatchMode):
         return acc.to(dtype)
 
     def _matmul(self, a: torch.Tensor, b: torch.Tensor, op) -> torch.Tensor:
-        """a @ b over a's last dim (b's dim -2), chunked and reordered, plus a worst-order error."""
+        """a @ b over a's last dim (b's dim -2), chunked and reordered, plus an order error."""
         dtype = a.dtype
         if self.tf32 and dtype == torch.float32:
             a, b = round_tf32(a), round_tf32(b)

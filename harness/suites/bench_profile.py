@@ -6,7 +6,7 @@ stages: the sharded forward/backward, each reference pass on the rank that owns 
 broadcasts that share them (a non-owner's broadcast time is mostly waiting for the owner), the
 comparisons and the optimizer stage. The perturbed reference (`alt`) is split further by wrapping
 its RoundingNoise: the input/output noise (`_noisy`: pool windows and the multiply), the
-worst-order error of every matmul (`order_error`: |A| @ |B| and its noise), the softmax-backward
+order error of every matmul (`order_error`: its magnitude matmuls and noise), the softmax-backward
 rowsum error; its base float64 compute is timed as a plain pass of the same model on the same
 batches (a copy, after the check), and Python dispatch is what is left. The timers
 cost a few microseconds per op; the numbers are one run's, on a machine whose load skews them.
@@ -189,7 +189,7 @@ _LABELS = {
     "setup": "build models + references", "sharded": "sharded fwd/bwd/grad sync", "r64": "reference r64 (float64)",
     "lp": "reference lp (run dtype + order noise)", "alt": "reference alt (perturbed float64)",
     "alt_base": "  alt: base float64 compute", "alt_noise": "  alt: input/output noise",
-    "alt_order_error": "  alt: order_error (|A||B| matmul)", "alt_rowsum": "  alt: softmax rowsum error",
+    "alt_order_error": "  alt: order_error (magnitude matmuls)", "alt_rowsum": "  alt: softmax rowsum error",
     "alt_dispatch": "  alt: Python dispatch + rest", "anchor": "load sharded params into refs", "broadcast": "broadcast refs (incl. waiting)",
     "gather": "gather sharded params", "compare": "compare outputs/grads", "optimizer": "optimizer + param checks",
     "other": "other (init checks, batches)",
