@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given, note
 from hypothesis import strategies as st
 
-from sp_harness.config.strategies import adversaries, gpt_configs, mlp_configs
+from sp_harness.config.strategies import adversaries, gpt_configs, mlp_configs, training_sized_configs
 from sp_harness.judge.expect import expected_verdict
 from sp_harness.judge.verdict import format_result
 
@@ -54,3 +54,20 @@ def test_seed_mlp_verdicts(sp_check, sp_max_world_size, data):
     config = data.draw(mlp_configs(max_world_size=sp_max_world_size, adversary_choices=adversaries(include_off=True)),
                        label="config")
     _judge(sp_check, config)
+
+
+@given(data=st.data())
+def test_training_sized_configs_are_training_sized_and_keep_the_case_and_mesh(data):
+    small = gpt_configs("megatron-gpt-sp", max_world_size=4)
+    config = data.draw(training_sized_configs(small, max_tokens=300))
+    assert config.hidden >= 256 and 256 <= config.seq_len <= 300 and config.num_layers >= 2
+    assert config.case == "megatron-gpt-sp" and config.hidden % (config.world_size // config.dp) == 0
+    assert expected_verdict(config) == "PASS"
+
+
+def test_training_sized_configs_validates_its_bounds():
+    small = gpt_configs("megatron-gpt-sp", max_world_size=2)
+    with pytest.raises(ValueError, match="min_tokens"):
+        training_sized_configs(small, min_tokens=300, max_tokens=200)
+    with pytest.raises(ValueError, match="max_layers"):
+        training_sized_configs(small, max_layers=1)

@@ -148,6 +148,31 @@ def realistic_gpt_configs(case: str, *, max_world_size: int = 4, max_dp: int = 2
                        adversary_choices=adversary_choices)
 
 
+def training_sized_configs(configs: st.SearchStrategy[CheckConfig], *, min_tokens: int = 256, max_tokens: int = 512,
+                           max_layers: int = 3, max_steps: int = 3) -> st.SearchStrategy[CheckConfig]:
+    """Draws of `configs` (their case, mesh, dtype, adversary, layout, balancer as drawn) at a
+    training-like size: hidden 256 (8 heads of 32), or 384 (12 heads) where the sequence-parallel
+    degree is a multiple of 3, so heads split over it; ffn 4 x hidden; vocab 256; `min_tokens` to
+    `max_tokens` tokens per sequence, split by torch.chunk; 2 to `max_layers` layers and 1 to
+    `max_steps` steps. What the small draw made uneven (shards, head counts) is replaced: this is
+    for the false-alarm rate at the sizes users train at (docs/false-alarms.md), not for shrinking."""
+    if not 1 <= min_tokens <= max_tokens:
+        raise ValueError(f"need 1 <= min_tokens <= max_tokens, got min_tokens={min_tokens}, max_tokens={max_tokens}")
+    if max_layers < 2 or max_steps < 1:
+        raise ValueError(f"need max_layers >= 2 and max_steps >= 1, got max_layers={max_layers}, max_steps={max_steps}")
+
+    @st.composite
+    def build(draw):
+        config = draw(configs)
+        num_heads = 12 if (config.world_size // config.dp) % 3 == 0 else 8
+        hidden = 32 * num_heads
+        return config.replace(hidden=hidden, ffn=4 * hidden, num_heads=num_heads, num_kv_heads=None, vocab=256,
+                              seq_len=draw(st.integers(min_tokens, max_tokens)), seq_shards=None,
+                              num_layers=draw(st.integers(2, max_layers)), steps=draw(step_counts(max_steps=max_steps)))
+
+    return build()
+
+
 @st.composite
 def mlp_configs(draw, case: str = "seed-mlp", *, min_world_size: int = 1, max_world_size: int = 4,
                 max_tokens: int = 5, dtype_choices=None, max_steps: int = 2, max_hidden: int = 40,

@@ -19,7 +19,7 @@ from hypothesis import HealthCheck, Phase, given, seed, settings
 from hypothesis import strategies as st
 
 from sp_harness.checks.side_by_side import check
-from sp_harness.config.strategies import gpt_configs, mlp_configs, realistic_gpt_configs
+from sp_harness.config.strategies import gpt_configs, mlp_configs, realistic_gpt_configs, training_sized_configs
 from sp_harness.judge.expect import expected_verdict
 from sp_harness.launch.runner import default_manager
 
@@ -27,6 +27,8 @@ parser = argparse.ArgumentParser()
 parser.add_argument("case")
 parser.add_argument("n", type=int)
 parser.add_argument("--realistic-every", type=int, default=0, help="0: never")
+parser.add_argument("--training-every", type=int, default=0, help="one draw in K at a training-like size "
+                    "(sp_harness.config.strategies.training_sized_configs: hidden 256-384, 256-512 tokens); 0: never")
 parser.add_argument("--adversary", nargs="+", default=["reorder", "reorder-tf32"])
 parser.add_argument("--out", default=None)
 parser.add_argument("--expected", default=None, help="only draws whose expected verdict is this (e.g. PASS: "
@@ -75,6 +77,9 @@ else:
 # so hypothesis can replay it
 strategy = (st.integers(0, args.realistic_every - 1).flatmap(lambda i: big if i == 0 else small)
             if args.realistic_every else small)
+if args.training_every:
+    training = training_sized_configs(small)
+    strategy = st.integers(0, args.training_every - 1).flatmap(lambda i, s=strategy: training if i == 0 else s)
 if args.dtype:
     strategy = st.tuples(strategy, st.sampled_from(args.dtype)).map(lambda t: t[0].replace(dtype=t[1]))
 if args.expected:
