@@ -285,10 +285,10 @@ def _norm_bound(kind: str, diff: torch.Tensor, ref64: torch.Tensor, ref_lp: torc
     diff = torch.where(torch.isfinite(diff), diff, torch.full_like(diff, float("inf")))
     ref_norm = float(ref64.norm())
     got = float(diff.norm())
-    both = not samples and dtype == torch.float32 and ref_alt is not None
+    both = ref_alt is not None and not samples and dtype == torch.float32
     if kind not in ENSEMBLE_KINDS:
         samples = ()
-    elif both:
+    elif ref_alt is not None and both:
         samples = (ref_alt,)
     ensemble = _ensemble_bound(kind, ref64, ref_lp, ref_alt, dtype, samples, dof, diff.numel(), ref_norm)
     if ensemble is not None and not both:
