@@ -35,7 +35,7 @@ from sp_harness.capture.trace import Recorder, Trace
 from sp_harness.compare.tolerance import lp_dtype
 from sp_harness.config.case import Batch, Case
 from sp_harness.config.check_config import CheckConfig
-from sp_harness.step.adversary import ReorderAdversary
+from sp_harness.step.adversary import ReorderAdversary, walks
 from sp_harness.step.build import cast_floating
 from sp_harness.step.reference import RefStep, reference_pass
 from sp_harness.step.rounding import RoundedResults, RoundingNoise, perturb_
@@ -98,7 +98,8 @@ def platform_noise(config: CheckConfig) -> contextlib.AbstractContextManager:
     every result it would be added to, is not worth a matmul per matmul."""
     if torch.finfo(config.torch_dtype).bits < 32:
         return contextlib.nullcontext()
-    return ReorderAdversary(config.seed + 1, reorder=False, order_noise=True, tf32=config.adversary == "reorder-tf32")
+    return ReorderAdversary(config.seed + 1, reorder=False, order_noise=True, tf32=config.adversary == "reorder-tf32",
+                            walk=walks(config.torch_dtype))
 
 
 def finer(dtype: torch.dtype) -> torch.dtype:
@@ -201,7 +202,8 @@ def make_references(reference: nn.Module, build_copy, config: CheckConfig, devic
     # a run of float32 or less cannot hold what would overflow a float32 |A| @ |B|
     magnitude = torch.float32 if torch.finfo(dtype).bits <= 32 else None
     matmul_input_rel = matmul_input_precision(config, device)
-    noise = RoundingNoise(torch.finfo(dtype).eps, alt_gen, torch.finfo(accumulator).eps, matmul_input_rel, magnitude)
+    noise = RoundingNoise(torch.finfo(dtype).eps, alt_gen, torch.finfo(accumulator).eps, matmul_input_rel, magnitude,
+                          walk=walks(dtype))
     return References(r64=reference, lp=cast_floating(build_copy(), lp_dtype(dtype)), alt=build_copy(),
                       alt_noise=noise, alt_gen=alt_gen, dtype=dtype, platform=platform_noise(config),
                       config=config,

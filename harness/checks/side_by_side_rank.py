@@ -30,7 +30,7 @@ from sp_harness.config.case import as_batch
 from sp_harness.config.check_config import CheckConfig
 from sp_harness.judge.verdict import RankResult, record
 from sp_harness.launch import announce
-from sp_harness.step.adversary import ReorderAdversary
+from sp_harness.step.adversary import ReorderAdversary, walks
 from sp_harness.step.anchor import gather_full
 from sp_harness.step.build import build, reference_copy
 from sp_harness.step.context import reference_context
@@ -292,7 +292,8 @@ def _adversary(config: CheckConfig):
     (and TF32 applies, a platform setting the references share); see sp_harness.step.adversary."""
     if config.adversary == "off":
         return contextlib.nullcontext()
-    return ReorderAdversary(config.seed, reorder=True, tf32=config.adversary == "reorder-tf32")
+    return ReorderAdversary(config.seed, reorder=True, tf32=config.adversary == "reorder-tf32",
+                            walk=walks(config.torch_dtype))
 
 
 def _expected_step(p: LocalParam, opt: torch.optim.Optimizer, config: CheckConfig,

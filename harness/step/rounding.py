@@ -50,8 +50,11 @@ class RoundingNoise(TorchDispatchMode):
     either, every draw is what it was before islands were modelled."""
 
     def __init__(self, rel: float, gen: torch.Generator, accumulate_rel: float | None = None,
-                 matmul_input_rel: float | None = None, magnitude_dtype: torch.dtype | None = None):
+                 matmul_input_rel: float | None = None, magnitude_dtype: torch.dtype | None = None,
+                 walk: bool = True):
         super().__init__()
+        self.walk = walk
+        """The worst-order walk as the matmuls' order error (sp_harness.step.adversary.walks)."""
         self.magnitude_dtype = magnitude_dtype
         """The dtype of order_error's |A| @ |B| (see there): float32 when the run's is at most that."""
         self.rel, self.gen = rel, gen
@@ -155,7 +158,7 @@ class RoundingNoise(TorchDispatchMode):
             u, scale = self.accumulate_rel / 2, []
             if a.dtype in self._coarse:  # an island's matmul: float32's accumulator (bfloat16's too)
                 u = max(self.accumulate_rel, _EPS32) / 2
-            walk = self._inputs_coarser
+            walk = self.walk or self._inputs_coarser
             if fresh:
                 out = order_error(a, b, op, self.gen, u, pool=self.pool, magnitude_dtype=self.magnitude_dtype, into=out,
                                   scale_out=scale, walk=walk)
