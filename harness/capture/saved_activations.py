@@ -165,6 +165,7 @@ def activation_rank(config: CheckConfig) -> LayerMemory:
     `blocks[0]` saved (the loss after the layer saves nothing inside it)."""
     from sp_harness.config.case import as_batch
     from sp_harness.step.build import build
+    from sp_harness.step.inputs import batch_generator
     from sp_harness.step.loop import ShardedLoop
 
     built = build(config)
@@ -178,7 +179,7 @@ def activation_rank(config: CheckConfig) -> LayerMemory:
             meter.__exit__()
 
     loop = ShardedLoop(built, phase=phase)
-    batch = as_batch(built.case.make_batch(config, 0, torch.Generator().manual_seed(config.seed + 7919)))
+    batch = as_batch(built.case.make_batch(config, 0, batch_generator(config.seed)))
     loop.forward_backward(loop.local_batch(batch), batch.target)
     meter.__exit__()
     meter.result.rank = built.ctx.rank

@@ -44,14 +44,14 @@ def attention_work_rank(config: CheckConfig) -> RankWork:
     piece of a batch, and return the work its attention modules reported."""
     from sp_harness.config.case import as_batch
     from sp_harness.step.build import build
-    from sp_harness.step.inputs import call, rank_batch
+    from sp_harness.step.inputs import batch_generator, call, rank_batch
 
     built = build(config)
     model = built.sharded.module
     meters = work_meters(model)
     for work in meters:
         work.clear()
-    batch = as_batch(built.case.make_batch(config, 0, torch.Generator().manual_seed(config.seed + 7919)))
+    batch = as_batch(built.case.make_batch(config, 0, batch_generator(config.seed)))
     local = rank_batch(batch, built.sharded, built.ctx, config.torch_dtype)
     with torch.no_grad():
         call(model, local.call_inputs, local.positional)

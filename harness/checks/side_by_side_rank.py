@@ -34,7 +34,7 @@ from sp_harness.step.adversary import ReorderAdversary, walks
 from sp_harness.step.anchor import gather_full
 from sp_harness.step.build import build, reference_copy
 from sp_harness.step.context import reference_context
-from sp_harness.step.inputs import batch_to, cut, global_loss, replica_slice, seq_index
+from sp_harness.step.inputs import batch_generator, batch_to, cut, global_loss, replica_slice, seq_index
 from sp_harness.step.loop import ShardedLoop
 from sp_harness.step.optim_ref import reference_step, state_of
 from sp_harness.step.params import (
@@ -275,7 +275,7 @@ def run_rank(config: CheckConfig) -> RankResult:
     run = _SideBySide(config)
     run.result.timings["setup_s"] = time.perf_counter() - t_start
     run.check_init()
-    gen = torch.Generator().manual_seed(config.seed + 7919)
+    gen = batch_generator(config.seed)
     assert config.steps is not None, "the check resolves steps"
     for step in range(config.steps):
         run.step(step, gen)

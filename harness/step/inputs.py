@@ -15,6 +15,15 @@ from sp_harness.config import shards as sh
 from sp_harness.config.case import Batch, Case, Layout, RankContext, Sharded
 from sp_harness.step.context import is_dtensor
 
+BATCH_SEED_OFFSET = 7919
+"""A check's batches are drawn from its seed plus this prime: a stream of their own among those
+seeded from the same config seed (the references' and adversaries' use small offsets)."""
+
+
+def batch_generator(seed: int) -> torch.Generator:
+    """The generator a check's (or a benchmark's) step batches come from, for `seed`."""
+    return torch.Generator().manual_seed(seed + BATCH_SEED_OFFSET)
+
 
 def seq_index(layout: Layout, seq_len: int, seq_shards: tuple[int, ...], tp_rank: int) -> torch.Tensor | None:
     """The global positions a TP rank's piece holds, in its order, for a permuted layout; else None."""

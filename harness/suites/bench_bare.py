@@ -23,6 +23,7 @@ def bare_rank(config: CheckConfig) -> dict:
     comparison, no replica-drift collectives."""
     from sp_harness.config.case import as_batch
     from sp_harness.step.build import build
+    from sp_harness.step.inputs import batch_generator
     from sp_harness.step.loop import ShardedLoop
     from sp_harness.step.optim_ref import make_optimizer
     from sp_harness.step.reference import reference_pass
@@ -34,7 +35,7 @@ def bare_rank(config: CheckConfig) -> dict:
         "build resolves optimizer, lr and steps"
     opt_ref = make_optimizer(config.optimizer, config.lr, ref.parameters())
     loop = ShardedLoop(built)
-    gen = torch.Generator().manual_seed(config.seed + 7919)
+    gen = batch_generator(config.seed)
     t_setup = time.perf_counter() - t_start
     for step in range(config.steps):
         batch = as_batch(case.make_batch(config, step, gen))

@@ -114,6 +114,7 @@ def profile_rank(config: CheckConfig) -> RankProfile:
     import sp_harness.checks.references as references
     import sp_harness.checks.side_by_side_rank as rank_job
     import sp_harness.step.rounding as rounding
+    from sp_harness.step.inputs import batch_generator
 
     clock = _Clock()
     saved = (references._share, rank_job.gather_full, rounding.order_error)
@@ -132,7 +133,7 @@ def profile_rank(config: CheckConfig) -> RankProfile:
         _time_method(clock, "compare", run, "judge_grads")
         _time_method(clock, "optimizer", run, "optimizer_stage")
         run.check_init()
-        gen = torch.Generator().manual_seed(config.seed + 7919)
+        gen = batch_generator(config.seed)
         assert config.steps is not None, "run_profile resolves steps"
         for step in range(config.steps):
             run.step(step, gen)
