@@ -167,3 +167,22 @@ def test_unaligned_modules_are_named_with_why():
     d = first_divergence(step=0, rank=0, sharded=got, ref64=ref, ref_lp=ref, ref_alt=ref, dtype=torch.float64,
                          seq_len=8, seq_shards=(4, 4), tp_rank=0, failed_kind="grad")
     assert d.phase == "none"
+
+
+def test_float32_forward_takes_the_sharper_of_its_two_reference_ensemble_and_norm_bound_grads_do_not():
+    # 256 tokens of float32 error at 1e-7: the run-precision and perturbed references are the
+    # ensemble for a forward piece (F about 1.9 and a half-ulp floor), so a 3e-7 scaling of the
+    # piece fails there, where 4 x noise + 2 ulps passes it; a grad keeps the latter (a sharded
+    # attention's backward rounds what neither member forms)
+    gen = torch.Generator().manual_seed(2)
+    ref64 = torch.randn(256, 64, generator=gen, dtype=torch.float64)
+    ref_lp, alt, correct = (_bf16_like(ref64, gen, 1e-7) for _ in range(3))
+    scaled = correct * (1 + 3e-7)
+    common = dict(name="output", step=0, rank=0, ref64=ref64, ref_lp=ref_lp, ref_alt=alt, dtype=torch.float32,
+                  dof=256)
+    assert check_tensor(kind="forward", got=correct, **common).ok
+    assert not check_tensor(kind="forward", got=scaled, **common).ok
+    assert check_tensor(kind="grad", got=scaled, **common).ok
+    # few tokens: the two-reference bound is the sharper one and stays
+    few = dict(common, dof=8)
+    assert check_tensor(kind="forward", got=scaled, **few).ok
