@@ -123,18 +123,25 @@ def _partial_sums_square(a: torch.Tensor, b: torch.Tensor, op) -> torch.Tensor:
     a_sq.mul_(k / 6 + 1)  # the within-block spread, bounded for every block by the whole sum's
     total = op(a_sq, b.square())
     before = None
-    step = -(-k // min(ORDER_BLOCKS, k)) if k else 1  # an empty sum (a 0-token shard) has none
+    # a block costs a pass or three over the result: as many as the sum is long, up to
+    # ORDER_BLOCKS (a 32-term head-dim sum is one block, a 512-token grad sum eight)
+    step = -(-k // max(1, min(ORDER_BLOCKS, k // BLOCK_TERMS))) if k else 1
     for lo in range(0, k, step):
         hi = min(lo + step, k)
         block = op(a[..., lo:hi], b[..., lo:hi, :])
         # L (Q^2 + Q S + S^2 / 3): the mean of P^2 along a line from Q to Q + S, times its L steps
-        total.add_(block.square(), alpha=(hi - lo) / 3)
+        total.addcmul_(block, block, value=(hi - lo) / 3)
         if before is None:
             before = block
             continue
-        total.add_(before * (before + block), alpha=hi - lo)
-        before.add_(block)
+        after = before + block
+        total.addcmul_(before, after, value=hi - lo)
+        before = after
     return total
+
+
+BLOCK_TERMS = 128
+"""Terms per block at the least: fewer blocks than ORDER_BLOCKS for shorter sums."""
 
 
 class ReorderAdversary(TorchDispatchMode):
