@@ -101,3 +101,21 @@ def test_a_timeout_kills_each_ranks_children(tmp_path, monkeypatch):
     while any(_alive(p) for p in children) and time.monotonic() < deadline:
         time.sleep(0.2)
     assert not [p for p in children if _alive(p)]
+
+
+def test_a_killed_reference_process_is_reported_with_its_signal_on_the_next_send():
+    # the OOM killer takes a rank's reference process between two jobs: the next job's send hits
+    # a broken pipe, and the user must read how it died, not "BrokenPipeError" (found by a
+    # training-size campaign draw on a machine out of memory)
+    import signal
+
+    from sp_harness.checks.refproc import ReferenceProcess, ReferenceProcessError, TraceAll
+
+    proc = ReferenceProcess()
+    try:
+        proc.proc.kill()
+        proc.proc.wait(timeout=30)
+        with pytest.raises(ReferenceProcessError, match=f"signal {int(signal.SIGKILL)}"):
+            proc.send(TraceAll(full={}, batch=None, skip=frozenset()))
+    finally:
+        proc.close()

@@ -86,21 +86,29 @@ class ReferenceProcess:
         return self.receive()
 
     def send(self, msg: Any) -> None:
-        self.conn.send_bytes(pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL))
+        try:
+            self.conn.send_bytes(pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL))
+        except OSError:  # a broken pipe: it died since its last reply (the OOM killer, a kill)
+            raise self._died() from None
         self._waiting = True
 
     def receive(self) -> Any:
         try:
             reply = pickle.loads(self.conn.recv_bytes())
         except (EOFError, OSError):
-            code = self.proc.wait(timeout=10)
-            how = f"signal {-code}" if code < 0 else f"exit code {code}"
-            raise ReferenceProcessError(f"the reference process died ({how}); its output is in the rank's log") from None
+            raise self._died() from None
         finally:
             self._waiting = False
         if isinstance(reply, Failed):
             raise ReferenceProcessError("the reference process raised:\n" + reply.traceback)
         return reply
+
+    def _died(self) -> ReferenceProcessError:
+        """How the process ended, for the user: a signal's number (9: killed, as by the OOM
+        killer) or its exit code."""
+        code = self.proc.wait(timeout=10)
+        how = f"signal {-code}" if code < 0 else f"exit code {code}"
+        return ReferenceProcessError(f"the reference process died ({how}); its output is in the rank's log")
 
     def drain(self) -> None:
         """Take a reply still on its way (a job that raised between send and receive)."""
