@@ -6,7 +6,7 @@ deviate by is not tuned per case or per machine: it is measured on the very comp
 more references, both run by sp_harness.checks.side_by_side_rank:
 
 - `ref_lp`, the same model in the run's precision (float32 for a float64 run, its error scaled
-  by eps64/eps32), its matmuls carrying a random sequential-order summation error
+  by eps64/eps32), its matmuls carrying a random worst-order summation error
   (sp_harness.step.adversary.order_error): what a correct single-device run on the least accurate legal
   kernel errs by.
 - `ref_alt`, float64 with every weight, float input, and every op's inputs and result perturbed by
@@ -135,7 +135,7 @@ references did (a tensor they all rounded exactly)."""
 FLOAT32_MEMBERS = ("lp", "alt")
 """A float32 run's ensemble, for its forward outputs and LSEs (FLOAT32_ENSEMBLE_KINDS): the
 run-precision reference and the perturbed one, each with the same sequential-order matmul error
-(sp_harness.step.adversary.order_error), which at float32 is most of either's error (the
+(sp_harness.step.adversary.order_error, when float32 is in SEQUENTIAL_ORDER_DTYPES), which at float32 is most of either's error (the
 accumulator is the run's precision, unlike bfloat16's). Both are rounding processes of the kind
 a correct sharded forward is, the perturbed one an overestimate of it (it rounds every op's
 inputs as well as its result), so the chi-ratio argument holds with no third reference. Such a

@@ -4,7 +4,7 @@ A verdict must not depend on the order a CPU's or GPU's kernels happen to sum in
 wait for other machines, this dispatch mode makes the sharded side of a run reduce differently
 on every call: each matmul (mm, addmm, bmm) is split along its reduction dim into randomly
 sized chunks whose partial products are summed in a random order, plus the error of a random
-sequential-order summation (`order_error`), and each single-dim sum is split the same way. bfloat16 products accumulate in float32 and round once (what tensor cores
+worst-order summation (`order_error`), and each single-dim sum is split the same way. bfloat16 products accumulate in float32 and round once (what tensor cores
 and oneDNN do); with `tf32=True` float32 matmul inputs are first rounded to TF32's 10-bit
 mantissa, as on an Ampere+ GPU with `allow_tf32`. TF32 is a property of the platform, not of
 the sharding, so the engine applies it to the same-precision reference too (a real platform
