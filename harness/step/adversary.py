@@ -69,7 +69,7 @@ def walks(dtype: torch.dtype) -> bool:
 
 def order_error(a: torch.Tensor, b: torch.Tensor, op, gen: torch.Generator, u: float, pool=None,
                 magnitude_dtype: torch.dtype | None = None, into: torch.Tensor | None = None,
-                scale_out: list | None = None, walk: bool = False) -> torch.Tensor:
+                scale_out: list | None = None, walk: bool = True) -> torch.Tensor:
     """An error some legal summation order could make in op(a, b) at unit roundoff u.
 
     A K-term dot product summed one term at a time rounds each partial sum P_i (and each
@@ -87,10 +87,10 @@ def order_error(a: torch.Tensor, b: torch.Tensor, op, gen: torch.Generator, u: f
     sqrt(2K), 32x at 512 tokens, which set float32's sensitivity at the training size
     (docs/tolerance.md, "Order error").
 
-    `walk`: that earlier magnitude instead, u sqrt(K) |a| @ |b|, for a caller that needs
-    |a| @ |b| itself (sp_harness.step.rounding.RoundingNoise where the matmul's inputs are
-    coarser than its accumulator, so the accumulator's u, which the walk overstates, is far
-    below the inputs' rounding). u is the accumulator's: bfloat16 and float16 products
+    `walk` (the default; `walks` says for which runs): that earlier magnitude instead,
+    u sqrt(K) |a| @ |b|. sp_harness.step.rounding.RoundingNoise also needs it where the matmul's
+    inputs are coarser than its accumulator (its |a| @ |b| feeds the row-sum error, and the
+    accumulator's u, which the walk overstates, is far below the inputs' rounding). u is the accumulator's: bfloat16 and float16 products
     accumulate in float32 on every real kernel.
 
     `magnitude_dtype` (float32 where a float64 pass simulates a run of float32 or less) is the
@@ -99,18 +99,19 @@ def order_error(a: torch.Tensor, b: torch.Tensor, op, gen: torch.Generator, u: f
     float32. Half the matmul cost of float64 on a CPU. With `into` (a result this call may
     write), the error is added to it in place and `into` returned. `scale_out` gets the
     error's magnitude (before the random factor)."""
-    if magnitude_dtype is not None and magnitude_dtype != a.dtype:
-        a_m, b_m = a.to(magnitude_dtype), b.to(magnitude_dtype)
-    else:
-        a_m, b_m = a, b
+    converts = magnitude_dtype is not None and magnitude_dtype != a.dtype
     k = a.shape[-1]
     if walk:
-        a_abs, b_abs = a_m.abs(), b_m.abs()
+        if converts:
+            a_abs, b_abs = a.to(magnitude_dtype, copy=True).abs_(), b.to(magnitude_dtype, copy=True).abs_()
+        else:
+            a_abs, b_abs = a.abs(), b.abs()
         # the scalar rides on the smaller operand (the same product up to rounding, which an error
         # magnitude does not notice): a pass over an operand, not over a result that may be larger
         (a_abs if a_abs.numel() <= b_abs.numel() else b_abs).mul_(u * k ** 0.5)
         scale = op(a_abs, b_abs)
     else:
+        a_m, b_m = (a.to(magnitude_dtype), b.to(magnitude_dtype)) if converts else (a, b)
         scale = _partial_sums_square(a_m, b_m, op).sqrt_().mul_(u)
     if pool is not None:  # sp_harness.step.noise_pool.NoisePool: windows of one buffer, not fresh draws
         noise = pool.window(scale.shape, a.dtype, scale.device)
