@@ -132,19 +132,16 @@ ENSEMBLE_FLOOR_UNITS = 1.0
 run dtype changes every element by at most u |x|, so by at most u ||x|| in norm, whatever the
 references did (a tensor they all rounded exactly)."""
 
-FLOAT32_MEMBERS = ("lp", "alt")
-"""A float32 run's ensemble, for its forward outputs and LSEs (FLOAT32_ENSEMBLE_KINDS): the
-run-precision reference and the perturbed one, each with the same sequential-order matmul error
-(sp_harness.step.adversary.order_error, when float32 is in SEQUENTIAL_ORDER_DTYPES), which at float32 is most of either's error (the
-accumulator is the run's precision, unlike bfloat16's). Both are rounding processes of the kind
-a correct sharded forward is, the perturbed one an overestimate of it (it rounds every op's
-inputs as well as its result), so the chi-ratio argument holds with no third reference. Such a
-piece takes the smaller of this bound and the two-reference one (NORM_FACTOR): with hundreds of
-tokens the ensemble's factor is about 2 and its floor half an ulp. float64 keeps the
-two-reference bound: its run-precision reference is float32, another process, scaled by
-eps64 / eps32."""
 FLOAT32_ENSEMBLE_KINDS: frozenset[str] = frozenset()
-"""The checks float32's ensemble judges: none, for now. Forward outputs and LSEs were validated
+"""The checks a float32 run's ensemble judges: none, for now. Its members are the
+run-precision reference and the perturbed one (no third reference), each carrying the
+sequential-order matmul error (sp_harness.step.adversary.order_error, when float32 is in
+SEQUENTIAL_ORDER_DTYPES), which at float32 is most of either's error; the perturbed one
+overestimates a correct sharded forward (it also rounds every op's inputs), so the chi-ratio
+argument holds. Such a piece takes the smaller of that bound and the two-reference one
+(NORM_FACTOR): with hundreds of tokens the ensemble's factor is about 2 and its floor half an
+ulp. float64 keeps the two-reference bound: its run-precision reference is float32, another
+process, scaled by eps64 / eps32. Forward outputs and LSEs were validated
 (240 campaign draws, no forward or LSE false alarm) only with the sequential-order error, which
 is off (sp_harness.step.adversary.SEQUENTIAL_ORDER_DTYPES); with it they caught one rank's
 logits scaled by 1.15e-6 at the training size. Never grads: a sharded attention's backward (a
@@ -289,7 +286,7 @@ def _norm_bound(kind: str, diff: torch.Tensor, ref64: torch.Tensor, ref_lp: torc
     """||got - ref64|| (`diff`) over the piece against its norm-wise bound: the ensemble's
     (ensemble_factor(dof)) for a run below float64 and a check it judges (ENSEMBLE_KINDS), else
     NORM_FACTOR x the two references' error norm (see NORM_FACTOR). A float32 piece takes the
-    smaller of the two (FLOAT32_MEMBERS): each holds on its own, so their false-alarm rates add."""
+    smaller of the two (FLOAT32_ENSEMBLE_KINDS): each holds on its own, so their false-alarm rates add."""
     if diff.numel() < NORM_MIN_NUMEL:
         return NormBound()
     diff = torch.where(torch.isfinite(diff), diff, torch.full_like(diff, float("inf")))

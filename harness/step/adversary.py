@@ -44,6 +44,9 @@ ORDER_BLOCKS = 8
 that walks K in order carries each block's running total into the next, so a sum with a trend
 along K (a grad whose tokens' terms drift with position) has larger partial sums than a random
 order would give it."""
+BLOCK_TERMS = 128
+"""Terms per block at the least: fewer blocks than ORDER_BLOCKS for shorter sums (each block
+costs a pass or three over the result)."""
 
 
 SEQUENTIAL_ORDER_DTYPES: frozenset[torch.dtype] = frozenset()
@@ -147,10 +150,6 @@ def _partial_sums_square(a: torch.Tensor, b: torch.Tensor, op) -> torch.Tensor:
         total.addcmul_(before, after, value=hi - lo)
         before = after
     return total
-
-
-BLOCK_TERMS = 128
-"""Terms per block at the least: fewer blocks than ORDER_BLOCKS for shorter sums."""
 
 
 class ReorderAdversary(TorchDispatchMode):
