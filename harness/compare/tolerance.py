@@ -132,8 +132,8 @@ ENSEMBLE_FLOOR_UNITS = 1.0
 run dtype changes every element by at most u |x|, so by at most u ||x|| in norm, whatever the
 references did (a tensor they all rounded exactly)."""
 
-FLOAT32_ENSEMBLE_KINDS: frozenset[str] = frozenset()
-"""The checks a float32 run's ensemble judges: none, for now. Its members are the
+FLOAT32_ENSEMBLE_KINDS: frozenset[str] = frozenset({"forward", "lse"})
+"""The checks a float32 run's ensemble judges: forward outputs and LSEs. Its members are the
 run-precision reference and the perturbed one (no third reference), each carrying the
 sequential-order matmul error (sp_harness.step.adversary.order_error, when float32 is in
 SEQUENTIAL_ORDER_DTYPES), which at float32 is most of either's error; the perturbed one
@@ -142,9 +142,8 @@ argument holds. Such a piece takes the smaller of that bound and the two-referen
 (NORM_FACTOR): with hundreds of tokens the ensemble's factor is about 2 and its floor half an
 ulp. float64 keeps the two-reference bound: its run-precision reference is float32, another
 process, scaled by eps64 / eps32. Forward outputs and LSEs were validated
-(240 campaign draws, no forward or LSE false alarm) only with the sequential-order error, which
-is off (sp_harness.step.adversary.SEQUENTIAL_ORDER_DTYPES); with it they caught one rank's
-logits scaled by 1.15e-6 at the training size. Never grads: a sharded attention's backward (a
+with the sequential-order error (campaigns in docs/false-alarms.md, no forward or LSE false
+alarm); with it they catch one rank's logits scaled by about 1e-6 at the training size. Never grads: a sharded attention's backward (a
 flash-style row sum D = rowsum(dO * O), ranks' partial dK / dV summed in float32) rounds what
 neither member does, and the float32 campaign found correct grads at up to 2.7x the members'
 largest (usp-gpt, 3 ranks, hidden 60, a q-proj weight grad at 1.05x the ensemble bound under

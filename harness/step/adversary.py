@@ -44,22 +44,22 @@ ORDER_BLOCKS = 8
 that walks K in order carries each block's running total into the next, so a sum with a trend
 along K (a grad whose tokens' terms drift with position) has larger partial sums than a random
 order would give it."""
-BLOCK_TERMS = 128
-"""Terms per block at the least: fewer blocks than ORDER_BLOCKS for shorter sums (each block
-costs a pass or three over the result)."""
+BLOCK_TERMS = 16
+"""Terms per block at the least: fewer blocks than ORDER_BLOCKS for sums shorter than 128
+terms (each block costs a pass or three over the result). The blocks must resolve the ranks'
+contiguous shards of a token sum: at 128 terms per block a 137-token sum was one block, the
+model 0.38x a naive loop's error where the sum's sign flips halfway (tests/test_tolerance_parts.py),
+and a float32 usp-gpt campaign draw (3 ranks, 137 tokens, `--seed 870`, `avx2`) failed a
+collapsed fc2 weight grad at 2.8x; at 16 it PASSes at 0.74."""
 
 
-SEQUENTIAL_ORDER_DTYPES: frozenset[torch.dtype] = frozenset()
+SEQUENTIAL_ORDER_DTYPES: frozenset[torch.dtype] = frozenset({torch.float32})
 """Run dtypes whose matmuls carry the sequential-order error (order_error with walk=False)
-instead of the worst-order walk: none, for now. The model is the better estimate of a
-sequential kernel (tests/test_tolerance_parts.py: 1.5x a float32 naive loop's error where the
-walk is 27x) and made float32 2-10x sharper, but the walk's overestimate was also covering an
-error the references do not model: a float32 campaign draw (usp-gpt, 3 ranks, hidden 96, ffn 1,
-seed 870, `avx2` kernels) whose fc2 weight grad collapsed to 2e-7 of its step-0 norm after
-AdamW's first step FAILed at 2.8x, the sharded run erring 11x the run-precision reference
-(docs/tolerance.md, "Order error"). float64 cannot take it either: its run-precision reference
-is a float32 proxy, which on `default` kernels accumulates in double (a ring-gpt draw at
-1.17x)."""
+instead of the worst-order walk: float32. The model is the better estimate of a sequential
+kernel (tests/test_tolerance_parts.py: 1.3-1.5x a float32 naive loop's error where the walk is
+27x) and makes float32 2-10x sharper (docs/sensitivity.md). float64 cannot take it: its
+run-precision reference is a float32 proxy, which on `default` kernels accumulates in double
+(a ring-gpt draw at 1.17x)."""
 
 
 def walks(dtype: torch.dtype) -> bool:
