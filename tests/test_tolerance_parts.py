@@ -6,6 +6,7 @@ import torch
 
 from sp_harness.compare.tolerance import NORM_MIN_DOF, check_bounded, check_tensor
 from sp_harness.step.adversary import ReorderAdversary, order_error, round_tf32
+from sp_harness.step.rounding import RoundingNoise
 from sp_harness.step.optim_ref import OptimState, make_optimizer, reference_step, state_of
 
 
@@ -175,6 +176,37 @@ def test_order_error_is_the_size_of_a_sequential_float32_sum(k, signs):
     assert 0.8 < float(modelled / actual) < 2.0
     if len(signs) == 1:
         assert walk > 10 * modelled
+
+
+@pytest.mark.parametrize("mode", ["perturbed reference", "run-precision reference"])
+def test_a_cancelling_sum_carries_the_sequential_order_error(mode):
+    # a bias grad over 512 tokens whose terms flip sign halfway: the partial sums grow to 256
+    # terms while the result is small, so the sum's rounding is far above its terms' or its
+    # result's. The references add the sequential model's error to such a sum where the model
+    # is on (float32), as to a matmul; a megatron-gpt-sp fc1 bias grad failed at 1.13x and a
+    # usp-gpt q-proj bias grad erred 2.9x both references without it (the float32 campaign)
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(512, 48, generator=gen, dtype=torch.float64).abs()
+    x[256:] *= -1
+    x = x.float().double()
+    exact = x.sum(0)
+    acc = torch.zeros(48, dtype=torch.float32)
+    for row in x.float():
+        acc += row
+    actual = (acc.double() - exact).norm()
+    eps32 = torch.finfo(torch.float32).eps
+    for walk in (False, True):
+        if mode == "perturbed reference":  # float64, rounding as float32 would
+            noise, terms = RoundingNoise(0.0, torch.Generator().manual_seed(1), eps32, walk=walk), x
+        else:  # float32 on this CPU's kernels
+            noise, terms = ReorderAdversary(1, reorder=False, order_noise=True, walk=walk), x.float()
+        with noise:
+            got = terms.sum(0)
+        modelled = (got.double() - exact).norm()
+        if walk:  # the walk on the matmuls covers sums: nothing added
+            assert (got - terms.sum(0)).norm() < 1e-3 * actual
+        else:
+            assert 0.5 < float(modelled / actual) < 2.5
 
 
 def test_order_error_of_an_empty_sum_is_zero():

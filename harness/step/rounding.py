@@ -15,7 +15,7 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 
 from sp_harness.config.case import island_dtype
-from sp_harness.step.adversary import order_error
+from sp_harness.step.adversary import order_error, sum_order_error
 from sp_harness.step.modules import ModuleStack
 from sp_harness.step.noise_pool import NoisePool
 
@@ -168,6 +168,11 @@ class RoundingNoise(TorchDispatchMode):
             out = self._noisy_in_place(out) if fresh else self._noisy(out)
             self._remember(out, scale[0], u * a.shape[-1] ** 0.5)
             return out
+        if func is _SUM and not (self.walk or self._inputs_coarser) and _one_dim(args, kwargs or {}):
+            # as a matmul's (sp_harness.step.adversary.sum_order_error says why)
+            error = sum_order_error(args[0], args[1][0], self.gen, self.accumulate_rel / 2, pool=self.pool,
+                                    magnitude_dtype=self.magnitude_dtype).reshape(out.shape)
+            out = out.add_(error) if fresh else out + error
         return self._noisy_in_place(out) if fresh else self._noisy(out)
 
     @property
@@ -351,6 +356,14 @@ _RESHAPES = (torch.ops.aten._unsafe_view.default, torch.ops.aten.clone.default, 
              torch.ops.aten.reshape.default)
 MAX_REMEMBERED = 4
 """Matmul results whose order-error magnitude is kept for a following softmax backward."""
+_SUM = torch.ops.aten.sum.dim_IntList
+
+
+def _one_dim(args, kwargs) -> bool:
+    """A sum over one dim, in its own dtype: the sums the reorder adversary splits."""
+    return len(args) >= 2 and len(args[1] or ()) == 1 and "dtype" not in kwargs
+
+
 _MATMULS = (torch.ops.aten.mm.default, torch.ops.aten.bmm.default, torch.ops.aten.addmm.default)
 
 
