@@ -6,8 +6,8 @@ import torch
 
 from sp_harness.compare.tolerance import NORM_MIN_DOF, check_bounded, check_tensor
 from sp_harness.step.adversary import ReorderAdversary, order_error, round_tf32
-from sp_harness.step.rounding import RoundingNoise
 from sp_harness.step.optim_ref import OptimState, make_optimizer, reference_step, state_of
+from sp_harness.step.rounding import RoundingNoise
 
 
 def _adamw_steps(dtype, steps=3, seed=0):
