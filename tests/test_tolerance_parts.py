@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from sp_harness.compare.tolerance import NORM_MIN_DOF, check_bounded, check_tensor
-from sp_harness.step.adversary import ReorderAdversary, order_error, round_tf32
+from sp_harness.step.adversary import ReorderAdversary, order_error, round_tf32, sum_order_error
 from sp_harness.step.optim_ref import OptimState, make_optimizer, reference_step, state_of
 from sp_harness.step.rounding import RoundingNoise
 
@@ -216,3 +216,7 @@ def test_order_error_of_an_empty_sum_is_zero():
         err = order_error(torch.randn(3, 0), torch.randn(0, 4), torch.mm, torch.Generator().manual_seed(0), 1e-8,
                           walk=walk)
         assert err.shape == (3, 4) and not err.any()
+    # and a sum over a 0-token dim, or of no rows (the float32 campaign: usp-gpt, shards 3/0/4/1)
+    for shape, dim in (((3, 0, 4), 1), ((0, 5), 1), ((0, 5), 0)):
+        err = sum_order_error(torch.randn(shape), dim, torch.Generator().manual_seed(0), 1e-8)
+        assert err.shape == torch.randn(shape).sum(dim).shape and not err.any()

@@ -18,6 +18,7 @@ tests/demo/false_alarms.py.
 
 from __future__ import annotations
 
+import math
 import struct
 import zlib
 
@@ -164,9 +165,10 @@ def sum_order_error(x: torch.Tensor, dim: int, gen: torch.Generator, u: float, p
     reorder adversary, which splits such sums (0.6x without the adversary)."""
     dim = dim % x.dim()
     terms = x.movedim(dim, -1)
-    shape = terms.shape[:-1]
-    ones = torch.ones(x.shape[dim], 1, dtype=x.dtype, device=x.device)
-    error = order_error(terms.reshape(-1, x.shape[dim]), ones, torch.mm, gen, u, pool=pool,
+    shape, k = terms.shape[:-1], x.shape[dim]
+    ones = torch.ones(k, 1, dtype=x.dtype, device=x.device)
+    # sized explicitly: a 0-token rank's sum has no terms (and reshape(-1, 0) is ambiguous)
+    error = order_error(terms.reshape(math.prod(shape), k), ones, torch.mm, gen, u, pool=pool,
                         magnitude_dtype=magnitude_dtype, walk=False)
     return error.reshape(shape)
 
