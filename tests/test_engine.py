@@ -2,6 +2,7 @@
 the public case API, and the pool's failure paths (raise, hang, desync, death)."""
 
 import os
+import signal
 import subprocess
 import sys
 import tempfile
@@ -196,6 +197,30 @@ def test_pool_scratch_dir_is_removed_at_exit_without_close():
     scratch = out.stdout.strip().splitlines()[-1]
     assert scratch.startswith(os.path.join(tempfile.gettempdir(), "sp-harness-stacks-"))
     assert not os.path.exists(scratch)
+
+
+def test_a_sigkilled_drivers_scratch_dir_is_swept_by_the_next_pool(tmp_path):
+    # a driver killed by SIGKILL (the OOM killer, pkill -9) runs no finalizer: its folder stays
+    # until the next pool on the machine finds its owner lock free. A live owner's is kept.
+    # (The third session's campaigns left /tmp/sp-harness-stacks-* so.)
+    from sp_harness.launch.scratch import ScratchDir, sweep_orphans
+    script = ("import os, signal, sys\n"
+              "from sp_harness.launch.scratch import ScratchDir\n"
+              "d = ScratchDir()\n"
+              "print(d.path, flush=True)\n"
+              "os.kill(os.getpid(), signal.SIGKILL)\n")
+    env = dict(os.environ, TMPDIR=str(tmp_path))
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60, env=env)
+    assert out.returncode == -signal.SIGKILL
+    orphan = out.stdout.strip()
+    assert os.path.isdir(orphan) and orphan.startswith(str(tmp_path))
+    live = ScratchDir(root=str(tmp_path))
+    try:
+        assert sweep_orphans(root=str(tmp_path)) == [orphan]
+        assert not os.path.exists(orphan) and os.path.isdir(live.path)
+    finally:
+        live.remove()
+    assert not os.path.exists(live.path)
 
 
 def _children(pid: int) -> list[int]:

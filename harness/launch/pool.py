@@ -25,12 +25,10 @@ import atexit
 import dataclasses
 import os
 import secrets
-import shutil
 import signal
 import socket
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 import weakref
@@ -53,6 +51,7 @@ from sp_harness.launch.failure import (
     raised,
     waiting_in_collective,
 )
+from sp_harness.launch.scratch import ScratchDir, sweep_orphans
 from sp_harness.launch.torchrun import TorchrunWorld, under_torchrun
 from sp_harness.launch.wire import (
     CollectiveIssued,
@@ -170,9 +169,12 @@ class RankPool:
         # waits out the kernel's SYN retry backoff (1, 3, 7, ... s); an 8-rank start once lost a
         # rank that never connected within the start-up budget
         listener = Listener(("127.0.0.1", 0), backlog=self.world_size, authkey=authkey)
-        self._tmpdir = tempfile.mkdtemp(prefix="sp-harness-stacks-")
+        # folders a SIGKILLed driver left behind go first (sp_harness.launch.scratch)
+        sweep_orphans()
+        scratch = ScratchDir()
+        self._tmpdir = scratch.path
         # removed by close(), or at interpreter exit for a pool nobody closed
-        self._remove_tmpdir = weakref.finalize(self, shutil.rmtree, self._tmpdir, ignore_errors=True)
+        self._remove_tmpdir = weakref.finalize(self, scratch.remove)
         # the ranks' (and their reference processes') temporary files go into the pool's own folder,
         # removed by close(): a framework that makes temp dirs at import (wandb, under torchtitan)
         # and a rank killed before its own cleanup leave nothing in the machine's /tmp
