@@ -137,7 +137,7 @@ def _partial_sums_square(a: torch.Tensor, b: torch.Tensor, op) -> torch.Tensor:
     total = op(a_sq, b.square())
     before = None
     # a block costs a pass or three over the result: as many as the sum is long, up to
-    # ORDER_BLOCKS (a 32-term head-dim sum is one block, a 512-token grad sum eight)
+    # ORDER_BLOCKS (a 16-term head-dim sum is one block, a 32-term one two, 128 terms or more eight)
     step = -(-k // max(1, min(ORDER_BLOCKS, k // BLOCK_TERMS))) if k else 1
     for lo in range(0, k, step):
         hi = min(lo + step, k)

@@ -166,7 +166,9 @@ class RoundingNoise(TorchDispatchMode):
                 out = out + order_error(a, b, op, self.gen, u, pool=self.pool, magnitude_dtype=self.magnitude_dtype,
                                         scale_out=scale, walk=walk)
             out = self._noisy_in_place(out) if fresh else self._noisy(out)
-            self._remember(out, scale[0], u * a.shape[-1] ** 0.5)
+            # under the sequential model the magnitude no longer holds |a| @ |b|, which softmax's
+            # backward may need (_rowsum_error): the operands, for that one matmul
+            self._remember(out, scale[0], u * a.shape[-1] ** 0.5, None if walk else (a, b, op))
             return out
         if func is _SUM and not (self.walk or self._inputs_coarser) and _one_dim(args, kwargs or {}):
             # as a matmul's (sp_harness.step.adversary.sum_order_error says why)
@@ -183,11 +185,13 @@ class RoundingNoise(TorchDispatchMode):
         overstates is far below the inputs' rounding."""
         return self.accumulate_rel < self.rel or self.matmul_input_rel > self.rel
 
-    def _remember(self, result: torch.Tensor, scale: torch.Tensor, order_rel: float) -> None:
+    def _remember(self, result: torch.Tensor, scale: torch.Tensor, order_rel: float,
+                  operands: tuple | None = None) -> None:
         """`scale`: the order error's magnitude for the matmul that produced `result`; where
-        `_inputs_coarser`, order_rel x |a| @ |b|."""
+        `_inputs_coarser`, order_rel x |a| @ |b|. `operands` (a, b, op): where the magnitude is
+        the sequential model's, for |a| @ |b| on demand (`_rowsum_error`)."""
         # the last few only: a softmax backward follows its grad's matmul within a reshape or two
-        self._order_scales[_ptr(result)] = (scale, order_rel)
+        self._order_scales[_ptr(result)] = (scale, order_rel, operands)
         while len(self._order_scales) > MAX_REMEMBERED:
             self._order_scales.pop(next(iter(self._order_scales)))
 
@@ -222,11 +226,20 @@ class RoundingNoise(TorchDispatchMode):
             # g came out of a matmul dO @ V^T whose summation-order error the reference gave it;
             # a flash kernel's D = dO . O is another dot product over the same head dim, with an
             # error of its own of at most sum_j p_j u sqrt(d) |dO| . |v_j|: the same magnitudes
-            magnitude, order_rel = known
+            magnitude, order_rel, operands = known
             factor = 1.0
             if self._inputs_coarser:
                 factor += rel / order_rel  # dO rounded apart: rel x |dO| @ |V^T|
             scale = scale + factor * (prob * magnitude.reshape(grad.shape).to(prob.dtype)).sum(dim, keepdim=True)
+            if operands is not None:
+                # the sequential model's magnitude is not |dO| @ |V^T|. D = dO . O reads the
+                # forward's output, rounded at least once at the run's eps per element (more
+                # through a ring's merges) where dP = dO @ V^T reads V: D errs by up to
+                # rel x sum_i |dO_i| |O_i| <= rel x sum_j p_j (|dO| @ |V^T|)_j, however much
+                # dO . O cancels. The walk's magnitude, u sqrt(K) |dO| @ |V^T|, held this
+                a, b, op = operands
+                rounded_o = op(a.abs(), b.abs()).reshape(grad.shape).to(prob.dtype).mul_(rel)
+                scale = scale + (prob * rounded_o).sum(dim, keepdim=True)
         # at its magnitude with a random sign, not scaled by a uniform draw: on an exact
         # cancellation this is the one error the tensor has, and a uniform factor near 0 (one
         # draw in 16 below 1/16) left the bound under the sharded run's single error by luck
