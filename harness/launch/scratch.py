@@ -1,4 +1,4 @@
-"""A pool's scratch folder in the machine's temp dir, and the sweep of folders whose owner died.
+"""Stage: launch. A pool's scratch folder in the machine's temp dir, and the sweep of folders whose owner died.
 
 A pool removes its folder on close() or at interpreter exit, but a driver killed by SIGKILL (the
 OOM killer, `pkill -9`, a CI runner's hard timeout) runs neither, and its folder of rank logs and

@@ -63,7 +63,7 @@ class RoundingNoise(TorchDispatchMode):
         """Unit roundoff x 2 of a matmul's accumulator: float32's for bfloat16 runs."""
         self.matmul_input_rel = rel if matmul_input_rel is None else matmul_input_rel
         """Relative rounding of a matmul's inputs: TF32's 2**-10 where the platform uses it."""
-        self._order_scales: dict[int, tuple[torch.Tensor, float]] = {}
+        self._order_scales: dict[int, tuple[torch.Tensor, float, tuple | None]] = {}
         """Recent matmul results' order-error magnitudes, by the result's storage (and the
         storages of reshapes of it): what softmax's backward needs to know about its grad."""
         self._coarse = coarser_dtypes(rel)
@@ -197,7 +197,7 @@ class RoundingNoise(TorchDispatchMode):
 
 
     def _rowsum_error(self, grad: torch.Tensor, prob: torch.Tensor, dim: int,
-                      known: tuple[torch.Tensor, float] | None = None) -> torch.Tensor:
+                      known: tuple[torch.Tensor, float, tuple | None] | None = None) -> torch.Tensor:
         """Softmax backward is p (g - D) with D = sum_j p_j g_j. The reference forms D from the
         same g it subtracts it from, so where the two cancel (one key: p = 1, an exact 0) every
         reference is exact. FlashAttention-style kernels (a ring's blocks among them) form D as
