@@ -52,7 +52,8 @@ world-size parts, each rounded to the run dtype: a collective's sum): another le
 choice than this CPU's fused ones."""
 COST = {"alt": 3.0, "lp": 1.5, "r64": 1.0, "rounded": 1.3}
 """Relative cost of one pass: the perturbed reference rounds every op's inputs and result and adds
-a worst-order summation error (an extra |A||B| matmul: order_error) in float64; the run-precision one adds that
+a summation-order error (order_error: an extra |A||B| matmul for the walk, two more for float32's
+sequential model) in float64; the run-precision one adds that
 error at its own precision (not below float32: platform_noise); the float64 one is a plain pass;
 the ensemble's member is a float32 pass under two dispatch modes (1.24x a float64 pass at hidden
 256, seq 512, 4 layers, one thread)."""
@@ -90,9 +91,10 @@ def matmul_input_precision(config: CheckConfig, device: torch.device) -> float |
 
 
 def platform_noise(config: CheckConfig) -> contextlib.AbstractContextManager:
-    """The mode the same-precision reference runs under: its matmuls with a random worst-order
-    summation error (sp_harness.step.adversary.order_error at its accumulator's precision), so its
-    error is what the least accurate legal kernel would make, not what this CPU's happens to;
+    """The mode the same-precision reference runs under: its matmuls (and, for float32, one-dim
+    sums) with a random summation-order error (sp_harness.step.adversary.order_error at its
+    accumulator's precision: the worst-order walk, float32's the sequential model), so its error
+    is what a less accurate legal kernel would make, not what this CPU's happens to;
     TF32 under `--adversary reorder-tf32` (a platform setting: both sides). None below float32:
     there the accumulator is float32, and its order error, 1e-4 of the run-dtype rounding of
     every result it would be added to, is not worth a matmul per matmul."""

@@ -6,7 +6,7 @@ deviate by is not tuned per case or per machine: it is measured on the very comp
 more references, both run by sp_harness.checks.side_by_side_rank:
 
 - `ref_lp`, the same model in the run's precision (float32 for a float64 run, its error scaled
-  by eps64/eps32), its matmuls carrying a random worst-order summation error
+  by eps64/eps32), its matmuls carrying a random summation-order error (the worst-order walk; float32: a sequential kernel's)
   (sp_harness.step.adversary.order_error): what a correct single-device run on the least accurate legal
   kernel errs by.
 - `ref_alt`, float64 with every weight, float input, and every op's inputs and result perturbed by
@@ -141,10 +141,11 @@ overestimates a correct sharded forward (it also rounds every op's inputs), so t
 argument holds. Such a piece takes the smaller of that bound and the two-reference one
 (NORM_FACTOR): with hundreds of tokens the ensemble's factor is about 2 and its floor half an
 ulp. float64 keeps the two-reference bound: its run-precision reference is float32, another
-process, scaled by eps64 / eps32. Forward outputs and LSEs were validated
-with the sequential-order error (campaigns in docs/false-alarms.md, no forward or LSE false
-alarm); with it they catch one rank's logits scaled by about 1e-6 at the training size. Never grads: a sharded attention's backward (a
-flash-style row sum D = rowsum(dO * O), ranks' partial dK / dV summed in float32) rounds what
+process, scaled by eps64 / eps32. Forward outputs and LSEs were validated with the
+sequential-order error (campaigns in docs/false-alarms.md, no forward or LSE false alarm); with
+it they catch one rank's logits scaled by about 1e-6 at the training size. Never grads: a
+sharded attention's backward (a flash-style row sum D = rowsum(dO * O), ranks' partial dK / dV
+summed in float32) rounds what
 neither member does, and the float32 campaign found correct grads at up to 2.7x the members'
 largest (usp-gpt, 3 ranks, hidden 60, a q-proj weight grad at 1.05x the ensemble bound under
 `avx2` kernels; 0.66 of the two-reference one). bfloat16's `rounded` member forms that row sum

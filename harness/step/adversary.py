@@ -4,7 +4,8 @@ A verdict must not depend on the order a CPU's or GPU's kernels happen to sum in
 wait for other machines, this dispatch mode makes the sharded side of a run reduce differently
 on every call: each matmul (mm, addmm, bmm) is split along its reduction dim into randomly
 sized chunks whose partial products are summed in a random order, plus the error of a random
-worst-order summation (`order_error`), and each single-dim sum is split the same way. bfloat16 products accumulate in float32 and round once (what tensor cores
+summation order (`order_error`: the worst-order walk, float32's sequential model), and each
+single-dim sum is split the same way (float32's with that model's error too). bfloat16 products accumulate in float32 and round once (what tensor cores
 and oneDNN do); with `tf32=True` float32 matmul inputs are first rounded to TF32's 10-bit
 mantissa, as on an Ampere+ GPU with `allow_tf32`. TF32 is a property of the platform, not of
 the sharding, so the engine applies it to the same-precision reference too (a real platform
@@ -173,6 +174,12 @@ def sum_order_error(x: torch.Tensor, dim: int, gen: torch.Generator, u: float, p
     return error.reshape(shape)
 
 
+def one_dim_sum(args, kwargs) -> bool:
+    """Whether aten.sum.dim_IntList's arguments sum over one dim in the input's own dtype: the
+    sums the reorder adversary splits and the sequential model gives an order error."""
+    return len(args) >= 2 and len(args[1] or ()) == 1 and "dtype" not in kwargs
+
+
 class ReorderAdversary(TorchDispatchMode):
     """Random chunked, randomly ordered reductions for matmuls and sums (see module doc).
 
@@ -278,8 +285,7 @@ class ReorderAdversary(TorchDispatchMode):
             self.num_rewritten += 1
             prod = self._matmul(args[1], args[2], torch.mm)
             return beta * args[0] + alpha * prod if (beta, alpha) != (1, 1) else args[0] + prod
-        if floating and func is aten.sum.dim_IntList and len(args) >= 2 and len(args[1] or ()) == 1 \
-                and "dtype" not in kwargs:
+        if floating and func is aten.sum.dim_IntList and one_dim_sum(args, kwargs):
             dim = args[1][0]
             keepdim = args[2] if len(args) > 2 else kwargs.get("keepdim", False)
             x = args[0]

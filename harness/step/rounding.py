@@ -15,7 +15,7 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 
 from sp_harness.config.case import island_dtype
-from sp_harness.step.adversary import order_error, sum_order_error
+from sp_harness.step.adversary import one_dim_sum, order_error, sum_order_error
 from sp_harness.step.modules import ModuleStack
 from sp_harness.step.noise_pool import NoisePool
 
@@ -54,7 +54,8 @@ class RoundingNoise(TorchDispatchMode):
                  walk: bool = True):
         super().__init__()
         self.walk = walk
-        """The worst-order walk as the matmuls' order error (sp_harness.step.adversary.walks)."""
+        """The worst-order walk as the matmuls' order error (sp_harness.step.adversary.walks);
+        without it, the sequential model on matmuls and one-dim sums."""
         self.magnitude_dtype = magnitude_dtype
         """The dtype of order_error's |A| @ |B| (see there): float32 when the run's is at most that."""
         self.rel, self.gen = rel, gen
@@ -170,7 +171,7 @@ class RoundingNoise(TorchDispatchMode):
             # backward may need (_rowsum_error): the operands, for that one matmul
             self._remember(out, scale[0], u * a.shape[-1] ** 0.5, None if walk else (a, b, op))
             return out
-        if func is _SUM and not (self.walk or self._inputs_coarser) and _one_dim(args, kwargs or {}):
+        if func is _SUM and not (self.walk or self._inputs_coarser) and one_dim_sum(args, kwargs or {}):
             # as a matmul's (sp_harness.step.adversary.sum_order_error says why)
             error = sum_order_error(args[0], args[1][0], self.gen, self.accumulate_rel / 2, pool=self.pool,
                                     magnitude_dtype=self.magnitude_dtype).reshape(out.shape)
@@ -370,13 +371,6 @@ _RESHAPES = (torch.ops.aten._unsafe_view.default, torch.ops.aten.clone.default, 
 MAX_REMEMBERED = 4
 """Matmul results whose order-error magnitude is kept for a following softmax backward."""
 _SUM = torch.ops.aten.sum.dim_IntList
-
-
-def _one_dim(args, kwargs) -> bool:
-    """A sum over one dim, in its own dtype: the sums the reorder adversary splits."""
-    return len(args) >= 2 and len(args[1] or ()) == 1 and "dtype" not in kwargs
-
-
 _MATMULS = (torch.ops.aten.mm.default, torch.ops.aten.bmm.default, torch.ops.aten.addmm.default)
 
 

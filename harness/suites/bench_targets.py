@@ -96,7 +96,7 @@ def worst_memory_ratio(r: dict) -> float:
 def format_targets(r: dict) -> str:
     L = ["targets (one run; ratios within a row measured in the same run)"]
     L += [t.line() for t in targets(r)]
-    L += ["  why: a verified example IS the check: three references (float64; the run dtype with a worst-order matmul",
+    L += ["  why: a verified example IS the check: three references (float64; the run dtype with an order-error matmul",
           "  error; a float64 copy under a TorchDispatchMode that perturbs every op's inputs and result), each once per",
           "  example on its owner rank and broadcast, then every output/grad/param judged on every rank; bare_rank runs",
           "  one float64 reference. See (i) for where the time goes. Spawn-per-example is pool start + first job."]
