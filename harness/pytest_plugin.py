@@ -117,7 +117,24 @@ def sp_result(request: pytest.FixtureRequest, sp_check):
     return sp_check(CheckConfig(case=marker.args[0], **marker.kwargs))
 
 
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    # Pools close here, not at exit: an xdist worker reports itself finished after this hook, and
+    # the controller SIGKILLs a worker still alive 10 s later. Closing four pools one by one and
+    # a framework's interpreter teardown (6-12 s with megatron-core imported, on a loaded 2-core
+    # runner) took longer: the killed workers left their pools' folders in /tmp.
+    _close_pools(session.config)
+
+
 def pytest_unconfigure(config: pytest.Config) -> None:
+    _close_pools(config)
+
+
+def _close_pools(config: pytest.Config) -> None:
+    import sys
+
     manager = config.stash.get(POOL_KEY, None)
     if manager is not None:
         manager.close()
+    runner = sys.modules.get("sp_harness.launch.runner")  # never imported here: it imports torch
+    if runner is not None:
+        runner.close_default_manager()

@@ -8,8 +8,9 @@ import os
 import pathlib
 
 import pytest
+from installed import skip_unless_installed
 
-pytest.importorskip("deepspeed", reason="DeepSpeed is not installed (pip install -e '.[deepspeed]')")
+skip_unless_installed("deepspeed", "DeepSpeed is not installed (pip install -e '.[deepspeed]')")
 
 from sp_harness.config.check_config import CheckConfig  # noqa: E402
 from sp_harness.judge.verdict import FAIL, PASS, UNSUPPORTED  # noqa: E402
@@ -55,7 +56,7 @@ def test_deepspeeds_own_limits_are_unsupported_before_any_rank_runs(sp_check):
 
 
 def test_ulysses_sp_attention_hf_on_a_tiny_llama_passes(sp_check):
-    pytest.importorskip("transformers", reason="transformers is not installed (the deepspeed extra installs it)")
+    skip_unless_installed("transformers", "transformers is not installed (the deepspeed extra installs it)")
     # 4 query heads, 2 k/v heads over SP 2; DeepSpeed registers itself over transformers' sdpa
     res = sp_check(_config("HF_LLAMA", world_size=2, dtype="float32"))
     assert res.verdict == PASS, res.reason + res.error

@@ -7,8 +7,9 @@ import os
 import pathlib
 
 import pytest
+from installed import skip_unless_installed
 
-pytest.importorskip("megatron.core", reason="megatron-core is not installed (pip install -e '.[megatron]')")
+skip_unless_installed("megatron.core", "megatron-core is not installed (pip install -e '.[megatron]')")
 
 from sp_harness.config.check_config import CheckConfig  # noqa: E402
 from sp_harness.judge.verdict import FAIL, PASS, UNSUPPORTED  # noqa: E402

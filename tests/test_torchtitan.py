@@ -7,8 +7,9 @@ import os
 import pathlib
 
 import pytest
+from installed import skip_unless_installed
 
-pytest.importorskip("torchtitan", reason="torchtitan is not installed (pip install -e '.[torchtitan]')")
+skip_unless_installed("torchtitan", "torchtitan is not installed (pip install -e '.[torchtitan]')")
 
 from sp_harness.config.check_config import CheckConfig  # noqa: E402
 from sp_harness.judge.verdict import FAIL, PASS, UNSUPPORTED  # noqa: E402

@@ -8,8 +8,9 @@ import os
 import pathlib
 
 import pytest
+from installed import skip_unless_installed
 
-pytest.importorskip("yunchang", reason="yunchang is not installed (pip install -e '.[yunchang]')")
+skip_unless_installed("yunchang", "yunchang is not installed (pip install -e '.[yunchang]')")
 
 import torch  # noqa: E402
 

@@ -48,6 +48,14 @@ def default_manager() -> PoolManager:
     return _DEFAULT_MANAGER
 
 
+def close_default_manager() -> None:
+    """Closes this process's pools now, if it started any (the next use starts new ones)."""
+    global _DEFAULT_MANAGER
+    manager, _DEFAULT_MANAGER = _DEFAULT_MANAGER, None
+    if manager is not None:
+        manager.close()
+
+
 def runner() -> ProgressRunner:
     """The torchrun world under torchrun, else this process's pools."""
     return TorchrunWorld() if under_torchrun() else default_manager()
