@@ -117,6 +117,7 @@ def sp_result(request: pytest.FixtureRequest, sp_check):
     return sp_check(CheckConfig(case=marker.args[0], **marker.kwargs))
 
 
+@pytest.hookimpl(trylast=True)  # after session-scoped fixtures' teardown, which may still run jobs
 def pytest_sessionfinish(session: pytest.Session) -> None:
     # Pools close here, not at exit: an xdist worker reports itself finished after this hook, and
     # the controller SIGKILLs a worker still alive 10 s later. Closing four pools one by one and
