@@ -17,6 +17,7 @@ visible devices between them.
 from __future__ import annotations
 
 import os
+import sys
 from typing import TYPE_CHECKING
 
 import pytest
@@ -123,17 +124,7 @@ def pytest_sessionfinish(session: pytest.Session) -> None:
     # the controller SIGKILLs a worker still alive 10 s later. Closing four pools one by one and
     # a framework's interpreter teardown (6-12 s with megatron-core imported, on a loaded 2-core
     # runner) took longer: the killed workers left their pools' folders in /tmp.
-    _close_pools(session.config)
-
-
-def pytest_unconfigure(config: pytest.Config) -> None:
-    _close_pools(config)
-
-
-def _close_pools(config: pytest.Config) -> None:
-    import sys
-
-    manager = config.stash.get(POOL_KEY, None)
+    manager = session.config.stash.get(POOL_KEY, None)
     if manager is not None:
         manager.close()
     runner = sys.modules.get("sp_harness.launch.runner")  # never imported here: it imports torch
