@@ -65,3 +65,27 @@ def test_the_norm_wise_criterion_catches_what_max_abs_cannot(sp_pool):
     assert first.kind == "forward" and first.rank == 1
     assert first.max_abs <= first.allowed < float("inf")  # inside the elementwise bound
     assert first.norm_ratio > 1  # caught norm-wise
+
+
+def test_a_bf16_update_two_percent_off_is_caught_by_its_scale_alone(sp_pool):
+    """bfloat16, one param's update on one rank x 1.02 (the sensitivity target at the default
+    size): every element inside the elementwise bound (whose bf16 sensitivity is 6.5%), the
+    step's coherent scale past its bound (sp_harness.compare.update_scale); at d = 0 it passes."""
+    from sp_harness.checks.side_by_side import check
+
+    config = CheckConfig(case=CASES["update"].name, world_size=2, dtype="bfloat16", timeout_s=120.0)
+    set_scale(sp_pool, 0.02)
+    try:
+        res = check(config, sp_pool)
+    finally:
+        set_scale(sp_pool, None)
+    assert res.verdict == "FAIL", res.reason
+    first = res.failures[0]
+    assert first.kind == "param" and first.rank == 1
+    assert first.ratio <= 1 < first.norm_ratio, first.describe()
+    assert "update scale" in first.note
+    set_scale(sp_pool, 0.0)
+    try:
+        assert check(config, sp_pool).verdict == "PASS"
+    finally:
+        set_scale(sp_pool, None)

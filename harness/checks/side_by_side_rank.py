@@ -26,6 +26,8 @@ from sp_harness.checks.references import KINDS, SAMPLES, Inline, RefResult, Shar
 from sp_harness.checks.refproc import Remote, reference_process
 from sp_harness.compare.divergence import first_divergence
 from sp_harness.compare.tolerance import FACTOR, TensorCheck, check_bounded, check_tensor, lp_dtype
+from sp_harness.compare.update_scale import DTYPES as SCALE_DTYPES
+from sp_harness.compare.update_scale import ScaleBound, scale_bound, update_scale
 from sp_harness.config.case import as_batch
 from sp_harness.config.check_config import CheckConfig
 from sp_harness.judge.verdict import RankResult, record
@@ -36,7 +38,7 @@ from sp_harness.step.build import build, reference_copy
 from sp_harness.step.context import reference_context
 from sp_harness.step.inputs import batch_generator, batch_to, cut, global_loss, replica_slice, seq_index
 from sp_harness.step.loop import ShardedLoop
-from sp_harness.step.optim_ref import reference_step, state_of
+from sp_harness.step.optim_ref import StepReference, member_step, raw_state_of, reference_step, state_of
 from sp_harness.step.params import (
     LocalParam,
     declared_grad,
@@ -245,10 +247,12 @@ class _SideBySide:
         self.loop.clear_grads()
         self.result.comm.append(self.counter.snapshot())
         self.counter.stats.clear()
-        for p, (want, bound) in zip(self.params, expected, strict=True):
+        for p, ref in zip(self.params, expected, strict=True):
+            got = p.full(p.param.detach())
             record(self.result, check_bounded(kind="param", name=p.spec.ref_name, step=step, rank=self.ctx.rank,
-                                              got=p.full(p.param.detach()), want=want, bound=bound,
-                                              offset=p.offset(self.ref64[p.spec.ref_name], self.ctx)))
+                                              got=got, want=ref.param, bound=ref.bound,
+                                              offset=p.offset(self.ref64[p.spec.ref_name], self.ctx),
+                                              scale=_update_scale(ref, got)))
         self.result.drift.extend(replica_drift(step, self.params, self.ctx, set(self.case.replicated_hint)))
 
     def step(self, step: int, gen: torch.Generator) -> None:
@@ -297,12 +301,26 @@ def _adversary(config: CheckConfig):
 
 
 def _expected_step(p: LocalParam, opt: torch.optim.Optimizer, config: CheckConfig,
-                   dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """This param after the coming optimizer step, in float64 from its own values, and the bound."""
+                   dtype: torch.dtype) -> StepReference:
+    """This param after the coming optimizer step, in float64 from its own values, and the bound;
+    below float32 also the unfused member's step (sp_harness.compare.update_scale)."""
     to_full = (lambda t: t.full_tensor()) if p.dtensor else (lambda t: t)
     value = to_full(p.param.detach())
     grad = None if p.param.grad is None else to_full(p.param.grad)
     assert config.optimizer is not None and config.lr is not None, "the check resolves optimizer and lr"
     ref = reference_step(optimizer=config.optimizer, lr=config.lr, param=value, grad=grad,
                          state=state_of(opt, p.param, to_full), dtype=dtype)
-    return ref.param, ref.bound
+    if grad is not None and value.dtype in SCALE_DTYPES:
+        ref.before = value.to(torch.float64)
+        ref.member = member_step(optimizer=config.optimizer, lr=config.lr, param=value, grad=grad,
+                                 raw_state=raw_state_of(opt, p.param, to_full))
+    return ref
+
+
+def _update_scale(ref: StepReference, got: torch.Tensor) -> ScaleBound | None:
+    """The run's coherent update scale against the member's, where the param has one."""
+    if ref.member is None or ref.before is None:
+        return None
+    run = update_scale(before=ref.before, exact=ref.param, got=got, dtype=got.dtype)
+    member = update_scale(before=ref.before, exact=ref.param, got=ref.member, dtype=got.dtype)
+    return scale_bound(run, member)

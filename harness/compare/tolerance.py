@@ -41,6 +41,8 @@ from dataclasses import dataclass
 
 import torch
 
+from sp_harness.compare.update_scale import ScaleBound
+
 FACTOR = 16.0
 """How many times the references' worst element error the sharded run's worst element may reach:
 the worst element of one rounding process against the worst of another has a heavy tail, hence
@@ -188,7 +190,9 @@ class TensorCheck:
     ok: bool
     note: str = ""
     norm_ratio: float = 0.0
-    """||got - ref64|| / its norm-wise bound (0 where the tensor is too small for one)."""
+    """The whole piece's ratio (0 where the piece is too small for one): ||got - ref64|| / its
+    norm-wise bound, or for a parameter below float32 after the step its coherent update scale /
+    that scale's bound (sp_harness.compare.update_scale)."""
     err_norm: float = 0.0
     """||got - ref64|| over the piece (where a norm-wise bound applies)."""
     noise_norm: float = 0.0
@@ -201,7 +205,7 @@ class TensorCheck:
     def describe(self) -> str:
         where = f"[{', '.join(map(str, self.worst_index))}]" if self.worst_index else ""
         extra = f" ({self.note})" if self.note else ""
-        if self.norm_ratio > 1 and self.norm_ratio >= self.max_abs / max(self.allowed, 1e-300):
+        if self.kind != "param" and self.norm_ratio > 1 and self.norm_ratio >= self.max_abs / max(self.allowed, 1e-300):
             extra += f" (norm-wise: error norm {self.norm_ratio:.3g}x its bound over the whole piece)"
         return (f"step {self.step} {self.kind} {self.name}{where} rank {self.rank}: "
                 f"got {self.got:.6g} want {self.want:.6g}, max abs err {self.max_abs:.3g} "
@@ -344,10 +348,12 @@ def _row_participation(errs: Sequence[torch.Tensor]) -> float:
 
 
 def check_bounded(*, kind: str, name: str, step: int, rank: int, got: torch.Tensor | None, want: torch.Tensor,
-                  bound: torch.Tensor, offset: tuple[int, ...] = ()) -> TensorCheck:
+                  bound: torch.Tensor, offset: tuple[int, ...] = (), scale: ScaleBound | None = None) -> TensorCheck:
     """Judge `got` against `want` element by element, each within its own `bound` (a rounding
     bound derived from the computation, e.g. sp_harness.step.optim_ref). The reported ratio is the
-    largest err / bound; `allowed` is the bound at that element."""
+    largest err / bound; `allowed` is the bound at that element. `scale`: a low-precision
+    update's coherent scale against its bound (sp_harness.compare.update_scale), judged over the
+    whole piece as its `norm_ratio`."""
     want = want.detach().to(torch.float64)
     if got is None or tuple(got.shape) != tuple(want.shape):
         note = "missing" if got is None else f"shape {tuple(got.shape)} != expected {tuple(want.shape)}"
@@ -368,9 +374,11 @@ def check_bounded(*, kind: str, name: str, step: int, rank: int, got: torch.Tens
     index = tuple(int(i) for i in torch.unravel_index(torch.tensor(flat), err.shape)) if err.dim() else ()
     if offset:
         index = tuple(i + o for i, o in zip(index, offset, strict=True))
-    scale = float(want.abs().max())
+    magnitude = float(want.abs().max())
     max_abs = float(err.max())
+    whole = 0.0 if scale is None else scale.ratio
     return TensorCheck(kind=kind, name=name, step=step, rank=rank, max_abs=max_abs,
-                       max_rel=max_abs / scale if scale else max_abs, allowed=float(bound.reshape(-1)[flat]),
+                       max_rel=max_abs / magnitude if magnitude else max_abs, allowed=float(bound.reshape(-1)[flat]),
                        ratio=worst, worst_index=index, got=float(got64.reshape(-1)[flat]),
-                       want=float(want.reshape(-1)[flat]), ok=worst <= 1.0)
+                       want=float(want.reshape(-1)[flat]), ok=worst <= 1.0 and whole <= 1.0,
+                       norm_ratio=whole, note="" if scale is None or whole <= 1.0 else scale.describe())

@@ -66,6 +66,11 @@ class StepReference:
     """Expected parameter after the step (float64)."""
     bound: torch.Tensor
     """Per-element allowed |error| for a correct step in the run's dtype."""
+    before: torch.Tensor | None = None
+    """The parameter before the step (float64), where `member` is set."""
+    member: torch.Tensor | None = None
+    """A parameter below float32: its step taken by the unfused implementation in its own dtype
+    (`member_step`), which sp_harness.compare.update_scale measures the run's coherence against."""
 
 
 def make_optimizer(name: str, lr: float, params) -> torch.optim.Optimizer:
@@ -104,6 +109,29 @@ def reference_step(*, optimizer: str, lr: float, param: torch.Tensor, grad: torc
     new = decayed - step_size * m_new / denom
     scale = (new - p).abs() + step_size * (m_new.abs() + (1 - b1) * (m.abs() + g.abs())) / denom
     return StepReference(param=new, bound=eps * (PARAM_ROUNDINGS * p.abs() + ROUNDINGS * scale))
+
+
+def member_step(*, optimizer: str, lr: float, param: torch.Tensor, grad: torch.Tensor,
+                raw_state: dict) -> torch.Tensor:
+    """`param` after the step `make_optimizer` takes in `param`'s own dtype, on clones of `param`,
+    `grad` and the optimizer state `raw_state` (its tensors as the optimizer holds them): the
+    unfused member of the correct implementations a low-precision step is judged against
+    (sp_harness.compare.update_scale), every intermediate rounded to the parameter's dtype."""
+    clone = torch.nn.Parameter(param.detach().clone(), requires_grad=True)
+    clone.grad = grad.detach().clone().to(clone.dtype)
+    opt = make_optimizer(optimizer, lr, [clone])
+    if raw_state:
+        opt.state[clone] = {k: (v.detach().clone() if isinstance(v, torch.Tensor) else v)
+                            for k, v in raw_state.items()}
+    opt.step()
+    return clone.detach()
+
+
+def raw_state_of(optimizer: torch.optim.Optimizer, param: torch.Tensor, to_full) -> dict:
+    """`param`'s optimizer state as held (dtype kept), each tensor through `to_full`; the step
+    count as is."""
+    raw = optimizer.state.get(param, {})
+    return {k: (to_full(v) if isinstance(v, torch.Tensor) and v.dim() else v) for k, v in raw.items()}
 
 
 def state_of(optimizer: torch.optim.Optimizer, param: torch.Tensor, to_full) -> OptimState:

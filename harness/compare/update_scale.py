@@ -1,0 +1,128 @@
+"""Stage: compare. The update-scale statistic of a low-precision optimizer step, pure.
+
+The elementwise optimizer bound (sp_harness.step.optim_ref) must hold for every element's worst
+case, and in bfloat16 that worst case is most of the update: a step scaled by 1.06 passes it.
+A scaled step is coherent, though: every element moves the same relative amount along its own
+update. The final rounding to the parameter's dtype dithers that shift, so it can be estimated
+over the whole piece (the way a dithered ADC resolves below its step):
+
+    a_i = (p64'_i - p_i) / ulp_i          the exact step (float64, from the run's own state),
+    d_i = (x_i - fl(p64'_i)) / ulp_i      x's departure from the correctly rounded step,
+
+both in units of the parameter dtype's spacing at fl(p64'_i). A step x = p + (1 + beta)(p64' - p)
+plus rounding has d_i = beta a_i + noise, so the least-squares slope
+
+    beta = sum(d a) / sum(a^2),  se = sqrt(sum((d - beta a)^2 a^2)) / sum(a^2)   (HC0)
+
+estimates the step's coherent relative error, with a standard error taken from the same piece's
+residuals (so a step that stagnates, |a| < 1/2 everywhere, carries no information and a large se).
+
+Correct implementations are not at beta = 0: the fused one (the step in float32, rounded once)
+is, but one that rounds every intermediate in the run dtype (torch's AdamW on bfloat16 tensors)
+has a small coherent error of its own (its first step's roundings of m, v and sqrt all take the
+same few mantissas: measured 0.03-0.15 unit roundoffs of the update). That member is computed
+from the very state the run stepped from (sp_harness.step.optim_ref.member_step), so its beta
+is measured, not fitted. The run's beta must lie within
+
+    |beta_run| <= MISMATCH * |beta_member| + Z * sqrt(se_run^2 + se_member^2)
+
+(`ScaleBound`): the legal implementations span [0, beta_member], MISMATCH gives a partly fused
+kernel half as much again, and Z = 5 standard errors of two independent dithered estimates: a
+two-sided normal tail of 6e-7 per piece, 1e-4 over the few hundred pieces of a check.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+Z = 5.0
+"""Standard errors the run's slope may sit beyond the band of correct implementations."""
+MISMATCH = 1.5
+"""How far past the unfused member's coherent error a partly fused kernel may sit."""
+UPDATE_ROUNDINGS = 2.0
+"""The rms error of a correct update in unit roundoffs of it (its ~5 roundings, each uniform within
++-u, add to about 1.3 u in rms): caps the weight of an element whose step is many ulps of its
+parameter, where d / a is the update's own relative rounding error and says nothing finer."""
+MIN_ELEMENTS = 64
+"""Fewer elements that move than this and the slope is not judged (its tail is not normal)."""
+DTYPES = (torch.bfloat16,)
+"""Parameter dtypes judged this way; float32 and float64 keep the elementwise bound alone,
+which already sees 1e-6 relative (docs/sensitivity.md). float16 is not a run dtype yet: its
+AdamW needs loss scaling (v underflows for grads below about 1e-2)."""
+
+
+@dataclass(kw_only=True, frozen=True)
+class UpdateScale:
+    """The coherent relative error of one piece's optimizer step."""
+
+    beta: float
+    """The step's estimated relative scale error (x = p + (1 + beta)(exact step))."""
+    se: float
+    """beta's standard error, from the piece's own residuals."""
+    num_moving: int
+    """Elements whose exact step is nonzero (the ones that carry information)."""
+
+
+@dataclass(kw_only=True, frozen=True)
+class ScaleBound:
+    """The run's update scale against the band correct implementations span."""
+
+    run: UpdateScale
+    member: UpdateScale
+    allowed: float
+    """MISMATCH |member.beta| + Z sqrt(run.se^2 + member.se^2)."""
+
+    @property
+    def ratio(self) -> float:
+        if self.allowed == 0:
+            return 0.0 if self.run.beta == 0 else math.inf
+        return abs(self.run.beta) / self.allowed
+
+    def describe(self) -> str:
+        return (f"update scale: the step is x(1 {'+' if self.run.beta >= 0 else '-'} "
+                f"{abs(self.run.beta):.3g}) +- {self.run.se:.2g} over {self.run.num_moving} elements, "
+                f"allowed {self.allowed:.3g} (an unfused correct step's {self.member.beta:+.3g})")
+
+
+def _spacing(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The spacing of `dtype` at each |x| (its ulp), subnormals at the smallest normal's."""
+    info = torch.finfo(dtype)
+    mag = x.abs().clamp_min(info.tiny)
+    exponent = torch.frexp(mag)[1].to(torch.float64) - 1  # mag = m * 2^exponent, m in [1, 2)
+    return info.eps * torch.pow(2.0, exponent)
+
+
+def update_scale(*, before: torch.Tensor, exact: torch.Tensor, got: torch.Tensor,
+                 dtype: torch.dtype) -> UpdateScale:
+    """The coherent scale error of `got`, the piece after a step in `dtype` from `before`, whose
+    exact (float64) result is `exact`."""
+    exact = exact.detach().to(torch.float64)
+    rounded = exact.to(dtype).to(torch.float64)
+    ulp = _spacing(rounded, dtype)
+    a = (exact - before.detach().to(torch.float64)) / ulp
+    d = (got.detach().to(torch.float64) - rounded) / ulp
+    keep = (a != 0) & torch.isfinite(d) & torch.isfinite(a)
+    a, d = a[keep], d[keep]
+    if not a.numel():
+        return UpdateScale(beta=0.0, se=0.0, num_moving=0)
+    u = torch.finfo(dtype).eps / 2
+    # each element's relative error r = d / a, weighted by 1 / its variance: the final rounding's
+    # dither (1/6 ulp^2: the run's and fl(exact)'s, uniform) over a^2, plus the update's own
+    # roundings (UPDATE_ROUNDINGS unit roundoffs of it), so no element weighs more than those
+    w = a * a / (1 / 6 + (UPDATE_ROUNDINGS * u * a) ** 2)
+    r = d / a
+    sw = float(w.sum())
+    beta = float((w * r).sum()) / sw
+    se = math.sqrt(float((w * w * (r - beta) ** 2).sum())) / sw
+    return UpdateScale(beta=beta, se=se, num_moving=int(a.numel()))
+
+
+def scale_bound(run: UpdateScale, member: UpdateScale) -> ScaleBound | None:
+    """The bound, or None where the piece has too few moving elements to judge."""
+    if run.num_moving < MIN_ELEMENTS:
+        return None
+    allowed = MISMATCH * abs(member.beta) + Z * math.hypot(run.se, member.se)
+    return ScaleBound(run=run, member=member, allowed=allowed)
