@@ -207,6 +207,10 @@ class TensorCheck:
         extra = f" ({self.note})" if self.note else ""
         if self.kind != "param" and self.norm_ratio > 1 and self.norm_ratio >= self.max_abs / max(self.allowed, 1e-300):
             extra += f" (norm-wise: error norm {self.norm_ratio:.3g}x its bound over the whole piece)"
+        if self.kind == "param" and self.ratio <= 1 < self.norm_ratio:
+            return (f"step {self.step} {self.kind} {self.name} rank {self.rank}: {self.note}, "
+                    f"{self.norm_ratio:.3g}x its bound over the whole piece (every element within its own "
+                    f"bound, the worst at {self.ratio:.3g}x)")
         return (f"step {self.step} {self.kind} {self.name}{where} rank {self.rank}: "
                 f"got {self.got:.6g} want {self.want:.6g}, max abs err {self.max_abs:.3g} "
                 f"(rel {self.max_rel:.3g}) > allowed {self.allowed:.3g} ({self.ratio:.3g}x){extra}")
