@@ -38,7 +38,7 @@ from sp_harness.step.build import build, reference_copy
 from sp_harness.step.context import reference_context
 from sp_harness.step.inputs import batch_generator, batch_to, cut, global_loss, replica_slice, seq_index
 from sp_harness.step.loop import ShardedLoop
-from sp_harness.step.optim_ref import StepReference, member_step, raw_state_of, reference_step, state_of
+from sp_harness.step.optim_ref import StepReference, float64_state, member_step, raw_state_of, reference_step
 from sp_harness.step.params import (
     LocalParam,
     declared_grad,
@@ -308,12 +308,13 @@ def _expected_step(p: LocalParam, opt: torch.optim.Optimizer, config: CheckConfi
     value = to_full(p.param.detach())
     grad = None if p.param.grad is None else to_full(p.param.grad)
     assert config.optimizer is not None and config.lr is not None, "the check resolves optimizer and lr"
+    raw = raw_state_of(opt, p.param, to_full)  # a DTensor's state gathered once, for both
     ref = reference_step(optimizer=config.optimizer, lr=config.lr, param=value, grad=grad,
-                         state=state_of(opt, p.param, to_full), dtype=dtype)
+                         state=float64_state(raw), dtype=dtype)
     if grad is not None and value.dtype in SCALE_DTYPES:
         ref.before = value.to(torch.float64)
         ref.member = member_step(optimizer=config.optimizer, lr=config.lr, param=value, grad=grad,
-                                 raw_state=raw_state_of(opt, p.param, to_full))
+                                 raw_state=raw)
     return ref
 
 

@@ -137,13 +137,17 @@ def raw_state_of(optimizer: torch.optim.Optimizer, param: torch.Tensor, to_full)
 def state_of(optimizer: torch.optim.Optimizer, param: torch.Tensor, to_full) -> OptimState:
     """`param`'s state in `optimizer` before its next step, each tensor through `to_full`
     (local piece, or a DTensor's full tensor) and in float64."""
-    raw = optimizer.state.get(param, {})
+    return float64_state(raw_state_of(optimizer, param, to_full))
+
+
+def float64_state(raw: dict) -> OptimState:
+    """A state as `raw_state_of` returns it, in float64."""
     if not raw:
         return OptimState()
 
     def conv(key):
         t = raw.get(key)
-        return None if t is None else to_full(t).detach().to(torch.float64)
+        return None if t is None else t.detach().to(torch.float64)
 
     step = raw.get("step", 0)
     return OptimState(step=int(step.item() if isinstance(step, torch.Tensor) else step),
