@@ -27,7 +27,8 @@ from sp_harness.checks.refproc import Remote, reference_process
 from sp_harness.compare.divergence import first_divergence
 from sp_harness.compare.tolerance import FACTOR, TensorCheck, check_bounded, check_tensor, lp_dtype
 from sp_harness.compare.update_scale import DTYPES as SCALE_DTYPES
-from sp_harness.compare.update_scale import ScaleBound, scale_bound, update_scale
+from sp_harness.compare.update_scale import ScaleBound, scale_bound, update_scales
+from sp_harness.compare.update_scale import sample as scale_sample
 from sp_harness.config.case import as_batch
 from sp_harness.config.check_config import CheckConfig
 from sp_harness.judge.verdict import RankResult, record
@@ -312,16 +313,19 @@ def _expected_step(p: LocalParam, opt: torch.optim.Optimizer, config: CheckConfi
     ref = reference_step(optimizer=config.optimizer, lr=config.lr, param=value, grad=grad,
                          state=float64_state(raw), dtype=dtype)
     if grad is not None and value.dtype in SCALE_DTYPES:
-        ref.before = value.to(torch.float64)
-        ref.member = member_step(optimizer=config.optimizer, lr=config.lr, param=value, grad=grad,
-                                 raw_state=raw)
+        ref.before = scale_sample(value).to(torch.float64)
+        ref.member = member_step(optimizer=config.optimizer, lr=config.lr, param=scale_sample(value),
+                                 grad=scale_sample(grad),
+                                 raw_state={k: scale_sample(v) if isinstance(v, torch.Tensor) and v.dim() else v
+                                            for k, v in raw.items()})
     return ref
 
 
 def _update_scale(ref: StepReference, got: torch.Tensor) -> ScaleBound | None:
-    """The run's coherent update scale against the member's, where the param has one."""
+    """The run's coherent update scale against the member's, where the param has one (on the
+    elements `scale_sample` picks, as the member was stepped)."""
     if ref.member is None or ref.before is None:
         return None
-    run = update_scale(before=ref.before, exact=ref.param, got=got, dtype=got.dtype)
-    member = update_scale(before=ref.before, exact=ref.param, got=ref.member, dtype=got.dtype)
+    run, member = update_scales(before=ref.before, exact=scale_sample(ref.param), gots=[scale_sample(got), ref.member],
+                                dtype=got.dtype)
     return scale_bound(run, member)

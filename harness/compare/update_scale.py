@@ -34,6 +34,7 @@ two-sided normal tail of 6e-7 per piece, 1e-4 over the few hundred pieces of a c
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -48,6 +49,11 @@ UPDATE_ROUNDINGS = 2.0
 parameter, where d / a is the update's own relative rounding error and says nothing finer."""
 MIN_ELEMENTS = 64
 """Fewer elements that move than this and the slope is not judged (its tail is not normal)."""
+MAX_ELEMENTS = 1 << 16
+"""A piece larger than this is judged on an evenly strided sample of about this many elements
+(`sample`): a coherent scale moves every element, and at 65536 elements the standard error is
+already a few 1e-5 (the training-size sensitivity, 0.0025, is set by the member's band), while
+the statistic over every element of a realistic model cost a check a tenth of its time."""
 DTYPES = (torch.bfloat16,)
 """Parameter dtypes judged this way; float32 and float64 keep the elementwise bound alone,
 which already sees 1e-6 relative (docs/sensitivity.md). float16 is not a run dtype yet: its
@@ -87,37 +93,54 @@ class ScaleBound:
                 f"allowed {self.allowed:.3g} (an unfused correct step's {self.member.beta:+.3g})")
 
 
+def sample(t: torch.Tensor) -> torch.Tensor:
+    """`t` flattened, every k-th element, k the smallest stride leaving at most MAX_ELEMENTS."""
+    flat = t.reshape(-1)
+    return flat[:: max(1, math.ceil(flat.numel() / MAX_ELEMENTS))]
+
+
 def _spacing(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """The spacing of `dtype` at each |x| (its ulp), subnormals at the smallest normal's."""
+    """The spacing of `dtype` at each |x| (float32 values of `dtype`): eps times 2^exponent, the
+    exponent read from x's bits; subnormals at the smallest normal's."""
     info = torch.finfo(dtype)
-    mag = x.abs().clamp_min(info.tiny)
-    exponent = torch.frexp(mag)[1].to(torch.float64) - 1  # mag = m * 2^exponent, m in [1, 2)
-    return info.eps * torch.pow(2.0, exponent)
+    power = (x.view(torch.int32) & 0x7F800000).view(torch.float32)  # 2^exponent (0 for 0)
+    return (power * info.eps).clamp_min(info.tiny * info.eps)
+
+
+def update_scales(*, before: torch.Tensor, exact: torch.Tensor, gots: Sequence[torch.Tensor],
+                  dtype: torch.dtype) -> list[UpdateScale]:
+    """The coherent scale error of each of `gots`, the piece after a step in `dtype` from
+    `before` whose exact (float64) result is `exact` (one pass over the shared terms). Only the
+    step itself needs float64; the rest is exact or statistical in float32."""
+    exact = exact.detach().to(torch.float64)
+    rounded = exact.to(dtype).to(torch.float32)
+    ulp = _spacing(rounded, dtype)
+    a = (exact - before.detach().to(torch.float64)).to(torch.float32) / ulp
+    moving = a != 0
+    a = a[moving]
+    u = torch.finfo(dtype).eps / 2
+    # each element's relative error d / a, weighted by 1 / its variance: the final rounding's
+    # dither (1/6 ulp^2: the run's and fl(exact)'s, uniform) over a^2, plus the update's own
+    # roundings (UPDATE_ROUNDINGS unit roundoffs of it), so no element weighs more than those
+    w = a * a / (1 / 6 + (UPDATE_ROUNDINGS * u * a) ** 2)
+    sw = float(w.sum(dtype=torch.float64))
+    out = []
+    for got in gots:
+        if not sw:
+            out.append(UpdateScale(beta=0.0, se=0.0, num_moving=0))
+            continue
+        d = ((got.detach().to(torch.float32) - rounded) / ulp)[moving]  # exact: both are `dtype` values
+        r = d / a
+        beta = float((w * r).sum(dtype=torch.float64)) / sw
+        se = math.sqrt(float((w * w * (r - beta) ** 2).sum(dtype=torch.float64))) / sw
+        out.append(UpdateScale(beta=beta, se=se, num_moving=int(a.numel())))
+    return out
 
 
 def update_scale(*, before: torch.Tensor, exact: torch.Tensor, got: torch.Tensor,
                  dtype: torch.dtype) -> UpdateScale:
-    """The coherent scale error of `got`, the piece after a step in `dtype` from `before`, whose
-    exact (float64) result is `exact`."""
-    exact = exact.detach().to(torch.float64)
-    rounded = exact.to(dtype).to(torch.float64)
-    ulp = _spacing(rounded, dtype)
-    a = (exact - before.detach().to(torch.float64)) / ulp
-    d = (got.detach().to(torch.float64) - rounded) / ulp
-    keep = (a != 0) & torch.isfinite(d) & torch.isfinite(a)
-    a, d = a[keep], d[keep]
-    if not a.numel():
-        return UpdateScale(beta=0.0, se=0.0, num_moving=0)
-    u = torch.finfo(dtype).eps / 2
-    # each element's relative error r = d / a, weighted by 1 / its variance: the final rounding's
-    # dither (1/6 ulp^2: the run's and fl(exact)'s, uniform) over a^2, plus the update's own
-    # roundings (UPDATE_ROUNDINGS unit roundoffs of it), so no element weighs more than those
-    w = a * a / (1 / 6 + (UPDATE_ROUNDINGS * u * a) ** 2)
-    r = d / a
-    sw = float(w.sum())
-    beta = float((w * r).sum()) / sw
-    se = math.sqrt(float((w * w * (r - beta) ** 2).sum())) / sw
-    return UpdateScale(beta=beta, se=se, num_moving=int(a.numel()))
+    """`update_scales` of one piece."""
+    return update_scales(before=before, exact=exact, gots=[got], dtype=dtype)[0]
 
 
 def scale_bound(run: UpdateScale, member: UpdateScale) -> ScaleBound | None:

@@ -67,10 +67,12 @@ class StepReference:
     bound: torch.Tensor
     """Per-element allowed |error| for a correct step in the run's dtype."""
     before: torch.Tensor | None = None
-    """The parameter before the step (float64), where `member` is set."""
+    """Where `member` is set: the same sample of the parameter's elements before the step
+    (float64)."""
     member: torch.Tensor | None = None
-    """A parameter below float32: its step taken by the unfused implementation in its own dtype
-    (`member_step`), which sp_harness.compare.update_scale measures the run's coherence against."""
+    """A parameter below float32: a sample of its elements (sp_harness.compare.update_scale.sample)
+    after the step taken by the unfused implementation in its own dtype (`member_step`), which
+    the run's coherent update scale is judged against."""
 
 
 def make_optimizer(name: str, lr: float, params) -> torch.optim.Optimizer:
