@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from sp_harness.compare.tolerance import check_bounded
-from sp_harness.compare.update_scale import scale_bound, update_scale
+from sp_harness.compare.update_scale import scale_bound, update_scale, update_scales
 from sp_harness.step.optim_ref import (
     ADAMW_BETAS,
     ADAMW_EPS,
@@ -120,3 +120,27 @@ def test_stagnating_and_small_pieces_carry_no_verdict():
     for bound in _run(lr=1e-7, g_scale=1.0):
         assert bound is None or bound.ratio == 0
     assert all(b is None for b in _run(shape=(5, 3)))
+
+
+def test_a_large_piece_is_judged_on_an_even_sample_and_still_sees_half_a_percent():
+    from sp_harness.compare.update_scale import MAX_ELEMENTS, sample
+
+    t = torch.arange(512 * 512).reshape(512, 512)
+    picked = sample(t)
+    assert MAX_ELEMENTS // 2 < picked.numel() <= MAX_ELEMENTS and int(picked[1] - picked[0]) == 4
+    gen = torch.Generator().manual_seed(7)
+    p = torch.nn.Parameter(((torch.rand(512, 512, generator=gen) * 2 - 1) / 16).to(torch.bfloat16))
+    opt = make_optimizer("adamw", 1e-2, [p])
+    for step, scale in enumerate((0.0, 0.005)):
+        p.grad = (torch.randn(512, 512, generator=gen) * 1e-2).to(torch.bfloat16)
+        before = p.detach().double()
+        ref = reference_step(optimizer="adamw", lr=1e-2, param=p.detach(), grad=p.grad,
+                             state=state_of(opt, p, lambda t: t), dtype=torch.bfloat16)
+        raw = raw_state_of(opt, p, lambda t: t)
+        member = member_step(optimizer="adamw", lr=1e-2, param=sample(p.detach()), grad=sample(p.grad),
+                             raw_state={k: sample(v) if v.dim() else v for k, v in raw.items()})
+        opt.step()
+        got = (before + (1 + scale) * (p.detach().double() - before)).to(torch.bfloat16)
+        bound = scale_bound(*update_scales(before=sample(before), exact=sample(ref.param),
+                                           gots=[sample(got), member], dtype=torch.bfloat16))
+        assert (bound.ratio > 1) == bool(scale), (step, bound.describe())
