@@ -10,19 +10,25 @@ over the whole piece (the way a dithered ADC resolves below its step):
     d_i = (x_i - fl(p64'_i)) / ulp_i      x's departure from the correctly rounded step,
 
 both in units of the parameter dtype's spacing at fl(p64'_i). A step x = p + (1 + beta)(p64' - p)
-plus rounding has d_i = beta a_i + noise, so the least-squares slope
+plus rounding has d_i = beta a_i + noise, so each element's r_i = d_i / a_i estimates beta, with
+variance (1/6 + (c u a_i)^2) / a_i^2: the final rounding's dither (the run's and fl(exact)'s,
+uniform, 1/12 ulp^2 each) plus the update's own roundings (c = UPDATE_ROUNDINGS unit roundoffs
+of it). Weighted by the inverse of that,
 
-    beta = sum(d a) / sum(a^2),  se = sqrt(sum((d - beta a)^2 a^2)) / sum(a^2)   (HC0)
+    beta = sum(w r) / sum(w),  se = sqrt(sum(w^2 (r - beta)^2)) / sum(w),  w = a^2 / (1/6 + (c u a)^2)
 
 estimates the step's coherent relative error, with a standard error taken from the same piece's
-residuals (so a step that stagnates, |a| < 1/2 everywhere, carries no information and a large se).
+residuals (HC0). A step that stagnates (|a| < 1/2 everywhere) carries no information, and no
+element weighs more than 1 / (c u)^2, so a parameter much smaller than its step (where d / a is
+just the update's own rounding) cannot carry the estimate.
 
-Correct implementations are not at beta = 0: the fused one (the step in float32, rounded once)
-is, but one that rounds every intermediate in the run dtype (torch's AdamW on bfloat16 tensors)
-has a small coherent error of its own (its first step's roundings of m, v and sqrt all take the
-same few mantissas: measured 0.03-0.15 unit roundoffs of the update). That member is computed
-from the very state the run stepped from (sp_harness.step.optim_ref.member_step), so its beta
-is measured, not fitted. The run's beta must lie within
+Correct implementations are not at beta = 0. The fused one (the step in float32, rounded once)
+is; one that rounds every intermediate in the run dtype (torch's AdamW or SGD on bfloat16
+tensors) has a coherent error of its own, up to 0.4 unit roundoffs of the update at AdamW's
+first step (tests/test_update_scale.py), where every element's update has the same magnitude.
+That member is computed from the very state the run stepped from
+(sp_harness.step.optim_ref.member_step), so its beta is measured, not fitted. The run's beta
+must lie within
 
     |beta_run| <= MISMATCH * |beta_member| + Z * sqrt(se_run^2 + se_member^2)
 

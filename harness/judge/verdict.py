@@ -208,16 +208,20 @@ def format_result(res: CheckResult, *, verbose: bool = False) -> str:
         lines.append(res.error if verbose else _tail(res.error, 25))
         lines.append(f"repro: {cfg.repro()}")
         return "\n".join(lines)
-    lines.append(f"{'check':<11} {'worst tensor':<34} {'max abs err':>12} {'allowed':>11} {'ratio':>9}  result")
+    # `piece`: the worst whole-piece ratio (norm-wise; a bf16 param's update scale), which can
+    # fail a check whose every element is within its own bound
+    lines.append(f"{'check':<11} {'worst tensor':<34} {'max abs err':>12} {'allowed':>11} {'ratio':>9} {'piece':>7}  result")
     for kind in KIND_ORDER:
         chk = res.worst.get(kind)
         if chk is None:
             continue
+        whole = res.worst_norm.get(kind)
+        piece = f"{whole.norm_ratio:>7.3g}" if whole is not None else f"{'-':>7}"
         bad = [f for f in res.failures if f.kind == kind]
         status = "ok" if not bad else f"FAIL ({len({(f.step, f.name) for f in bad})} tensor-steps)"
-        lines.append(f"{kind:<11} {chk.name[:34]:<34} {chk.max_abs:>12.3g} {chk.allowed:>11.3g} {chk.ratio:>9.3g}  {status}")
+        lines.append(f"{kind:<11} {chk.name[:34]:<34} {chk.max_abs:>12.3g} {chk.allowed:>11.3g} {chk.ratio:>9.3g} {piece}  {status}")
     drift_status = "ok (bit-identical)" if not res.drift else f"FAIL ({len(res.drift)})"
-    lines.append(f"{'replicas':<11} {'replicated params across ranks':<34} {max((d.max_abs for d in res.drift), default=0.0):>12.3g} {0.0:>11.3g} {'':>9}  {drift_status}")
+    lines.append(f"{'replicas':<11} {'replicated params across ranks':<34} {max((d.max_abs for d in res.drift), default=0.0):>12.3g} {0.0:>11.3g} {'':>9} {'':>7}  {drift_status}")
     if res.losses:
         lines.append("loss per step: " + " ".join(f"{x:.6f}" for x in res.losses))
     if res.verdict == FAIL:
