@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from sp_harness.compare.tolerance import check_bounded
-from sp_harness.compare.update_scale import scale_bound, update_scale, update_scales
+from sp_harness.compare.update_scale import scale_bound, update_scales
 from sp_harness.step.optim_ref import (
     ADAMW_BETAS,
     ADAMW_EPS,
@@ -55,8 +55,7 @@ def _run(*, name="adamw", impl="unfused", dtype=torch.bfloat16, shape=(64, 32), 
             if scale:
                 p.copy_((before + (1 + scale) * (p.double() - before)).to(dtype))
         got = p.detach()
-        bound = scale_bound(update_scale(before=before, exact=ref.param, got=got, dtype=dtype),
-                            update_scale(before=before, exact=ref.param, got=member, dtype=dtype))
+        bound = scale_bound(*update_scales(before=before, exact=ref.param, gots=[got, member], dtype=dtype))
         # the elementwise bound alone does not see these scales (its bf16 sensitivity is 6.5%)
         assert check_bounded(kind="param", name="p", step=step, rank=0, got=got, want=ref.param,
                              bound=ref.bound).ratio <= 1
@@ -107,8 +106,7 @@ def test_the_run_check_fails_on_the_scale_alone_and_says_so():
     member = member_step(optimizer="adamw", lr=1e-2, param=p.detach(), grad=p.grad, raw_state={})
     opt.step()
     scaled = (before + 1.03 * (p.double() - before)).to(torch.bfloat16)
-    bound = scale_bound(update_scale(before=before, exact=ref.param, got=scaled, dtype=torch.bfloat16),
-                        update_scale(before=before, exact=ref.param, got=member, dtype=torch.bfloat16))
+    bound = scale_bound(*update_scales(before=before, exact=ref.param, gots=[scaled, member], dtype=torch.bfloat16))
     chk = check_bounded(kind="param", name="p", step=0, rank=0, got=scaled, want=ref.param, bound=ref.bound,
                         scale=bound)
     assert chk.ratio <= 1 and chk.norm_ratio > 1 and not chk.ok

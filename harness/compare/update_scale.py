@@ -143,12 +143,6 @@ def update_scales(*, before: torch.Tensor, exact: torch.Tensor, gots: Sequence[t
     return out
 
 
-def update_scale(*, before: torch.Tensor, exact: torch.Tensor, got: torch.Tensor,
-                 dtype: torch.dtype) -> UpdateScale:
-    """`update_scales` of one piece."""
-    return update_scales(before=before, exact=exact, gots=[got], dtype=dtype)[0]
-
-
 def scale_bound(run: UpdateScale, member: UpdateScale) -> ScaleBound | None:
     """The bound, or None where the piece has too few moving elements to judge."""
     if run.num_moving < MIN_ELEMENTS:
