@@ -172,7 +172,8 @@ class References:
         model.zero_grad(set_to_none=True)  # a fresh grad tensor per step: results handed out stay as they were
         backward = not self.forward_only
         if which == "r64":
-            step = reference_pass(model, case, batch, torch.float64, backward=backward)
+            # the ensemble's grads are judged per piece by how many tokens carry them
+            step = reference_pass(model, case, batch, torch.float64, backward=backward, terms=self.rounded is not None)
         elif which == "lp":
             with self.platform:
                 step = reference_pass(model, case, batch, lp_dtype(self.dtype), backward=backward)
@@ -268,10 +269,13 @@ class Shared:
 
 def _tensors(result: RefResult) -> list[torch.Tensor | None]:
     """A step's tensors in a fixed order: out, loss, out_grad, input grads (by name), attention
-    log-sum-exps (by module name), param grads (by name)."""
+    log-sum-exps (by module name), linears' squared inputs and output grads (by module name),
+    param grads (by name)."""
     step = result.step
     return ([step.out, step.loss, step.out_grad] + [step.input_grads[k] for k in sorted(step.input_grads)]
-            + [step.lse[k] for k in sorted(step.lse)] + [result.grads[k] for k in sorted(result.grads)])
+            + [step.lse[k] for k in sorted(step.lse)] + [step.linear_inputs[k] for k in sorted(step.linear_inputs)]
+            + [step.linear_out_grads[k] for k in sorted(step.linear_inputs)]
+            + [result.grads[k] for k in sorted(result.grads)])
 
 
 _Meta = tuple[tuple[int, ...], torch.dtype] | None
@@ -280,18 +284,18 @@ _Meta = tuple[tuple[int, ...], torch.dtype] | None
 
 def _share(result: RefResult | None, src: int, device: torch.device) -> RefResult:
     """Broadcast `src`'s reference result to every rank."""
-    header: list[tuple[list[str], list[str], list[str], list[_Meta]] | None]
+    header: list[tuple[list[str], list[str], list[str], list[str], list[_Meta]] | None]
     if result is not None:
         tensors = _tensors(result)
-        header = [(sorted(result.step.input_grads), sorted(result.step.lse), sorted(result.grads),
-                   [None if t is None else (tuple(t.shape), t.dtype) for t in tensors])]
+        header = [(sorted(result.step.input_grads), sorted(result.step.lse), sorted(result.step.linear_inputs),
+                   sorted(result.grads), [None if t is None else (tuple(t.shape), t.dtype) for t in tensors])]
         flat = _flat(t for t in tensors if t is not None)
     else:
         header = [None]
     dist.broadcast_object_list(header, src=src, device=device if device.type == "cuda" else None)
     shared = header[0]
     assert shared is not None, f"the owner (rank {src}) of a reference sent no result"
-    names, lse_names, param_names, metas = shared
+    names, lse_names, linear_names, param_names, metas = shared
     if result is None:
         flat = torch.empty(sum(_numel(m[0]) for m in metas if m is not None), dtype=torch.float64, device=device)
     dist.broadcast(flat, src=src)
@@ -312,8 +316,13 @@ def _share(result: RefResult | None, src: int, device: torch.device) -> RefResul
     # what the owner's RefStep held, entry for entry (a None only where it held one)
     grads = cast(dict[str, torch.Tensor], dict(zip(names, tensors[3:at], strict=True)))
     lse = cast(dict[str, torch.Tensor], dict(zip(lse_names, tensors[at:at + len(lse_names)], strict=True)))
-    params = dict(zip(param_names, tensors[at + len(lse_names):], strict=True))
-    return RefResult(step=RefStep(out=out, loss=loss, input_grads=grads, out_grad=out_grad, lse=lse), grads=params)
+    at += len(lse_names)
+    n = len(linear_names)
+    linear_inputs = cast(dict[str, torch.Tensor], dict(zip(linear_names, tensors[at:at + n], strict=True)))
+    linear_out_grads = cast(dict[str, torch.Tensor], dict(zip(linear_names, tensors[at + n:at + 2 * n], strict=True)))
+    params = dict(zip(param_names, tensors[at + 2 * n:], strict=True))
+    return RefResult(step=RefStep(out=out, loss=loss, input_grads=grads, out_grad=out_grad, lse=lse,
+                                  linear_inputs=linear_inputs, linear_out_grads=linear_out_grads), grads=params)
 
 
 def _flat(tensors: Iterable[torch.Tensor]) -> torch.Tensor:

@@ -241,7 +241,9 @@ def _to(result: RefResult, device: str | torch.device) -> RefResult:
     step = type(step)(out=_moved(step.out, device), loss=_moved(step.loss, device),
                       out_grad=_moved(step.out_grad, device),
                       input_grads={k: _moved(v, device) for k, v in step.input_grads.items()},
-                      lse={k: _moved(v, device) for k, v in step.lse.items()})
+                      lse={k: _moved(v, device) for k, v in step.lse.items()},
+                      linear_inputs={k: _moved(v, device) for k, v in step.linear_inputs.items()},
+                      linear_out_grads={k: _moved(v, device) for k, v in step.linear_out_grads.items()})
     return RefResult(step=step, grads={k: _moved(v, device) for k, v in result.grads.items()})
 
 

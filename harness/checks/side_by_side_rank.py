@@ -25,7 +25,15 @@ from sp_harness.capture.trace import Recorder
 from sp_harness.checks.references import KINDS, SAMPLES, Inline, RefResult, Shared, make_references
 from sp_harness.checks.refproc import Remote, reference_process
 from sp_harness.compare.divergence import first_divergence
-from sp_harness.compare.tolerance import FACTOR, TensorCheck, check_bounded, check_tensor, lp_dtype
+from sp_harness.compare.tolerance import (
+    FACTOR,
+    TensorCheck,
+    bias_grad_dof,
+    check_bounded,
+    check_tensor,
+    lp_dtype,
+    weight_grad_dof,
+)
 from sp_harness.compare.update_scale import DTYPES as SCALE_DTYPES
 from sp_harness.compare.update_scale import ScaleBound, scale_bound, update_scales
 from sp_harness.compare.update_scale import sample as scale_sample
@@ -111,10 +119,11 @@ class _SideBySide:
         return reference_copy(built.case, built.config, reference_context(built.config, built.device),
                               built.reference, torch.float64, built.device)
 
-    def judge(self, kind, name, step, got, want64, want_lp, offset=(), want_alt=None, extra=0.0, dof=0, samples=()):
+    def judge(self, kind, name, step, got, want64, want_lp, offset=(), want_alt=None, extra=0.0, dof=0, samples=(),
+              grad_dof=None):
         record(self.result, check_tensor(kind=kind, name=name, step=step, rank=self.ctx.rank, got=got, ref64=want64,
                                          ref_lp=want_lp, dtype=self.dtype, offset=offset, ref_alt=want_alt,
-                                         extra_allowed=extra, dof=dof, ref_samples=samples))
+                                         extra_allowed=extra, dof=dof, ref_samples=samples, grad_dof=grad_dof))
 
     def check_init(self) -> None:
         """The sharded factory must start from the reference's weights, cast to the run dtype."""
@@ -218,7 +227,26 @@ class _SideBySide:
             assert g64 is not None and glp is not None, f"the references computed no grad of {ref} (backward ran)"
             got, w64, wlp, off = p.full_or_piece(got_grad, g64, glp, self.ctx)
             self.judge("grad", ref, step, got, w64, wlp, off, p.piece_of(grads["alt"][ref], self.ctx), dof=tokens,
-                       samples=[p.piece_of(grads[w][ref], self.ctx) for w in SAMPLES if w in grads])
+                       samples=[p.piece_of(grads[w][ref], self.ctx) for w in SAMPLES if w in grads],
+                       grad_dof=self._grad_dof(p, g64, refs["r64"].step))
+
+    def _grad_dof(self, p: LocalParam, g64: torch.Tensor, r64: RefStep) -> float | None:
+        """The degrees of freedom of this rank's piece of a Linear's weight or bias grad, from the
+        float64 reference's per-token terms at the piece's rows and columns; None where it
+        recorded none for the param or the piece is no block of rows x columns."""
+        module, _, kind = p.spec.ref_name.rpartition(".")
+        x, g = r64.linear_inputs.get(module), r64.linear_out_grads.get(module)
+        if x is None or g is None or (kind, g64.dim()) not in (("weight", 2), ("bias", 1)):
+            return None
+        rows = p.piece_of(torch.arange(g64.shape[0]).view(-1, *([1] * (g64.dim() - 1))).expand(g64.shape), self.ctx)
+        row_set = rows.unique()
+        if kind == "bias":
+            return bias_grad_dof(g[:, row_set])
+        cols = p.piece_of(torch.arange(g64.shape[1]).view(1, -1).expand(g64.shape), self.ctx)
+        col_set = cols.unique()
+        if len(row_set) * len(col_set) != rows.numel():
+            return None
+        return weight_grad_dof(x[:, col_set], g[:, row_set])
 
     def localize(self, step: int, batch, failed_kind: str) -> None:
         """At the first failing step, the first module whose output or input grad diverged."""

@@ -222,7 +222,7 @@ class TensorCheck:
 def check_tensor(*, kind: str, name: str, step: int, rank: int, got: torch.Tensor, ref64: torch.Tensor,
                  ref_lp: torch.Tensor, dtype: torch.dtype, offset: tuple[int, ...] = (),
                  ref_alt: torch.Tensor | None = None, extra_allowed: float = 0.0, dof: int = 0,
-                 ref_samples: Sequence[torch.Tensor] = ()) -> TensorCheck:
+                 ref_samples: Sequence[torch.Tensor] = (), grad_dof: float | None = None) -> TensorCheck:
     """Judge `got` (a rank's piece) against the float64 reference piece `ref64`.
 
     `ref_lp` is the same piece from the same-precision reference, `ref_alt` from the perturbed
@@ -232,6 +232,8 @@ def check_tensor(*, kind: str, name: str, step: int, rank: int, got: torch.Tenso
     number of tokens behind the tensor, which gates the norm-wise bound (NORM_MIN_DOF).
     `ref_samples`: the ensemble's other members (sp_harness.checks.references.SAMPLES), for a
     run below float32: with them the norm-wise bound of a forward or LSE piece is the ensemble's.
+    `grad_dof`: a Linear's weight or bias grad piece's degrees of freedom, derived from its
+    per-token terms (weight_grad_dof, bias_grad_dof); None: a share of `dof` (GRAD_DOF_SHARE).
     """
     if got is None:
         return TensorCheck(kind=kind, name=name, step=step, rank=rank, max_abs=float("inf"),
@@ -263,7 +265,7 @@ def check_tensor(*, kind: str, name: str, step: int, rank: int, got: torch.Tenso
     if ref_alt is not None:
         ref_err = max(ref_err, float((ref_alt.detach().to(torch.float64) - ref64).abs().max()))
     allowed = FACTOR * ref_err + FLOOR_ULPS * floor_eps * max(scale, 1e-30) + extra_allowed
-    norm = (_norm_bound(kind, got64 - ref64, ref64, ref_lp, ref_alt, dtype, lp, ref_samples, dof)
+    norm = (_norm_bound(kind, got64 - ref64, ref64, ref_lp, ref_alt, dtype, lp, ref_samples, dof, grad_dof)
             if dof >= NORM_MIN_DOF else NormBound())
     flat = int(err.reshape(-1).argmax())
     max_abs = float(err.reshape(-1)[flat])
@@ -290,7 +292,8 @@ class NormBound:
 
 
 def _norm_bound(kind: str, diff: torch.Tensor, ref64: torch.Tensor, ref_lp: torch.Tensor, ref_alt: torch.Tensor | None,
-                dtype: torch.dtype, lp: torch.dtype, samples: Sequence[torch.Tensor], dof: int) -> NormBound:
+                dtype: torch.dtype, lp: torch.dtype, samples: Sequence[torch.Tensor], dof: int,
+                grad_dof: float | None = None) -> NormBound:
     """||got - ref64|| (`diff`) over the piece against its norm-wise bound: the ensemble's
     (ensemble_factor(dof)) for a run below float64 and a check it judges (ENSEMBLE_KINDS), else
     NORM_FACTOR x the two references' error norm (see NORM_FACTOR). A float32 piece takes the
@@ -305,7 +308,7 @@ def _norm_bound(kind: str, diff: torch.Tensor, ref64: torch.Tensor, ref_lp: torc
         samples = ()
     elif ref_alt is not None and both:
         samples = (ref_alt,)
-    ensemble = _ensemble_bound(kind, ref64, ref_lp, ref_alt, dtype, samples, dof, diff.numel(), ref_norm)
+    ensemble = _ensemble_bound(kind, ref64, ref_lp, ref_alt, dtype, samples, dof, diff.numel(), ref_norm, grad_dof)
     if ensemble is not None and not both:
         noise, bound = ensemble
     else:
@@ -322,7 +325,7 @@ def _norm_bound(kind: str, diff: torch.Tensor, ref64: torch.Tensor, ref_lp: torc
 
 def _ensemble_bound(kind: str, ref64: torch.Tensor, ref_lp: torch.Tensor, ref_alt: torch.Tensor | None,
                     dtype: torch.dtype, samples: Sequence[torch.Tensor], dof: int, most: int,
-                    ref_norm: float) -> tuple[float, float] | None:
+                    ref_norm: float, grad_dof: float | None = None) -> tuple[float, float] | None:
     """(noise, bound) of the ensemble's norm-wise bound over a piece (at most `most` degrees of
     freedom), or None where it has no members or they err by CANCELLATION of the piece or more."""
     if not samples:
@@ -333,8 +336,56 @@ def _ensemble_bound(kind: str, ref64: torch.Tensor, ref_lp: torch.Tensor, ref_al
         return None
     if kind in BACKWARD_KINDS and ref_alt is not None:
         noise = max(noise, float((ref_alt.detach().to(torch.float64) - ref64).norm()) / ALT_OVERESTIMATE)
-    m = dof * GRAD_DOF_SHARE if kind == "grad" else min(dof, _row_participation(errs))
+    if kind == "grad":
+        m = dof * GRAD_DOF_SHARE if grad_dof is None else min(dof, grad_dof)
+    else:
+        m = min(dof, _row_participation(errs))
     return noise, ensemble_factor(min(m, most)) * noise + ENSEMBLE_FLOOR_UNITS * eps(dtype) / 2 * ref_norm
+
+
+DOF_SAMPLE_TOKENS = 128
+"""weight_grad_dof sums its token pairs over an evenly strided sample of at most this many tokens
+(and the rest exactly): the pairs cost tokens^2 x width, 30 GFLOP a step at hidden 256, 1024
+tokens, where 128 of them cost a 64th of that."""
+
+
+def weight_grad_dof(x: torch.Tensor, g: torch.Tensor) -> float:
+    """Degrees of freedom of the error norm of a weight grad piece sum_t g_t x_t^T, from its
+    per-token inputs `x` (T, in) and output grads `g` (T, out), restricted to the piece's columns
+    and rows. Model: each token's g and x carry independent relative errors per element, so the
+    error is vec(E) ~ N(0, C), C = sum_t diag(g_t^2) (x) x_t x_t^T + g_t g_t^T (x) diag(x_t^2), and
+    ||E||^2 is close to a scaled chi-square of (tr C)^2 / tr C^2 degrees of freedom
+    (Satterthwaite). Fewer where a few tokens carry the sum (a gated unit) and where the tokens'
+    inputs share a direction (a LayerNorm output feeding one unit: E is then sum_t dg_t x_t,
+    nearly one vector): a one-unit fc1 weight grad over 690 tokens has about 7. Pairs of
+    different tokens are summed over at most DOF_SAMPLE_TOKENS of them and scaled up."""
+    x, g = x.to(torch.float64), g.to(torch.float64)
+    x2, g2 = x.square(), g.square()
+    trace = 2.0 * float((g2.sum(1) * x2.sum(1)).sum())
+    if trace <= 0:
+        return float("inf")
+    n = x.shape[0]
+    # a token with itself: A_tt B_tt + A'_tt B'_tt + 2 A_tt B'_tt
+    gg, g4, xx, x4 = g2.sum(1), g2.square().sum(1), x2.sum(1), x2.square().sum(1)
+    diagonal = float((g4 * xx.square() + gg.square() * x4 + 2 * g4 * x4).sum())
+    pick = torch.linspace(0, n - 1, min(n, DOF_SAMPLE_TOKENS)).round().long().unique()
+    xs, gs, x2s, g2s = x[pick], g[pick], x2[pick], g2[pick]
+    a, a_outer = g2s @ g2s.T, (gs @ gs.T).square()  # (S, S): sum_i g_ti^2 g_si^2, (g_t . g_s)^2
+    b, b_sq = (xs @ xs.T).square(), x2s @ x2s.T  # (S, S): (x_t . x_s)^2, sum_j x_tj^2 x_sj^2
+    pairs = a * b + a_outer * b_sq + 2 * a * b_sq
+    s = len(pick)
+    off = float(pairs.sum() - pairs.diagonal().sum()) * (n * (n - 1) / (s * (s - 1)) if s > 1 else 0.0)
+    return trace * trace / (diagonal + off)
+
+
+def bias_grad_dof(g: torch.Tensor) -> float:
+    """Degrees of freedom of the error norm of a bias grad piece sum_t g_t from its per-token
+    output grads `g` (T, out) at the piece's rows: each element sums its tokens' independent
+    errors, so they are independent normals of variance S_i = sum_t g_ti^2, and the norm's
+    degrees of freedom are (sum S)^2 / sum S^2 (at most the piece's elements, however many tokens)."""
+    per_element = g.to(torch.float64).square().sum(0)
+    total = float(per_element.sum())
+    return total * total / float(per_element.square().sum()) if total > 0 else float("inf")
 
 
 def _row_participation(errs: Sequence[torch.Tensor]) -> float:

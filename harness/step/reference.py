@@ -26,14 +26,21 @@ class RefStep:
     """d loss / d output: what the loss's error bound propagates the output's error through."""
     lse: dict[str, torch.Tensor] = field(default_factory=dict)
     """Each attention module's per-query log-sum-exp (B, a, S), by module name (reference.gpt)."""
+    linear_inputs: dict[str, torch.Tensor] = field(default_factory=dict)
+    """With `terms`: each nn.Linear's input per token (T, in), by module name, every call's tokens
+    in call order. With `linear_out_grads`, the terms x_t g_t^T its weight grad sums, from which a
+    piece's degrees of freedom are derived (sp_harness.compare.tolerance.weight_grad_dof)."""
+    linear_out_grads: dict[str, torch.Tensor] = field(default_factory=dict)
+    """With `terms`: each nn.Linear's output grad per token (T, out), rows as in `linear_inputs`."""
 
 
 def reference_pass(model: nn.Module, case: Case, batch: Batch, dtype: torch.dtype,
-                   noise: RoundingNoise | None = None, *, backward: bool = True) -> RefStep:
+                   noise: RoundingNoise | None = None, *, backward: bool = True, terms: bool = False) -> RefStep:
     """Forward and backward of `model` on the global batch in `dtype`; with `noise`, every op's
     inputs and result carry that rounding (the perturbed reference). `backward=False` (a
     forward-only check): no param or input grads, only d loss / d output, through the loss alone
-    (the loss's error allowance needs it)."""
+    (the loss's error allowance needs it). `terms`: record every nn.Linear's per-token terms
+    (RefStep.linear_inputs, linear_out_grads)."""
     inputs = {}
     for name, t in batch.inputs.items():
         if isinstance(t, torch.Tensor) and t.is_floating_point():
@@ -45,7 +52,8 @@ def reference_pass(model: nn.Module, case: Case, batch: Batch, dtype: torch.dtyp
     tgt = batch.target.to(dtype) if batch.target.is_floating_point() else batch.target
     # the case's declared precision islands are modelled by the perturbed reference only
     islands = noise.islands(model, case.precision_islands) if noise is not None else contextlib.nullcontext()
-    with noise if noise is not None else contextlib.nullcontext(), islands:
+    recorder = _LinearTerms(model) if terms and backward else None
+    with noise if noise is not None else contextlib.nullcontext(), islands, recorder or contextlib.nullcontext():
         out = call(model, inputs, batch.positional)
         if out.requires_grad:
             out.retain_grad()
@@ -59,4 +67,48 @@ def reference_pass(model: nn.Module, case: Case, batch: Batch, dtype: torch.dtyp
     grads = cast(dict[str, torch.Tensor], {name: t.grad for name, t in inputs.items()
                                            if backward and isinstance(t, torch.Tensor) and t.is_floating_point()})
     lse = {name: m.lse for name, m in model.named_modules() if isinstance(getattr(m, "lse", None), torch.Tensor)}
-    return RefStep(out=out.detach(), loss=loss.detach(), input_grads=grads, out_grad=out_grad, lse=lse)
+    linear_inputs, linear_out_grads = recorder.terms() if recorder is not None else ({}, {})
+    return RefStep(out=out.detach(), loss=loss.detach(), input_grads=grads, out_grad=out_grad, lse=lse,
+                   linear_inputs=linear_inputs, linear_out_grads=linear_out_grads)
+
+
+class _LinearTerms:
+    """Every nn.Linear's input and output grad per token while entered: its weight grad is one
+    outer product g_t x_t^T per token, and how many independent directions its error spans (a
+    gated unit, inputs that share a direction) depends on them."""
+
+    def __init__(self, model: nn.Module):
+        self.linears = {name: m for name, m in model.named_modules() if isinstance(m, nn.Linear)}
+        self.inputs: dict[str, list[torch.Tensor]] = {name: [] for name in self.linears}
+        self.out_grads: dict[str, dict[int, torch.Tensor]] = {name: {} for name in self.linears}
+        self.handles: list = []
+
+    def __enter__(self) -> _LinearTerms:
+        self.handles = [m.register_forward_hook(self._hook(name)) for name, m in self.linears.items()]
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for h in self.handles:
+            h.remove()
+
+    def _hook(self, name: str):
+        def forward_hook(module: nn.Module, args: tuple, out: torch.Tensor) -> None:
+            if not args or not isinstance(args[0], torch.Tensor) or not isinstance(out, torch.Tensor):
+                return
+            x = args[0].detach()
+            calls = self.inputs[name]
+            calls.append(x.reshape(-1, x.shape[-1]))
+            if out.requires_grad:
+                grads, call = self.out_grads[name], len(calls) - 1
+                out.register_hook(lambda g: grads.__setitem__(call, g.detach().reshape(-1, g.shape[-1])))
+        return forward_hook
+
+    def terms(self) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+        """(inputs, output grads) per module with a grad at every call."""
+        inputs, out_grads = {}, {}
+        for name, calls in self.inputs.items():
+            grads = self.out_grads[name]
+            if calls and len(grads) == len(calls):
+                inputs[name] = torch.cat(calls)
+                out_grads[name] = torch.cat([grads[i] for i in range(len(calls))])
+        return inputs, out_grads
