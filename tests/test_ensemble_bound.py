@@ -13,8 +13,10 @@ from sp_harness.compare.tolerance import (
     CHI_RATIO_QUANTILE,
     MISMATCH,
     NORM_FACTOR,
+    bias_grad_dof,
     check_tensor,
     ensemble_factor,
+    weight_grad_dof,
 )
 from sp_harness.step.rounding import RoundedResults
 
@@ -192,3 +194,79 @@ def test_float32_forward_takes_the_sharper_of_its_two_reference_ensemble_and_nor
     # few tokens: the two-reference bound is the sharper one and stays
     few = dict(common, dof=8)
     assert check_tensor(kind="forward", got=scaled, **few).ok
+
+
+def _terms(tokens: int, width_in: int, width_out: int, gen: torch.Generator, *, shared: float = 0.0,
+           gated: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-token Linear inputs x (T, in) and output grads g (T, out): `shared` adds a direction
+    every token's input has (a LayerNorm output's), `gated` keeps g on that many tokens only."""
+    x = torch.randn(tokens, width_in, generator=gen, dtype=torch.float64) + shared
+    g = torch.randn(tokens, width_out, generator=gen, dtype=torch.float64)
+    if gated:
+        g[gated:] *= 0.01
+    return x, g
+
+
+def _empirical_dof(x: torch.Tensor, g: torch.Tensor, gen: torch.Generator, draws: int = 4000) -> float:
+    """2 mean^2 / var of ||E||^2 over draws of the error weight_grad_dof models: every element of
+    each token's x and g off by an independent relative error, E = sum_t dg_t x_t^T + g_t dx_t^T."""
+    dx = x * torch.randn(draws, *x.shape, generator=gen, dtype=torch.float64)
+    dg = g * torch.randn(draws, *g.shape, generator=gen, dtype=torch.float64)
+    err = torch.einsum("dto,ti->doi", dg, x) + torch.einsum("to,dti->doi", g, dx)
+    sq = err.square().sum((1, 2))
+    return float(2 * sq.mean() ** 2 / sq.var())
+
+
+def test_weight_grad_dof_is_the_spread_of_the_error_norm_it_models():
+    # Satterthwaite's (tr C)^2 / tr C^2 against the measured spread of ||E||^2, for tokens that
+    # weigh alike, a gated unit (a few tokens carry it), a one-unit piece whose inputs share a
+    # direction (the two-unit-MLP near miss: many tokens, few directions), and past the token
+    # sample (pairs summed over 128 of 300 tokens and scaled up)
+    gen = torch.Generator().manual_seed(23)
+    for tokens, width_in, width_out, kw in ((24, 8, 4, {}), (60, 12, 3, dict(gated=5)),
+                                            (100, 16, 1, dict(shared=3.0)), (300, 6, 2, dict(shared=1.0))):
+        x, g = _terms(tokens, width_in, width_out, gen, **kw)
+        derived, measured = weight_grad_dof(x, g), _empirical_dof(x, g, gen)
+        assert abs(derived / measured - 1) < 0.2, (tokens, kw, derived, measured)
+
+
+def test_a_one_unit_grad_over_shared_inputs_counts_its_directions_not_its_tokens():
+    gen = torch.Generator().manual_seed(24)
+    x, g = _terms(690, 132, 1, gen, shared=3.0)
+    dof = weight_grad_dof(x, g)
+    assert dof < 10  # a quarter of the tokens (GRAD_DOF_SHARE) would count 172
+    ref64 = (g.T @ x) / 690  # (1, 132)
+    noise = 4e-3 * ref64.norm() / ref64.numel() ** 0.5  # 1.3% of the grad: a bf16 grad errs about so
+
+    def member(scale: float) -> torch.Tensor:
+        # an error mostly along the shared input direction, as a real one-unit grad's is
+        return ref64 + scale * noise * (3 + torch.randn(ref64.shape, generator=gen, dtype=torch.float64))
+
+    got = member(2.8)
+    common = dict(kind="grad", name="fc1.weight", step=0, rank=0, ref64=ref64, dtype=torch.bfloat16, dof=690)
+    refs = dict(ref_lp=member(1.0), ref_samples=[member(1.0)])
+    assert not check_tensor(got=got, **refs, **common).ok  # F(132) = 2.07: the old model's false alarm
+    assert check_tensor(got=got, grad_dof=dof, **refs, **common).ok
+
+
+def test_a_weight_grad_whose_tokens_weigh_alike_gets_a_tighter_bound_than_a_quarter_of_them():
+    gen = torch.Generator().manual_seed(25)
+    x, g = _terms(24, 32, 32, gen)
+    dof = weight_grad_dof(x, g)
+    assert dof >= 24  # capped at the tokens by the check: F(24) = 3.0, where a quarter gave F(6) = 6.3
+    ref64 = (g.T @ x) / 24
+    common = dict(kind="grad", name="fc1.weight", step=0, rank=0, ref64=ref64, dtype=torch.bfloat16, dof=24)
+    refs = dict(ref_lp=_bf16_like(ref64, gen, 0.01), ref_samples=[_bf16_like(ref64, gen, 0.01)])
+    scaled = _bf16_like(ref64, gen, 0.01) * 1.05
+    assert check_tensor(got=scaled, **refs, **common).ok
+    assert not check_tensor(got=scaled, grad_dof=dof, **refs, **common).ok
+    assert check_tensor(got=_bf16_like(ref64, gen, 0.01), grad_dof=dof, **refs, **common).ok
+
+
+def test_bias_grad_dof_counts_elements_that_weigh_alike():
+    gen = torch.Generator().manual_seed(26)
+    g = torch.randn(200, 64, generator=gen, dtype=torch.float64)
+    assert 55 < bias_grad_dof(g) <= 64
+    assert bias_grad_dof(g[:, :1]) == 1.0  # a scalar's error is one normal, however many tokens
+    g[:, 0] *= 100
+    assert bias_grad_dof(g) < 1.1

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol, cast
 
 import torch
@@ -32,12 +32,12 @@ import torch.distributed as dist
 from torch import nn
 
 from sp_harness.capture.trace import Recorder, Trace
-from sp_harness.compare.tolerance import lp_dtype
+from sp_harness.compare.tolerance import TokenSide, element_participation, lp_dtype, token_side, weight_grad_dof
 from sp_harness.config.case import Batch, Case
 from sp_harness.config.check_config import CheckConfig
 from sp_harness.step.adversary import ReorderAdversary, walks
 from sp_harness.step.build import cast_floating
-from sp_harness.step.reference import RefStep, reference_pass
+from sp_harness.step.reference import LinearTerms, RefStep, reference_pass
 from sp_harness.step.rounding import RoundedResults, RoundingNoise, perturb_
 
 KINDS = ("r64", "lp", "alt")
@@ -124,12 +124,66 @@ def sample_mode(config: CheckConfig, which: str) -> Iterator[None]:
         yield
 
 
+@dataclass(kw_only=True, frozen=True)
+class LinearPiece:
+    """One rank's piece of an nn.Linear's weight or bias grad, as a block of the reference
+    param's rows (and columns): what the float64 reference derives its degrees of freedom for."""
+
+    rank: int
+    name: str
+    """The reference param's name (`<module>.weight` or `<module>.bias`)."""
+    rows: torch.Tensor
+    cols: torch.Tensor | None
+    """None for a bias."""
+
+
 @dataclass(kw_only=True)
 class RefResult:
     """One reference's step: its outputs and grads, and its param grads by reference name."""
 
     step: RefStep
     grads: dict[str, torch.Tensor | None]
+    grad_dofs: dict[tuple[int, str], float] = field(default_factory=dict)
+    """The float64 reference's, in a run with an ensemble: each (rank, param name) LinearPiece's
+    degrees of freedom (sp_harness.compare.tolerance.weight_grad_dof, bias_grad_dof)."""
+
+
+def piece_dofs(terms: LinearTerms, pieces: Iterable[LinearPiece]) -> dict[tuple[int, str], float]:
+    """Each piece's degrees of freedom from the recorded per-token terms of its Linear (pieces of
+    a module the reference has no nn.Linear for, or that got no grad, have none)."""
+    inputs, out_grads = terms.terms()
+    dofs: dict[tuple[int, str], float] = {}
+    sides: dict[tuple, TokenSide] = {}
+    element_sq: dict[str, torch.Tensor] = {}
+
+    def side(module: str, which: str, at: torch.Tensor) -> TokenSide:
+        """One side's statistics, once per module and index set (TP ranks share the unsplit
+        side, DP replicas both)."""
+        key = (module, which, tuple(at.tolist()))
+        if key not in sides:
+            v = inputs[module] if which == "x" else out_grads[module]
+            sides[key] = token_side(v[:, _contiguous(at)])
+        return sides[key]
+
+    for piece in pieces:
+        module = piece.name.rpartition(".")[0]
+        if module not in inputs:
+            continue
+        if piece.cols is None:
+            if module not in element_sq:
+                element_sq[module] = out_grads[module].square().sum(0)
+            dofs[(piece.rank, piece.name)] = element_participation(element_sq[module][piece.rows])
+        else:
+            dofs[(piece.rank, piece.name)] = weight_grad_dof(side(module, "x", piece.cols),
+                                                             side(module, "g", piece.rows))
+    return dofs
+
+
+def _contiguous(at: torch.Tensor) -> torch.Tensor | slice:
+    """`at` as a slice where it is a run of consecutive indices (a view, not a copy)."""
+    if len(at) and int(at[-1]) - int(at[0]) + 1 == len(at) and bool((at.diff() == 1).all()):
+        return slice(int(at[0]), int(at[-1]) + 1)
+    return at
 
 
 @dataclass(kw_only=True)
@@ -165,15 +219,19 @@ class References:
                 if which == "alt":
                     perturb_(params[name], torch.finfo(self.dtype).eps, self.alt_gen)
 
-    def compute(self, which: str, full: dict[str, torch.Tensor], case: Case, batch: Batch) -> RefResult:
-        """Reference `which` anchored at `full`, one forward and backward on the global batch."""
+    def compute(self, which: str, full: dict[str, torch.Tensor], case: Case, batch: Batch,
+                pieces: tuple[LinearPiece, ...] = ()) -> RefResult:
+        """Reference `which` anchored at `full`, one forward and backward on the global batch;
+        the float64 one also derives `pieces`' degrees of freedom where the run has an ensemble."""
         model = self.model(which)
         self.anchor(which, full)
         model.zero_grad(set_to_none=True)  # a fresh grad tensor per step: results handed out stay as they were
         backward = not self.forward_only
         if which == "r64":
-            # the ensemble's grads are judged per piece by how many tokens carry them
-            step = reference_pass(model, case, batch, torch.float64, backward=backward, terms=self.rounded is not None)
+            terms = LinearTerms(model) if pieces and backward and self.rounded is not None else None
+            step = reference_pass(model, case, batch, torch.float64, backward=backward, terms=terms)
+            grads = {n: p.grad for n, p in model.named_parameters()}
+            return RefResult(step=step, grads=grads, grad_dofs=piece_dofs(terms, pieces) if terms else {})
         elif which == "lp":
             with self.platform:
                 step = reference_pass(model, case, batch, lp_dtype(self.dtype), backward=backward)
@@ -218,7 +276,8 @@ class Computes(Protocol):
     """Where a rank's own references are computed: `start` hands over the work, `finish` waits
     for it, so the rank may run its sharded pass in between."""
 
-    def start(self, kinds: tuple[str, ...], full: dict[str, torch.Tensor], batch: Batch) -> None: ...
+    def start(self, kinds: tuple[str, ...], full: dict[str, torch.Tensor], batch: Batch,
+              pieces: tuple[LinearPiece, ...]) -> None: ...
 
     def finish(self) -> dict[str, RefResult]: ...
 
@@ -232,8 +291,9 @@ class Inline:
         self.refs, self.case = refs, case
         self._done: dict[str, RefResult] = {}
 
-    def start(self, kinds: tuple[str, ...], full: dict[str, torch.Tensor], batch: Batch) -> None:
-        self._done = {w: self.refs.compute(w, full, self.case, batch) for w in kinds}
+    def start(self, kinds: tuple[str, ...], full: dict[str, torch.Tensor], batch: Batch,
+              pieces: tuple[LinearPiece, ...]) -> None:
+        self._done = {w: self.refs.compute(w, full, self.case, batch, pieces) for w in kinds}
 
     def finish(self) -> dict[str, RefResult]:
         done, self._done = self._done, {}
@@ -244,17 +304,19 @@ class Inline:
 
 
 class Shared:
-    """Every reference's step on every rank: each computed by its owner and broadcast."""
+    """Every reference's step on every rank: each computed by its owner and broadcast. `pieces`:
+    every rank's LinearPieces (the owner of the float64 reference derives all of theirs)."""
 
-    def __init__(self, computes: Computes, device: torch.device, dtype: torch.dtype):
-        self.computes, self.device = computes, device
+    def __init__(self, computes: Computes, device: torch.device, dtype: torch.dtype,
+                 pieces: tuple[LinearPiece, ...] = ()):
+        self.computes, self.device, self.pieces = computes, device, pieces
         self.kinds = kinds_for(dtype)
         self.world_size = dist.get_world_size() if dist.is_initialized() else 1
         self.rank = dist.get_rank() if dist.is_initialized() else 0
         self.mine = tuple(w for w in self.kinds if owner(w, self.world_size, self.kinds) == self.rank)
 
     def start(self, full: dict[str, torch.Tensor], batch: Batch) -> None:
-        self.computes.start(self.mine, full, batch)
+        self.computes.start(self.mine, full, batch, self.pieces)
 
     def finish(self) -> dict[str, RefResult]:
         """A collective: every rank calls it after `start`, in the same order."""
@@ -269,13 +331,10 @@ class Shared:
 
 def _tensors(result: RefResult) -> list[torch.Tensor | None]:
     """A step's tensors in a fixed order: out, loss, out_grad, input grads (by name), attention
-    log-sum-exps (by module name), linears' squared inputs and output grads (by module name),
-    param grads (by name)."""
+    log-sum-exps (by module name), param grads (by name)."""
     step = result.step
     return ([step.out, step.loss, step.out_grad] + [step.input_grads[k] for k in sorted(step.input_grads)]
-            + [step.lse[k] for k in sorted(step.lse)] + [step.linear_inputs[k] for k in sorted(step.linear_inputs)]
-            + [step.linear_out_grads[k] for k in sorted(step.linear_inputs)]
-            + [result.grads[k] for k in sorted(result.grads)])
+            + [step.lse[k] for k in sorted(step.lse)] + [result.grads[k] for k in sorted(result.grads)])
 
 
 _Meta = tuple[tuple[int, ...], torch.dtype] | None
@@ -284,18 +343,18 @@ _Meta = tuple[tuple[int, ...], torch.dtype] | None
 
 def _share(result: RefResult | None, src: int, device: torch.device) -> RefResult:
     """Broadcast `src`'s reference result to every rank."""
-    header: list[tuple[list[str], list[str], list[str], list[str], list[_Meta]] | None]
+    header: list[tuple[list[str], list[str], list[str], list[_Meta], dict[tuple[int, str], float]] | None]
     if result is not None:
         tensors = _tensors(result)
-        header = [(sorted(result.step.input_grads), sorted(result.step.lse), sorted(result.step.linear_inputs),
-                   sorted(result.grads), [None if t is None else (tuple(t.shape), t.dtype) for t in tensors])]
+        header = [(sorted(result.step.input_grads), sorted(result.step.lse), sorted(result.grads),
+                   [None if t is None else (tuple(t.shape), t.dtype) for t in tensors], result.grad_dofs)]
         flat = _flat(t for t in tensors if t is not None)
     else:
         header = [None]
     dist.broadcast_object_list(header, src=src, device=device if device.type == "cuda" else None)
     shared = header[0]
     assert shared is not None, f"the owner (rank {src}) of a reference sent no result"
-    names, lse_names, linear_names, param_names, metas = shared
+    names, lse_names, param_names, metas, grad_dofs = shared
     if result is None:
         flat = torch.empty(sum(_numel(m[0]) for m in metas if m is not None), dtype=torch.float64, device=device)
     dist.broadcast(flat, src=src)
@@ -316,13 +375,9 @@ def _share(result: RefResult | None, src: int, device: torch.device) -> RefResul
     # what the owner's RefStep held, entry for entry (a None only where it held one)
     grads = cast(dict[str, torch.Tensor], dict(zip(names, tensors[3:at], strict=True)))
     lse = cast(dict[str, torch.Tensor], dict(zip(lse_names, tensors[at:at + len(lse_names)], strict=True)))
-    at += len(lse_names)
-    n = len(linear_names)
-    linear_inputs = cast(dict[str, torch.Tensor], dict(zip(linear_names, tensors[at:at + n], strict=True)))
-    linear_out_grads = cast(dict[str, torch.Tensor], dict(zip(linear_names, tensors[at + n:at + 2 * n], strict=True)))
-    params = dict(zip(param_names, tensors[at + 2 * n:], strict=True))
-    return RefResult(step=RefStep(out=out, loss=loss, input_grads=grads, out_grad=out_grad, lse=lse,
-                                  linear_inputs=linear_inputs, linear_out_grads=linear_out_grads), grads=params)
+    params = dict(zip(param_names, tensors[at + len(lse_names):], strict=True))
+    return RefResult(step=RefStep(out=out, loss=loss, input_grads=grads, out_grad=out_grad, lse=lse), grads=params,
+                     grad_dofs=grad_dofs)
 
 
 def _flat(tensors: Iterable[torch.Tensor]) -> torch.Tensor:

@@ -26,7 +26,7 @@ from typing import Any, overload
 import torch
 
 from sp_harness.capture.trace import Trace
-from sp_harness.checks.references import RefResult, make_references
+from sp_harness.checks.references import LinearPiece, RefResult, make_references
 from sp_harness.config.case import Batch, get_case
 from sp_harness.config.check_config import CheckConfig
 from sp_harness.launch import companion
@@ -51,6 +51,7 @@ class Compute:
     kinds: tuple[str, ...]
     full: dict[str, torch.Tensor]
     batch: Batch
+    pieces: tuple[LinearPiece, ...] = ()
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -153,8 +154,9 @@ class Remote:
                                sys_path=tuple(sys.path), num_threads=torch.get_num_threads()))
         self.device = device
 
-    def start(self, kinds: tuple[str, ...], full: dict[str, torch.Tensor], batch: Batch) -> None:
-        self.process.send(Compute(kinds=kinds, full=_owning(full), batch=batch))
+    def start(self, kinds: tuple[str, ...], full: dict[str, torch.Tensor], batch: Batch,
+              pieces: tuple[LinearPiece, ...]) -> None:
+        self.process.send(Compute(kinds=kinds, full=_owning(full), batch=batch, pieces=pieces))
 
     def finish(self) -> dict[str, RefResult]:
         return {w: _to(r, self.device) for w, r in self.process.receive().items()}
@@ -176,8 +178,8 @@ class _Server:
         if isinstance(msg, Open):
             return self.open(msg)
         if isinstance(msg, Compute):
-            return {w: _to(self.refs.compute(w, _on(msg.full, self.device), self.case, batch_to(msg.batch, self.device)),
-                           "cpu") for w in msg.kinds}
+            return {w: _to(self.refs.compute(w, _on(msg.full, self.device), self.case, batch_to(msg.batch, self.device),
+                                             msg.pieces), "cpu") for w in msg.kinds}
         if isinstance(msg, TraceAll):
             full, batch = _on(msg.full, self.device), batch_to(msg.batch, self.device)
             return {w: self.refs.trace(w, full, self.case, batch, msg.skip) for w in ("r64", "lp", "alt")}
@@ -241,10 +243,9 @@ def _to(result: RefResult, device: str | torch.device) -> RefResult:
     step = type(step)(out=_moved(step.out, device), loss=_moved(step.loss, device),
                       out_grad=_moved(step.out_grad, device),
                       input_grads={k: _moved(v, device) for k, v in step.input_grads.items()},
-                      lse={k: _moved(v, device) for k, v in step.lse.items()},
-                      linear_inputs={k: _moved(v, device) for k, v in step.linear_inputs.items()},
-                      linear_out_grads={k: _moved(v, device) for k, v in step.linear_out_grads.items()})
-    return RefResult(step=step, grads={k: _moved(v, device) for k, v in result.grads.items()})
+                      lse={k: _moved(v, device) for k, v in step.lse.items()})
+    return RefResult(step=step, grads={k: _moved(v, device) for k, v in result.grads.items()},
+                     grad_dofs=result.grad_dofs)
 
 
 def serve(conn: Connection) -> None:

@@ -18,22 +18,24 @@ import contextlib
 import time
 
 import torch
+import torch.distributed as dist
 
 from sp_harness.capture.comm import CommCounter
 from sp_harness.capture.islands import IslandObserver
 from sp_harness.capture.trace import Recorder
-from sp_harness.checks.references import KINDS, SAMPLES, Inline, RefResult, Shared, make_references
+from sp_harness.checks.references import (
+    KINDS,
+    SAMPLES,
+    Inline,
+    LinearPiece,
+    RefResult,
+    Shared,
+    kinds_for,
+    make_references,
+)
 from sp_harness.checks.refproc import Remote, reference_process
 from sp_harness.compare.divergence import first_divergence
-from sp_harness.compare.tolerance import (
-    FACTOR,
-    TensorCheck,
-    bias_grad_dof,
-    check_bounded,
-    check_tensor,
-    lp_dtype,
-    weight_grad_dof,
-)
+from sp_harness.compare.tolerance import FACTOR, TensorCheck, check_bounded, check_tensor, lp_dtype
 from sp_harness.compare.update_scale import DTYPES as SCALE_DTYPES
 from sp_harness.compare.update_scale import ScaleBound, scale_bound, update_scales
 from sp_harness.compare.update_scale import sample as scale_sample
@@ -99,7 +101,7 @@ class _SideBySide:
                                       self.built.device) if inline_references else None
         computes = (Inline(self.inline, self.case) if self.inline is not None
                     else Remote(config, self.built.reference, self.built.device))
-        self.refs = Shared(computes, self.built.device, self.dtype)
+        self.refs = Shared(computes, self.built.device, self.dtype, self._linear_pieces())
         self.result = RankResult(rank=self.ctx.rank)
         self.counter = CommCounter(self.ctx.group_label)
         self.loop = ShardedLoop(self.built, phase=self._phase)
@@ -228,25 +230,32 @@ class _SideBySide:
             got, w64, wlp, off = p.full_or_piece(got_grad, g64, glp, self.ctx)
             self.judge("grad", ref, step, got, w64, wlp, off, p.piece_of(grads["alt"][ref], self.ctx), dof=tokens,
                        samples=[p.piece_of(grads[w][ref], self.ctx) for w in SAMPLES if w in grads],
-                       grad_dof=self._grad_dof(p, g64, refs["r64"].step))
+                       grad_dof=refs["r64"].grad_dofs.get((self.ctx.rank, ref)))
 
-    def _grad_dof(self, p: LocalParam, g64: torch.Tensor, r64: RefStep) -> float | None:
-        """The degrees of freedom of this rank's piece of a Linear's weight or bias grad, from the
-        float64 reference's per-token terms at the piece's rows and columns; None where it
-        recorded none for the param or the piece is no block of rows x columns."""
-        module, _, kind = p.spec.ref_name.rpartition(".")
-        x, g = r64.linear_inputs.get(module), r64.linear_out_grads.get(module)
-        if x is None or g is None or (kind, g64.dim()) not in (("weight", 2), ("bias", 1)):
-            return None
-        rows = p.piece_of(torch.arange(g64.shape[0]).view(-1, *([1] * (g64.dim() - 1))).expand(g64.shape), self.ctx)
-        row_set = rows.unique()
-        if kind == "bias":
-            return bias_grad_dof(g[:, row_set])
-        cols = p.piece_of(torch.arange(g64.shape[1]).view(1, -1).expand(g64.shape), self.ctx)
-        col_set = cols.unique()
-        if len(row_set) * len(col_set) != rows.numel():
-            return None
-        return weight_grad_dof(x[:, col_set], g[:, row_set])
+    def _linear_pieces(self) -> tuple[LinearPiece, ...]:
+        """Every rank's pieces of the weight (2-D) and bias (1-D) params that are a block of the
+        reference's rows x columns, for the float64 reference to derive their grads' degrees of
+        freedom (runs with an ensemble only: nothing else reads them). A collective."""
+        if "rounded" not in kinds_for(self.dtype) or self.forward_only:
+            return ()
+        mine = []
+        for p in self.params:
+            ref = self.ref64[p.spec.ref_name]
+            if (p.spec.ref_name.rpartition(".")[2], ref.dim()) not in (("weight", 2), ("bias", 1)):
+                continue
+            rows = p.piece_of(torch.arange(ref.shape[0]).view(-1, *([1] * (ref.dim() - 1))).expand(ref.shape), self.ctx)
+            cols = None
+            if ref.dim() == 2:
+                cols = p.piece_of(torch.arange(ref.shape[1]).view(1, -1).expand(ref.shape), self.ctx)
+                if len(rows.unique()) * len(cols.unique()) != cols.numel():
+                    continue  # not a block: the grad keeps a share of its tokens
+                cols = cols.unique()
+            mine.append(LinearPiece(rank=self.ctx.rank, name=p.spec.ref_name, rows=rows.unique(), cols=cols))
+        if not dist.is_initialized() or dist.get_world_size() == 1:
+            return tuple(mine)
+        every: list[list[LinearPiece] | None] = [None] * dist.get_world_size()
+        dist.all_gather_object(every, mine)
+        return tuple(piece for pieces in every for piece in pieces or ())
 
     def localize(self, step: int, batch, failed_kind: str) -> None:
         """At the first failing step, the first module whose output or input grad diverged."""

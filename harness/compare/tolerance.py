@@ -79,11 +79,13 @@ when each norm is m independent contributions. m is the piece's tokens, capped b
 (an error that comes from upstream is one vector per token however wide the piece); for a
 weight grad, a quarter of them (GRAD_DOF_SHARE)."""
 GRAD_DOF_SHARE = 0.25
-"""Effective independent contributions per token of a weight grad's error. A weight grad is a
-sum of one outer product per token, and its error norm has as many degrees of freedom as
-tokens only if they weigh alike; a gated unit sees some tokens only. Measured: a one- and
-two-unit MLP (ffn 1-2, 13 tokens, 4 ranks) whose correct grads erred up to 5x the members'
-largest, a chi ratio of about 3 degrees of freedom, not 13 (docs/tolerance.md)."""
+"""Effective independent contributions per token of a param grad's error, where none are derived
+(weight_grad_dof and bias_grad_dof do for an nn.Linear's): norm weights, embeddings, a
+framework's own linear modules. A weight grad is a sum of one outer product per token, and its
+error norm has as many degrees of freedom as tokens only if they weigh alike; a gated unit sees
+some tokens only. Measured: a one- and two-unit MLP (ffn 1-2, 13 tokens, 4 ranks) whose correct
+grads erred up to 5x the members' largest, a chi ratio of about 3 degrees of freedom, not 13
+(docs/tolerance.md)."""
 MISMATCH = 1.5
 """What a correct sharded run may round beyond the ensemble: the 'rounded' member rounds every
 op's result and every rank-split reduction's parts, but not inside fused ops it cannot split
@@ -349,31 +351,53 @@ DOF_SAMPLE_TOKENS = 128
 tokens, where 128 of them cost a 64th of that."""
 
 
-def weight_grad_dof(x: torch.Tensor, g: torch.Tensor) -> float:
+@dataclass(frozen=True)
+class TokenSide:
+    """Per-token statistics of one side of a Linear's per-token terms (its inputs at a piece's
+    columns, or its output grads at a piece's rows): all weight_grad_dof needs of it, shared by
+    every piece with the same columns (rows)."""
+
+    sq: torch.Tensor
+    """(T,) sum over the elements of v_t^2."""
+    fourth: torch.Tensor
+    """(T,) sum of v_t^4."""
+    gram_sq: torch.Tensor
+    """(S, S) (v_t . v_s)^2 over the token sample."""
+    sq_gram: torch.Tensor
+    """(S, S) sum_j v_tj^2 v_sj^2 over the token sample."""
+
+
+def token_side(v: torch.Tensor) -> TokenSide:
+    """`v` (T, width)'s TokenSide, its pairs over an evenly strided sample of at most
+    DOF_SAMPLE_TOKENS tokens."""
+    v = v.to(torch.float64)
+    v2 = v.square()
+    pick = torch.linspace(0, v.shape[0] - 1, min(v.shape[0], DOF_SAMPLE_TOKENS)).round().long().unique()
+    vs, v2s = v[pick], v2[pick]
+    return TokenSide(sq=v2.sum(1), fourth=v2.square().sum(1), gram_sq=(vs @ vs.T).square(), sq_gram=v2s @ v2s.T)
+
+
+def weight_grad_dof(x: torch.Tensor | TokenSide, g: torch.Tensor | TokenSide) -> float:
     """Degrees of freedom of the error norm of a weight grad piece sum_t g_t x_t^T, from its
     per-token inputs `x` (T, in) and output grads `g` (T, out), restricted to the piece's columns
-    and rows. Model: each token's g and x carry independent relative errors per element, so the
-    error is vec(E) ~ N(0, C), C = sum_t diag(g_t^2) (x) x_t x_t^T + g_t g_t^T (x) diag(x_t^2), and
-    ||E||^2 is close to a scaled chi-square of (tr C)^2 / tr C^2 degrees of freedom
-    (Satterthwaite). Fewer where a few tokens carry the sum (a gated unit) and where the tokens'
-    inputs share a direction (a LayerNorm output feeding one unit: E is then sum_t dg_t x_t,
-    nearly one vector): a one-unit fc1 weight grad over 690 tokens has about 7. Pairs of
-    different tokens are summed over at most DOF_SAMPLE_TOKENS of them and scaled up."""
-    x, g = x.to(torch.float64), g.to(torch.float64)
-    x2, g2 = x.square(), g.square()
-    trace = 2.0 * float((g2.sum(1) * x2.sum(1)).sum())
+    and rows (or their TokenSides). Model: each token's g and x carry independent relative errors
+    per element, so the error is vec(E) ~ N(0, C), C = sum_t diag(g_t^2) (x) x_t x_t^T + g_t g_t^T
+    (x) diag(x_t^2), and ||E||^2 is close to a scaled chi-square of (tr C)^2 / tr C^2 degrees of
+    freedom (Satterthwaite). Fewer where a few tokens carry the sum (a gated unit) and where the
+    tokens' inputs share a direction (a LayerNorm output feeding one unit: E is then nearly
+    sum_t dg_t x_t, one vector): a one-unit fc1 weight grad over 690 tokens has about 7. The
+    trace and each token with itself are summed over every token; pairs of different tokens
+    over at most DOF_SAMPLE_TOKENS of them, scaled up."""
+    xs = x if isinstance(x, TokenSide) else token_side(x)
+    gs = g if isinstance(g, TokenSide) else token_side(g)
+    trace = 2.0 * float((gs.sq * xs.sq).sum())
     if trace <= 0:
         return float("inf")
-    n = x.shape[0]
+    n, s = xs.sq.shape[0], xs.gram_sq.shape[0]
     # a token with itself: A_tt B_tt + A'_tt B'_tt + 2 A_tt B'_tt
-    gg, g4, xx, x4 = g2.sum(1), g2.square().sum(1), x2.sum(1), x2.square().sum(1)
-    diagonal = float((g4 * xx.square() + gg.square() * x4 + 2 * g4 * x4).sum())
-    pick = torch.linspace(0, n - 1, min(n, DOF_SAMPLE_TOKENS)).round().long().unique()
-    xs, gs, x2s, g2s = x[pick], g[pick], x2[pick], g2[pick]
-    a, a_outer = g2s @ g2s.T, (gs @ gs.T).square()  # (S, S): sum_i g_ti^2 g_si^2, (g_t . g_s)^2
-    b, b_sq = (xs @ xs.T).square(), x2s @ x2s.T  # (S, S): (x_t . x_s)^2, sum_j x_tj^2 x_sj^2
-    pairs = a * b + a_outer * b_sq + 2 * a * b_sq
-    s = len(pick)
+    diagonal = float((gs.fourth * xs.sq.square() + gs.sq.square() * xs.fourth + 2 * gs.fourth * xs.fourth).sum())
+    # A = sum_i g_ti^2 g_si^2, A' = (g_t . g_s)^2, B = (x_t . x_s)^2, B' = sum_j x_tj^2 x_sj^2
+    pairs = gs.sq_gram * xs.gram_sq + gs.gram_sq * xs.sq_gram + 2 * gs.sq_gram * xs.sq_gram
     off = float(pairs.sum() - pairs.diagonal().sum()) * (n * (n - 1) / (s * (s - 1)) if s > 1 else 0.0)
     return trace * trace / (diagonal + off)
 
@@ -383,9 +407,13 @@ def bias_grad_dof(g: torch.Tensor) -> float:
     output grads `g` (T, out) at the piece's rows: each element sums its tokens' independent
     errors, so they are independent normals of variance S_i = sum_t g_ti^2, and the norm's
     degrees of freedom are (sum S)^2 / sum S^2 (at most the piece's elements, however many tokens)."""
-    per_element = g.to(torch.float64).square().sum(0)
-    total = float(per_element.sum())
-    return total * total / float(per_element.square().sum()) if total > 0 else float("inf")
+    return element_participation(g.to(torch.float64).square().sum(0))
+
+
+def element_participation(variances: torch.Tensor) -> float:
+    """(sum S)^2 / sum S^2 over independent normals' variances S: their norm's degrees of freedom."""
+    total = float(variances.sum())
+    return total * total / float(variances.square().sum()) if total > 0 else float("inf")
 
 
 def _row_participation(errs: Sequence[torch.Tensor]) -> float:

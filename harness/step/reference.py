@@ -26,21 +26,16 @@ class RefStep:
     """d loss / d output: what the loss's error bound propagates the output's error through."""
     lse: dict[str, torch.Tensor] = field(default_factory=dict)
     """Each attention module's per-query log-sum-exp (B, a, S), by module name (reference.gpt)."""
-    linear_inputs: dict[str, torch.Tensor] = field(default_factory=dict)
-    """With `terms`: each nn.Linear's input per token (T, in), by module name, every call's tokens
-    in call order. With `linear_out_grads`, the terms x_t g_t^T its weight grad sums, from which a
-    piece's degrees of freedom are derived (sp_harness.compare.tolerance.weight_grad_dof)."""
-    linear_out_grads: dict[str, torch.Tensor] = field(default_factory=dict)
-    """With `terms`: each nn.Linear's output grad per token (T, out), rows as in `linear_inputs`."""
 
 
 def reference_pass(model: nn.Module, case: Case, batch: Batch, dtype: torch.dtype,
-                   noise: RoundingNoise | None = None, *, backward: bool = True, terms: bool = False) -> RefStep:
+                   noise: RoundingNoise | None = None, *, backward: bool = True,
+                   terms: LinearTerms | None = None) -> RefStep:
     """Forward and backward of `model` on the global batch in `dtype`; with `noise`, every op's
     inputs and result carry that rounding (the perturbed reference). `backward=False` (a
     forward-only check): no param or input grads, only d loss / d output, through the loss alone
-    (the loss's error allowance needs it). `terms`: record every nn.Linear's per-token terms
-    (RefStep.linear_inputs, linear_out_grads)."""
+    (the loss's error allowance needs it). `terms`: a LinearTerms of `model` to record every
+    nn.Linear's per-token terms in."""
     inputs = {}
     for name, t in batch.inputs.items():
         if isinstance(t, torch.Tensor) and t.is_floating_point():
@@ -52,8 +47,7 @@ def reference_pass(model: nn.Module, case: Case, batch: Batch, dtype: torch.dtyp
     tgt = batch.target.to(dtype) if batch.target.is_floating_point() else batch.target
     # the case's declared precision islands are modelled by the perturbed reference only
     islands = noise.islands(model, case.precision_islands) if noise is not None else contextlib.nullcontext()
-    recorder = _LinearTerms(model) if terms and backward else None
-    with noise if noise is not None else contextlib.nullcontext(), islands, recorder or contextlib.nullcontext():
+    with noise if noise is not None else contextlib.nullcontext(), islands, terms or contextlib.nullcontext():
         out = call(model, inputs, batch.positional)
         if out.requires_grad:
             out.retain_grad()
@@ -67,12 +61,10 @@ def reference_pass(model: nn.Module, case: Case, batch: Batch, dtype: torch.dtyp
     grads = cast(dict[str, torch.Tensor], {name: t.grad for name, t in inputs.items()
                                            if backward and isinstance(t, torch.Tensor) and t.is_floating_point()})
     lse = {name: m.lse for name, m in model.named_modules() if isinstance(getattr(m, "lse", None), torch.Tensor)}
-    linear_inputs, linear_out_grads = recorder.terms() if recorder is not None else ({}, {})
-    return RefStep(out=out.detach(), loss=loss.detach(), input_grads=grads, out_grad=out_grad, lse=lse,
-                   linear_inputs=linear_inputs, linear_out_grads=linear_out_grads)
+    return RefStep(out=out.detach(), loss=loss.detach(), input_grads=grads, out_grad=out_grad, lse=lse)
 
 
-class _LinearTerms:
+class LinearTerms:
     """Every nn.Linear's input and output grad per token while entered: its weight grad is one
     outer product g_t x_t^T per token, and how many independent directions its error spans (a
     gated unit, inputs that share a direction) depends on them."""
@@ -83,7 +75,12 @@ class _LinearTerms:
         self.out_grads: dict[str, dict[int, torch.Tensor]] = {name: {} for name in self.linears}
         self.handles: list = []
 
-    def __enter__(self) -> _LinearTerms:
+    def clear(self) -> None:
+        for name in self.linears:
+            self.inputs[name], self.out_grads[name] = [], {}
+
+    def __enter__(self) -> LinearTerms:
+        self.clear()
         self.handles = [m.register_forward_hook(self._hook(name)) for name, m in self.linears.items()]
         return self
 
@@ -104,7 +101,8 @@ class _LinearTerms:
         return forward_hook
 
     def terms(self) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
-        """(inputs, output grads) per module with a grad at every call."""
+        """(inputs (T, in), output grads (T, out)) per module name, every call's tokens in call
+        order, for each module that got an output grad at every call."""
         inputs, out_grads = {}, {}
         for name, calls in self.inputs.items():
             grads = self.out_grads[name]
