@@ -270,3 +270,30 @@ def test_bias_grad_dof_counts_elements_that_weigh_alike():
     assert bias_grad_dof(g[:, :1]) == 1.0  # a scalar's error is one normal, however many tokens
     g[:, 0] *= 100
     assert bias_grad_dof(g) < 1.1
+
+
+def test_the_float64_reference_derives_each_ranks_linear_pieces_from_its_own_terms():
+    # what the owner of the float64 reference does for every rank: record each nn.Linear's
+    # per-token inputs and output grads in its pass, and derive each piece's degrees of freedom
+    from sp_harness.checks.references import LinearPiece, piece_dofs
+    from sp_harness.reference.gpt import GPT, GPTConfig
+    from sp_harness.step.reference import LinearTerms
+
+    torch.manual_seed(27)
+    model = GPT(GPTConfig(hidden=32, ffn=64, num_layers=1)).double()
+    terms = LinearTerms(model)
+    with terms:
+        out = model(torch.randint(0, 64, (2, 12)))
+        torch.nn.functional.cross_entropy(out.reshape(-1, 64), torch.randint(0, 64, (24,))).backward()
+    inputs, out_grads = terms.terms()
+    assert inputs["blocks.0.mlp.fc1"].shape == (24, 32) and out_grads["blocks.0.mlp.fc1"].shape == (24, 64)
+    halves = (torch.arange(32), torch.arange(32, 64))
+    pieces = [LinearPiece(rank=r, name="blocks.0.mlp.fc1.weight", rows=halves[r], cols=torch.arange(32)) for r in (0, 1)]
+    pieces += [LinearPiece(rank=1, name="blocks.0.mlp.fc1.bias", rows=halves[1], cols=None),
+               LinearPiece(rank=0, name="blocks.0.norm1.weight", rows=torch.arange(32), cols=None)]
+    dofs = piece_dofs(terms, pieces)
+    x, g = inputs["blocks.0.mlp.fc1"], out_grads["blocks.0.mlp.fc1"]
+    for r in (0, 1):
+        assert dofs[(r, "blocks.0.mlp.fc1.weight")] == weight_grad_dof(x, g[:, halves[r]])
+    assert dofs[(1, "blocks.0.mlp.fc1.bias")] == bias_grad_dof(g[:, halves[1]])
+    assert (0, "blocks.0.norm1.weight") not in dofs  # no Linear: a share of the tokens

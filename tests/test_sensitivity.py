@@ -89,3 +89,23 @@ def test_a_bf16_update_two_percent_off_is_caught_by_its_scale_alone(sp_pool):
         assert check(config, sp_pool).verdict == "PASS"
     finally:
         set_scale(sp_pool, None)
+
+
+def test_a_bf16_grad_eight_percent_off_is_caught_where_its_linear_counts_its_own_degrees_of_freedom(sp_pool):
+    """bfloat16, one rank's fc1 weight grad x 1.08 at the default size (24 tokens): a quarter of
+    the tokens (m = 6, F = 6.3) passed it (sensitivity 0.12); the degrees of freedom the float64
+    reference derives from the Linear's per-token terms (about 20: F = 3.2) catch it, and the
+    failure says how many it counted."""
+    from sp_harness.checks.side_by_side import check
+
+    config = CheckConfig(case=CASES["grad"].name, world_size=2, dtype="bfloat16", timeout_s=120.0)
+    set_scale(sp_pool, 0.08)
+    try:
+        res = check(config, sp_pool)
+    finally:
+        set_scale(sp_pool, None)
+    assert res.verdict == "FAIL", res.reason
+    first = res.failures[0]
+    assert first.kind == "grad" and first.name == "blocks.0.mlp.fc1.weight" and first.rank == 1
+    assert 6 < first.dof <= 24 and first.norm_ratio > 1, first.describe()
+    assert "degrees of freedom" in first.describe()

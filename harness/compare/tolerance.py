@@ -203,12 +203,16 @@ class TensorCheck:
     perturbed references'."""
     ref_norm: float = 0.0
     """||ref64|| over the piece (where a norm-wise bound applies)."""
+    dof: float = 0.0
+    """The degrees of freedom m the ensemble's factor F(m) counted for the piece (0 where the
+    ensemble did not judge it): tokens, their participation, or a Linear grad's derived ones."""
 
     def describe(self) -> str:
         where = f"[{', '.join(map(str, self.worst_index))}]" if self.worst_index else ""
         extra = f" ({self.note})" if self.note else ""
         if self.kind != "param" and self.norm_ratio > 1 and self.norm_ratio >= self.max_abs / max(self.allowed, 1e-300):
-            extra += f" (norm-wise: error norm {self.norm_ratio:.3g}x its bound over the whole piece)"
+            counted = f", {self.dof:.3g} degrees of freedom" if self.dof else ""
+            extra += f" (norm-wise: error norm {self.norm_ratio:.3g}x its bound over the whole piece{counted})"
         if self.kind == "param" and self.ratio <= 1 < self.norm_ratio:
             return (f"step {self.step} {self.kind} {self.name} rank {self.rank}: {self.note}, "
                     f"{self.norm_ratio:.3g}x its bound over the whole piece (every element within its own "
@@ -280,6 +284,7 @@ def check_tensor(*, kind: str, name: str, step: int, rank: int, got: torch.Tenso
         max_rel=max_abs / scale if scale else max_abs, allowed=allowed, ratio=ratio, worst_index=index,
         got=float(got64.reshape(-1)[flat]), want=float(ref64.reshape(-1)[flat]),
         ok=ratio <= 1.0, norm_ratio=norm.ratio, err_norm=norm.err, noise_norm=norm.noise, ref_norm=norm.ref,
+        dof=norm.dof,
     )
 
 
@@ -291,6 +296,8 @@ class NormBound:
     err: float = 0.0
     noise: float = 0.0
     ref: float = 0.0
+    dof: float = 0.0
+    """The degrees of freedom the ensemble's factor counted (0 where another bound judged)."""
 
 
 def _norm_bound(kind: str, diff: torch.Tensor, ref64: torch.Tensor, ref_lp: torch.Tensor, ref_alt: torch.Tensor | None,
@@ -311,25 +318,27 @@ def _norm_bound(kind: str, diff: torch.Tensor, ref64: torch.Tensor, ref_lp: torc
     elif ref_alt is not None and both:
         samples = (ref_alt,)
     ensemble = _ensemble_bound(kind, ref64, ref_lp, ref_alt, dtype, samples, dof, diff.numel(), ref_norm, grad_dof)
+    m = 0.0
     if ensemble is not None and not both:
-        noise, bound = ensemble
+        noise, bound, m = ensemble
     else:
         noise = float((ref_lp.detach().to(torch.float64) - ref64).norm()) * (eps(dtype) / eps(lp))
         if ref_alt is not None:
             noise = max(noise, float((ref_alt.detach().to(torch.float64) - ref64).norm()))
         bound = NORM_FACTOR * noise + NORM_FLOOR_ULPS * eps(dtype) * ref_norm
         if ensemble is not None and ensemble[1] < bound:
-            noise, bound = ensemble
+            noise, bound, m = ensemble
     if got == 0:
-        return NormBound(err=0.0, noise=noise, ref=ref_norm)
-    return NormBound(ratio=got / bound if bound else float("inf"), err=got, noise=noise, ref=ref_norm)
+        return NormBound(err=0.0, noise=noise, ref=ref_norm, dof=m)
+    return NormBound(ratio=got / bound if bound else float("inf"), err=got, noise=noise, ref=ref_norm, dof=m)
 
 
 def _ensemble_bound(kind: str, ref64: torch.Tensor, ref_lp: torch.Tensor, ref_alt: torch.Tensor | None,
                     dtype: torch.dtype, samples: Sequence[torch.Tensor], dof: int, most: int,
-                    ref_norm: float, grad_dof: float | None = None) -> tuple[float, float] | None:
-    """(noise, bound) of the ensemble's norm-wise bound over a piece (at most `most` degrees of
-    freedom), or None where it has no members or they err by CANCELLATION of the piece or more."""
+                    ref_norm: float, grad_dof: float | None = None) -> tuple[float, float, float] | None:
+    """(noise, bound, degrees of freedom) of the ensemble's norm-wise bound over a piece (at most
+    `most` degrees of freedom), or None where it has no members or they err by CANCELLATION of
+    the piece or more."""
     if not samples:
         return None
     errs = [s.detach().to(torch.float64) - ref64 for s in (ref_lp, *samples)]
@@ -342,7 +351,8 @@ def _ensemble_bound(kind: str, ref64: torch.Tensor, ref_lp: torch.Tensor, ref_al
         m = dof * GRAD_DOF_SHARE if grad_dof is None else min(dof, grad_dof)
     else:
         m = min(dof, _row_participation(errs))
-    return noise, ensemble_factor(min(m, most)) * noise + ENSEMBLE_FLOOR_UNITS * eps(dtype) / 2 * ref_norm
+    m = min(m, most)
+    return noise, ensemble_factor(m) * noise + ENSEMBLE_FLOOR_UNITS * eps(dtype) / 2 * ref_norm, m
 
 
 DOF_SAMPLE_TOKENS = 128
