@@ -71,22 +71,22 @@ def test_a_bf16_update_two_percent_off_is_caught_by_its_scale_alone(sp_pool):
     """bfloat16, one param's update on one rank x 1.02 (the sensitivity target at the default
     size): every element inside the elementwise bound (whose bf16 sensitivity is 6.5%), the
     step's coherent scale past its bound (sp_harness.compare.update_scale); at d = 0 it passes."""
-    from sp_harness.checks.side_by_side import check
-
-    config = CheckConfig(case=CASES["update"].name, world_size=2, dtype="bfloat16", timeout_s=120.0)
-    set_scale(sp_pool, 0.02)
-    try:
-        res = check(config, sp_pool)
-    finally:
-        set_scale(sp_pool, None)
+    res = _bf16_scaled(sp_pool, "update", 0.02)
     assert res.verdict == "FAIL", res.reason
     first = res.failures[0]
     assert first.kind == "param" and first.rank == 1
     assert first.ratio <= 1 < first.norm_ratio, first.describe()
     assert "update scale" in first.note
-    set_scale(sp_pool, 0.0)
+    assert _bf16_scaled(sp_pool, "update", 0.0).verdict == "PASS"
+
+
+def _bf16_scaled(sp_pool, shape: str, d: float):
+    """A bfloat16 check of the sensitivity mutant of `shape` at d, on 2 ranks."""
+    from sp_harness.checks.side_by_side import check
+
+    set_scale(sp_pool, d)
     try:
-        assert check(config, sp_pool).verdict == "PASS"
+        return check(CheckConfig(case=CASES[shape].name, world_size=2, dtype="bfloat16", timeout_s=120.0), sp_pool)
     finally:
         set_scale(sp_pool, None)
 
@@ -96,14 +96,7 @@ def test_a_bf16_grad_eight_percent_off_is_caught_where_its_linear_counts_its_own
     the tokens (m = 6, F = 6.3) passed it (sensitivity 0.12); the degrees of freedom the float64
     reference derives from the Linear's per-token terms (about 20: F = 3.2) catch it, and the
     failure says how many it counted."""
-    from sp_harness.checks.side_by_side import check
-
-    config = CheckConfig(case=CASES["grad"].name, world_size=2, dtype="bfloat16", timeout_s=120.0)
-    set_scale(sp_pool, 0.08)
-    try:
-        res = check(config, sp_pool)
-    finally:
-        set_scale(sp_pool, None)
+    res = _bf16_scaled(sp_pool, "grad", 0.08)
     assert res.verdict == "FAIL", res.reason
     first = res.failures[0]
     assert first.kind == "grad" and first.name == "blocks.0.mlp.fc1.weight" and first.rank == 1
