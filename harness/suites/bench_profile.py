@@ -91,10 +91,10 @@ def _instrument_alt(clock: _Clock, refs) -> list:
     rounding.order_error = clock.wrap("alt_order_error", rounding.order_error)
     compute, batches = refs.compute, []
 
-    def compute_timed(which, full, case, batch):
+    def compute_timed(which, full, case, batch, pieces=()):
         if which == "alt":
             batches.append((case, batch))
-        return clock.wrap(which, compute)(which, full, case, batch)
+        return clock.wrap(which, compute)(which, full, case, batch, pieces)
 
     refs.compute = compute_timed
     return batches
