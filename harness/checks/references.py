@@ -227,11 +227,9 @@ class References:
         self.anchor(which, full)
         model.zero_grad(set_to_none=True)  # a fresh grad tensor per step: results handed out stay as they were
         backward = not self.forward_only
+        terms = LinearTerms(model) if which == "r64" and pieces and backward and self.rounded is not None else None
         if which == "r64":
-            terms = LinearTerms(model) if pieces and backward and self.rounded is not None else None
             step = reference_pass(model, case, batch, torch.float64, backward=backward, terms=terms)
-            grads = {n: p.grad for n, p in model.named_parameters()}
-            return RefResult(step=step, grads=grads, grad_dofs=piece_dofs(terms, pieces) if terms else {})
         elif which == "lp":
             with self.platform:
                 step = reference_pass(model, case, batch, lp_dtype(self.dtype), backward=backward)
@@ -240,7 +238,8 @@ class References:
                 step = reference_pass(model, case, batch, finer(self.dtype), backward=backward)
         else:
             step = reference_pass(model, case, batch, torch.float64, noise=self.alt_noise, backward=backward)
-        return RefResult(step=step, grads={n: p.grad for n, p in model.named_parameters()})
+        return RefResult(step=step, grads={n: p.grad for n, p in model.named_parameters()},
+                         grad_dofs=piece_dofs(terms, pieces) if terms is not None else {})
 
     def trace(self, which: str, full: dict[str, torch.Tensor], case: Case, batch: Batch,
               skip: frozenset[str]) -> Trace:
