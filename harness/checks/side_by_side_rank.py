@@ -243,14 +243,14 @@ class _SideBySide:
             ref = self.ref64[p.spec.ref_name]
             if (p.spec.ref_name.rpartition(".")[2], ref.dim()) not in (("weight", 2), ("bias", 1)):
                 continue
-            rows = p.piece_of(torch.arange(ref.shape[0]).view(-1, *([1] * (ref.dim() - 1))).expand(ref.shape), self.ctx)
-            cols = None
+            grid = p.piece_of(torch.arange(ref.shape[0]).view(-1, *([1] * (ref.dim() - 1))).expand(ref.shape), self.ctx)
+            rows, cols = grid.unique(), None
             if ref.dim() == 2:
-                cols = p.piece_of(torch.arange(ref.shape[1]).view(1, -1).expand(ref.shape), self.ctx)
-                if len(rows.unique()) * len(cols.unique()) != cols.numel():
+                col_grid = p.piece_of(torch.arange(ref.shape[1]).view(1, -1).expand(ref.shape), self.ctx)
+                cols = col_grid.unique()
+                if len(rows) * len(cols) != col_grid.numel():
                     continue  # not a block: the grad keeps a share of its tokens
-                cols = cols.unique()
-            mine.append(LinearPiece(rank=self.ctx.rank, name=p.spec.ref_name, rows=rows.unique(), cols=cols))
+            mine.append(LinearPiece(rank=self.ctx.rank, name=p.spec.ref_name, rows=rows, cols=cols))
         if not dist.is_initialized() or dist.get_world_size() == 1:
             return tuple(mine)
         every: list[list[LinearPiece] | None] = [None] * dist.get_world_size()

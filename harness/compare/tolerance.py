@@ -435,9 +435,7 @@ def _row_participation(errs: Sequence[torch.Tensor]) -> float:
     where it is small, and there it errs towards a wider bound."""
     if not errs or errs[0].dim() < 2:
         return float("inf")
-    rows = torch.stack([e.reshape(-1, e.shape[-1]).square().sum(-1) for e in errs]).mean(0)
-    total = float(rows.sum())
-    return total * total / float(rows.square().sum()) if total > 0 else float("inf")
+    return element_participation(torch.stack([e.reshape(-1, e.shape[-1]).square().sum(-1) for e in errs]).mean(0))
 
 
 def check_bounded(*, kind: str, name: str, step: int, rank: int, got: torch.Tensor | None, want: torch.Tensor,
