@@ -275,7 +275,7 @@ def test_bias_grad_dof_counts_elements_that_weigh_alike():
 def test_the_float64_reference_derives_each_ranks_linear_pieces_from_its_own_terms():
     # what the owner of the float64 reference does for every rank: record each nn.Linear's
     # per-token inputs and output grads in its pass, and derive each piece's degrees of freedom
-    from sp_harness.checks.references import LinearPiece, piece_dofs
+    from sp_harness.checks.references import LinearPiece, piece_noise
     from sp_harness.reference.gpt import GPT, GPTConfig
     from sp_harness.step.reference import LinearTerms
 
@@ -291,7 +291,9 @@ def test_the_float64_reference_derives_each_ranks_linear_pieces_from_its_own_ter
     pieces = [LinearPiece(rank=r, name="blocks.0.mlp.fc1.weight", rows=halves[r], cols=torch.arange(32)) for r in (0, 1)]
     pieces += [LinearPiece(rank=1, name="blocks.0.mlp.fc1.bias", rows=halves[1], cols=None),
                LinearPiece(rank=0, name="blocks.0.norm1.weight", rows=torch.arange(32), cols=None)]
-    dofs = piece_dofs(terms, pieces)
+    grads = {n: p.grad for n, p in model.named_parameters()}
+    noise = piece_noise(terms, pieces, grads)
+    dofs = {k: v.dof for k, v in noise.items()}
     x, g = inputs["blocks.0.mlp.fc1"], out_grads["blocks.0.mlp.fc1"]
     for r in (0, 1):
         assert dofs[(r, "blocks.0.mlp.fc1.weight")] == weight_grad_dof(x, g[:, halves[r]])

@@ -32,6 +32,7 @@ import torch.distributed as dist
 from torch import nn
 
 from sp_harness.capture.trace import Recorder, Trace
+from sp_harness.compare.grad_scale import PieceNoise, bias_share, weight_share
 from sp_harness.compare.tolerance import TokenSide, element_participation, lp_dtype, token_side, weight_grad_dof
 from sp_harness.config.case import Batch, Case
 from sp_harness.config.check_config import CheckConfig
@@ -143,16 +144,19 @@ class RefResult:
 
     step: RefStep
     grads: dict[str, torch.Tensor | None]
-    grad_dofs: dict[tuple[int, str], float] = field(default_factory=dict)
+    grad_noise: dict[tuple[int, str], PieceNoise] = field(default_factory=dict)
     """The float64 reference's, in a run with an ensemble: each (rank, param name) LinearPiece's
-    degrees of freedom (sp_harness.compare.tolerance.weight_grad_dof, bias_grad_dof)."""
+    degrees of freedom (sp_harness.compare.tolerance.weight_grad_dof, bias_grad_dof) and its
+    noise's share along its grad (sp_harness.compare.grad_scale)."""
 
 
-def piece_dofs(terms: LinearTerms, pieces: Iterable[LinearPiece]) -> dict[tuple[int, str], float]:
-    """Each piece's degrees of freedom from the recorded per-token terms of its Linear (pieces of
+def piece_noise(terms: LinearTerms, pieces: Iterable[LinearPiece],
+                grads: dict[str, torch.Tensor | None]) -> dict[tuple[int, str], PieceNoise]:
+    """Each piece's degrees of freedom and the share of its noise along its exact grad (from
+    `grads`, the float64 reference's), from the recorded per-token terms of its Linear (pieces of
     a module the reference has no nn.Linear for, or that got no grad, have none)."""
     inputs, out_grads = terms.terms()
-    dofs: dict[tuple[int, str], float] = {}
+    noise: dict[tuple[int, str], PieceNoise] = {}
     sides: dict[tuple, TokenSide] = {}
     element_sq: dict[str, torch.Tensor] = {}
 
@@ -167,16 +171,23 @@ def piece_dofs(terms: LinearTerms, pieces: Iterable[LinearPiece]) -> dict[tuple[
 
     for piece in pieces:
         module = piece.name.rpartition(".")[0]
-        if module not in inputs:
+        grad = grads.get(piece.name)
+        if module not in inputs or grad is None:
             continue
+        rows = _contiguous(piece.rows)
         if piece.cols is None:
             if module not in element_sq:
                 element_sq[module] = out_grads[module].square().sum(0)
-            dofs[(piece.rank, piece.name)] = element_participation(element_sq[module][piece.rows])
+            variances = element_sq[module][rows]
+            noise[(piece.rank, piece.name)] = PieceNoise(dof=element_participation(variances),
+                                                         share=bias_share(variances, grad[rows], out_grads[module][:, rows]))
         else:
-            dofs[(piece.rank, piece.name)] = weight_grad_dof(side(module, "x", piece.cols),
-                                                             side(module, "g", piece.rows))
-    return dofs
+            x, g = side(module, "x", piece.cols), side(module, "g", piece.rows)
+            # tr C over every token, scaled to the sample the projection is summed over
+            trace = 2.0 * float((g.sq * x.sq).sum()) * x.sample.shape[0] / x.sq.shape[0]
+            share = weight_share(x.sample, g.sample, grad[rows][:, _contiguous(piece.cols)], trace)
+            noise[(piece.rank, piece.name)] = PieceNoise(dof=weight_grad_dof(x, g), share=share)
+    return noise
 
 
 def _contiguous(at: torch.Tensor) -> torch.Tensor | slice:
@@ -238,8 +249,9 @@ class References:
                 step = reference_pass(model, case, batch, finer(self.dtype), backward=backward)
         else:
             step = reference_pass(model, case, batch, torch.float64, noise=self.alt_noise, backward=backward)
-        return RefResult(step=step, grads={n: p.grad for n, p in model.named_parameters()},
-                         grad_dofs=piece_dofs(terms, pieces) if terms is not None else {})
+        grads = {n: p.grad for n, p in model.named_parameters()}
+        return RefResult(step=step, grads=grads,
+                         grad_noise=piece_noise(terms, pieces, grads) if terms is not None else {})
 
     def trace(self, which: str, full: dict[str, torch.Tensor], case: Case, batch: Batch,
               skip: frozenset[str]) -> Trace:
@@ -342,18 +354,18 @@ _Meta = tuple[tuple[int, ...], torch.dtype] | None
 
 def _share(result: RefResult | None, src: int, device: torch.device) -> RefResult:
     """Broadcast `src`'s reference result to every rank."""
-    header: list[tuple[list[str], list[str], list[str], list[_Meta], dict[tuple[int, str], float]] | None]
+    header: list[tuple[list[str], list[str], list[str], list[_Meta], dict[tuple[int, str], PieceNoise]] | None]
     if result is not None:
         tensors = _tensors(result)
         header = [(sorted(result.step.input_grads), sorted(result.step.lse), sorted(result.grads),
-                   [None if t is None else (tuple(t.shape), t.dtype) for t in tensors], result.grad_dofs)]
+                   [None if t is None else (tuple(t.shape), t.dtype) for t in tensors], result.grad_noise)]
         flat = _flat(t for t in tensors if t is not None)
     else:
         header = [None]
     dist.broadcast_object_list(header, src=src, device=device if device.type == "cuda" else None)
     shared = header[0]
     assert shared is not None, f"the owner (rank {src}) of a reference sent no result"
-    names, lse_names, param_names, metas, grad_dofs = shared
+    names, lse_names, param_names, metas, grad_noise = shared
     if result is None:
         flat = torch.empty(sum(_numel(m[0]) for m in metas if m is not None), dtype=torch.float64, device=device)
     dist.broadcast(flat, src=src)
@@ -376,7 +388,7 @@ def _share(result: RefResult | None, src: int, device: torch.device) -> RefResul
     lse = cast(dict[str, torch.Tensor], dict(zip(lse_names, tensors[at:at + len(lse_names)], strict=True)))
     params = dict(zip(param_names, tensors[at + len(lse_names):], strict=True))
     return RefResult(step=RefStep(out=out, loss=loss, input_grads=grads, out_grad=out_grad, lse=lse), grads=params,
-                     grad_dofs=grad_dofs)
+                     grad_noise=grad_noise)
 
 
 def _flat(tensors: Iterable[torch.Tensor]) -> torch.Tensor:

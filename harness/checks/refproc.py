@@ -245,7 +245,7 @@ def _to(result: RefResult, device: str | torch.device) -> RefResult:
                       input_grads={k: _moved(v, device) for k, v in step.input_grads.items()},
                       lse={k: _moved(v, device) for k, v in step.lse.items()})
     return RefResult(step=step, grads={k: _moved(v, device) for k, v in result.grads.items()},
-                     grad_dofs=result.grad_dofs)
+                     grad_noise=result.grad_noise)
 
 
 def serve(conn: Connection) -> None:

@@ -122,10 +122,10 @@ class _SideBySide:
                               built.reference, torch.float64, built.device)
 
     def judge(self, kind, name, step, got, want64, want_lp, offset=(), want_alt=None, extra=0.0, dof=0, samples=(),
-              grad_dof=None):
+              grad_noise=None):
         record(self.result, check_tensor(kind=kind, name=name, step=step, rank=self.ctx.rank, got=got, ref64=want64,
                                          ref_lp=want_lp, dtype=self.dtype, offset=offset, ref_alt=want_alt,
-                                         extra_allowed=extra, dof=dof, ref_samples=samples, grad_dof=grad_dof))
+                                         extra_allowed=extra, dof=dof, ref_samples=samples, grad_noise=grad_noise))
 
     def check_init(self) -> None:
         """The sharded factory must start from the reference's weights, cast to the run dtype."""
@@ -230,7 +230,7 @@ class _SideBySide:
             got, w64, wlp, off = p.full_or_piece(got_grad, g64, glp, self.ctx)
             self.judge("grad", ref, step, got, w64, wlp, off, p.piece_of(grads["alt"][ref], self.ctx), dof=tokens,
                        samples=[p.piece_of(grads[w][ref], self.ctx) for w in SAMPLES if w in grads],
-                       grad_dof=refs["r64"].grad_dofs.get((self.ctx.rank, ref)))
+                       grad_noise=refs["r64"].grad_noise.get((self.ctx.rank, ref)))
 
     def _linear_pieces(self) -> tuple[LinearPiece, ...]:
         """Every rank's pieces of the weight (2-D) and bias (1-D) params that are a block of the

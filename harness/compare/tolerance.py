@@ -41,6 +41,7 @@ from dataclasses import dataclass
 
 import torch
 
+from sp_harness.compare.grad_scale import GradScaleBound, PieceNoise, grad_scale_bound
 from sp_harness.compare.update_scale import ScaleBound
 
 FACTOR = 16.0
@@ -206,6 +207,9 @@ class TensorCheck:
     dof: float = 0.0
     """The degrees of freedom m the ensemble's factor F(m) counted for the piece (0 where the
     ensemble did not judge it): tokens, their participation, or a Linear grad's derived ones."""
+    scale_ratio: float = 0.0
+    """A low-precision Linear grad piece's coherent scale along its exact grad / that scale's
+    bound (sp_harness.compare.grad_scale; 0 where it is not judged so)."""
 
     def describe(self) -> str:
         where = f"[{', '.join(map(str, self.worst_index))}]" if self.worst_index else ""
@@ -213,6 +217,10 @@ class TensorCheck:
         if self.kind != "param" and self.norm_ratio > 1 and self.norm_ratio >= self.max_abs / max(self.allowed, 1e-300):
             counted = f", {self.dof:.3g} degrees of freedom" if self.dof else ""
             extra += f" (norm-wise: error norm {self.norm_ratio:.3g}x its bound over the whole piece{counted})"
+        if self.scale_ratio > 1 and self.scale_ratio >= max(self.norm_ratio, self.max_abs / max(self.allowed, 1e-300)):
+            return (f"step {self.step} {self.kind} {self.name} rank {self.rank}: {self.note}, "
+                    f"{self.scale_ratio:.3g}x its bound (error norm {self.norm_ratio:.3g}x its own, the worst "
+                    f"element {self.max_abs / max(self.allowed, 1e-300):.3g}x its own)")
         if self.kind == "param" and self.ratio <= 1 < self.norm_ratio:
             return (f"step {self.step} {self.kind} {self.name} rank {self.rank}: {self.note}, "
                     f"{self.norm_ratio:.3g}x its bound over the whole piece (every element within its own "
@@ -228,7 +236,8 @@ class TensorCheck:
 def check_tensor(*, kind: str, name: str, step: int, rank: int, got: torch.Tensor, ref64: torch.Tensor,
                  ref_lp: torch.Tensor, dtype: torch.dtype, offset: tuple[int, ...] = (),
                  ref_alt: torch.Tensor | None = None, extra_allowed: float = 0.0, dof: int = 0,
-                 ref_samples: Sequence[torch.Tensor] = (), grad_dof: float | None = None) -> TensorCheck:
+                 ref_samples: Sequence[torch.Tensor] = (), grad_dof: float | None = None,
+                 grad_noise: PieceNoise | None = None) -> TensorCheck:
     """Judge `got` (a rank's piece) against the float64 reference piece `ref64`.
 
     `ref_lp` is the same piece from the same-precision reference, `ref_alt` from the perturbed
@@ -240,7 +249,12 @@ def check_tensor(*, kind: str, name: str, step: int, rank: int, got: torch.Tenso
     run below float32: with them the norm-wise bound of a forward or LSE piece is the ensemble's.
     `grad_dof`: a Linear's weight or bias grad piece's degrees of freedom, derived from its
     per-token terms (weight_grad_dof, bias_grad_dof); None: a share of `dof` (GRAD_DOF_SHARE).
+    `grad_noise`: the same derived for a Linear grad piece together with its noise's share along
+    the grad: with the ensemble's members, the piece's coherent scale is judged too
+    (sp_harness.compare.grad_scale).
     """
+    if grad_noise is not None:
+        grad_dof = grad_noise.dof
     if got is None:
         return TensorCheck(kind=kind, name=name, step=step, rank=rank, max_abs=float("inf"),
                            max_rel=float("inf"), allowed=0.0, ratio=float("inf"), worst_index=(),
@@ -278,14 +292,27 @@ def check_tensor(*, kind: str, name: str, step: int, rank: int, got: torch.Tenso
     index = tuple(int(i) for i in torch.unravel_index(torch.tensor(flat), err.shape)) if err.dim() else ()
     if offset:
         index = tuple(i + o for i, o in zip(index, offset, strict=True))
-    ratio = max(max_abs / allowed if allowed else float("inf"), norm.ratio)
+    coherent = (_scale_bound(got64 - ref64, ref64, ref_lp, ref_samples, grad_noise, dtype)
+                if kind == "grad" and grad_noise is not None and norm.dof else None)
+    scale_ratio = 0.0 if coherent is None else coherent.ratio
+    ratio = max(max_abs / allowed if allowed else float("inf"), norm.ratio, scale_ratio)
     return TensorCheck(
         kind=kind, name=name, step=step, rank=rank, max_abs=max_abs,
         max_rel=max_abs / scale if scale else max_abs, allowed=allowed, ratio=ratio, worst_index=index,
         got=float(got64.reshape(-1)[flat]), want=float(ref64.reshape(-1)[flat]),
         ok=ratio <= 1.0, norm_ratio=norm.ratio, err_norm=norm.err, noise_norm=norm.noise, ref_norm=norm.ref,
-        dof=norm.dof,
+        dof=norm.dof, scale_ratio=scale_ratio, note="" if coherent is None or scale_ratio <= 1 else coherent.describe(),
     )
+
+
+def _scale_bound(diff: torch.Tensor, ref64: torch.Tensor, ref_lp: torch.Tensor, samples: Sequence[torch.Tensor],
+                 noise: PieceNoise, dtype: torch.dtype) -> GradScaleBound | None:
+    """The coherent-scale bound of a grad piece the ensemble judged (its members: the
+    run-precision reference and `samples`)."""
+    if not torch.isfinite(diff).all():
+        return None
+    members = [m.detach().to(torch.float64) - ref64 for m in (ref_lp, *samples)]
+    return grad_scale_bound(err=diff, member_errs=members, grad=ref64, noise=noise, dtype=dtype)
 
 
 @dataclass(frozen=True)
@@ -375,6 +402,8 @@ class TokenSide:
     """(S, S) (v_t . v_s)^2 over the token sample."""
     sq_gram: torch.Tensor
     """(S, S) sum_j v_tj^2 v_sj^2 over the token sample."""
+    sample: torch.Tensor
+    """(S, width) the sampled tokens' v (sp_harness.compare.grad_scale.weight_share sums over them)."""
 
 
 def token_side(v: torch.Tensor) -> TokenSide:
@@ -384,7 +413,8 @@ def token_side(v: torch.Tensor) -> TokenSide:
     v2 = v.square()
     pick = torch.linspace(0, v.shape[0] - 1, min(v.shape[0], DOF_SAMPLE_TOKENS)).round().long().unique()
     vs, v2s = v[pick], v2[pick]
-    return TokenSide(sq=v2.sum(1), fourth=v2.square().sum(1), gram_sq=(vs @ vs.T).square(), sq_gram=v2s @ v2s.T)
+    return TokenSide(sq=v2.sum(1), fourth=v2.square().sum(1), gram_sq=(vs @ vs.T).square(), sq_gram=v2s @ v2s.T,
+                     sample=vs)
 
 
 def weight_grad_dof(x: torch.Tensor | TokenSide, g: torch.Tensor | TokenSide) -> float:
