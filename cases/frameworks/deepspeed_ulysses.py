@@ -26,7 +26,9 @@ small GPT, sequence-sharded over the rank's SP group, its grads reduced by DeepS
   written out, with DeepSpeed's mpu installed as the engine installs it).
 - Per-process setup (`Case.setup`): DeepSpeed's import and the JIT build of its CPU
   `deepspeed_shm_comm` op, which `deepspeed.init_distributed` loads (minutes on a loaded 2-core
-  machine the first time; cached in ~/.cache/torch_extensions afterwards).
+  machine the first time; cached in ~/.cache/torch_extensions afterwards). A build killed mid-way
+  leaves torch's build lock behind; the next setup removes it, with a warning
+  (`build_extension_exclusively`).
 - Launcher environment (`launcher_env`): DeepSpeed's engine asserts `LOCAL_RANK` is set (its
   launcher, torchrun or init_distributed's MPI discovery set it); the harness starts its ranks
   itself, so it is set to the rank's device index (CPU: the rank; one host). No CPU shim is
@@ -55,10 +57,15 @@ from sp_harness.cases.common import (
     known,
     with_positions,
 )
+from sp_harness.cases.frameworks.common import build_extension_exclusively
 from sp_harness.reference.gpt import GPT, Attention, build_gpt, token_loss_sum
 
 DEEPSPEED_VERSION = "0.19.8"
 """The release this module is tested with (the `deepspeed` extra pins it)."""
+
+SHM_OP_NAME = "deepspeed_shm_comm"
+"""The torch extension `build_shm_op` JIT-builds (DeepSpeed's `ShareMemCommBuilder.NAME`: its
+build dir and torch's build lock are named after it)."""
 
 LocalAttentionFn = Callable[..., torch.Tensor]
 """`fn(q, k, v, *, causal) -> out`: q (B, S, a, d), k and v (B, S, a_kv, d) with a_kv dividing
@@ -250,12 +257,13 @@ def ulysses_shard(*, local_attention: LocalAttentionFn, scatter_idx: int = 2, ga
 
 def _setup() -> None:
     """Per process, outside any job's clock: DeepSpeed's import and its CPU comm op's JIT build
-    (what `deepspeed.init_distributed` loads)."""
+    (what `deepspeed.init_distributed` loads), under `build_extension_exclusively` so that a
+    build killed mid-way (its torch `lock` left behind) does not hang every later setup."""
     import deepspeed  # noqa: F401
     import deepspeed.sequence.layer  # noqa: F401
     from deepspeed.comm.torch import build_shm_op
 
-    build_shm_op()
+    build_extension_exclusively(SHM_OP_NAME, build_shm_op)
 
 
 def ulysses_case(name: str, *, local_attention: LocalAttentionFn = sdpa_attention, scatter_idx: int = 2,
