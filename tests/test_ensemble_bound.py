@@ -298,4 +298,5 @@ def test_the_float64_reference_derives_each_ranks_linear_pieces_from_its_own_ter
     for r in (0, 1):
         assert dofs[(r, "blocks.0.mlp.fc1.weight")] == weight_grad_dof(x, g[:, halves[r]])
     assert dofs[(1, "blocks.0.mlp.fc1.bias")] == bias_grad_dof(g[:, halves[1]])
-    assert (0, "blocks.0.norm1.weight") not in dofs  # no Linear: a share of the tokens
+    # a norm's weight: never more than the quarter of its tokens (tests/test_grad_scale.py)
+    assert dofs[(0, "blocks.0.norm1.weight")] <= 24 * 0.25

@@ -15,6 +15,7 @@ from sp_harness.compare.grad_scale import (
     bias_share,
     grad_scale,
     grad_scale_bound,
+    norm_weight_share,
     t_quantile,
     weight_share,
     weight_shares,
@@ -171,3 +172,45 @@ def test_the_float64_reference_derives_each_pieces_share_from_its_own_terms_and_
     assert noise[(1, "blocks.0.mlp.fc1.weight")].share == pytest.approx(_share(x, g[:, 32:]), rel=1e-9)
     assert noise[(1, "blocks.0.mlp.fc1.bias")].share == pytest.approx(
         bias_share(g[:, 32:].square().sum(0), grads["blocks.0.mlp.fc1.bias"][32:], g[:, 32:]), rel=1e-9)
+
+
+def test_a_norm_weights_share_matches_the_spread_of_its_errors_projection():
+    gen = torch.Generator().manual_seed(37)
+    dy = torch.randn(48, 64, generator=gen, dtype=torch.float64)
+    xhat = torch.randn(48, 64, generator=gen, dtype=torch.float64) + 1.0  # a common offset: terms alike
+    grad = (dy * xhat).sum(0)
+    w = dy * xhat
+    shares = []
+    for per_token in (False, True):
+        shape = (4000, 48, 1) if per_token else (4000, 48, 64)
+        errs = (1e-2 * w * (torch.randn(shape, generator=gen, dtype=torch.float64)
+                            + torch.randn(shape, generator=gen, dtype=torch.float64))).sum(1)  # dy's and x^'s
+        along = errs @ grad / grad.square().sum()
+        shares.append(float(along.var()) * float(grad.square().sum()) / float(errs.square().sum(1).mean()))
+    derived = norm_weight_share(dy, xhat, grad)
+    assert abs(derived / max(shares) - 1) < 0.15, (derived, shares)
+
+
+def test_the_float64_reference_derives_a_norm_weights_noise_from_its_normalised_inputs():
+    from sp_harness.checks.references import LinearPiece, piece_noise
+    from sp_harness.reference.gpt import GPT, GPTConfig
+    from sp_harness.step.reference import LinearTerms
+
+    torch.manual_seed(38)
+    model = GPT(GPTConfig(hidden=32, ffn=64, num_layers=1)).double()
+    with torch.no_grad():
+        model.blocks[0].norm1.weight.uniform_(0.5, 1.5)  # not all ones: x^ is read back through it
+    terms = LinearTerms(model)
+    with terms:
+        out = model(torch.randint(0, 64, (2, 12)))
+        torch.nn.functional.cross_entropy(out.reshape(-1, 64), torch.randint(0, 64, (24,))).backward()
+    inputs, out_grads = terms.terms()
+    name = "blocks.0.norm1"
+    assert name in terms.norms
+    grads = {n: p.grad for n, p in model.named_parameters()}
+    # the recorded x^ and dy give back the weight grad autograd computed
+    assert torch.allclose((out_grads[name] * inputs[name]).sum(0), grads[name + ".weight"])
+    noise = piece_noise(terms, [LinearPiece(rank=0, name=name + ".weight", rows=torch.arange(32), cols=None)], grads)
+    piece = noise[(0, name + ".weight")]
+    assert piece.share == pytest.approx(norm_weight_share(out_grads[name], inputs[name], grads[name + ".weight"]))
+    assert 1 <= piece.dof <= 24 * 0.25  # never more than the quarter of the tokens it replaces

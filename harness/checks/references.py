@@ -32,8 +32,15 @@ import torch.distributed as dist
 from torch import nn
 
 from sp_harness.capture.trace import Recorder, Trace
-from sp_harness.compare.grad_scale import PieceNoise, bias_share, weight_share
-from sp_harness.compare.tolerance import TokenSide, element_participation, lp_dtype, token_side, weight_grad_dof
+from sp_harness.compare.grad_scale import PieceNoise, bias_share, norm_weight_share, weight_share
+from sp_harness.compare.tolerance import (
+    GRAD_DOF_SHARE,
+    TokenSide,
+    element_participation,
+    lp_dtype,
+    token_side,
+    weight_grad_dof,
+)
 from sp_harness.config.case import Batch, Case
 from sp_harness.config.check_config import CheckConfig
 from sp_harness.step.adversary import ReorderAdversary, walks
@@ -175,7 +182,17 @@ def piece_noise(terms: LinearTerms, pieces: Iterable[LinearPiece],
         if module not in inputs or grad is None:
             continue
         rows = _contiguous(piece.rows)
-        if piece.cols is None:
+        if piece.cols is None and piece.name.endswith(".weight") and module in terms.norms:
+            w = (out_grads[module][:, rows] * inputs[module][:, rows]).to(torch.float64)
+            # its error: elementwise (its elements' variances), or a sum of one vector per token
+            # (per-token factors); the fewer degrees of freedom, and never more than a quarter of
+            # the tokens (the rule they replace, which the campaigns validated for norm weights)
+            gram = w @ w.T
+            per_token = float(gram.diagonal().sum()) ** 2 / float(gram.square().sum()) if bool(w.any()) else 1.0
+            dof = min(element_participation(w.square().sum(0)), per_token, w.shape[0] * GRAD_DOF_SHARE)
+            noise[(piece.rank, piece.name)] = PieceNoise(
+                dof=dof, share=norm_weight_share(out_grads[module][:, rows], inputs[module][:, rows], grad[rows]))
+        elif piece.cols is None:
             if module not in element_sq:
                 element_sq[module] = out_grads[module].square().sum(0)
             variances = element_sq[module][rows]

@@ -241,7 +241,7 @@ class _SideBySide:
         mine = []
         for p in self.params:
             ref = self.ref64[p.spec.ref_name]
-            if (p.spec.ref_name.rpartition(".")[2], ref.dim()) not in (("weight", 2), ("bias", 1)):
+            if (p.spec.ref_name.rpartition(".")[2], ref.dim()) not in (("weight", 2), ("weight", 1), ("bias", 1)):
                 continue
             grid = p.piece_of(torch.arange(ref.shape[0]).view(-1, *([1] * (ref.dim() - 1))).expand(ref.shape), self.ctx)
             rows, cols = grid.unique(), None

@@ -151,6 +151,20 @@ def bias_share(variances: torch.Tensor, grad: torch.Tensor, g: torch.Tensor | No
     return _share(along, float(variances.sum()), float(grad.square().sum()))
 
 
+def norm_weight_share(dy: torch.Tensor, xhat: torch.Tensor, grad: torch.Tensor) -> float:
+    """`share` of an elementwise-affine norm's weight grad piece `grad` = sum_t dy_t * x^_t, from
+    its tokens' output grads `dy` and normalised inputs `xhat` (T, width) at the piece's
+    elements. Elementwise errors in both leave its elements independent, of variance V_i =
+    2 sum_t dy_ti^2 x^_ti^2: G^T C G = sum_i V_i G_i^2; per-token scalar ones (dy_t or x^_t off
+    by one factor) give 2 sum_t (sum_i dy_ti x^_ti G_i)^2 for the same tr C = sum V. The larger."""
+    dy, xhat, grad = dy.to(torch.float64), xhat.to(torch.float64), grad.to(torch.float64)
+    w = dy * xhat  # (T, width): each token's term
+    variances = w.square().sum(0)
+    grad_sq = float(grad.square().sum())
+    along = max(float((variances * grad.square()).sum()), float((w @ grad).square().sum()))
+    return _share(along, float(variances.sum()), grad_sq)
+
+
 def _share(along: float, trace: float, grad_sq: float) -> float:
     if trace <= 0 or grad_sq <= 0:
         return 1.0

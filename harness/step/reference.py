@@ -67,21 +67,27 @@ def reference_pass(model: nn.Module, case: Case, batch: Batch, dtype: torch.dtyp
 class LinearTerms:
     """Every nn.Linear's input and output grad per token while entered: its weight grad is one
     outer product g_t x_t^T per token, and how many independent directions its error spans (a
-    gated unit, inputs that share a direction) depends on them."""
+    gated unit, inputs that share a direction) depends on them. Every elementwise-affine norm's
+    (a module whose class name has "Norm" and whose `weight` is 1-D: LayerNorm, RMSNorm, a
+    framework's fused ones) normalised input x^_t = (y_t - bias) / weight and output grad: its
+    weight grad is sum_t dy_t * x^_t, elementwise."""
 
     def __init__(self, model: nn.Module):
         self.linears = {name: m for name, m in model.named_modules() if isinstance(m, nn.Linear)}
-        self.inputs: dict[str, list[torch.Tensor]] = {name: [] for name in self.linears}
-        self.out_grads: dict[str, dict[int, torch.Tensor]] = {name: {} for name in self.linears}
+        self.norms = {name: m for name, m in model.named_modules()
+                      if "Norm" in type(m).__name__ and isinstance(getattr(m, "weight", None), torch.Tensor)
+                      and m.weight.dim() == 1}
+        self.inputs: dict[str, list[torch.Tensor]] = {name: [] for name in (*self.linears, *self.norms)}
+        self.out_grads: dict[str, dict[int, torch.Tensor]] = {name: {} for name in self.inputs}
         self.handles: list = []
 
     def clear(self) -> None:
-        for name in self.linears:
+        for name in self.inputs:
             self.inputs[name], self.out_grads[name] = [], {}
 
     def __enter__(self) -> LinearTerms:
         self.clear()
-        self.handles = [m.register_forward_hook(self._hook(name)) for name, m in self.linears.items()]
+        self.handles = [m.register_forward_hook(self._hook(name)) for name, m in (*self.linears.items(), *self.norms.items())]
         return self
 
     def __exit__(self, *exc) -> None:
@@ -92,7 +98,7 @@ class LinearTerms:
         def forward_hook(module: nn.Module, args: tuple, out: torch.Tensor) -> None:
             if not args or not isinstance(args[0], torch.Tensor) or not isinstance(out, torch.Tensor):
                 return
-            x = args[0].detach()
+            x = args[0].detach() if name in self.linears else _normalised(module, out.detach())
             calls = self.inputs[name]
             calls.append(x.reshape(-1, x.shape[-1]))
             if out.requires_grad:
@@ -102,7 +108,8 @@ class LinearTerms:
 
     def terms(self) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
         """(inputs (T, in), output grads (T, out)) per module name, every call's tokens in call
-        order, for each module that got an output grad at every call."""
+        order, for each module that got an output grad at every call (a norm's inputs: its
+        normalised ones, `norms` names them)."""
         inputs, out_grads = {}, {}
         for name, calls in self.inputs.items():
             grads = self.out_grads[name]
@@ -110,3 +117,12 @@ class LinearTerms:
                 inputs[name] = torch.cat(calls)
                 out_grads[name] = torch.cat([grads[i] for i in range(len(calls))])
         return inputs, out_grads
+
+
+def _normalised(norm: nn.Module, y: torch.Tensor) -> torch.Tensor:
+    """An elementwise-affine norm's x^ from its output y = x^ * weight + bias (0 where weight is)."""
+    weight = cast(torch.Tensor, norm.weight).detach()
+    bias = getattr(norm, "bias", None)
+    if isinstance(bias, torch.Tensor):
+        y = y - bias.detach()
+    return torch.where(weight != 0, y / torch.where(weight != 0, weight, torch.ones_like(weight)), torch.zeros_like(y))
