@@ -125,7 +125,7 @@ def test_a_scalar_rounding_the_members_do_not_share_is_inside_the_band():
     assert at_edge.ratio < 1 < past.ratio, (at_edge.ratio, past.ratio)
 
 
-def test_check_tensor_judges_a_linear_grad_by_its_scale_when_the_reference_sent_its_share():
+def test_check_tensor_records_a_linear_grads_scale_when_the_reference_sent_its_share():
     gen = torch.Generator().manual_seed(35)
     x, g = _terms(24, 32, 64, gen)
     grad = g.T @ x
@@ -135,9 +135,8 @@ def test_check_tensor_judges_a_linear_grad_by_its_scale_when_the_reference_sent_
                   ref_lp=grad + errs[1], ref_samples=[grad + errs[2]])
     scaled = (grad + errs[0]) * 1.03
     assert check_tensor(got=scaled, grad_dof=noise.dof, **common).ok  # the norm-wise bound alone passes it
-    judged = check_tensor(got=scaled, grad_noise=noise, **common)
-    assert not judged.ok and judged.scale_ratio > 1 > judged.norm_ratio
-    assert "grad scale" in judged.describe()
+    recorded = check_tensor(got=scaled, grad_noise=noise, **common)
+    assert recorded.ok and recorded.scale_ratio > 1 > recorded.norm_ratio  # recorded, not judged
     fine = check_tensor(got=grad + errs[0], grad_noise=noise, **common)
     assert fine.ok and 0 < fine.scale_ratio < 1
 

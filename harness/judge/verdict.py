@@ -35,6 +35,8 @@ class RankResult:
     """Largest ratio per kind, passing or not."""
     worst_norm: dict[str, TensorCheck] = field(default_factory=dict)
     """Largest norm-wise ratio per kind (the bound that makes low precision sharp), passing or not."""
+    worst_scale: TensorCheck | None = None
+    """Largest recorded coherent grad scale ratio (TensorCheck.scale_ratio; not judged)."""
     drift: list[Drift] = field(default_factory=list)
     losses: list[float] = field(default_factory=list)
     comm: list[list[CommRow]] = field(default_factory=list)
@@ -58,6 +60,8 @@ def record(result: RankResult, chk: TensorCheck) -> None:
     best = result.worst_norm.get(chk.kind)
     if chk.norm_ratio and (best is None or chk.norm_ratio > best.norm_ratio):
         result.worst_norm[chk.kind] = chk
+    if chk.scale_ratio and (result.worst_scale is None or chk.scale_ratio > result.worst_scale.scale_ratio):
+        result.worst_scale = chk
     if not chk.ok and len(result.failures) < MAX_FAILURES_KEPT:
         result.failures.append(chk)
 
@@ -71,6 +75,8 @@ class CheckResult:
     worst: dict[str, TensorCheck] = field(default_factory=dict)
     worst_norm: dict[str, TensorCheck] = field(default_factory=dict)
     """Largest norm-wise ratio per kind over all ranks (RankResult.worst_norm)."""
+    worst_scale: TensorCheck | None = None
+    """Largest recorded coherent grad scale ratio over all ranks (RankResult.worst_scale)."""
     drift: list[Drift] = field(default_factory=list)
     losses: list[float] = field(default_factory=list)
     comm: list[CommRow] = field(default_factory=list)
@@ -152,7 +158,8 @@ class CheckResult:
         return {
             "verdict": self.verdict, "reason": self.reason, "first_failure": self.first_failure if self.verdict == FAIL else "",
             "config": conv(self.config), "repro": self.config.repro(), "failures": conv(self.failures),
-            "worst": conv(self.worst), "worst_norm": conv(self.worst_norm), "drift": conv(self.drift), "losses": self.losses, "comm": conv(self.comm),
+            "worst": conv(self.worst), "worst_norm": conv(self.worst_norm),
+            "worst_scale": conv(self.worst_scale), "drift": conv(self.drift), "losses": self.losses, "comm": conv(self.comm),
             "error": self.error, "crash_kind": self.crash_kind, "rank_errors": conv(self.rank_errors), "wall_s": self.wall_s, "num_checks": self.num_checks,
             "divergence": conv(self.divergence), "not_judged": list(self.not_judged),
             "islands": conv(self.islands), "not_run": list(self.not_run),
@@ -174,6 +181,8 @@ def merge(config: CheckConfig, results: list[RankResult], *, wall_s: float = 0.0
     failures = sorted((f for r in results for f in r.failures), key=TensorCheck.sort_key)
     worst = _worst_over([r.worst for r in results], lambda c: c.ratio)
     worst_norm = _worst_over([r.worst_norm for r in results], lambda c: c.norm_ratio)
+    worst_scale = max((r.worst_scale for r in results if r.worst_scale is not None), key=lambda c: c.scale_ratio,
+                      default=None)
     drift: dict[tuple[int, str, str], Drift] = {}
     for r in results:
         for d in r.drift:
@@ -184,7 +193,8 @@ def merge(config: CheckConfig, results: list[RankResult], *, wall_s: float = 0.0
     verdict = FAIL if failures or drifts else PASS
     divergences = [r.divergence for r in results if r.divergence is not None]
     divergence = min(divergences, key=Divergence.sort_key, default=None)
-    res = CheckResult(config=config, verdict=verdict, failures=failures, worst=worst, worst_norm=worst_norm, drift=drifts,
+    res = CheckResult(config=config, verdict=verdict, failures=failures, worst=worst, worst_norm=worst_norm,
+                      worst_scale=worst_scale, drift=drifts,
                       losses=results[0].losses, comm=results[0].comm[0] if results[0].comm else [],
                       wall_s=wall_s, num_checks=sum(r.num_checks for r in results), divergence=divergence,
                       islands=list(dict.fromkeys([i for r in results for i in r.islands]

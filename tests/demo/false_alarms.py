@@ -110,7 +110,8 @@ def run(config):
             "adversary": c.adversary, "world_size": c.world_size, "dp": c.dp, "seq_len": c.seq_len,
             "hidden": c.hidden, "num_layers": c.num_layers, "steps": c.steps, "env": env,
             "worst": {k: v.ratio for k, v in res.worst.items()},
-            "worst_scale": {k: v.scale_ratio for k, v in res.worst.items() if v.scale_ratio},
+            "worst_scale": ({"ratio": res.worst_scale.scale_ratio, "name": res.worst_scale.name}
+                            if res.worst_scale is not None else None),
             "worst_norm": {k: {"ratio": v.norm_ratio, "err": v.err_norm, "noise": v.noise_norm, "ref": v.ref_norm, "dof": v.dof,
                                "name": v.name} for k, v in res.worst_norm.items()},
             "seconds": time.perf_counter() - t}) + "\n")
