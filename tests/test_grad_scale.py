@@ -209,7 +209,11 @@ def test_the_float64_reference_derives_a_norm_weights_noise_from_its_normalised_
     grads = {n: p.grad for n, p in model.named_parameters()}
     # the recorded x^ and dy give back the weight grad autograd computed
     assert torch.allclose((out_grads[name] * inputs[name]).sum(0), grads[name + ".weight"])
-    noise = piece_noise(terms, [LinearPiece(rank=0, name=name + ".weight", rows=torch.arange(32), cols=None)], grads)
+    pieces = [LinearPiece(rank=0, name=name + suffix, rows=torch.arange(32), cols=None) for suffix in (".weight", ".bias")]
+    noise = piece_noise(terms, pieces, grads)
     piece = noise[(0, name + ".weight")]
     assert piece.share == pytest.approx(norm_weight_share(out_grads[name], inputs[name], grads[name + ".weight"]))
-    assert 1 <= piece.dof <= 24 * 0.25  # never more than the quarter of the tokens it replaces
+    # never more than the quarter of the tokens they replace: a norm bias's 32 elements alone
+    # count about as many (a bfloat16 campaign draw false-alarmed at 1.15x with 78 of 104 tokens)
+    assert 1 <= piece.dof <= 24 * 0.25
+    assert 1 <= noise[(0, name + ".bias")].dof <= 24 * 0.25

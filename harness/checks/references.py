@@ -182,16 +182,20 @@ def piece_noise(terms: LinearTerms, pieces: Iterable[LinearPiece],
         if module not in inputs or grad is None:
             continue
         rows = _contiguous(piece.rows)
-        if piece.cols is None and piece.name.endswith(".weight") and module in terms.norms:
-            w = (out_grads[module][:, rows] * inputs[module][:, rows]).to(torch.float64)
-            # its error: elementwise (its elements' variances), or a sum of one vector per token
-            # (per-token factors); the fewer degrees of freedom, and never more than a quarter of
-            # the tokens (the rule they replace, which the campaigns validated for norm weights)
+        if piece.cols is None and module in terms.norms:
+            # a norm's weight grad sums dy_t * x^_t, its bias grad dy_t: errors elementwise (its
+            # elements' variances) or a sum of one vector per token (per-token factors, and the
+            # residual stream's grad errs as whole vectors): the fewer degrees of freedom, never
+            # more than a quarter of the tokens (the rule they replace, which the campaigns
+            # validated for norm params; counting a norm bias's elements alone, 78 where the rule
+            # gave 26, false-alarmed at 1.15x)
+            dy = out_grads[module][:, rows].to(torch.float64)
+            xhat = inputs[module][:, rows] if piece.name.endswith(".weight") else torch.ones_like(dy)
+            w = dy * xhat
             gram = w @ w.T
             per_token = float(gram.diagonal().sum()) ** 2 / float(gram.square().sum()) if bool(w.any()) else 1.0
             dof = min(element_participation(w.square().sum(0)), per_token, w.shape[0] * GRAD_DOF_SHARE)
-            noise[(piece.rank, piece.name)] = PieceNoise(
-                dof=dof, share=norm_weight_share(out_grads[module][:, rows], inputs[module][:, rows], grad[rows]))
+            noise[(piece.rank, piece.name)] = PieceNoise(dof=dof, share=norm_weight_share(dy, xhat, grad[rows]))
         elif piece.cols is None:
             if module not in element_sq:
                 element_sq[module] = out_grads[module].square().sum(0)
