@@ -16,6 +16,7 @@ from sp_harness.compare.grad_scale import (
     grad_scale,
     grad_scale_bound,
     norm_weight_share,
+    sums_to_zero,
     t_quantile,
     weight_share,
     weight_shares,
@@ -217,3 +218,21 @@ def test_the_float64_reference_derives_a_norm_weights_noise_from_its_normalised_
     # count about as many (a bfloat16 campaign draw false-alarmed at 1.15x with 78 of 104 tokens)
     assert 1 <= piece.dof <= 24 * 0.25
     assert 1 <= noise[(0, name + ".bias")].dof <= 24 * 0.25
+
+
+def test_a_softmaxs_key_projection_is_told_apart_by_its_output_grads_summing_to_zero():
+    from sp_harness.reference.gpt import GPT, GPTConfig
+    from sp_harness.step.reference import LinearTerms
+
+    torch.manual_seed(39)
+    model = GPT(GPTConfig(hidden=32, ffn=64, num_layers=1)).double()
+    terms = LinearTerms(model)
+    with terms:
+        out = model(torch.randint(0, 64, (2, 12)))
+        torch.nn.functional.cross_entropy(out.reshape(-1, 64), torch.randint(0, 64, (24,))).backward()
+    _, out_grads = terms.terms()
+    grads = {n: p.grad for n, p in model.named_parameters()}
+    verdicts = {name: sums_to_zero(out_grads[f"blocks.0.{name}"], grads[f"blocks.0.{name}.weight"])
+                for name in ("attn.q_proj", "attn.k_proj", "attn.v_proj", "attn.out_proj", "mlp.fc1", "mlp.fc2")}
+    assert verdicts == {"attn.q_proj": False, "attn.k_proj": True, "attn.v_proj": False, "attn.out_proj": False,
+                        "mlp.fc1": False, "mlp.fc2": False}

@@ -32,7 +32,7 @@ import torch.distributed as dist
 from torch import nn
 
 from sp_harness.capture.trace import Recorder, Trace
-from sp_harness.compare.grad_scale import PieceNoise, bias_share, norm_weight_share, weight_share
+from sp_harness.compare.grad_scale import PieceNoise, bias_share, norm_weight_share, sums_to_zero, weight_share
 from sp_harness.compare.tolerance import (
     GRAD_DOF_SHARE,
     TokenSide,
@@ -200,13 +200,16 @@ def piece_noise(terms: LinearTerms, pieces: Iterable[LinearPiece],
             if module not in element_sq:
                 element_sq[module] = out_grads[module].square().sum(0)
             variances = element_sq[module][rows]
-            noise[(piece.rank, piece.name)] = PieceNoise(dof=element_participation(variances),
-                                                         share=bias_share(variances, grad[rows], out_grads[module][:, rows]))
+            g_rows = out_grads[module][:, rows]
+            share = 1.0 if sums_to_zero(g_rows, grad[rows]) else bias_share(variances, grad[rows], g_rows)
+            noise[(piece.rank, piece.name)] = PieceNoise(dof=element_participation(variances), share=share)
         else:
             x, g = side(module, "x", piece.cols), side(module, "g", piece.rows)
             # tr C over every token, scaled to the sample the projection is summed over
             trace = 2.0 * float((g.sq * x.sq).sum()) * x.sample.shape[0] / x.sq.shape[0]
-            share = weight_share(x.sample, g.sample, grad[rows][:, _contiguous(piece.cols)], trace)
+            weight = grad[rows][:, _contiguous(piece.cols)]
+            share = (1.0 if sums_to_zero(out_grads[module][:, rows], weight)
+                     else weight_share(x.sample, g.sample, weight, trace))
             noise[(piece.rank, piece.name)] = PieceNoise(dof=weight_grad_dof(x, g), share=share)
     return noise
 

@@ -169,6 +169,25 @@ def norm_weight_share(dy: torch.Tensor, xhat: torch.Tensor, grad: torch.Tensor) 
     return _share(along, float(variances.sum()), grad_sq)
 
 
+CANCELLED = 1e-12
+"""A row of a Linear's output grads whose sum over tokens is below this fraction of its sum of
+squares (in float64) sums to zero in exact arithmetic: a softmax's keys (shift invariance)."""
+CANCELLED_MASS = 0.01
+
+
+def sums_to_zero(g: torch.Tensor, grad: torch.Tensor) -> bool:
+    """Whether a Linear's output grads `g` (T, rows) sum to zero over the tokens (CANCELLED) in
+    rows that carry more than CANCELLED_MASS of its grad piece `grad` (rows, ...): an
+    attention's key projection, whose grads the coherent-scale model does not cover. Each key's
+    grad sums every query's P_qt (dP_qt - D_q), whose sum over keys is zero, so an error in a
+    query's row sum D_q moves every key's grad coherently, and correct implementations differ in
+    it (docs/tolerance.md, "The coherent grad scale")."""
+    g = g.to(torch.float64)
+    cancelled = g.sum(0).square() <= CANCELLED * g.square().sum(0)
+    mass = grad.to(torch.float64).square().reshape(g.shape[1], -1).sum(1)
+    return bool(mass[cancelled].sum() > CANCELLED_MASS * mass.sum())
+
+
 def _share(along: float, trace: float, grad_sq: float) -> float:
     if trace <= 0 or grad_sq <= 0:
         return 1.0
