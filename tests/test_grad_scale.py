@@ -44,6 +44,26 @@ def _errors(x: torch.Tensor, g: torch.Tensor, rel: float, gen: torch.Generator, 
     return torch.einsum("dto,ti->doi", dg, x) + torch.einsum("to,dti->doi", g, dx)
 
 
+def _gpt_pass(seed: int, norm_weight: bool = False):
+    """A one-layer float64 reference GPT's forward and backward on 24 tokens with its terms
+    recorded: (terms, inputs, output grads, param grads). `norm_weight`: its first norm's weight
+    drawn away from ones first (x^ is read back through it)."""
+    from sp_harness.reference.gpt import GPT, GPTConfig
+    from sp_harness.step.reference import LinearTerms
+
+    torch.manual_seed(seed)
+    model = GPT(GPTConfig(hidden=32, ffn=64, num_layers=1)).double()
+    if norm_weight:
+        with torch.no_grad():
+            model.blocks[0].norm1.weight.uniform_(0.5, 1.5)
+    terms = LinearTerms(model)
+    with terms:
+        out = model(torch.randint(0, 64, (2, 12)))
+        torch.nn.functional.cross_entropy(out.reshape(-1, 64), torch.randint(0, 64, (24,))).backward()
+    inputs, out_grads = terms.terms()
+    return terms, inputs, out_grads, {n: p.grad for n, p in model.named_parameters()}
+
+
 def _trace(x: torch.Tensor, g: torch.Tensor) -> float:
     return 2.0 * float((g.square().sum(1) * x.square().sum(1)).sum())
 
@@ -152,19 +172,10 @@ def test_a_piece_whose_noise_lies_along_its_grad_is_not_judged_by_its_scale():
 
 def test_the_float64_reference_derives_each_pieces_share_from_its_own_terms_and_grad():
     from sp_harness.checks.references import LinearPiece, piece_noise
-    from sp_harness.reference.gpt import GPT, GPTConfig
-    from sp_harness.step.reference import LinearTerms
 
-    torch.manual_seed(36)
-    model = GPT(GPTConfig(hidden=32, ffn=64, num_layers=1)).double()
-    terms = LinearTerms(model)
-    with terms:
-        out = model(torch.randint(0, 64, (2, 12)))
-        torch.nn.functional.cross_entropy(out.reshape(-1, 64), torch.randint(0, 64, (24,))).backward()
-    inputs, out_grads = terms.terms()
+    terms, inputs, out_grads, grads = _gpt_pass(36)
     x, g = inputs["blocks.0.mlp.fc1"], out_grads["blocks.0.mlp.fc1"]
     rows = torch.arange(32, 64)
-    grads = {n: p.grad for n, p in model.named_parameters()}
     noise = piece_noise(terms, [LinearPiece(rank=1, name="blocks.0.mlp.fc1.weight", rows=rows, cols=torch.arange(32)),
                                 LinearPiece(rank=1, name="blocks.0.mlp.fc1.bias", rows=rows, cols=None)], grads)
     weight = grads["blocks.0.mlp.fc1.weight"][32:]
@@ -193,21 +204,10 @@ def test_a_norm_weights_share_matches_the_spread_of_its_errors_projection():
 
 def test_the_float64_reference_derives_a_norm_weights_noise_from_its_normalised_inputs():
     from sp_harness.checks.references import LinearPiece, piece_noise
-    from sp_harness.reference.gpt import GPT, GPTConfig
-    from sp_harness.step.reference import LinearTerms
 
-    torch.manual_seed(38)
-    model = GPT(GPTConfig(hidden=32, ffn=64, num_layers=1)).double()
-    with torch.no_grad():
-        model.blocks[0].norm1.weight.uniform_(0.5, 1.5)  # not all ones: x^ is read back through it
-    terms = LinearTerms(model)
-    with terms:
-        out = model(torch.randint(0, 64, (2, 12)))
-        torch.nn.functional.cross_entropy(out.reshape(-1, 64), torch.randint(0, 64, (24,))).backward()
-    inputs, out_grads = terms.terms()
+    terms, inputs, out_grads, grads = _gpt_pass(38, norm_weight=True)
     name = "blocks.0.norm1"
     assert name in terms.norms
-    grads = {n: p.grad for n, p in model.named_parameters()}
     # the recorded x^ and dy give back the weight grad autograd computed
     assert torch.allclose((out_grads[name] * inputs[name]).sum(0), grads[name + ".weight"])
     pieces = [LinearPiece(rank=0, name=name + suffix, rows=torch.arange(32), cols=None) for suffix in (".weight", ".bias")]
@@ -221,17 +221,7 @@ def test_the_float64_reference_derives_a_norm_weights_noise_from_its_normalised_
 
 
 def test_a_softmaxs_key_projection_is_told_apart_by_its_output_grads_summing_to_zero():
-    from sp_harness.reference.gpt import GPT, GPTConfig
-    from sp_harness.step.reference import LinearTerms
-
-    torch.manual_seed(39)
-    model = GPT(GPTConfig(hidden=32, ffn=64, num_layers=1)).double()
-    terms = LinearTerms(model)
-    with terms:
-        out = model(torch.randint(0, 64, (2, 12)))
-        torch.nn.functional.cross_entropy(out.reshape(-1, 64), torch.randint(0, 64, (24,))).backward()
-    _, out_grads = terms.terms()
-    grads = {n: p.grad for n, p in model.named_parameters()}
+    _, _, out_grads, grads = _gpt_pass(39)
     verdicts = {name: sums_to_zero(out_grads[f"blocks.0.{name}"], grads[f"blocks.0.{name}.weight"])
                 for name in ("attn.q_proj", "attn.k_proj", "attn.v_proj", "attn.out_proj", "mlp.fc1", "mlp.fc2")}
     assert verdicts == {"attn.q_proj": False, "attn.k_proj": True, "attn.v_proj": False, "attn.out_proj": False,

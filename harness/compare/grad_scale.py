@@ -54,6 +54,8 @@ from dataclasses import dataclass
 
 import torch
 
+from sp_harness.compare.update_scale import scale_ratio
+
 MISMATCH = 1.5
 """How far past the members' largest coherent error a correct run's may sit (as the norm-wise
 bound's MISMATCH: a run may round a fused op's parts that no member rounds)."""
@@ -104,9 +106,7 @@ class GradScaleBound:
 
     @property
     def ratio(self) -> float:
-        if self.allowed == 0:
-            return 0.0 if self.run.beta == 0 else math.inf
-        return abs(self.run.beta) / self.allowed
+        return scale_ratio(self.run.beta, self.allowed)
 
 
 def t_quantile(nu: float) -> float:

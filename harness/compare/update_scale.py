@@ -89,14 +89,19 @@ class ScaleBound:
 
     @property
     def ratio(self) -> float:
-        if self.allowed == 0:
-            return 0.0 if self.run.beta == 0 else math.inf
-        return abs(self.run.beta) / self.allowed
+        return scale_ratio(self.run.beta, self.allowed)
 
     def describe(self) -> str:
         return (f"update scale: the step is x(1 {'+' if self.run.beta >= 0 else '-'} "
                 f"{abs(self.run.beta):.3g}) +- {self.run.se:.2g} over {self.run.num_moving} elements, "
                 f"allowed {self.allowed:.3g} (an unfused correct step's {self.member.beta:+.3g})")
+
+
+def scale_ratio(beta: float, allowed: float) -> float:
+    """|beta| / allowed, where an allowed 0 tolerates exactly 0."""
+    if allowed == 0:
+        return 0.0 if beta == 0 else math.inf
+    return abs(beta) / allowed
 
 
 def sample(t: torch.Tensor) -> torch.Tensor:
