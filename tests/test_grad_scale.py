@@ -226,3 +226,5 @@ def test_a_softmaxs_key_projection_is_told_apart_by_its_output_grads_summing_to_
                 for name in ("attn.q_proj", "attn.k_proj", "attn.v_proj", "attn.out_proj", "mlp.fc1", "mlp.fc2")}
     assert verdicts == {"attn.q_proj": False, "attn.k_proj": True, "attn.v_proj": False, "attn.out_proj": False,
                         "mlp.fc1": False, "mlp.fc2": False}
+    # a rank holding none of a layer's rows (ffn 1 over 2 TP ranks: found by tests/test_properties.py)
+    assert not sums_to_zero(out_grads["blocks.0.mlp.fc1"][:, :0], grads["blocks.0.mlp.fc1.weight"][:0])

@@ -182,6 +182,8 @@ def sums_to_zero(g: torch.Tensor, grad: torch.Tensor) -> bool:
     grad sums every query's P_qt (dP_qt - D_q), whose sum over keys is zero, so an error in a
     query's row sum D_q moves every key's grad coherently, and correct implementations differ in
     it (docs/tolerance.md, "The coherent grad scale")."""
+    if not g.numel() or not grad.numel():
+        return False  # an empty piece (a rank holding none of a one-unit layer's rows)
     g = g.to(torch.float64)
     cancelled = g.sum(0).square() <= CANCELLED * g.square().sum(0)
     mass = grad.to(torch.float64).square().reshape(g.shape[1], -1).sum(1)
