@@ -75,7 +75,8 @@ NORMAL_QUANTILE = 4.417
 
 @dataclass(kw_only=True, frozen=True)
 class PieceNoise:
-    """What the float64 reference derives for one Linear grad piece from its per-token terms."""
+    """What the float64 reference derives for one Linear or norm grad piece from its per-token
+    terms (a share of 1: no scale, as for a key projection's, `sums_to_zero`)."""
 
     dof: float
     """Degrees of freedom of the piece's rounding error norm (tolerance.weight_grad_dof)."""
