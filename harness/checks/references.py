@@ -176,11 +176,7 @@ def piece_noise(terms: LinearTerms, pieces: Iterable[LinearPiece],
             sides[key] = token_side(v[:, _contiguous(at)])
         return sides[key]
 
-    for piece in pieces:
-        module = piece.name.rpartition(".")[0]
-        grad = grads.get(piece.name)
-        if module not in inputs or grad is None:
-            continue
+    def derive(piece: LinearPiece, module: str, grad: torch.Tensor) -> PieceNoise:
         rows = _contiguous(piece.rows)
         if piece.cols is None and module in terms.norms:
             # a norm's weight grad sums dy_t * x^_t, its bias grad dy_t: errors elementwise (its
@@ -192,25 +188,37 @@ def piece_noise(terms: LinearTerms, pieces: Iterable[LinearPiece],
             dy = out_grads[module][:, rows].to(torch.float64)
             xhat = inputs[module][:, rows] if piece.name.endswith(".weight") else torch.ones_like(dy)
             w = dy * xhat
-            gram = w @ w.T
+            # sum_t,s (w_t . w_s)^2 = ||W W^T||^2 = ||W^T W||^2: the smaller Gram (width^2, not tokens^2)
+            gram = w.T @ w if w.shape[0] > w.shape[1] else w @ w.T
             per_token = float(gram.diagonal().sum()) ** 2 / float(gram.square().sum()) if bool(w.any()) else 1.0
             dof = min(element_participation(w.square().sum(0)), per_token, w.shape[0] * GRAD_DOF_SHARE)
-            noise[(piece.rank, piece.name)] = PieceNoise(dof=dof, share=norm_weight_share(dy, xhat, grad[rows]))
-        elif piece.cols is None:
+            return PieceNoise(dof=dof, share=norm_weight_share(dy, xhat, grad[rows]))
+        if piece.cols is None:
             if module not in element_sq:
                 element_sq[module] = out_grads[module].square().sum(0)
             variances = element_sq[module][rows]
             g_rows = out_grads[module][:, rows]
             share = 1.0 if sums_to_zero(g_rows, grad[rows]) else bias_share(variances, grad[rows], g_rows)
-            noise[(piece.rank, piece.name)] = PieceNoise(dof=element_participation(variances), share=share)
-        else:
-            x, g = side(module, "x", piece.cols), side(module, "g", piece.rows)
-            # tr C over every token, scaled to the sample the projection is summed over
-            trace = 2.0 * float((g.sq * x.sq).sum()) * x.sample.shape[0] / x.sq.shape[0]
-            weight = grad[rows][:, _contiguous(piece.cols)]
-            share = (1.0 if sums_to_zero(out_grads[module][:, rows], weight)
-                     else weight_share(x.sample, g.sample, weight, trace))
-            noise[(piece.rank, piece.name)] = PieceNoise(dof=weight_grad_dof(x, g), share=share)
+            return PieceNoise(dof=element_participation(variances), share=share)
+        x, g = side(module, "x", piece.cols), side(module, "g", piece.rows)
+        # tr C over every token, scaled to the sample the projection is summed over
+        trace = 2.0 * float((g.sq * x.sq).sum()) * x.sample.shape[0] / x.sq.shape[0]
+        weight = grad[rows][:, _contiguous(piece.cols)]
+        share = (1.0 if sums_to_zero(out_grads[module][:, rows], weight)
+                 else weight_share(x.sample, g.sample, weight, trace))
+        return PieceNoise(dof=weight_grad_dof(x, g), share=share)
+
+    derived: dict[tuple, PieceNoise] = {}
+    for piece in pieces:
+        module = piece.name.rpartition(".")[0]
+        grad = grads.get(piece.name)
+        if module not in inputs or grad is None:
+            continue
+        # DP replicas (and every rank's replicated norm) hold the same piece: derived once
+        key = (piece.name, tuple(piece.rows.tolist()), None if piece.cols is None else tuple(piece.cols.tolist()))
+        if key not in derived:
+            derived[key] = derive(piece, module, grad)
+        noise[(piece.rank, piece.name)] = derived[key]
     return noise
 
 

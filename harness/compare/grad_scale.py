@@ -99,11 +99,8 @@ class GradScaleBound:
     """The run's coherent grad scale against the band the members and legal roundings span."""
 
     run: GradScale
-    members: tuple[GradScale, ...]
     allowed: float
     """The largest |beta_run| on the run's side of 0 (see grad_scale_bound)."""
-    dof: float
-    """nu, the degrees of freedom t was taken at."""
 
     @property
     def ratio(self) -> float:
@@ -237,4 +234,4 @@ def grad_scale_bound(*, err: torch.Tensor, member_errs: Sequence[torch.Tensor], 
     else:
         total, nu = run_var, m
     allowed = edge + t_quantile(nu) * math.sqrt(total)
-    return GradScaleBound(run=run, members=members, allowed=allowed, dof=nu)
+    return GradScaleBound(run=run, allowed=allowed)
