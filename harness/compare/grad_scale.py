@@ -217,11 +217,17 @@ def grad_scale_bound(*, err: torch.Tensor, member_errs: Sequence[torch.Tensor], 
         return None
     run = grad_scale(err, grad, noise.share)
     members = tuple(grad_scale(e, grad, noise.share) for e in member_errs)
+    # the run's residual has about m degrees of freedom, each member's too
+    return scale_band(run=run, members=members, dof=max(noise.dof * (1 - noise.share), 1.0), dtype=dtype)
+
+
+def scale_band(*, run: GradScale, members: Sequence[GradScale], dof: float, dtype: torch.dtype) -> GradScaleBound:
+    """`run`'s coherent scale against the band between 0 and MISMATCH x the members' mean
+    (grad_scale_bound's), each standard error estimated with `dof` degrees of freedom."""
     num_members = len(members)
     bias = sum(m.beta for m in members) / num_members
     bias_var = sum(m.se ** 2 for m in members) / num_members ** 2
-    # the run's residual has about m degrees of freedom, each member's too
-    m = max(noise.dof * (1 - noise.share), 1.0)
+    m = dof
     run_var = run.se ** 2
     toward_bias = (run.beta >= 0) == (bias >= 0)
     edge = SCALAR_ROUNDINGS * torch.finfo(dtype).eps / 2

@@ -42,6 +42,7 @@ from dataclasses import dataclass
 import torch
 
 from sp_harness.compare.grad_scale import GradScaleBound, PieceNoise, grad_scale_bound
+from sp_harness.compare.output_scale import output_scale_bound
 from sp_harness.compare.update_scale import ScaleBound
 
 FACTOR = 16.0
@@ -208,9 +209,12 @@ class TensorCheck:
     """The degrees of freedom m the ensemble's factor F(m) counted for the piece (0 where the
     ensemble did not judge it): tokens, their participation, or a Linear grad's derived ones."""
     scale_ratio: float = 0.0
-    """A low-precision Linear or norm weight grad piece's coherent scale along its exact grad /
-    that scale's bound (sp_harness.compare.grad_scale; 0 where none was computed). Recorded, not
-    judged: correct runs' attention key projections exceed its model (docs/tolerance.md)."""
+    """A low-precision piece's coherent scale along its exact value / that scale's bound (0 where
+    none was computed). A forward output's is judged (part of `ratio`;
+    sp_harness.compare.output_scale); a Linear or norm weight grad's is recorded, not judged:
+    correct runs' attention key projections exceed its model (sp_harness.compare.grad_scale)."""
+    scale: float = 0.0
+    """That coherent scale, beta: the piece is (1 + beta) times the exact one plus noise."""
 
     def describe(self) -> str:
         where = f"[{', '.join(map(str, self.worst_index))}]" if self.worst_index else ""
@@ -218,6 +222,9 @@ class TensorCheck:
         if self.kind != "param" and self.norm_ratio > 1 and self.norm_ratio >= self.max_abs / max(self.allowed, 1e-300):
             counted = f", {self.dof:.3g} degrees of freedom" if self.dof else ""
             extra += f" (norm-wise: error norm {self.norm_ratio:.3g}x its bound over the whole piece{counted})"
+        if self.kind == "forward" and self.scale_ratio > 1 and self.scale_ratio >= self.max_abs / max(self.allowed, 1e-300):
+            extra += (f" (coherent scale: the piece is {1 + self.scale:.4g}x the exact one, {self.scale_ratio:.3g}x "
+                      f"the band correct runs span)")
         if self.kind == "param" and self.ratio <= 1 < self.norm_ratio:
             return (f"step {self.step} {self.kind} {self.name} rank {self.rank}: {self.note}, "
                     f"{self.norm_ratio:.3g}x its bound over the whole piece (every element within its own "
@@ -291,16 +298,22 @@ def check_tensor(*, kind: str, name: str, step: int, rank: int, got: torch.Tenso
         index = tuple(i + o for i, o in zip(index, offset, strict=True))
     coherent = (_scale_bound(got64 - ref64, ref64, ref_lp, ref_samples, grad_noise, dtype)
                 if kind == "grad" and grad_noise is not None and norm.dof else None)
-    # recorded, not judged: an attention's key projection carries coherent errors that differ
-    # between correct implementations beyond the model (sp_harness.compare.grad_scale)
+    if kind == "forward" and norm.dof and torch.isfinite(got64).all():
+        members = [m.detach().to(torch.float64) - ref64 for m in (ref_lp, *ref_samples)] if ref_samples else []
+        coherent = output_scale_bound(err=got64 - ref64, member_errs=members, out=ref64, tokens=dof, dtype=dtype)
     scale_ratio = 0.0 if coherent is None else coherent.ratio
     ratio = max(max_abs / allowed if allowed else float("inf"), norm.ratio)
+    # a forward output's scale is judged; a grad's is recorded only: an attention's key
+    # projection carries coherent errors that differ between correct implementations beyond the
+    # model (sp_harness.compare.grad_scale)
+    if kind == "forward":
+        ratio = max(ratio, scale_ratio)
     return TensorCheck(
         kind=kind, name=name, step=step, rank=rank, max_abs=max_abs,
         max_rel=max_abs / scale if scale else max_abs, allowed=allowed, ratio=ratio, worst_index=index,
         got=float(got64.reshape(-1)[flat]), want=float(ref64.reshape(-1)[flat]),
         ok=ratio <= 1.0, norm_ratio=norm.ratio, err_norm=norm.err, noise_norm=norm.noise, ref_norm=norm.ref,
-        dof=norm.dof, scale_ratio=scale_ratio,
+        dof=norm.dof, scale_ratio=scale_ratio, scale=0.0 if coherent is None else coherent.run.beta,
     )
 
 

@@ -60,7 +60,7 @@ def record(result: RankResult, chk: TensorCheck) -> None:
     best = result.worst_norm.get(chk.kind)
     if chk.norm_ratio and (best is None or chk.norm_ratio > best.norm_ratio):
         result.worst_norm[chk.kind] = chk
-    if chk.scale_ratio and (result.worst_scale is None or chk.scale_ratio > result.worst_scale.scale_ratio):
+    if chk.kind == "grad" and chk.scale_ratio and (result.worst_scale is None or chk.scale_ratio > result.worst_scale.scale_ratio):
         result.worst_scale = chk
     if not chk.ok and len(result.failures) < MAX_FAILURES_KEPT:
         result.failures.append(chk)

@@ -112,6 +112,7 @@ def run(config):
             "worst": {k: v.ratio for k, v in res.worst.items()},
             "worst_scale": ({"ratio": res.worst_scale.scale_ratio, "name": res.worst_scale.name}
                             if res.worst_scale is not None else None),
+            "forward_scale": (res.worst["forward"].scale_ratio if "forward" in res.worst else None),
             "worst_norm": {k: {"ratio": v.norm_ratio, "err": v.err_norm, "noise": v.noise_norm, "ref": v.ref_norm, "dof": v.dof,
                                "name": v.name} for k, v in res.worst_norm.items()},
             "seconds": time.perf_counter() - t}) + "\n")
