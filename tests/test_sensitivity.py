@@ -80,6 +80,20 @@ def test_a_bf16_update_two_percent_off_is_caught_by_its_scale_alone(sp_pool):
     assert _bf16_scaled(sp_pool, "update", 0.0).verdict == "PASS"
 
 
+def test_bf16_logits_one_and_a_half_percent_off_are_caught_by_their_coherent_scale_alone(sp_pool):
+    """bfloat16, one rank's logits x 1.015 at the default size (below the sensitivity target,
+    2%): every element inside its max-abs bound and the error norm inside the ensemble's
+    norm-wise bound (whose sensitivity is 3.5%), the piece's component along the exact logits
+    past the band correct runs span (sp_harness.compare.output_scale); at d = 0 it passes."""
+    res = _bf16_scaled(sp_pool, "forward", 0.015)
+    assert res.verdict == "FAIL", res.reason
+    first = res.failures[0]
+    assert first.kind == "forward" and first.rank == 1
+    assert first.max_abs <= first.allowed and first.norm_ratio <= 1 < first.scale_ratio, first.describe()
+    assert abs(first.scale - 0.015) < 0.005 and "coherent scale" in first.describe()
+    assert _bf16_scaled(sp_pool, "forward", 0.0).verdict == "PASS"
+
+
 def _bf16_scaled(sp_pool, shape: str, d: float):
     """A bfloat16 check of the sensitivity mutant of `shape` at d, on 2 ranks."""
     from sp_harness.checks.side_by_side import check

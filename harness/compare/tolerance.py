@@ -298,9 +298,8 @@ def check_tensor(*, kind: str, name: str, step: int, rank: int, got: torch.Tenso
         index = tuple(i + o for i, o in zip(index, offset, strict=True))
     coherent = (_scale_bound(got64 - ref64, ref64, ref_lp, ref_samples, grad_noise, dtype)
                 if kind == "grad" and grad_noise is not None and norm.dof else None)
-    if kind == "forward" and norm.dof and torch.isfinite(got64).all():
-        members = [m.detach().to(torch.float64) - ref64 for m in (ref_lp, *ref_samples)] if ref_samples else []
-        coherent = output_scale_bound(err=got64 - ref64, member_errs=members, out=ref64, tokens=dof, dtype=dtype)
+    if kind == "forward" and dof >= NORM_MIN_DOF:
+        coherent = _output_scale(got64 - ref64, ref64, ref_lp, ref_alt, ref_samples, dof, dtype)
     scale_ratio = 0.0 if coherent is None else coherent.ratio
     ratio = max(max_abs / allowed if allowed else float("inf"), norm.ratio)
     # a forward output's scale is judged; a grad's is recorded only: an attention's key
@@ -325,6 +324,21 @@ def _scale_bound(diff: torch.Tensor, ref64: torch.Tensor, ref_lp: torch.Tensor, 
         return None
     members = [m.detach().to(torch.float64) - ref64 for m in (ref_lp, *samples)]
     return grad_scale_bound(err=diff, member_errs=members, grad=ref64, noise=noise, dtype=dtype)
+
+
+def _output_scale(diff: torch.Tensor, ref64: torch.Tensor, ref_lp: torch.Tensor, ref_alt: torch.Tensor | None,
+                  samples: Sequence[torch.Tensor], tokens: int, dtype: torch.dtype) -> GradScaleBound | None:
+    """The coherent-scale bound of a forward output piece (sp_harness.compare.output_scale) below
+    float64: its members are the run-precision reference and the ensemble's `samples`, or in
+    float32 the perturbed reference; none where the run is not finite or a member errs by
+    CANCELLATION of the piece (the piece is a cancellation, not a scale)."""
+    members = (ref_lp, *samples) if samples else (ref_lp, ref_alt) if ref_alt is not None and dtype == torch.float32 else ()
+    if len(members) < 2 or not torch.isfinite(diff).all():
+        return None
+    errs = [m.detach().to(torch.float64) - ref64 for m in members]
+    if max(float(e.norm()) for e in errs) >= CANCELLATION * float(ref64.norm()):
+        return None
+    return output_scale_bound(err=diff, member_errs=errs, out=ref64, tokens=tokens, dtype=dtype)
 
 
 @dataclass(frozen=True)
