@@ -100,3 +100,21 @@ def test_too_few_tokens_or_no_members_are_not_judged():
     y[0] *= 100
     assert token_scale(0.01 * y, y, 24) is None
     assert output_scale_bound(err=0.01 * y, member_errs=[], out=y, tokens=24, dtype=torch.bfloat16) is None
+
+
+def test_check_tensor_judges_a_forward_pieces_scale_unless_its_roundings_are_shared():
+    """A forward piece 3% off along its output fails on its scale alone (norm-wise it is inside);
+    where the platform rounds float32 matmul inputs to TF32 (every token shares its weights'
+    rounding, a coherent error the model does not have) the scale is not judged."""
+    from sp_harness.compare.tolerance import check_tensor
+
+    gen = torch.Generator().manual_seed(5)
+    y = _logits(48, 64, gen)
+    errs = _errors(y, "elementwise", gen, 3, rel=0.02)
+    kwargs = dict(kind="forward", name="output", step=0, rank=0, ref64=y, ref_lp=y + errs[1], dtype=torch.bfloat16,
+                  dof=48, ref_samples=[y + errs[2]])
+    chk = check_tensor(got=y + errs[0] + 0.03 * y, **kwargs)
+    assert not chk.ok and chk.norm_ratio <= 1 < chk.scale_ratio and abs(chk.scale - 0.03) < 0.01, chk.describe()
+    assert check_tensor(got=y + errs[0], **kwargs).ok
+    shared = check_tensor(got=y + errs[0] + 0.03 * y, shared_roundings=True, **kwargs)
+    assert shared.scale_ratio == 0 and shared.ok

@@ -223,8 +223,9 @@ class TensorCheck:
             counted = f", {self.dof:.3g} degrees of freedom" if self.dof else ""
             extra += f" (norm-wise: error norm {self.norm_ratio:.3g}x its bound over the whole piece{counted})"
         if self.kind == "forward" and self.scale_ratio > 1 and self.scale_ratio >= self.max_abs / max(self.allowed, 1e-300):
-            extra += (f" (coherent scale: the piece is {1 + self.scale:.4g}x the exact one, {self.scale_ratio:.3g}x "
-                      f"the band correct runs span)")
+            sign = "+" if self.scale >= 0 else "-"
+            extra += (f" (coherent scale: the piece is (1 {sign} {abs(self.scale):.3g}) x the exact one, "
+                      f"{self.scale_ratio:.3g}x the band correct runs span)")
         if self.kind == "param" and self.ratio <= 1 < self.norm_ratio:
             return (f"step {self.step} {self.kind} {self.name} rank {self.rank}: {self.note}, "
                     f"{self.norm_ratio:.3g}x its bound over the whole piece (every element within its own "
@@ -241,7 +242,7 @@ def check_tensor(*, kind: str, name: str, step: int, rank: int, got: torch.Tenso
                  ref_lp: torch.Tensor, dtype: torch.dtype, offset: tuple[int, ...] = (),
                  ref_alt: torch.Tensor | None = None, extra_allowed: float = 0.0, dof: int = 0,
                  ref_samples: Sequence[torch.Tensor] = (), grad_dof: float | None = None,
-                 grad_noise: PieceNoise | None = None) -> TensorCheck:
+                 grad_noise: PieceNoise | None = None, shared_roundings: bool = False) -> TensorCheck:
     """Judge `got` (a rank's piece) against the float64 reference piece `ref64`.
 
     `ref_lp` is the same piece from the same-precision reference, `ref_alt` from the perturbed
@@ -256,6 +257,10 @@ def check_tensor(*, kind: str, name: str, step: int, rank: int, got: torch.Tenso
     `grad_noise`: the same derived for a Linear or norm weight grad piece together with its
     noise's share along the grad: with the ensemble's members, the piece's coherent scale is
     measured against its band and recorded (`scale_ratio`; sp_harness.compare.grad_scale).
+    `shared_roundings`: the platform rounds float32 matmul inputs coarser than float32 (TF32), so
+    every token's output shares its weights' rounding, a coherent error the forward output's
+    scale does not model (the run-precision reference shares it; the perturbed one draws its
+    own): that scale is then not judged.
     """
     if grad_noise is not None:
         grad_dof = grad_noise.dof
@@ -298,7 +303,7 @@ def check_tensor(*, kind: str, name: str, step: int, rank: int, got: torch.Tenso
         index = tuple(i + o for i, o in zip(index, offset, strict=True))
     coherent = (_scale_bound(got64 - ref64, ref64, ref_lp, ref_samples, grad_noise, dtype)
                 if kind == "grad" and grad_noise is not None and norm.dof else None)
-    if kind == "forward" and dof >= NORM_MIN_DOF:
+    if kind == "forward" and dof >= NORM_MIN_DOF and not shared_roundings:
         coherent = _output_scale(got64 - ref64, ref64, ref_lp, ref_alt, ref_samples, dof, dtype)
     scale_ratio = 0.0 if coherent is None else coherent.ratio
     ratio = max(max_abs / allowed if allowed else float("inf"), norm.ratio)
