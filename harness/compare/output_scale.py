@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 
@@ -56,25 +57,47 @@ def token_scale(err: torch.Tensor, out: torch.Tensor, tokens: int) -> tuple[Grad
     """`err` (a piece's error against the float64 output `out`)'s coherent scale along `out`,
     with its token-clustered standard error and degrees of freedom, or None where the piece's
     tokens cannot be told apart or are too few."""
+    weights = token_weights(out, tokens)
+    return None if weights is None else _clustered(err, weights)
+
+
+@dataclass(frozen=True)
+class TokenWeights:
+    """What every error's scale along one output needs of it."""
+
+    rows: torch.Tensor
+    """(T, features) the output in float64."""
+    norms: torch.Tensor
+    """(T,) |y_t|^2."""
+    dof: float
+    """The effective number of tokens less one: (sum w^2)^2 / sum w^4 - 1."""
+
+
+def token_weights(out: torch.Tensor, tokens: int) -> TokenWeights | None:
+    """`out`'s TokenWeights, or None where its tokens cannot be told apart or are fewer than
+    MIN_TOKENS effective ones."""
     rows = token_rows(out.to(torch.float64), tokens)
-    errs = token_rows(err.to(torch.float64), tokens)
-    if rows is None or errs is None:
+    if rows is None:
         return None
-    norms = rows.square().sum(1)  # (T,)
+    norms = rows.square().sum(1)
     total = float(norms.sum())
     if total <= 0:
         return None
     w = norms / total
     n_eff = float(w.square().sum()) ** 2 / float(w.square().square().sum())
-    if n_eff < MIN_TOKENS:
-        return None
+    return None if n_eff < MIN_TOKENS else TokenWeights(rows=rows, norms=norms, dof=n_eff - 1)
+
+
+def _clustered(err: torch.Tensor, weights: TokenWeights) -> tuple[GradScale, float]:
+    errs = err.to(torch.float64).reshape(weights.rows.shape)
+    norms = weights.norms
     held = norms > 0
-    beta_t = (errs * rows).sum(1)[held] / norms[held]
-    w = w[held]
+    beta_t = (errs * weights.rows).sum(1)[held] / norms[held]
+    w = norms[held] / norms.sum()
     beta = float((w * beta_t).sum())
     count = int(held.sum())
     se = math.sqrt(count / (count - 1) * float((w.square() * (beta_t - beta).square()).sum()))
-    return GradScale(beta=beta, se=se), n_eff - 1
+    return GradScale(beta=beta, se=se), weights.dof
 
 
 def output_scale_bound(*, err: torch.Tensor, member_errs: Sequence[torch.Tensor], out: torch.Tensor, tokens: int,
@@ -83,8 +106,9 @@ def output_scale_bound(*, err: torch.Tensor, member_errs: Sequence[torch.Tensor]
     or None where it cannot be judged this way (no members, tokens not found or too few)."""
     if not member_errs:
         return None
-    run = token_scale(err, out, tokens)
-    if run is None:
+    weights = token_weights(out, tokens)
+    if weights is None:
         return None
-    members = [token_scale(e, out, tokens) for e in member_errs]
-    return scale_band(run=run[0], members=[m[0] for m in members if m is not None], dof=run[1], dtype=dtype)
+    run, dof = _clustered(err, weights)
+    members = [_clustered(e, weights)[0] for e in member_errs]
+    return scale_band(run=run, members=members, dof=dof, dtype=dtype)
