@@ -32,7 +32,6 @@ from sp_harness.checks.references import (
     Shared,
     kinds_for,
     make_references,
-    matmul_input_precision,
 )
 from sp_harness.checks.refproc import Remote, reference_process
 from sp_harness.compare.divergence import first_divergence
@@ -96,8 +95,6 @@ class _SideBySide:
         self.ctx, self.case, self.sharded = self.built.ctx, self.built.case, self.built.sharded
         self.params = self.built.params
         self.adversary = _adversary(config)
-        self.coarse_matmuls = matmul_input_precision(config, self.built.device) is not None
-        """float32 matmul inputs rounded to TF32 or coarser (tolerance.check_tensor's shared_roundings)."""
         self.ref64 = {n: p.detach().clone() for n, p in self.built.reference.named_parameters()}
         """The reference's params before step 0 (what the sharded factory must start from)."""
         self.inline = make_references(self.built.reference, self._reference_copy, config,
@@ -128,8 +125,7 @@ class _SideBySide:
               grad_noise=None):
         record(self.result, check_tensor(kind=kind, name=name, step=step, rank=self.ctx.rank, got=got, ref64=want64,
                                          ref_lp=want_lp, dtype=self.dtype, offset=offset, ref_alt=want_alt,
-                                         extra_allowed=extra, dof=dof, ref_samples=samples, grad_noise=grad_noise,
-                                         shared_roundings=self.coarse_matmuls))
+                                         extra_allowed=extra, dof=dof, ref_samples=samples, grad_noise=grad_noise))
 
     def check_init(self) -> None:
         """The sharded factory must start from the reference's weights, cast to the run dtype."""
