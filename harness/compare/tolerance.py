@@ -475,10 +475,25 @@ def weight_grad_dof(x: torch.Tensor | TokenSide, g: torch.Tensor | TokenSide) ->
 
 def bias_grad_dof(g: torch.Tensor) -> float:
     """Degrees of freedom of the error norm of a bias grad piece sum_t g_t from its per-token
-    output grads `g` (T, out) at the piece's rows: each element sums its tokens' independent
-    errors, so they are independent normals of variance S_i = sum_t g_ti^2, and the norm's
-    degrees of freedom are (sum S)^2 / sum S^2 (at most the piece's elements, however many tokens)."""
-    return element_participation(g.to(torch.float64).square().sum(0))
+    output grads `g` (T, out) at the piece's rows: the fewer of two error models'. Elementwise
+    errors make its elements independent normals of variance S_i = sum_t g_ti^2, whose norm has
+    (sum S)^2 / sum S^2 (at most the piece's elements, however many tokens); errors that move a
+    token's whole g_t at once (the residual stream's grad errs as whole vectors, through the
+    weights that feed it) make it a sum of one vector per token (per_token_dof)."""
+    g = g.to(torch.float64)
+    return min(element_participation(g.square().sum(0)), per_token_dof(g))
+
+
+def per_token_dof(w: torch.Tensor) -> float:
+    """Satterthwaite's degrees of freedom of sum_t e_t w_t, one scalar error e_t per token's
+    vector w_t (rows of `w`, (T, width)): (sum_t |w_t|^2)^2 / sum_t,s (w_t . w_s)^2, from the
+    smaller Gram (sum_t,s (w_t . w_s)^2 = ||W W^T||^2 = ||W^T W||^2: width^2, not tokens^2).
+    As many as tokens where they are orthogonal and alike, one where they share a direction."""
+    w = w.to(torch.float64)
+    if not bool(w.any()):
+        return 1.0
+    gram = w.T @ w if w.shape[0] > w.shape[1] else w @ w.T
+    return float(gram.diagonal().sum()) ** 2 / float(gram.square().sum())
 
 
 def element_participation(variances: torch.Tensor) -> float:
