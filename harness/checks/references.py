@@ -38,7 +38,7 @@ from sp_harness.compare.tolerance import (
     TokenSide,
     element_participation,
     lp_dtype,
-    per_token_dof,
+    token_dof,
     token_side,
     weight_grad_dof,
 )
@@ -189,7 +189,7 @@ def piece_noise(terms: LinearTerms, pieces: Iterable[LinearPiece],
             dy = out_grads[module][:, rows].to(torch.float64)
             xhat = inputs[module][:, rows] if piece.name.endswith(".weight") else torch.ones_like(dy)
             w = dy * xhat
-            dof = min(element_participation(w.square().sum(0)), per_token_dof(w), w.shape[0] * GRAD_DOF_SHARE)
+            dof = min(element_participation(w.square().sum(0)), token_dof(token_side(w)), w.shape[0] * GRAD_DOF_SHARE)
             return PieceNoise(dof=dof, share=norm_weight_share(dy, xhat, grad[rows]))
         if piece.cols is None:
             if module not in element_sq:
@@ -199,8 +199,10 @@ def piece_noise(terms: LinearTerms, pieces: Iterable[LinearPiece],
             share = 1.0 if sums_to_zero(g_rows, grad[rows]) else bias_share(variances, grad[rows], g_rows)
             # the fewer of elementwise and whole-vector errors' counts (tolerance.bias_grad_dof):
             # element participation alone reached err / noise 2.19 at 459 degrees of freedom on a
-            # correct fc1 bias (ratio 0.82; ulysses-gpt --seed 5854, `default` kernels)
-            return PieceNoise(dof=min(element_participation(variances), per_token_dof(g_rows)), share=share)
+            # correct fc1 bias (ratio 0.82; ulysses-gpt --seed 5854, `default` kernels); the token
+            # side is the one the weight piece of the same rows uses
+            dof = min(element_participation(variances), token_dof(side(module, "g", piece.rows)))
+            return PieceNoise(dof=dof, share=share)
         x, g = side(module, "x", piece.cols), side(module, "g", piece.rows)
         # tr C over every token, scaled to the sample the projection is summed over
         trace = 2.0 * float((g.sq * x.sq).sum()) * x.sample.shape[0] / x.sq.shape[0]

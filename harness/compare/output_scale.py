@@ -20,11 +20,13 @@ the mean). The band is the coherent grad scale's (sp_harness.compare.grad_scale.
 between 0 and MISMATCH x the members' mean beta, plus SCALAR_ROUNDINGS unit roundoffs, plus
 t(nu) standard errors.
 
-What it does not model: an error shared by many tokens along their common direction (an
-attention's mixing carries one value's rounding into every query's output). Those are averaged
-over the keys that carry them, a fraction of one rounding, and the SCALAR_ROUNDINGS edge and
-the members (which make the same kind of error) cover them; the false-alarm campaign measures
-how far correct runs reach (docs/false-alarms.md).
+What it does not model: an error shared by many tokens (an attention's mixing carries one
+value's rounding into every query's output), which clustering by token does not see. It is a
+fraction of the piece's error norm, so it scales with how many roundings deep that error is: in
+bfloat16 (about 2 unit roundoffs deep) correct runs put it at a quarter of a unit roundoff at
+most, inside the SCALAR_ROUNDINGS edge, and the members carry it too; in float32 (12 deep in a
+4-layer model) it reached 1.8 unit roundoffs at 9 standard errors, so float32 is not judged
+this way (sp_harness.compare.tolerance._output_scale; docs/false-alarms.md).
 """
 
 from __future__ import annotations

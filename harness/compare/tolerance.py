@@ -473,27 +473,31 @@ def weight_grad_dof(x: torch.Tensor | TokenSide, g: torch.Tensor | TokenSide) ->
     return trace * trace / (diagonal + off)
 
 
-def bias_grad_dof(g: torch.Tensor) -> float:
+def bias_grad_dof(g: torch.Tensor, side: TokenSide | None = None) -> float:
     """Degrees of freedom of the error norm of a bias grad piece sum_t g_t from its per-token
-    output grads `g` (T, out) at the piece's rows: the fewer of two error models'. Elementwise
-    errors make its elements independent normals of variance S_i = sum_t g_ti^2, whose norm has
-    (sum S)^2 / sum S^2 (at most the piece's elements, however many tokens); errors that move a
-    token's whole g_t at once (the residual stream's grad errs as whole vectors, through the
-    weights that feed it) make it a sum of one vector per token (per_token_dof)."""
+    output grads `g` (T, out) at the piece's rows (and their TokenSide, where the weight piece of
+    the same rows made it): the fewer of two error models'. Elementwise errors make its elements
+    independent normals of variance S_i = sum_t g_ti^2, whose norm has (sum S)^2 / sum S^2 (at
+    most the piece's elements, however many tokens); errors that move a token's whole g_t at once
+    (the residual stream's grad errs as whole vectors, through the weights that feed it) make it a
+    sum of one vector per token (token_dof)."""
     g = g.to(torch.float64)
-    return min(element_participation(g.square().sum(0)), per_token_dof(g))
+    return min(element_participation(g.square().sum(0)), token_dof(side if side is not None else token_side(g)))
 
 
-def per_token_dof(w: torch.Tensor) -> float:
-    """Satterthwaite's degrees of freedom of sum_t e_t w_t, one scalar error e_t per token's
-    vector w_t (rows of `w`, (T, width)): (sum_t |w_t|^2)^2 / sum_t,s (w_t . w_s)^2, from the
-    smaller Gram (sum_t,s (w_t . w_s)^2 = ||W W^T||^2 = ||W^T W||^2: width^2, not tokens^2).
+def token_dof(v: TokenSide) -> float:
+    """Satterthwaite's degrees of freedom of sum_t e_t v_t, one scalar error e_t per token's
+    vector v_t: (sum_t |v_t|^2)^2 / sum_t,s (v_t . v_s)^2, each token with itself over every
+    token, pairs of different tokens over the TokenSide's sample, scaled up (as weight_grad_dof).
     As many as tokens where they are orthogonal and alike, one where they share a direction."""
-    w = w.to(torch.float64)
-    if not bool(w.any()):
+    total = float(v.sq.sum())
+    if total <= 0:
         return 1.0
-    gram = w.T @ w if w.shape[0] > w.shape[1] else w @ w.T
-    return float(gram.diagonal().sum()) ** 2 / float(gram.square().sum())
+    n, s = v.sq.shape[0], v.gram_sq.shape[0]
+    off = float(v.gram_sq.sum() - v.gram_sq.diagonal().sum()) * (n * (n - 1) / (s * (s - 1)) if s > 1 else 0.0)
+    # at least 1 (Cauchy-Schwarz: sum_t,s (v_t . v_s)^2 <= (sum_t |v_t|^2)^2), which the sampled
+    # pairs can overshoot
+    return max(1.0, total * total / (float(v.sq.square().sum()) + off))
 
 
 def element_participation(variances: torch.Tensor) -> float:
