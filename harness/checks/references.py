@@ -36,6 +36,7 @@ from sp_harness.compare.grad_scale import PieceNoise, bias_share, norm_weight_sh
 from sp_harness.compare.tolerance import (
     GRAD_DOF_SHARE,
     TokenSide,
+    bias_grad_dof,
     element_participation,
     lp_dtype,
     token_dof,
@@ -201,8 +202,7 @@ def piece_noise(terms: LinearTerms, pieces: Iterable[LinearPiece],
             # element participation alone reached err / noise 2.19 at 459 degrees of freedom on a
             # correct fc1 bias (ratio 0.82; ulysses-gpt --seed 5854, `default` kernels); the token
             # side is the one the weight piece of the same rows uses
-            dof = min(element_participation(variances), token_dof(side(module, "g", piece.rows)))
-            return PieceNoise(dof=dof, share=share)
+            return PieceNoise(dof=bias_grad_dof(g_rows, side(module, "g", piece.rows)), share=share)
         x, g = side(module, "x", piece.cols), side(module, "g", piece.rows)
         # tr C over every token, scaled to the sample the projection is summed over
         trace = 2.0 * float((g.sq * x.sq).sum()) * x.sample.shape[0] / x.sq.shape[0]
