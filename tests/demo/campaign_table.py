@@ -1,0 +1,58 @@
+"""Summarise false-alarm campaign records (the JSONL that tests/demo/false_alarms.py --out writes).
+
+Per dtype: draws, false alarms, draws at a training-like size (hidden >= 256 and seq_len >= 256),
+draws per case and kernel family, and the worst PASS ratio per check with its repro. Draws that
+ran no sequence parallelism (world_size / dp = 1) are left out unless --with-sp1: they exercise
+the tolerance model on an unsharded run, not an SP implementation.
+
+    python tests/demo/campaign_table.py RECORDS.jsonl [...] [--with-sp1]
+
+A file's kernel family is the leading word of its name (native-*.jsonl, avx2-*.jsonl, default-*.jsonl).
+"""
+
+import argparse
+import collections
+import json
+from pathlib import Path
+
+FAMILIES = ("native", "avx2", "default")
+
+parser = argparse.ArgumentParser()
+parser.add_argument("records", nargs="+")
+parser.add_argument("--with-sp1", action="store_true", help="also count draws with one rank per replica")
+args = parser.parse_args()
+
+rows = []
+for path in args.records:
+    family = Path(path).name.split("-")[0].split(".")[0]
+    for line in open(path):
+        record = json.loads(line)
+        record["family"] = family
+        rows.append(record)
+left_out = [r for r in rows if r["world_size"] // r["dp"] < 2]
+if not args.with_sp1:
+    rows = [r for r in rows if r["world_size"] // r["dp"] >= 2]
+    print(f"({len(left_out)} draws with one rank per replica left out)")
+for dtype in sorted({r["dtype"] for r in rows}):
+    draws = [r for r in rows if r["dtype"] == dtype]
+    alarms = [r for r in draws if r["verdict"] != r["expected"]]
+    training = sum(1 for r in draws if r["hidden"] >= 256 and r["seq_len"] >= 256)
+    print(f"{dtype}: {len(draws)} draws, {len(alarms)} false alarms, {training} at a training-like size")
+    per = collections.Counter((r["case"], r["family"]) for r in draws)
+    for case in sorted({r["case"] for r in draws}):
+        print(f"  {case}: " + ", ".join(f"{f} {per[(case, f)]}" for f in FAMILIES if per[(case, f)]))
+    passed = [r for r in draws if r["verdict"] == "PASS"]
+    for kind in sorted({k for r in passed for k in r["worst"]}):
+        worst = max(passed, key=lambda r, k=kind: r["worst"].get(k, 0.0))
+        print(f"  worst {kind}: {worst['worst'][kind]:.3f} ({worst['family']}) {worst['repro']}")
+    judged = [r for r in passed if r.get("forward_scale")]
+    if judged:
+        worst = max(judged, key=lambda r: r["forward_scale"])
+        print(f"  forward scale judged in {len(judged)}, worst {worst['forward_scale']:.3f}")
+    recorded = [r for r in passed if r.get("worst_scale")]
+    if recorded:
+        worst = max(recorded, key=lambda r: r["worst_scale"]["ratio"])
+        print(f"  grad scale (recorded) worst {worst['worst_scale']['ratio']:.3f} ({worst['worst_scale']['name']}) "
+              f"{worst['repro']}")
+    for r in alarms:
+        print(f"  FALSE ALARM ({r['family']}, {r['verdict']}): {r['repro']}")
