@@ -151,6 +151,26 @@ def test_a_stall_is_a_desync_only_when_every_pending_rank_waits_in_a_collective(
     assert "blocked in an unannounced collective" in watch.found[1].detail
 
 
+def test_a_stall_whose_stacks_move_between_looks_is_not_a_desync():
+    """A rank inside c10d's Python (pickling a payload, checking arguments) is found waiting at
+    each look but is working: its stack moves, and it may still announce."""
+    from sp_harness.launch.desync import DesyncWatch
+
+    watch = DesyncWatch(stall_s=2.0)
+    for rank in (0, 1):
+        watch.heard(rank, 0.0)
+    watch.collective(0, _c(0))
+    blocked = ['File "/v/torch/distributed/distributed_c10d.py", line 9 in all_to_all_single']
+    assert watch.should_probe({0, 1}, 2.5)
+    watch.probed({0, 1}, waiting={0, 1}, frames={0: blocked, 1: ['File "/v/distributed_c10d.py", line 3 in _object']})
+    assert watch.should_probe({0, 1}, 4.5)
+    watch.probed({0, 1}, waiting={0, 1}, frames={0: blocked, 1: ['File "/v/distributed_c10d.py", line 7 in _object']})
+    assert not watch.found  # rank 1 moved
+    assert watch.should_probe({0, 1}, 6.5)
+    watch.probed({0, 1}, waiting={0, 1}, frames={0: blocked, 1: ['File "/v/distributed_c10d.py", line 7 in _object']})
+    assert [(e.rank, e.collective) for e in watch.found] == [(0, _c(0)), (1, None)]  # frozen: a desync
+
+
 def test_even_counts_never_ask_for_stacks():
     from sp_harness.launch.desync import DesyncWatch
 

@@ -10,7 +10,7 @@ each member's announced sequence (sp_harness.launch.announce) and calls it a des
 - every rank still running has been silent for `stall_s` and is waiting inside a collective (its
   stack, which the pool samples), while the members of some group announced different counts,
   and the same is seen again at the next look, `stall_s` later, with no word from any rank in
-  between: nobody can move, and the counts say who is where. (One look was not enough: on a
+  between and every rank's stack unchanged: nobody can move, and the counts say who is where. (One look was not enough: on a
   machine loaded to 20 runnable processes per core a rank's announcement arrived after a look
   that found both ranks waiting in a legitimate collective, and a correct seed-mlp run was
   called a desync.)
@@ -22,6 +22,8 @@ there a desync ends as the backend's own timeout or error, as in production.
 """
 
 from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
 
 from sp_harness.launch.failure import RankError
 from sp_harness.launch.wire import Collective
@@ -84,14 +86,19 @@ class DesyncWatch:
         self._probed_at = now
         return True
 
-    def probed(self, pending: set[int], waiting: set[int]) -> None:
+    def probed(self, pending: set[int], waiting: set[int], frames: Mapping[int, Sequence[str]] | None = None) -> None:
         """The stacks say `waiting` are inside a collective; if that is every pending rank at two
-        looks in a row with nothing heard between them, nothing can move and a group whose
-        counts differ is a desync."""
+        looks in a row with nothing heard between them, and no rank's stack (`frames`: each
+        pending rank's frame lines at this look) moved between them, nothing can move and a
+        group whose counts differ is a desync. A rank whose stack changed is working inside
+        c10d's Python (pickling an object collective's payload, checking arguments) and may
+        still announce: under load (4 ranks of 2 threads each on 2 cores, beside their
+        references' processes) a correct ulysses-gpt run was called a desync after two looks."""
         if not waiting >= pending:
             self._suspect = None
             return
-        counts = (frozenset(pending), self._counts())
+        moved = tuple(sorted((r, tuple(f)) for r, f in frames.items())) if frames is not None else ()
+        counts = (frozenset(pending), self._counts(), moved)
         if self._suspect == counts:
             self._behind(self.finished | pending)
         self._suspect = counts

@@ -2,7 +2,7 @@
 
 Callers decide on the fields (`kind`, `exc_type`, `is_unsupported`, `signal_name`), never on text;
 the text (`describe`, `summary_line`) is for people. The one place that reads text is
-`_frames`: a faulthandler dump is only available as text, so its parsing lives here and nowhere
+`stack_frames`: a faulthandler dump is only available as text, so its parsing lives here and nowhere
 else.
 """
 
@@ -66,11 +66,11 @@ class RankError:
     def blocked_in_collective(self) -> bool:
         """A hung rank whose innermost frames are inside a collective: waiting for a culprit."""
         return self.kind == "timeout" and any("torch/distributed" in f or "c10d" in f
-                                              for f in _frames(self.traceback)[:4])
+                                              for f in stack_frames(self.traceback)[:4])
 
     @property
     def innermost_frame(self) -> str:
-        frames = _frames(self.traceback)
+        frames = stack_frames(self.traceback)
         return frames[0] if frames else ""
 
     def headline(self) -> str:
@@ -107,7 +107,7 @@ class RankError:
         return "\n".join(parts)
 
 
-def _frames(stack: str) -> list[str]:
+def stack_frames(stack: str) -> list[str]:
     """The 'File ...' lines of a faulthandler dump or traceback, in their listed order."""
     return [ln.strip() for ln in stack.splitlines() if ln.strip().startswith("File ")]
 
@@ -117,7 +117,7 @@ def waiting_in_collective(stack: str) -> bool:
     to complete: c10d's blocking calls and the functional collectives' wait. Narrower than
     `blocked_in_collective`: DTensor's own Python (sharding propagation, seconds on a first call)
     also lives under torch/distributed, and there the rank is computing, not waiting."""
-    return any("distributed_c10d.py" in f or "_functional_collectives.py" in f for f in _frames(stack)[:3])
+    return any("distributed_c10d.py" in f or "_functional_collectives.py" in f for f in stack_frames(stack)[:3])
 
 
 def process_ended(rank: int, returncode: int | None, *, stack: str = "", log_tail: str = "",

@@ -49,6 +49,7 @@ from sp_harness.launch.failure import (
     SetupError,
     process_ended,
     raised,
+    stack_frames,
     waiting_in_collective,
 )
 from sp_harness.launch.scratch import ScratchDir, sweep_orphans
@@ -317,7 +318,9 @@ class RankPool:
             now = time.monotonic()
             pending = set(got.pending)
             if got.watch.should_probe(pending, now):
-                got.watch.probed(pending, {r for r in pending if waiting_in_collective(self._stack_now(r))})
+                stacks = {r: self._stack_now(r) for r in pending}
+                got.watch.probed(pending, {r for r in pending if waiting_in_collective(stacks[r])},
+                                 {r: stack_frames(stack) for r, stack in stacks.items()})
             if now >= deadline:
                 break
         return got

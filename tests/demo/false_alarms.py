@@ -122,7 +122,9 @@ def run(config):
             "forward_scale": (res.worst["forward"].scale_ratio if "forward" in res.worst else None),
             "worst_norm": {k: {"ratio": v.norm_ratio, "err": v.err_norm, "noise": v.noise_norm, "ref": v.ref_norm, "dof": v.dof,
                                "name": v.name} for k, v in res.worst_norm.items()},
-            "seconds": time.perf_counter() - t}) + "\n")
+            "seconds": time.perf_counter() - t,
+            # a mismatch keeps its whole reason: a rank's stack, a desync's counts
+            **({"reason": res.reason} if res.verdict != want else {})}) + "\n")
         out.flush()
     if stats["n"] % 25 == 0:
         el = time.perf_counter() - t0
