@@ -60,9 +60,6 @@ samples, whose tail falls as 0.64/q^2 only: FACTOR (16) holds it at about 1 in 4
 fc1 bias grad in float32 false-alarmed at 2.24x: both references erred 1.3e-9 at that step,
 the run 5.8e-8, docs/false-alarms.md). From 3 elements MISMATCH x q is under FACTOR, which
 stays."""
-
-
-
 FLOOR_ULPS = 8.0
 """Absolute floor, in units of eps(dtype) * max|ref64|: covers tensors the reference happens
 to round exactly (its measured error is 0) while a different reduction order does not."""

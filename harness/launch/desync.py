@@ -10,10 +10,10 @@ each member's announced sequence (sp_harness.launch.announce) and calls it a des
 - every rank still running has been silent for `stall_s` and is waiting inside a collective (its
   stack, which the pool samples), while the members of some group announced different counts,
   and the same is seen again at the next look, `stall_s` later, with no word from any rank in
-  between and every rank's stack unchanged: nobody can move, and the counts say who is where. (One look was not enough: on a
-  machine loaded to 20 runnable processes per core a rank's announcement arrived after a look
-  that found both ranks waiting in a legitimate collective, and a correct seed-mlp run was
-  called a desync.)
+  between and every rank's stack unchanged: nobody can move, and the counts say who is where.
+  (One look was not enough: on a machine loaded to 20 runnable processes per core a rank's
+  announcement arrived after a look that found both ranks waiting in a legitimate collective,
+  and a correct seed-mlp run was called a desync.)
 
 Only collectives the accounting sees are announced (sp_harness.capture.comm around the system
 under test); the engine's own bookkeeping collectives are not, so a desync against one of those
@@ -97,8 +97,8 @@ class DesyncWatch:
         if not waiting >= pending:
             self._suspect = None
             return
-        moved = tuple(sorted((r, tuple(f)) for r, f in frames.items())) if frames is not None else ()
-        counts = (frozenset(pending), self._counts(), moved)
+        stacks = tuple(sorted((r, tuple(f)) for r, f in frames.items())) if frames is not None else ()
+        counts = (frozenset(pending), self._counts(), stacks)
         if self._suspect == counts:
             self._behind(self.finished | pending)
         self._suspect = counts
