@@ -47,6 +47,16 @@ def _shard_desync_sizes(model, ctx):
     return Sharded(module=model, input_layout=Layout(seq_dim=0), output_layout=Layout(seq_dim=0))
 
 
+def _shard_desync_unannounced(model, ctx):
+    # rank 0 all-reduces (announced); rank 1 enters a barrier, which the accounting does not
+    # count or announce: only the stall rule (both ranks stopped in c10d, counts 1 vs 0) sees it
+    if ctx.rank == 0:
+        dist.all_reduce(torch.ones(4))
+    else:
+        dist.barrier()
+    return Sharded(module=model, input_layout=Layout(seq_dim=0), output_layout=Layout(seq_dim=0))
+
+
 def _shard_segfault(model, ctx):
     if ctx.rank == 1:
         ctypes.string_at(0)  # a real invalid read in native code, as a broken extension would make
@@ -82,6 +92,7 @@ RAISING = _variant("raising", _shard_raising)
 HANGING = _variant("hanging", _shard_hanging)
 DESYNC = _variant("desync", _shard_desync)
 DESYNC_SIZES = _variant("desync-sizes", _shard_desync_sizes)
+DESYNC_UNANNOUNCED = _variant("desync-unannounced", _shard_desync_unannounced)
 SEGFAULT = _variant("segfault", _shard_segfault)
 UNSUPPORTED_LATE = _variant("unsupported-late", _shard_unsupported_late)
 REPLICATED = _variant("replicated", _replicated)

@@ -122,6 +122,15 @@ def test_same_collective_with_different_sizes_is_a_desync(sp_check):
     assert sp_check(CheckConfig(case="seed-mlp", world_size=2)).verdict == PASS
 
 
+def test_a_stall_against_an_unannounced_collective_is_a_desync(sp_check):
+    # found only once both ranks have stopped using the CPU (their stacks are taken then)
+    res = sp_check(CheckConfig(case=f"{FAULTY}:DESYNC_UNANNOUNCED", world_size=2, timeout_s=60))
+    assert res.verdict == FAIL and res.crash_kind == "desync", res.reason
+    behind = [e for e in res.rank_errors if e.kind == "desync" and e.collective is None]
+    assert [e.rank for e in behind] == [1] and "barrier" in behind[0].traceback, res.error
+    assert sp_check(CheckConfig(case="seed-mlp", world_size=2)).verdict == PASS
+
+
 @pytest.mark.parametrize("case", ["seed-mlp", "megatron-gpt-sp"])
 def test_correct_cases_are_never_a_desync(sp_check, case):
     res = sp_check(CheckConfig(case=case, world_size=2))

@@ -8,7 +8,8 @@ each member's announced sequence (sp_harness.launch.announce) and calls it a des
 - a member finished the job having announced fewer collectives on the group than another member:
   the extra ones can never pair up;
 - every rank still running has been silent for `stall_s` and is waiting inside a collective (its
-  stack, which the pool samples), while the members of some group announced different counts,
+  stack, which the pool samples once every such rank has stopped using the CPU:
+  sp_harness.launch.activity), while the members of some group announced different counts,
   and the same is seen again at the next look, `stall_s` later, with no word from any rank in
   between and every rank's stack unchanged: nobody can move, and the counts say who is where.
   (One look was not enough: on a machine loaded to 20 runnable processes per core a rank's

@@ -40,6 +40,7 @@ from multiprocessing.connection import wait as wait_conns
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from sp_harness.config.case import SHARED_PROCESSES, get_case, isolation_key
+from sp_harness.launch.activity import stopped
 from sp_harness.launch.case_setup import SETUP_TIMEOUT_S
 from sp_harness.launch.desync import DesyncWatch
 from sp_harness.launch.failure import (
@@ -318,9 +319,13 @@ class RankPool:
             now = time.monotonic()
             pending = set(got.pending)
             if got.watch.should_probe(pending, now):
-                stacks = {r: self._stack_now(r) for r in pending}
-                got.watch.probed(pending, {r for r in pending if waiting_in_collective(stacks[r])},
-                                 {r: stack_frames(stack) for r, stack in stacks.items()})
+                # a stack only from ranks that have stopped: a dump can crash a running one
+                if stopped(self._procs[r].pid for r in pending):
+                    stacks = {r: self._stack_now(r) for r in pending}
+                    got.watch.probed(pending, {r for r in pending if waiting_in_collective(stacks[r])},
+                                     {r: stack_frames(stack) for r, stack in stacks.items()})
+                else:
+                    got.watch.probed(pending, set())
             if now >= deadline:
                 break
         return got
