@@ -7,7 +7,9 @@ killed by SIGSEGV in CI while its job ran; sent every 20 ms to 2 such ranks, the
 killed one 4 times in about 6,000 signals, and a dump taken holding the GIL from a thread of the
 rank's own (faulthandler.dump_traceback) 5 times in about 18,000. A rank whose every thread, and
 every thread of every process it started (its reference process, a compiler), sleeps without
-using the CPU is changing no frames, so a stack taken then is safe.
+using the CPU is changing no frames, so a stack taken then is safe. A rank that spins while it
+waits (a CUDA synchronize under nccl, a busy-polling transport) counts as running: a desync that
+only the stall rule can see (sp_harness.launch.desync) then ends at the job's timeout instead.
 """
 
 from __future__ import annotations
