@@ -35,14 +35,17 @@ def test_a_sleeping_group_has_stopped_and_a_busy_one_has_not():
         assert not stopped([busy.pid]) and not stopped([sleeping.pid, busy.pid])
         # the group, not the process: a rank waiting on its busy reference process is working
         assert not stopped([parent.pid])
-        first = activity(busy.pid)
+        first = activity([busy.pid, sleeping.pid])
         time.sleep(0.3)
-        assert first is not None and activity(busy.pid).cpu_ticks > first.cpu_ticks
+        second = activity([busy.pid, sleeping.pid])
+        assert first is not None and second is not None
+        assert second[busy.pid].cpu_ticks > first[busy.pid].cpu_ticks
+        assert second[sleeping.pid] == first[sleeping.pid] and not first[sleeping.pid].running
     finally:
         for proc in (sleeping, busy, parent):
             _end(proc)
 
 
 def test_without_proc_the_caller_cannot_tell(tmp_path):
-    assert activity(1, proc=str(tmp_path / "absent")) is None
+    assert activity([1], proc=str(tmp_path / "absent")) is None
     assert stopped([1], proc=str(tmp_path / "absent"))

@@ -30,18 +30,20 @@ class Activity:
     """User plus system CPU time of all its threads so far, in clock ticks."""
 
 
-def activity(pgid: int, proc: str = "/proc") -> Activity | None:
-    """The threads of process group `pgid` (a rank started in its own session, and what it
-    started) now; None where `proc` cannot be read (not Linux)."""
+def activity(pgids: Iterable[int], proc: str = "/proc") -> dict[int, Activity] | None:
+    """The threads of each process group in `pgids` (a rank started in its own session, and what
+    it started) now, from one pass over `proc`; None where it cannot be read (not Linux)."""
     try:
         pids = [p for p in os.listdir(proc) if p.isdigit()]
     except OSError:
         return None
-    running, ticks = False, 0
+    running = dict.fromkeys(pgids, False)
+    ticks = dict.fromkeys(running, 0)
     for pid in pids:
         fields = _stat(f"{proc}/{pid}/stat")
-        if fields is None or int(fields[2]) != pgid:  # fields after the command: state, ppid, pgrp, ...
+        if fields is None or int(fields[2]) not in running:  # fields after the command: state, ppid, pgrp, ...
             continue
+        pgid = int(fields[2])
         try:
             tids = os.listdir(f"{proc}/{pid}/task")
         except OSError:
@@ -50,9 +52,9 @@ def activity(pgid: int, proc: str = "/proc") -> Activity | None:
             task = _stat(f"{proc}/{pid}/task/{tid}/stat")
             if task is None:
                 continue
-            running = running or task[0] in ("R", "D")
-            ticks += int(task[11]) + int(task[12])  # utime, stime
-    return Activity(running=running, cpu_ticks=ticks)
+            running[pgid] = running[pgid] or task[0] in ("R", "D")
+            ticks[pgid] += int(task[11]) + int(task[12])  # utime, stime
+    return {g: Activity(running=running[g], cpu_ticks=ticks[g]) for g in running}
 
 
 def stopped(pgids: Iterable[int], *, interval_s: float = 0.25, proc: str = "/proc") -> bool:
@@ -60,15 +62,15 @@ def stopped(pgids: Iterable[int], *, interval_s: float = 0.25, proc: str = "/pro
     CPU between them (less than one clock tick). True where /proc cannot be read: the caller then
     has no way to tell, and takes the stacks regardless."""
     groups = list(pgids)
-    first = [activity(g, proc) for g in groups]
-    if any(a is None for a in first):
+    first = activity(groups, proc)
+    if first is None:
         return True
-    if any(a.running for a in first if a is not None):
+    if any(a.running for a in first.values()):
         return False
     time.sleep(interval_s)
-    second = [activity(g, proc) for g in groups]
-    return all(b is None or (not b.running and b.cpu_ticks == a.cpu_ticks)
-               for a, b in zip(first, second, strict=True) if a is not None)
+    second = activity(groups, proc)
+    return second is None or all(not second[g].running and second[g].cpu_ticks == first[g].cpu_ticks
+                                 for g in groups)
 
 
 def _stat(path: str) -> list[str] | None:
