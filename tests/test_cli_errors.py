@@ -84,3 +84,19 @@ def test_every_option_of_every_command_has_help():
     bare = {name: [a.dest for a in p._actions if not a.help and not isinstance(a, argparse._HelpAction)]
             for name, p in sub.choices.items()}
     assert not any(bare.values()), {k: v for k, v in bare.items() if v}
+
+
+def test_a_gpu_machines_pools_are_limited_by_its_cores_not_its_gpus(monkeypatch):
+    # found on an H100 (one GPU): the CLI refused --world-size 2 ("at most 1") though its pools
+    # run gloo ranks on the CPU; one GPU per rank is nccl's limit only
+    import torch
+
+    from sp_harness.launch import runner
+
+    monkeypatch.delenv("SP_HARNESS_MAX_WORLD_SIZE", raising=False)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    assert runner.runner_backend() == "gloo"
+    assert runner.max_world_size() >= 8
+    runner.check_world_size(4)
+    assert runner.max_world_size("nccl") == 1

@@ -58,6 +58,81 @@ def test_flash_attn_standin_is_exact_attention_with_its_lse(causal, sq, sk, kv):
         torch.testing.assert_close(got, g, rtol=0, atol=1e-13)
 
 
+@pytest.fixture
+def torch_flash():
+    fa.use_kernel("torch-flash")
+    yield
+    fa.use_kernel("exact")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="float64 and unequal causal blocks: where a GPU is visible the "
+                    "kernel is CUDA's, which takes neither (test_torch_flash_kernel_on_the_gpu)")
+@pytest.mark.parametrize("causal,sq,sk,kv", [(False, 5, 7, 4), (True, 6, 6, 2), (True, 6, 3, 1), (True, 3, 6, 4)])
+def test_torch_flash_kernel_keeps_flash_attns_contract(torch_flash, causal, sq, sk, kv):
+    # torch's flash kernels behind flash-attn's interface: float64 agrees with the exact kernel
+    # (bottom-right causal, a row with no key -> 0 and +inf, the backward from the GIVEN out and
+    # lse); bfloat16 differs from it, because the kernel rounds the probabilities before P @ V
+    gen = torch.Generator().manual_seed(1)
+    q, k, v, dout = (torch.randn(2, n, h, 8, generator=gen, dtype=torch.float64)
+                     for n, h in ((sq, 4), (sk, kv), (sk, kv), (sq, 4)))
+    scale = 1 / math.sqrt(8)
+
+    def run(kernel, dtype):
+        fa.use_kernel(kernel)
+        qd, kd, vd, dd = (t.to(dtype) for t in (q, k, v, dout))
+        out, lse, _, _ = fa._flash_attn_forward(qd, kd, vd, 0.0, scale, causal)
+        bufs = [torch.empty_like(t) for t in (qd, kd, vd)]
+        fa._flash_attn_backward(dd, qd, kd, vd, out, lse, *bufs, 0.0, scale, causal)
+        return out, lse, *bufs
+
+    for got, want in zip(run("torch-flash", torch.float64), run("exact", torch.float64), strict=True):
+        torch.testing.assert_close(got, want, rtol=0, atol=1e-12)
+    flash, exact = run("torch-flash", torch.bfloat16)[0], run("exact", torch.bfloat16)[0]
+    assert not torch.equal(flash, exact)
+    torch.testing.assert_close(flash.double(), exact.double(), rtol=0, atol=0.05)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (FlashAttention-2 through torch)")
+@pytest.mark.parametrize("causal,kv", [(False, 4), (True, 4), (True, 2)])
+def test_torch_flash_kernel_on_the_gpu(torch_flash, causal, kv):
+    # FlashAttention-2 behind flash-attn's interface, on CPU tensors handed to the GPU and back:
+    # bfloat16 out, lse and grads against exact float64 attention, within a few bf16 roundings
+    gen = torch.Generator().manual_seed(2)
+    q, k, v, dout = (torch.randn(2, 64, h, 16, generator=gen, dtype=torch.float64) for h in (4, kv, kv, 4))
+    scale = 1 / math.sqrt(16)
+
+    def run(dtype):
+        qd, kd, vd, dd = (t.to(dtype) for t in (q, k, v, dout))
+        out, lse, _, _ = fa._flash_attn_forward(qd, kd, vd, 0.0, scale, causal)
+        bufs = [torch.empty_like(t) for t in (qd, kd, vd)]
+        fa._flash_attn_backward(dd, qd, kd, vd, out, lse, *bufs, 0.0, scale, causal)
+        return out, lse, *bufs
+
+    got = run(torch.bfloat16)
+    assert all(t.device.type == "cpu" for t in got)
+    fa.use_kernel("exact")
+    want = run(torch.float64)
+    for g, w in zip(got, want, strict=True):
+        torch.testing.assert_close(g.double(), w, rtol=0, atol=3e-2 * float(w.abs().max()))
+    fa.use_kernel("torch-flash")
+    with pytest.raises(NotImplementedError, match="6 queries x 3 keys"):
+        fa._flash_attn_forward(*(t.to(torch.bfloat16) for t in (q[:, :6], k[:, :3], v[:, :3])), 0.0, scale, True)
+
+
+def test_a_kernel_name_outside_the_list_is_refused():
+    with pytest.raises(ValueError, match="'flash3'"):
+        fa.use_kernel("flash3")
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_usp_on_torchs_flash_kernels_passes_in_bfloat16(sp_check, world_size):
+    # yunchang's ring over the kernels its users train with (aten's CPU flash kernel here,
+    # FlashAttention-2 where a GPU is visible): the bfloat16 bound holds for them too
+    res = sp_check(CheckConfig(case="yc-usp-torch-flash", timeout_s=TIMEOUT_S, world_size=world_size,
+                               dtype="bfloat16", adversary="reorder"))
+    assert res.verdict == PASS, res.reason + res.error
+
+
 def test_placement_is_yunchangs_extract_function():
     # basic_extract_local takes the rank as an argument; the zigzag placement (which reads the
     # ranks from yunchang's process groups) is checked against zigzag_extract_local on every rank

@@ -21,7 +21,7 @@ FRAMEWORK_CASES: dict[str, tuple[str, tuple[str, ...]]] = {
         "mcore-gpt-tp", "mcore-gpt-sp", "mutant-mcore-norm-flag-dropped", "mutant-mcore-row-bias-flag-dropped",
         "mutant-mcore-ddp-sync-only")),
     "yunchang": ("sp_harness.cases.frameworks.yunchang_cases", (
-        "yc-usp", "mutant-yc-zigzag-contiguous-shards", "mutant-yc-ring-merge-overwrites",
+        "yc-usp", "yc-usp-torch-flash", "mutant-yc-zigzag-contiguous-shards", "mutant-yc-ring-merge-overwrites",
         "mutant-yc-grad-sync-ulysses-only", "mutant-yc-causal-mask-on-received-blocks")),
     "torchtitan": ("sp_harness.cases.frameworks.torchtitan_cases", (
         "titan-llama3-sp", "mutant-titan-embedding-partial-as-replicate", "mutant-titan-norm-sp-dropped",

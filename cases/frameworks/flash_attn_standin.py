@@ -1,6 +1,14 @@
-"""Stage: build sharded. An exact CPU stand-in for the two flash-attn 2 kernels a ring attention
-calls: `_flash_attn_forward` and `_flash_attn_backward`, with flash-attn 2.8's names, signatures,
-tensor layouts and return values (`flash_attn.flash_attn_interface`), computed by plain torch.
+"""Stage: build sharded. A stand-in for the two flash-attn 2 kernels a ring attention calls:
+`_flash_attn_forward` and `_flash_attn_backward`, with flash-attn 2.8's names, signatures,
+tensor layouts and return values (`flash_attn.flash_attn_interface`), computed by one of two
+kernels (`use_kernel`):
+- 'exact' (the default): plain torch ops, attention as the reference computes it;
+- 'torch-flash': torch's own flash-attention kernels, the ones `scaled_dot_product_attention`
+  dispatches to: FlashAttention-2 on a CUDA GPU where one is visible (a rank that runs on the
+  CPU under gloo hands each block to it and takes the result back), else aten's CPU flash
+  kernel. Both tile the keys, keep an online softmax in float32 and round the probabilities
+  (and in backward dS) to the inputs' dtype before their matmuls, which 'exact' does not: a
+  low-precision tolerance that only holds for textbook attention fails here.
 
 yunchang's FA path (`AttnType.FA`, its default) reaches flash-attn through these two calls
 alone: `yunchang.kernels.attention.flash_attn_forward` / `flash_attn_backward`, once per ring
@@ -24,7 +32,10 @@ What flash-attn computes, and so what this does:
 - Precision: flash-attn takes float16 / bfloat16 and accumulates in float32, with a float32
   LSE; so does this for those dtypes. float32 and float64, which flash-attn does not take,
   are computed in their own dtype (the LSE too): exact attention, no island of the stand-in's.
-- Not modelled (raise NotImplementedError): dropout, sliding windows, softcap, ALiBi.
+- Not modelled (raise NotImplementedError): dropout, sliding windows, softcap, ALiBi; under
+  'torch-flash' on CUDA, a causal block whose query and key lengths differ (torch's CUDA flash
+  kernel takes no mask, and aligns its causal mode top-left; a zigzag or contiguous ring's
+  causal blocks are square). On the CPU such a block gets flash-attn's mask explicitly.
 """
 
 from __future__ import annotations
@@ -35,6 +46,25 @@ import torch
 
 __version__ = "2.8.3"
 """The flash-attn release whose interface this mirrors (yunchang >= 2.6.3 call path)."""
+
+
+KERNELS = ("exact", "torch-flash")
+"""What computes each block: see the module docstring."""
+
+_kernel = "exact"
+
+
+def use_kernel(name: str) -> None:
+    """Compute every later block with kernel `name` (process-wide, as flash-attn's are)."""
+    global _kernel
+    if name not in KERNELS:
+        raise ValueError(f"flash-attn stand-in kernel {name!r}: one of {KERNELS}")
+    _kernel = name
+
+
+def kernel_device() -> torch.device:
+    """Where 'torch-flash' runs a block: the GPU where one is visible, else the CPU."""
+    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
 
 
 def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -75,6 +105,9 @@ def _flash_attn_forward(q, k, v, dropout_p, softmax_scale, causal, window_size_l
     _unsupported(dropout_p, window_size_left, window_size_right, softcap, alibi_slopes)
     if q.shape[2] % k.shape[2]:
         raise RuntimeError(f"Number of heads in key/value ({k.shape[2]}) must divide the query's ({q.shape[2]})")
+    if _kernel == "torch-flash":
+        out, lse = _torch_flash_forward(q, k, v, softmax_scale, causal)
+        return out, lse, None, None
     ct = _compute_dtype(q.dtype)
     s, _ = _scores(q, k, softmax_scale, causal)  # (B, Hq, Sq, Sk)
     lse = torch.logsumexp(s, dim=-1)  # (B, Hq, Sq); -inf for a row that sees nothing
@@ -93,6 +126,13 @@ def _flash_attn_backward(dout, q, k, v, out, softmax_lse, dq, dk, dv, dropout_p,
     """flash-attn 2.8's `_flash_attn_backward`: writes dq, dk, dv in place; -> softmax_d."""
     _unsupported(dropout_p, window_size_left, window_size_right, softcap, alibi_slopes)
     ct = _compute_dtype(q.dtype)
+    if _kernel == "torch-flash":
+        dq_, dk_, dv_ = _torch_flash_backward(dout, q, k, v, out, softmax_lse, softmax_scale, causal)
+        with torch.no_grad():
+            dq.copy_(dq_)
+            dk.copy_(dk_)
+            dv.copy_(dv_)
+        return (dout.to(ct) * out.to(ct)).sum(-1).transpose(1, 2).float()  # (B, Hq, Sq)
     b, sq, hq, d = q.shape
     hk = k.shape[2]
     group = hq // hk
@@ -121,6 +161,77 @@ def _flash_attn_backward(dout, q, k, v, out, softmax_lse, dq, dk, dv, dropout_p,
         dk.copy_(dk_.transpose(1, 2))
         dv.copy_(dv_.transpose(1, 2))
     return delta.float()
+
+
+def _heads_first(t: torch.Tensor, group: int, device: torch.device) -> torch.Tensor:
+    """(B, S, H, D) -> (B, H * group, S, D) on `device`: torch's kernels take heads first, and
+    equal query and k/v head counts (each k/v head repeated for the query heads it serves)."""
+    t = t.transpose(1, 2)
+    return (t.repeat_interleave(group, dim=1) if group > 1 else t).to(device)
+
+
+def _bottom_right(sq: int, sk: int, dtype: torch.dtype, device: torch.device, causal: bool):
+    """(is_causal, additive mask or None, bool per query row that sees no key or None) for torch's
+    kernels: a square causal block is their own causal mode; a causal block of unequal lengths
+    gets flash-attn's bottom-right mask as an explicit mask (the CPU kernel takes one; torch
+    aligns its causal mode top-left there, and its CUDA flash kernel takes no mask)."""
+    if not causal or sq == sk:
+        return causal, None, None
+    if device.type == "cuda":
+        raise NotImplementedError(f"flash-attn stand-in (torch-flash on CUDA): a causal block of {sq} queries x {sk} "
+                                  "keys (torch's CUDA flash kernel takes no bottom-right mask)")
+    keep = torch.arange(sk, device=device)[None] <= torch.arange(sq, device=device)[:, None] + (sk - sq)
+    mask = torch.zeros(sq, sk, dtype=dtype, device=device).masked_fill(~keep, float("-inf"))
+    return False, mask, ~keep.any(-1)
+
+
+def _torch_flash_forward(q, k, v, softmax_scale, causal):
+    """One block by torch's flash kernel -> out (B, Sq, Hq, D) in q's dtype, lse (B, Hq, Sq); a
+    row that sees no key gets flash-attn's output 0 and LSE +inf."""
+    sq, sk = q.shape[1], k.shape[1]
+    group = q.shape[2] // k.shape[2]
+    dev = kernel_device()
+    qh, kh, vh = _heads_first(q, 1, dev), _heads_first(k, group, dev), _heads_first(v, group, dev)
+    is_causal, mask, empty = _bottom_right(sq, sk, q.dtype, dev, causal)
+    if dev.type == "cuda":
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention(qh, kh, vh, 0.0, is_causal, False,
+                                                                      scale=softmax_scale)[:2]
+    else:
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(qh, kh, vh, 0.0, is_causal,
+                                                                              attn_mask=mask, scale=softmax_scale)
+    if empty is not None and bool(empty.any()):
+        out = out.masked_fill(empty[:, None], 0)
+        lse = lse.masked_fill(empty, float("inf"))
+    ct = _compute_dtype(q.dtype)
+    return out.transpose(1, 2).to(q.device), lse.to(device=q.device, dtype=ct).contiguous()
+
+
+def _torch_flash_backward(dout, q, k, v, out, softmax_lse, softmax_scale, causal):
+    """One block's (dq, dk, dv) by torch's flash backward kernel, from the GIVEN out and lse (a
+    ring's merged ones), in q's, k's and v's layout; dk, dv summed over each k/v head's queries."""
+    b, sq, hq, d = q.shape
+    sk, hk = k.shape[1], k.shape[2]
+    group = hq // hk
+    dev = kernel_device()
+    qh, kh, vh = _heads_first(q, 1, dev), _heads_first(k, group, dev), _heads_first(v, group, dev)
+    doh, oh = _heads_first(dout, 1, dev), _heads_first(out, 1, dev)
+    lse = softmax_lse.to(device=dev, dtype=torch.float32 if dev.type == "cuda" else softmax_lse.dtype)
+    is_causal, mask, _ = _bottom_right(sq, sk, q.dtype, dev, causal)
+    if dev.type == "cuda":
+        # the dense kernel's bookkeeping outputs (sequence offsets, RNG state), from a forward of
+        # this block: the backward takes them, though without dropout or packing it ignores them
+        _, _, cum_q, cum_k, max_q, max_k, seed, offset, _ = torch.ops.aten._scaled_dot_product_flash_attention(
+            qh, kh, vh, 0.0, is_causal, False, scale=softmax_scale)
+        dqh, dkh, dvh = torch.ops.aten._scaled_dot_product_flash_attention_backward(
+            doh, qh, kh, vh, oh, lse, cum_q, cum_k, max_q, max_k, 0.0, is_causal, seed, offset, scale=softmax_scale)
+    else:
+        dqh, dkh, dvh = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+            doh, qh, kh, vh, oh, lse, 0.0, is_causal, attn_mask=mask, scale=softmax_scale)
+    if group > 1:  # summed in float32, as flash-attn accumulates a grouped head's dk, dv
+        acc = torch.promote_types(dkh.dtype, torch.float32)
+        dkh = dkh.to(acc).view(b, hk, group, sk, d).sum(2).to(k.dtype)  # (B, Hk, Sk, D)
+        dvh = dvh.to(acc).view(b, hk, group, sk, d).sum(2).to(v.dtype)
+    return (dqh.transpose(1, 2).to(q.device), dkh.transpose(1, 2).to(k.device), dvh.transpose(1, 2).to(v.device))
 
 
 def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
@@ -153,4 +264,5 @@ class _FlashAttnFunc(torch.autograd.Function):
         return dq, dk, dv, None, None, None
 
 
-__all__ = ["__version__", "_flash_attn_forward", "_flash_attn_backward", "flash_attn_func"]
+__all__ = ["KERNELS", "__version__", "_flash_attn_forward", "_flash_attn_backward", "flash_attn_func", "kernel_device",
+           "use_kernel"]

@@ -25,8 +25,11 @@ reference GPT, verified against the same GPT with plain attention on one device.
   accepts and discards) is recorded by a pass-through around `ring_attn_fn` and judged against
   the reference's (check kind `lse`): (B, heads of my Ulysses rank, my Ulysses group's tokens).
 - CPU: yunchang's pure-torch attention types have no backward and no CPU path; its default FA
-  path runs over `flash_attn_standin` (flash-attn 2.8's two kernels, exact, in torch), installed
-  by `cpu_shims` alone, only where CUDA is absent.
+  path runs over `flash_attn_standin` (flash-attn 2.8's two kernels), installed by `cpu_shims`
+  alone, only where the ranks run on the CPU. `usp_case(kernel=...)` picks what computes each
+  block: 'exact' (torch ops, the default) or 'torch-flash' (torch's flash-attention kernels:
+  FlashAttention-2 where a GPU is visible, the block handed to it and back, else aten's CPU
+  flash kernel); `yc-usp-torch-flash` is `yc-usp` on the latter.
 - yunchang's ring merge (`update_out_and_lse`) casts each block's output to float32 and its
   backward accumulates dq/dk/dv in float32: at float64 the attention cores are a float32 island
   (declared: `precision_islands`).
@@ -75,8 +78,9 @@ SYNC_GROUPS = ("ulysses", "ring")
 _SHIMMED = False
 
 
-def cpu_shims() -> None:
-    """The CPU shim, the only one; a no-op where CUDA is available, idempotent.
+def cpu_shims(device: torch.device | None = None) -> None:
+    """The CPU shim, the only one; a no-op for ranks on a GPU (`device`: the rank's; None: the
+    CPU, unless CUDA is available), idempotent.
 
     yunchang's default attention type (`AttnType.FA`) calls flash-attn's `_flash_attn_forward` /
     `_flash_attn_backward` for each ring block (`yunchang.kernels.attention.flash_attn_forward`
@@ -87,7 +91,8 @@ def cpu_shims() -> None:
     exact attention in torch. Nothing else of yunchang is touched: its ring loop, p2p, LSE merge,
     float32 accumulators and all-to-alls run as shipped."""
     global _SHIMMED
-    if _SHIMMED or torch.cuda.is_available():
+    on_gpu = device.type == "cuda" if device is not None else torch.cuda.is_available()
+    if _SHIMMED or on_gpu:
         return
     from yunchang.kernels import attention as kernels
 
@@ -262,13 +267,13 @@ def degrees(config: CheckConfig) -> tuple[int, int]:
 
 def yunchang_shard(*, ring_impl_type: str = "zigzag", use_ulysses_low: bool = True, extract: str | None = None,
                    merge: Callable | None = None, forward_swaps: Mapping[str, Any] | None = None,
-                   sync_groups: Sequence[str] = SYNC_GROUPS):
+                   sync_groups: Sequence[str] = SYNC_GROUPS, kernel: str = "exact"):
     """The sharded factory of a `usp_case`. `extract`: the `EXTRACT_FUNC_DICT` key the input is
     placed by (None: `ring_impl_type`'s own, as yunchang's tests do). `merge`: a replacement for
     the ring's `update_out_and_lse` during forward (None: yunchang's). `forward_swaps`: any other
     names of the ring implementation's module replaced during forward (a mutant's).
     `sync_groups`: which of yunchang's groups the replicated grads are summed over (both: the SP
-    group)."""
+    group). `kernel`: what computes each block on CPU ranks (`flash_attn_standin.KERNELS`)."""
     swaps = {**({"update_out_and_lse": merge} if merge else {}), **(forward_swaps or {})}
     placement = extract or ring_impl_type
 
@@ -276,9 +281,13 @@ def yunchang_shard(*, ring_impl_type: str = "zigzag", use_ulysses_low: bool = Tr
         from yunchang import EXTRACT_FUNC_DICT, LongContextAttention
         from yunchang.kernels import AttnType
 
-        ctx.once("yunchang-cpu-shims", cpu_shims)
+        ctx.once("yunchang-cpu-shims", lambda: cpu_shims(ctx.device))
+        from sp_harness.cases.frameworks import flash_attn_standin
+
+        flash_attn_standin.use_kernel(kernel)  # every job sets it: cases share a warm process
         cfg = ctx.config
         ulysses, ring = degrees(cfg)
+        refuse_gloo_ring_of_one(cfg, ring, dist.get_backend())
         yunchang_groups(ctx, ulysses, ring, use_ulysses_low)
         from yunchang.globals import PROCESS_GROUP
 
@@ -313,6 +322,16 @@ def yunchang_shard(*, ring_impl_type: str = "zigzag", use_ulysses_low: bool = Tr
     return shard
 
 
+def refuse_gloo_ring_of_one(cfg: CheckConfig, ring: int, backend: str) -> None:
+    """Unsupported for a ring of one rank with a backward on gloo. The driver knows the backend
+    only where there is no GPU (gloo); ranks on a GPU machine may be gloo's too (the CLI's pools)
+    and say so from `dist.get_backend()`."""
+    if ring == 1 and not cfg.forward_only and backend == "gloo":
+        raise Unsupported("ring_degree 1 on gloo: yunchang's ring backward still sends dk/dv around a one-rank "
+                          "ring (batch_isend_irecv to itself), which gloo cannot (its pair to itself is never "
+                          "connected); forward-only runs, or NCCL")
+
+
 def _import_yunchang() -> None:
     """The case's per-process setup: yunchang's modules imported before any job's clock."""
     import yunchang  # noqa: F401
@@ -341,15 +360,19 @@ class YunchangCase(Case):
 def usp_case(name: str, *, ulysses_degree: int | None = None, ring_degree: int | None = None,
              ring_impl_type: str = "zigzag", use_ulysses_low: bool = True, extract: str | None = None,
              merge: Callable | None = None, forward_swaps: Mapping[str, Any] | None = None,
-             sync_groups: Sequence[str] = SYNC_GROUPS, **case_fields: Any) -> Case:
+             sync_groups: Sequence[str] = SYNC_GROUPS, kernel: str = "exact", **case_fields: Any) -> Case:
     """A `Case` checking yunchang's `LongContextAttention` (USP) at `ulysses_degree` x
     `ring_degree` (None: whatever the run has; ring degree 2 where 2 divides the SP size) with
     `ring_impl_type` ('zigzag', 'basic', 'strip') and yunchang's group layout `use_ulysses_low`,
     inside the reference GPT, against the same GPT with plain attention. `extract`, `merge`,
-    `forward_swaps`, `sync_groups`: as `yunchang_shard`'s. `case_fields`: any other `Case` field (defaults,
-    tags, examples, isolation, ...)."""
+    `forward_swaps`, `sync_groups`, `kernel`: as `yunchang_shard`'s. `case_fields`: any other `Case` field
+    (defaults, tags, examples, isolation, ...)."""
+    from sp_harness.cases.frameworks.flash_attn_standin import KERNELS
+
     if ring_impl_type not in RING_IMPLS:
         raise ValueError(f"usp_case({name!r}): ring_impl_type {ring_impl_type!r}: one of {RING_IMPLS}")
+    if kernel not in KERNELS:
+        raise ValueError(f"usp_case({name!r}): kernel {kernel!r}: one of {KERNELS}")
     placement = extract or ring_impl_type
 
     def validate(cfg: CheckConfig) -> None:
@@ -380,12 +403,17 @@ def usp_case(name: str, *, ulysses_degree: int | None = None, ring_degree: int |
         if placement == "strip" and seq_len % ring:
             raise Unsupported(f"yunchang's stripe_extract_local needs seq_len ({seq_len}) % ring_degree "
                               f"({ring}) == 0")
-        if ring == 1 and not cfg.forward_only and not torch.cuda.is_available():
-            raise Unsupported("ring_degree 1 on gloo: yunchang's ring backward still sends dk/dv around a one-rank "
-                              "ring (batch_isend_irecv to itself), which gloo cannot (its pair to itself is never "
-                              "connected); forward-only runs, or NCCL")
+        if not torch.cuda.is_available():  # then the ranks are gloo's; on a GPU machine they say (shard)
+            refuse_gloo_ring_of_one(cfg, ring, "gloo")
         if ring_impl_type in CAUSAL_ONLY and cfg.causal is False:
             raise Unsupported(f"yunchang's {ring_impl_type} ring is causal only (it asserts causal=True)")
+        if kernel == "torch-flash" and torch.cuda.is_available():
+            hidden = known(cfg.hidden, "hidden")
+            if cfg.dtype not in ("bfloat16", "float16"):
+                raise Unsupported(f"torch's CUDA flash-attention kernel takes float16 / bfloat16, not {cfg.dtype}")
+            if hidden % heads or (hidden // heads) % 8:
+                raise Unsupported(f"torch's CUDA flash-attention kernel needs a head dim divisible by 8: hidden "
+                                  f"({hidden}) / num_heads ({heads})")
 
     case_fields.setdefault("setup", _import_yunchang)
     defaults = {**GPT_DEFAULTS, "causal": True, **case_fields.pop("defaults", {})}
@@ -393,12 +421,13 @@ def usp_case(name: str, *, ulysses_degree: int | None = None, ring_degree: int |
     # the GPT case's fields, its reference with each attention's core a submodule, `case_fields` over them
     fields = {**gpt_fields(defaults, positions=True), "build_reference": build_reference, **case_fields}
     desc = (f"yunchang {YUNCHANG_VERSION} LongContextAttention (USP), ring_impl_type={ring_impl_type!r}, "
+            f"{'' if kernel == 'exact' else f'kernel={kernel!r}, '}"
             f"ulysses x ring = {ulysses_degree or 'sp/R'} x {ring_degree or 'R'}"
             f"{'' if use_ulysses_low else ', use_ulysses_low=False'}")
     return YunchangCase(
         name=name, description=desc, validate=validate,
         shard=yunchang_shard(ring_impl_type=ring_impl_type, use_ulysses_low=use_ulysses_low, extract=extract,
-                             merge=merge, sync_groups=sync_groups, forward_swaps=forward_swaps),
+                             merge=merge, sync_groups=sync_groups, forward_swaps=forward_swaps, kernel=kernel),
         precision_islands={f"blocks.{i}.attn.core": "float32" for i in range(MAX_LAYERS)},
         fixed_ring_degree=ring_degree, fixed_ulysses_degree=ulysses_degree, tags=tags, **fields)
 
@@ -430,5 +459,5 @@ def diagonal_mask_on_every_block(impl_type, stage: str = "fwd-bwd", attn_process
     return masked
 
 
-__all__ = ["YUNCHANG_VERSION", "diagonal_mask_on_every_block", "RING_IMPLS", "cpu_shims", "extract_positions", "overwriting_merge", "seq_order",
+__all__ = ["YUNCHANG_VERSION", "diagonal_mask_on_every_block", "RING_IMPLS", "cpu_shims", "extract_positions", "overwriting_merge", "refuse_gloo_ring_of_one", "seq_order",
            "usp_case", "yunchang_groups", "yunchang_shard"]

@@ -24,6 +24,15 @@ YC_USP = register(usp_case(
               Example(fields=(("world_size", 4), ("dp", 2), ("dtype", "bfloat16")),
                       note="yunchang DP 2 x ring 2, grads averaged over DP"))))
 
+YC_USP_TORCH_FLASH = register(usp_case(
+    "yc-usp-torch-flash", ring_impl_type="zigzag", kernel="torch-flash", isolation=ISOLATION,
+    # yunchang's ring on the kernels users train with: FlashAttention-2 where a GPU is visible,
+    # aten's CPU flash kernel otherwise; both round P and dS to the run dtype, as flash-attn does
+    examples=(Example(fields=(("world_size", 2), ("dtype", "bfloat16")),
+                      note="yunchang ring 2 (zigzag) on torch's flash kernels"),
+              Example(fields=(("world_size", 4), ("dtype", "bfloat16")),
+                      note="yunchang ulysses 2 x ring 2 (zigzag) on torch's flash kernels"))))
+
 mutant(YC_USP, name="mutant-yc-zigzag-contiguous-shards",
        summary="zigzag ring fed contiguous shards (basic_extract_local)",
        bug="the input sharded contiguously while the ring runs yunchang's zigzag schedule: the causal "

@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Protocol, TypeVar
 
-from sp_harness.launch.pool import PoolManager
+from sp_harness.launch.pool import PoolManager, PoolOptions
 from sp_harness.launch.torchrun import TorchrunWorld, under_torchrun
 
 P = TypeVar("P")
@@ -85,9 +85,21 @@ def is_leader() -> bool:
     return not dist.is_initialized() or dist.get_rank() == 0
 
 
-def max_world_size() -> int:
-    """The most ranks this machine runs: one per GPU under nccl; on CPU 4 per core (at least 8),
-    or SP_HARNESS_MAX_WORLD_SIZE where set."""
+def runner_backend() -> str:
+    """The backend the ranks of `runner()` join: torchrun's world nccl where CUDA is available
+    (launch/torchrun.py); this process's pools their options' (gloo, CPU ranks, on a GPU machine
+    too; the pytest plugin's pools choose for themselves, one GPU per rank)."""
+    import torch
+
+    if under_torchrun():
+        return "nccl" if torch.cuda.is_available() else "gloo"
+    return (_DEFAULT_MANAGER.options if _DEFAULT_MANAGER is not None else PoolOptions()).backend
+
+
+def max_world_size(backend: str | None = None) -> int:
+    """The most ranks this machine runs on `backend` (None: `runner_backend()`): one per GPU
+    under nccl; on gloo 4 per core (at least 8), or SP_HARNESS_MAX_WORLD_SIZE where set. A GPU
+    machine's gloo ranks are CPU processes: its GPU count does not limit them."""
     import os
 
     import torch
@@ -97,13 +109,13 @@ def max_world_size() -> int:
         if not text.isdigit() or int(text) < 1:
             raise ValueError(f"SP_HARNESS_MAX_WORLD_SIZE must be a whole number >= 1, got {text!r}")
         return int(text)
-    if torch.cuda.is_available():
+    if (backend or runner_backend()) == "nccl":
         return torch.cuda.device_count()
     return max(8, 4 * (os.cpu_count() or 1))
 
 
 def check_world_size(world_size: int) -> None:
-    """A usage error, before any rank starts, for more ranks than this machine runs."""
+    """A usage error, before any rank starts, for more ranks than `runner()`'s ranks can be."""
     limit = max_world_size()
     if world_size > limit:
         raise ValueError(f"world_size {world_size} is more ranks than this machine runs (at most {limit}; "
