@@ -100,3 +100,22 @@ def test_a_gpu_machines_pools_are_limited_by_its_cores_not_its_gpus(monkeypatch)
     assert runner.max_world_size() >= 8
     runner.check_world_size(4)
     assert runner.max_world_size("nccl") == 1
+
+
+def test_a_pytest_worker_gets_nccl_only_with_two_gpus_of_its_own(monkeypatch):
+    # one GPU hosts one nccl rank: a worker with fewer than two runs its ranks on gloo (CPU)
+    import torch
+
+    from sp_harness.pytest_plugin import _pool_options
+
+    monkeypatch.delenv("SP_HARNESS_BACKEND", raising=False)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    for count, workers, worker, want in [(1, 1, "gw0", ("gloo", None)), (4, 2, "gw1", ("nccl", (1, 3))),
+                                         (2, 2, "gw0", ("gloo", None)), (8, 1, "gw0", ("nccl", tuple(range(8))))]:
+        monkeypatch.setattr(torch.cuda, "device_count", lambda c=count: c)
+        monkeypatch.setenv("PYTEST_XDIST_WORKER_COUNT", str(workers))
+        monkeypatch.setenv("PYTEST_XDIST_WORKER", worker)
+        got = _pool_options(None)
+        assert (got.backend, got.devices) == want, (count, workers, worker)
+    monkeypatch.setenv("SP_HARNESS_BACKEND", "gloo")
+    assert _pool_options(None).backend == "gloo"
