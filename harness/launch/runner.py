@@ -7,7 +7,7 @@ from collections.abc import Callable
 from typing import Protocol, TypeVar
 
 from sp_harness.launch.pool import PoolManager, PoolOptions
-from sp_harness.launch.torchrun import TorchrunWorld, under_torchrun
+from sp_harness.launch.torchrun import TorchrunWorld, torchrun_backend, under_torchrun
 
 P = TypeVar("P")
 R = TypeVar("R")
@@ -89,10 +89,8 @@ def runner_backend() -> str:
     """The backend the ranks of `runner()` join: torchrun's world nccl where CUDA is available
     (launch/torchrun.py); this process's pools their options' (gloo, CPU ranks, on a GPU machine
     too; the pytest plugin's pools choose for themselves, one GPU per rank)."""
-    import torch
-
     if under_torchrun():
-        return "nccl" if torch.cuda.is_available() else "gloo"
+        return torchrun_backend()
     return (_DEFAULT_MANAGER.options if _DEFAULT_MANAGER is not None else PoolOptions()).backend
 
 

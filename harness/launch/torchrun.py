@@ -35,7 +35,7 @@ class TorchrunWorld:
         import torch.distributed as dist
 
         if not dist.is_initialized():
-            backend = "nccl" if torch.cuda.is_available() else "gloo"
+            backend = torchrun_backend()
             if backend == "nccl":
                 torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
             dist.init_process_group(backend)
@@ -125,6 +125,13 @@ def finish(code: int) -> None:
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)
+
+
+def torchrun_backend() -> str:
+    """The backend a torchrun world joins: nccl where CUDA is available, else gloo."""
+    import torch
+
+    return "nccl" if torch.cuda.is_available() else "gloo"
 
 
 def under_torchrun() -> bool:
