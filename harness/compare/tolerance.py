@@ -161,22 +161,22 @@ references did (a tensor they all rounded exactly)."""
 
 FLOAT32_ENSEMBLE_KINDS: frozenset[str] = frozenset({"forward", "lse"})
 """The checks a float32 run's ensemble judges: forward outputs and LSEs. Its members are the
-run-precision reference and the perturbed one (no third reference), each carrying the
-sequential-order matmul error (sp_harness.step.adversary.order_error, when float32 is in
-SEQUENTIAL_ORDER_DTYPES), which at float32 is most of either's error; the perturbed one
-overestimates a correct sharded forward (it also rounds every op's inputs), so the chi-ratio
-argument holds. Such a piece takes the smaller of that bound and the two-reference one
-(NORM_FACTOR): with hundreds of tokens the ensemble's factor is about 2 and its floor half an
-ulp. float64 keeps the two-reference bound: its run-precision reference is float32, another
-process, scaled by eps64 / eps32. Forward outputs and LSEs were validated with the
-sequential-order error (campaigns in docs/false-alarms.md, no forward or LSE false alarm); with
-it they catch one rank's logits scaled by about 1e-6 at the training size. Never grads: a
-sharded attention's backward (a flash-style row sum D = rowsum(dO * O), ranks' partial dK / dV
-summed in float32) rounds what
-neither member does, and the float32 campaign found correct grads at up to 2.7x the members'
-largest (usp-gpt, 3 ranks, hidden 60, a q-proj weight grad at 1.05x the ensemble bound under
-`avx2` kernels; 0.66 of the two-reference one). bfloat16's `rounded` member forms that row sum
-(sp_harness.step.rounding.RoundedResults); a float32 one would cost a float64 pass per step."""
+run-precision reference (with the sequential-order matmul error, sp_harness.step.adversary.
+order_error, most of a float32 forward's error) and the 'rounded' one (sp_harness.checks.
+references.SAMPLES: float64 with every op's result rounded to float32, every reduction split
+into world-size parts; forward only, `samples_backward`). Without a 'rounded' member (a caller
+that passes none) the perturbed reference stands in for it, which overstates a real kernel (it
+also rounds every op's inputs): at the training size its error was about 8x the members', and
+one rank's logits scaled by 1.1e-6 passed where 1.3e-7 now fails (docs/sensitivity.md). Such a
+piece takes the smaller of that bound and the two-reference one (NORM_FACTOR): each holds on its
+own, so their false-alarm rates add. float64 keeps the two-reference bound: its run-precision
+reference is float32, another process, scaled by eps64 / eps32. Never grads: a sharded
+attention's backward (a flash-style row sum D = rowsum(dO * O), ranks' partial dK / dV summed in
+float32) rounds what neither member does. The float32 campaign found correct grads at up to 2.7x
+the members' largest (usp-gpt, 3 ranks, hidden 60, a q-proj weight grad at 1.05x the ensemble
+bound under `avx2` kernels; 0.66 of the two-reference one), and a float32 'rounded' member with
+a backward did not cover it: megatron-gpt-sp at 4 ranks, hidden 256, seq 512, 4 layers had a
+q-proj weight grad at 1.1x that ensemble's bound (thirteenth session)."""
 
 KIND_ORDER = ("init", "forward", "lse", "loss", "input_grad", "grad", "param")
 
@@ -394,10 +394,10 @@ def _norm_bound(kind: str, diff: torch.Tensor, ref64: torch.Tensor, ref_lp: torc
     diff = torch.where(torch.isfinite(diff), diff, torch.full_like(diff, float("inf")))
     ref_norm = float(ref64.norm())
     got = float(diff.norm())
-    both = ref_alt is not None and not samples and dtype == torch.float32 and kind in FLOAT32_ENSEMBLE_KINDS
-    if kind not in ENSEMBLE_KINDS:
+    both = ref_alt is not None and dtype == torch.float32 and kind in FLOAT32_ENSEMBLE_KINDS
+    if kind not in ENSEMBLE_KINDS or (dtype == torch.float32 and kind not in FLOAT32_ENSEMBLE_KINDS):
         samples = ()
-    elif ref_alt is not None and both:
+    elif ref_alt is not None and both and not samples:
         samples = (ref_alt,)
     ensemble = _ensemble_bound(kind, ref64, ref_lp, ref_alt, dtype, samples, dof, diff.numel(), ref_norm, grad_dof)
     m = 0.0
