@@ -30,8 +30,8 @@ from sp_harness.checks.references import (
     LinearPiece,
     RefResult,
     Shared,
+    kinds_for,
     make_references,
-    samples_backward,
 )
 from sp_harness.checks.refproc import Remote, reference_process
 from sp_harness.compare.divergence import first_divergence
@@ -185,8 +185,7 @@ class _SideBySide:
             want_alt, _ = cut(r_alt.input_grads[name] * scale, in_layout, ctx)
             label = "input" if batch.positional else f"input:{name}"
             self.judge("input_grad", label, step, local.inputs[name].grad, want64, want_lp, in_off, want_alt,
-                       dof=local_tokens, samples=[cut(r.input_grads[name] * scale, in_layout, ctx)[0] for r in samples
-                                                  if samples_backward(self.dtype)])
+                       dof=local_tokens, samples=[cut(r.input_grads[name] * scale, in_layout, ctx)[0] for r in samples])
 
     def judge_lse(self, step: int, refs: dict[str, RefResult]) -> None:
         """Attention log-sum-exps, where the sharded model exposes them. A module exposes its own
@@ -230,15 +229,14 @@ class _SideBySide:
             assert g64 is not None and glp is not None, f"the references computed no grad of {ref} (backward ran)"
             got, w64, wlp, off = p.full_or_piece(got_grad, g64, glp, self.ctx)
             self.judge("grad", ref, step, got, w64, wlp, off, p.piece_of(grads["alt"][ref], self.ctx), dof=tokens,
-                       samples=[p.piece_of(grads[w][ref], self.ctx) for w in SAMPLES
-                                if w in grads and samples_backward(self.dtype)],
+                       samples=[p.piece_of(grads[w][ref], self.ctx) for w in SAMPLES if w in grads],
                        grad_noise=refs["r64"].grad_noise.get((self.ctx.rank, ref)))
 
     def _linear_pieces(self) -> tuple[LinearPiece, ...]:
         """Every rank's pieces of the weight (2-D) and bias (1-D) params that are a block of the
         reference's rows x columns, for the float64 reference to derive their grads' degrees of
         freedom (runs with an ensemble only: nothing else reads them). A collective."""
-        if not samples_backward(self.dtype) or self.forward_only:
+        if "rounded" not in kinds_for(self.dtype) or self.forward_only:
             return ()
         mine = []
         for p in self.params:

