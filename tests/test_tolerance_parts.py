@@ -250,6 +250,29 @@ def test_the_flash_row_sum_reads_a_rounded_output_under_the_sequential_model():
     assert (noise._rowsum_error(g, p, -1, known=(*known[:2], None)).abs() < 0.5 * floor).all()
 
 
+def test_the_row_sum_error_is_keyed_on_the_rows_values_not_drawn_per_row():
+    # a kernel is deterministic: two rows computed from the same values err alike. Drawn per row,
+    # two DP replicas' identical one-key rows drew opposite signs half the time and cancelled in
+    # the batch's k-bias grad (usp-gpt, 4 ranks, dp 2, seq_len 1, reorder-tf32: 7.5x), though this
+    # reference's own perturbation (eps) tells the rows apart in their last bits
+    eps32 = torch.finfo(torch.float32).eps
+    gen = torch.Generator().manual_seed(2)
+    g_row = torch.randn(1, 1, 6, generator=gen, dtype=torch.float64)
+    p_row = torch.softmax(torch.randn(1, 1, 6, generator=gen, dtype=torch.float64), -1)
+    g = torch.cat([g_row, g_row * (1 + eps32)], 0)  # (B=2, queries, keys): equal rows, but for a bit
+    p = torch.cat([p_row, p_row], 0)
+    noise = RoundingNoise(eps32, torch.Generator().manual_seed(1), eps32, matmul_input_rel=2.0 ** -10)
+    err = noise._rowsum_error(g, p, -1)
+    assert err.abs().min() > 0 and torch.allclose(err[0], err[1], rtol=1e-6)
+    # distinct rows still get both signs, and another seed salts the signs differently
+    many_g = torch.randn(256, 1, 6, generator=gen, dtype=torch.float64)
+    many_p = torch.softmax(torch.randn(256, 1, 6, generator=gen, dtype=torch.float64), -1)
+    signs = noise._row_sign(many_g, many_p, -1).flatten()
+    assert 0.35 < float((signs > 0).double().mean()) < 0.65
+    other = RoundingNoise(eps32, torch.Generator().manual_seed(7), eps32)._row_sign(many_g, many_p, -1).flatten()
+    assert not torch.equal(signs, other)
+
+
 def _max_ratio_demo():
     import importlib.util
     from pathlib import Path

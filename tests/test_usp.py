@@ -165,3 +165,15 @@ def test_ring_low_groups_mutant_is_killed_where_u_and_r_are_both_above_1(sp_chec
     assert res.verdict == "FAIL" and res.first_check == "forward", format_result(res)
     # where U or R is 1 the two layouts coincide: the mutant is the correct case there
     assert sp_check(_resolved(world_size=2, steps=1).replace(case=RING_LOW_GROUPS.name)).verdict == "PASS"
+
+
+def test_dp_replicas_with_identical_one_key_rows_pass_their_structurally_zero_key_bias_grad(sp_check):
+    # the device campaign's false alarm (thirteenth session): batch 1 per replica over 2 DP
+    # replicas whose one-token sequences coincide (vocab 2); the k-bias grad is 0 in exact
+    # arithmetic and the sharded run's flash-style row sum errs alike in both replicas, where the
+    # perturbed reference's row-sum error took a random sign per row and cancelled (7.5x, FAIL)
+    config = CheckConfig(case=CASE, world_size=4, dp=2, batch=1, dtype="float32", steps=1, seed=1, hidden=4,
+                         ffn=1, num_heads=2, load_balancer="none", ring_degree=1, vocab=2, seq_shards=(1, 0),
+                         adversary="reorder-tf32", timeout_s=TIMEOUT)
+    res = sp_check(config)
+    assert res.verdict == "PASS", format_result(res)

@@ -67,6 +67,8 @@ class RoundingNoise(TorchDispatchMode):
         self._order_scales: dict[int, tuple[torch.Tensor, float, tuple | None]] = {}
         """Recent matmul results' order-error magnitudes, by the result's storage (and the
         storages of reshapes of it): what softmax's backward needs to know about its grad."""
+        self._salt: float | None = None
+        """The row-sign hash's salt (`_row_sign`), drawn on first use."""
         self._coarse = coarser_dtypes(rel)
         """Dtype -> the eps a tensor of it rounds at as a precision island: the floating dtypes
         coarser than the run's, each at its own eps; inside a declared island, every one."""
@@ -244,8 +246,25 @@ class RoundingNoise(TorchDispatchMode):
         # at its magnitude with a random sign, not scaled by a uniform draw: on an exact
         # cancellation this is the one error the tensor has, and a uniform factor near 0 (one
         # draw in 16 below 1/16) left the bound under the sharded run's single error by luck
-        sign = self.pool.window(scale.shape, scale.dtype, scale.device).sign()
-        return prob * scale * sign
+        return prob * scale * self._row_sign(grad, prob, dim)
+
+    def _row_sign(self, grad: torch.Tensor, prob: torch.Tensor, dim: int) -> torch.Tensor:
+        """+-1 per softmax row, keyed on the row's values (its grad and probabilities) rather than
+        drawn per row: a kernel is deterministic, so rows computed from the same values err
+        alike. Drawn per row, two identical rows of a batch (two DP replicas' identical
+        one-token sequences: usp-gpt, 4 ranks, dp 2, seq_len 1, reorder-tf32) drew opposite signs
+        half the time, and their row-sum errors cancelled in the batch's k-bias grad where the
+        sharded run's, one per replica, added up: 7.5x its max-abs bound. The key's hash (the
+        fractional part of a large multiple of its sine) is salted once per reference, so other
+        seeds draw other signs."""
+        if self._salt is None:
+            self._salt = float(self.pool.window(torch.Size([1]), torch.float64, torch.device("cpu"))[0])
+        # keyed on the values at bfloat16's precision: this reference perturbs every op's inputs
+        # (at eps), which would tell apart rows that the sharded run computes from equal values
+        g64, p64 = (t.detach().to(torch.bfloat16).to(torch.float64) for t in (grad, prob))
+        key = (g64 * p64).sum(dim, keepdim=True) + g64.square().sum(dim, keepdim=True) + p64.square().sum(dim, keepdim=True)
+        hashed = torch.frac(torch.sin(key * 12.9898 + self._salt).abs() * 43758.5453)
+        return torch.where(hashed < 0.5, -1.0, 1.0).to(prob.dtype)
 
 
 _EPS32 = torch.finfo(torch.float32).eps
