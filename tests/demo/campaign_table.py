@@ -8,6 +8,11 @@ the tolerance model on an unsharded run, not an SP implementation.
     python tests/demo/campaign_table.py RECORDS.jsonl [...] [--with-sp1]
 
 A file's kernel family is the leading word of its name (native-*.jsonl, avx2-*.jsonl, default-*.jsonl).
+
+A draw whose checks never ran (a verdict other than the expected one with no check ratios: a rank
+killed by a signal, the out-of-memory killer's SIGKILL among them, or one that raised) is no
+verdict of the tolerance model: it is counted and named apart, as a crash, and left out of the
+draws and false alarms.
 """
 
 import argparse
@@ -33,6 +38,8 @@ left_out = [r for r in rows if r["world_size"] // r["dp"] < 2]
 if not args.with_sp1:
     rows = [r for r in rows if r["world_size"] // r["dp"] >= 2]
     print(f"({len(left_out)} draws with one rank per replica left out)")
+crashed = [r for r in rows if r["verdict"] != r["expected"] and not r.get("worst")]
+rows = [r for r in rows if r["verdict"] == r["expected"] or r.get("worst")]
 for dtype in sorted({r["dtype"] for r in rows}):
     draws = [r for r in rows if r["dtype"] == dtype]
     alarms = [r for r in draws if r["verdict"] != r["expected"]]
@@ -56,3 +63,7 @@ for dtype in sorted({r["dtype"] for r in rows}):
               f"{worst['repro']}")
     for r in alarms:
         print(f"  FALSE ALARM ({r['family']}, {r['verdict']}): {r['repro']}")
+if crashed:
+    print(f"{len(crashed)} draws crashed before any check ran (not counted above):")
+    for r in crashed:
+        print(f"  CRASHED ({r['family']}): {r.get('reason', '')[:300]} :: {r['repro']}")
