@@ -5,8 +5,9 @@
 #
 #     bash tests/demo/device_campaign.sh OUTDIR SECONDS DTYPE SEED0
 #
-# OUTDIR gets log.txt (environment, each stream's last lines) and campaign-<family>.jsonl (one
-# record per draw of tests/demo/false_alarms.py). Stream k draws with hypothesis seed SEED0 + k.
+# OUTDIR gets log.txt (environment, each stream's last lines) and <family>-<dtype>.jsonl (one
+# record per draw of tests/demo/false_alarms.py, named as tests/demo/campaign_table.py reads a
+# kernel family). Stream k draws with hypothesis seed SEED0 + k.
 # Memory: 12 streams of training-size float32 draws outgrew 128 GiB once (14 of 418 draws lost to
 # SIGKILL in the thirteenth session's first run); a killed rank is recorded as FAIL with its
 # signal, so count those apart from the verdicts (they carry no check ratios).
@@ -35,5 +36,5 @@ wait
   echo "== streams (seeds from $((seed0 + 1)))"
   for i in $(seq 1 "$k"); do tail -2 "$out/stream$i.txt"; done
 } >> "$log" 2>&1
-for fam in native avx2 default; do cat "$out"/stream*-"$fam".jsonl > "$out/campaign-$fam.jsonl" 2>/dev/null; done
+for fam in native avx2 default; do cat "$out"/stream*-"$fam".jsonl > "$out/$fam-$dtype.jsonl" 2>/dev/null; done
 rm -f "$out"/stream*
