@@ -209,7 +209,10 @@ def piece_noise(terms: LinearTerms, pieces: Iterable[LinearPiece],
         weight = grad[rows][:, _contiguous(piece.cols)]
         share = (1.0 if sums_to_zero(out_grads[module][:, rows], weight)
                  else weight_share(x.sample, g.sample, weight, trace))
-        return PieceNoise(dof=weight_grad_dof(x, g), share=share)
+        rss = float((g.sq * x.sq).sum()) ** 0.5
+        norm = float(weight.norm())
+        return PieceNoise(dof=weight_grad_dof(x, g), share=share,
+                          cancellation=rss / norm if norm else float("inf"))
 
     derived: dict[tuple, PieceNoise] = {}
     for piece in pieces:

@@ -82,6 +82,11 @@ class PieceNoise:
     """Degrees of freedom of the piece's rounding error norm (tolerance.weight_grad_dof)."""
     share: float
     """The fraction of that error's variance along the exact grad G: G^T C G / (tr C |G|^2)."""
+    cancellation: float = float("inf")
+    """A Linear weight piece's per-token terms' root sum of squares over the sum they make,
+    `sqrt(sum_t |g_t|^2 |x_t|^2) / |G|` (tolerance.NO_CANCELLATION): about 1 where the tokens'
+    outer products add in general position, large where they cancel. inf: not derived (a bias,
+    a norm's param), which keeps the perturbed reference's term."""
 
 
 @dataclass(kw_only=True, frozen=True)
