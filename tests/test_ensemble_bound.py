@@ -313,3 +313,48 @@ def test_the_float64_reference_derives_each_ranks_linear_pieces_from_its_own_ter
     assert dofs[(1, "blocks.0.mlp.fc1.bias")] == bias_grad_dof(g[:, halves[1]])
     # a norm's weight: never more than the quarter of its tokens (tests/test_grad_scale.py)
     assert dofs[(0, "blocks.0.norm1.weight")] <= 24 * 0.25
+
+
+def test_a_plain_weight_grad_leaves_alt_out_and_a_cancelling_or_noisy_one_keeps_it():
+    # members at 1 u, alt at 6 u (alt / 3 sets the noise when it counts): a Linear weight piece
+    # whose terms add in general position (cancellation 1.0) is judged on the members alone and
+    # catches a 1.2% scale that the alt term passes; a cancelling sum (3.0), or members erring
+    # past PLAIN_NOISE_UNITS of the piece, keep alt / 3
+    from sp_harness.compare.grad_scale import PieceNoise
+    from sp_harness.compare.tolerance import NO_CANCELLATION, PLAIN_NOISE_UNITS
+
+    gen = torch.Generator().manual_seed(11)
+    ref64 = torch.randn(256, 64, generator=gen, dtype=torch.float64)
+    u = 2.0 ** -8
+    members = (_bf16_like(ref64, gen, u), _bf16_like(ref64, gen, u))
+    scaled = _bf16_like(ref64, gen, u) * 1.012
+
+    def judged(cancellation: float, members, alt_rel: float):
+        alt = _bf16_like(ref64, gen, alt_rel)
+        return alt, check_tensor(kind="grad", name="fc1.weight", step=0, rank=0, got=scaled, ref64=ref64,
+                                 ref_lp=members[0], ref_alt=alt, dtype=torch.bfloat16, dof=512,
+                                 ref_samples=[members[1]],
+                                 grad_noise=PieceNoise(dof=512, share=0.01, cancellation=cancellation))
+
+    def third(alt):
+        return float((alt - ref64).norm()) / tolerance.ALT_OVERESTIMATE
+
+    alt, plain = judged(1.0, members, 6 * u)
+    assert not plain.ok and plain.noise_norm < third(alt), plain.describe()
+    alt, cancelling = judged(NO_CANCELLATION * 2, members, 6 * u)
+    assert cancelling.ok and cancelling.noise_norm == third(alt), cancelling.describe()
+    noisy = (_bf16_like(ref64, gen, PLAIN_NOISE_UNITS * 1.2 * u), _bf16_like(ref64, gen, PLAIN_NOISE_UNITS * 1.2 * u))
+    alt, kept = judged(1.0, noisy, 4.5 * PLAIN_NOISE_UNITS * u)
+    assert kept.noise_norm == third(alt) > max(float((m - ref64).norm()) for m in noisy)
+
+
+def test_the_max_abs_bound_counts_the_members_where_alt_errs_little():
+    # a structurally zero grad of 4 elements: alt's one draw erred 1.1e-5, 'rounded' 8.6e-5, the
+    # run 5.8e-4 (the fourteenth session's one-key GQA ring): FACTOR x the larger passes it
+    zero = torch.zeros(1, 4, dtype=torch.float64)
+    common = dict(kind="grad", name="k_proj.weight", step=0, rank=0, ref64=zero, ref_lp=zero,
+                  ref_alt=torch.tensor([[2.9e-6, -7e-7, 4.5e-6, -1.1e-5]], dtype=torch.float64), dtype=torch.bfloat16,
+                  dof=1, got=torch.tensor([[-1.44e-4, 3.5e-5, -2.44e-4, 5.84e-4]], dtype=torch.float64))
+    assert not check_tensor(**common).ok
+    member = torch.tensor([[2.1e-5, -5.1e-6, 3.6e-5, -8.6e-5]], dtype=torch.float64)
+    assert check_tensor(ref_samples=[member], **common).ok
