@@ -16,8 +16,9 @@ more references, both run by sp_harness.checks.side_by_side_rank:
 
 Two bounds, both must hold:
 
-    max-abs    max|err| <= FACTOR * max(e_lp, e_alt) + FLOOR_ULPS * eps(dtype) * max|ref64|
-               (FACTOR: max_abs_factor, wider for pieces of one or two elements)
+    max-abs    max|err| <= FACTOR * max(e_lp, e_alt, e_members) + FLOOR_ULPS * eps(dtype) * max|ref64|
+               (FACTOR: max_abs_factor, wider for pieces of one or two elements; e_members:
+               the ensemble's other members, where the run has them)
     norm-wise  ||err||  <= NORM_FACTOR * ||e_lp|| + NORM_FLOOR_ULPS * eps(dtype) * ||ref64||
                (pieces of NORM_MIN_NUMEL elements or more)
 
