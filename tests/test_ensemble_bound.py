@@ -3,6 +3,7 @@
 for a forward failure no module explains (sp_harness.compare.divergence). Pure: no process
 group."""
 
+import pytest
 import torch
 
 from sp_harness.capture.trace import Trace
@@ -207,27 +208,32 @@ def _terms(tokens: int, width_in: int, width_out: int, gen: torch.Generator, *, 
     return x, g
 
 
-def _empirical_dof(x: torch.Tensor, g: torch.Tensor, gen: torch.Generator, draws: int = 4000) -> float:
+def _empirical_dof(x: torch.Tensor, g: torch.Tensor, gen: torch.Generator, draws: int = 4000, *,
+                   errs_in: str = "both") -> float:
     """2 mean^2 / var of ||E||^2 over draws of the error weight_grad_dof models: every element of
-    each token's x and g off by an independent relative error, E = sum_t dg_t x_t^T + g_t dx_t^T."""
-    dx = x * torch.randn(draws, *x.shape, generator=gen, dtype=torch.float64)
-    dg = g * torch.randn(draws, *g.shape, generator=gen, dtype=torch.float64)
+    each token's x and g (or only one side's: `errs_in` 'x' or 'g') off by an independent relative
+    error, E = sum_t dg_t x_t^T + g_t dx_t^T."""
+    dx = x * torch.randn(draws, *x.shape, generator=gen, dtype=torch.float64) * (errs_in != "g")
+    dg = g * torch.randn(draws, *g.shape, generator=gen, dtype=torch.float64) * (errs_in != "x")
     err = torch.einsum("dto,ti->doi", dg, x) + torch.einsum("to,dti->doi", g, dx)
     sq = err.square().sum((1, 2))
     return float(2 * sq.mean() ** 2 / sq.var())
 
 
 def test_weight_grad_dof_is_the_spread_of_the_error_norm_it_models():
-    # Satterthwaite's (tr C)^2 / tr C^2 against the measured spread of ||E||^2, for tokens that
-    # weigh alike, a gated unit (a few tokens carry it), a one-unit piece whose inputs share a
-    # direction (the two-unit-MLP near miss: many tokens, few directions), and past the token
-    # sample (pairs summed over 128 of 300 tokens and scaled up)
+    # Satterthwaite's (tr C)^2 / tr C^2 of each error term (only g's, only x's) against the
+    # measured spread of ||E||^2, the fewer of the two, for tokens that weigh alike, a gated unit
+    # (a few tokens carry it), a one-unit piece whose inputs share a direction (the two-unit-MLP
+    # near miss: many tokens, few directions), and past the token sample (pairs summed over 128 of
+    # 300 tokens and scaled up); with both terms alike the spread has at least as many
     gen = torch.Generator().manual_seed(23)
     for tokens, width_in, width_out, kw in ((24, 8, 4, {}), (60, 12, 3, dict(gated=5)),
                                             (100, 16, 1, dict(shared=3.0)), (300, 6, 2, dict(shared=1.0))):
         x, g = _terms(tokens, width_in, width_out, gen, **kw)
-        derived, measured = weight_grad_dof(x, g), _empirical_dof(x, g, gen)
-        assert abs(derived / measured - 1) < 0.2, (tokens, kw, derived, measured)
+        derived = weight_grad_dof(x, g)
+        fewer = min(_empirical_dof(x, g, gen, errs_in="g"), _empirical_dof(x, g, gen, errs_in="x"))
+        assert abs(derived / fewer - 1) < 0.2, (tokens, kw, derived, fewer)
+        assert derived < 1.2 * _empirical_dof(x, g, gen), (tokens, kw)
 
 
 def test_a_one_unit_grad_over_shared_inputs_counts_its_directions_not_its_tokens():
@@ -358,3 +364,44 @@ def test_the_max_abs_bound_counts_the_members_where_alt_errs_little():
     assert not check_tensor(**common).ok
     member = torch.tensor([[2.1e-5, -5.1e-6, 3.6e-5, -8.6e-5]], dtype=torch.float64)
     assert check_tensor(ref_samples=[member], **common).ok
+
+
+def test_a_weight_grads_degrees_of_freedom_are_the_fewer_of_its_two_error_terms():
+    # E = sum_t dg_t x_t^T + g_t dx_t^T: where one side's relative errors are far larger (a unit's
+    # input that is itself a cancellation) its term alone sets E, so the count is the fewer of the
+    # two terms' own Satterthwaite counts, whatever their weights
+    gen = torch.Generator().manual_seed(12)
+    x = torch.randn(60, 2, generator=gen, dtype=torch.float64)
+    x[:, 0] *= 0.05  # a unit that barely fires: its column carries little of the terms
+    g = torch.randn(60, 150, generator=gen, dtype=torch.float64) + 3 * torch.randn(1, 150, generator=gen,
+                                                                                   dtype=torch.float64)
+    a = (g.square() @ g.square().T) * (x @ x.T).square()  # tr C_g^2 by token pairs
+    b = (g @ g.T).square() * (x.square() @ x.square().T)  # tr C_x^2
+    trace = float((g.square().sum(1) * x.square().sum(1)).sum())
+    assert tolerance.weight_grad_dof(x, g) == pytest.approx(min(trace**2 / float(a.sum()), trace**2 / float(b.sum())))
+
+
+def test_a_narrow_weight_piece_keeps_alt_however_plain_its_sum():
+    from sp_harness.compare.grad_scale import PieceNoise
+    from sp_harness.compare.tolerance import PLAIN_MIN_WIDTH
+
+    gen = torch.Generator().manual_seed(13)
+    u = 2.0 ** -8
+    for width, keeps in ((PLAIN_MIN_WIDTH - 1, True), (PLAIN_MIN_WIDTH, False)):
+        ref64 = torch.randn(150, width, generator=gen, dtype=torch.float64)
+        members = [_bf16_like(ref64, gen, u) for _ in range(2)]
+        alt = _bf16_like(ref64, gen, 9 * u)
+        chk = check_tensor(kind="grad", name="fc2.weight", step=0, rank=0, got=members[0], ref64=ref64,
+                           ref_lp=members[0], ref_alt=alt, dtype=torch.bfloat16, dof=300, ref_samples=[members[1]],
+                           grad_noise=PieceNoise(dof=300, share=0.01, cancellation=1.0))
+        third = float((alt - ref64).norm()) / tolerance.ALT_OVERESTIMATE
+        assert (chk.noise_norm == third) is keeps, (width, chk.noise_norm, third)
+
+
+def test_the_reference_names_its_attention_projections_which_keep_alt():
+    from sp_harness.reference.gpt import GPT, GPTConfig
+    from sp_harness.step.reference import LinearTerms
+
+    terms = LinearTerms(GPT(GPTConfig(vocab=11, hidden=8, num_heads=2, ffn=16, num_layers=1, max_seq_len=8)))
+    assert terms.in_attention == {f"blocks.0.attn.{p}" for p in ("q_proj", "k_proj", "v_proj", "out_proj")}
+    assert {"blocks.0.mlp.fc1", "blocks.0.mlp.fc2", "lm_head"} <= set(terms.linears) - terms.in_attention

@@ -211,8 +211,9 @@ def piece_noise(terms: LinearTerms, pieces: Iterable[LinearPiece],
                  else weight_share(x.sample, g.sample, weight, trace))
         rss = float((g.sq * x.sq).sum()) ** 0.5
         norm = float(weight.norm())
-        return PieceNoise(dof=weight_grad_dof(x, g), share=share,
-                          cancellation=rss / norm if norm else float("inf"))
+        # an attention's projections keep the perturbed reference's term (cancellation inf)
+        plain = norm and module not in terms.in_attention
+        return PieceNoise(dof=weight_grad_dof(x, g), share=share, cancellation=rss / norm if plain else float("inf"))
 
     derived: dict[tuple, PieceNoise] = {}
     for piece in pieces:

@@ -158,13 +158,26 @@ tokens, its per-rank parts are then about as large as the terms' root sum of squ
 the 'rounded' member's random splits round at too. alt's term was 2.2x the members' largest on
 the fc1 weight of the training-like config (1.3-1.6x at the default one), and set its bound.
 The terms of a key projection's grad, which sum to zero over the keys, reached 1.4-2.6 in
-small configs (megatron-gpt-sp, 4 ranks, shards 0/4/1/8, ffn 1) and keep it."""
+small configs (megatron-gpt-sp, 4 ranks, shards 0/4/1/8, ffn 1). An attention's projections
+(a Linear inside a module whose class name has "Attention": step.reference.LinearTerms) get no
+`cancellation` and keep alt's term: their inputs or output grads come through the attention's
+token mixing, which a sharded run computes in other blocks and orders than the members, and the
+campaign's correct v-, q- and out-proj weight grads erred 1.6-1.8x the members' largest at
+150-1000 degrees of freedom (ratios 0.75-0.91 without alt; ring-gpt, ulysses-gpt, usp-gpt at
+hidden 256-384)."""
 PLAIN_NOISE_UNITS = 8.0
 """...and whose members err by at most this many unit roundoffs of its norm: a grad whose
 per-token terms are themselves cancellations (a q-proj's, through softmax's backward p (g - D))
 errs far more than its terms' roundings, and keeps alt's term. The fc1 weight pieces err 1 u
 (training-like config) to 4 u (default); a ring-gpt q-proj weight grad at 115 u (4 ranks, hidden
 256, 384 tokens, `reorder-tf32`, the GPU machine's CPUs) reached 0.917 of its bound without it."""
+PLAIN_MIN_WIDTH = 8
+"""...and that has at least this many rows and columns. In a narrow piece one unit's column (or
+row) can carry the error: a two-unit fc2 weight grad erred 8x the members in one unit's column
+(ulysses-gpt, 4 ranks, hidden 150, ffn 2, shards 90/88/0/112, `--seed` none, `reorder`: 2.35x
+under `avx2` without alt's term, 1.05x with it at the equal-weight degrees of freedom; the unit's
+inputs are far less accurate than u relative, and may share one rounding across the tokens), an
+error whose count of independent parts no per-token model of the piece bounds from below."""
 CANCELLATION = 0.5
 """A piece whose ensemble errs by this fraction of its own norm or more is a cancellation of much
 larger terms (a grad that is zero in exact arithmetic, softmax's shift invariance): the
@@ -458,7 +471,7 @@ def _ensemble_bound(kind: str, ref64: torch.Tensor, ref_lp: torch.Tensor, ref_al
     noise = max(float(e.norm()) for e in errs)
     if noise >= CANCELLATION * ref_norm:
         return None
-    plain_sum = (kind == "grad" and cancellation <= NO_CANCELLATION
+    plain_sum = (kind == "grad" and cancellation <= NO_CANCELLATION and min(ref64.shape) >= PLAIN_MIN_WIDTH
                  and noise <= PLAIN_NOISE_UNITS * eps(dtype) / 2 * ref_norm)
     if kind in BACKWARD_KINDS and ref_alt is not None and not plain_sum:
         noise = max(noise, float((ref_alt.detach().to(torch.float64) - ref64).norm()) / ALT_OVERESTIMATE)
@@ -511,23 +524,34 @@ def weight_grad_dof(x: torch.Tensor | TokenSide, g: torch.Tensor | TokenSide) ->
     and rows (or their TokenSides). Model: each token's g and x carry independent relative errors
     per element, so the error is vec(E) ~ N(0, C), C = sum_t diag(g_t^2) (x) x_t x_t^T + g_t g_t^T
     (x) diag(x_t^2), and ||E||^2 is close to a scaled chi-square of (tr C)^2 / tr C^2 degrees of
-    freedom (Satterthwaite). Fewer where a few tokens carry the sum (a gated unit) and where the
+    freedom (Satterthwaite), counted for each of the two terms alone and the fewer returned (the
+    terms' weights are not known: below). Fewer where a few tokens carry the sum (a gated unit) and where the
     tokens' inputs share a direction (a LayerNorm output feeding one unit: E is then nearly
     sum_t dg_t x_t, one vector): a one-unit fc1 weight grad over 690 tokens has about 7. The
     trace and each token with itself are summed over every token; pairs of different tokens
     over at most DOF_SAMPLE_TOKENS of them, scaled up."""
     xs = x if isinstance(x, TokenSide) else token_side(x)
     gs = g if isinstance(g, TokenSide) else token_side(g)
-    trace = 2.0 * float((gs.sq * xs.sq).sum())
+    trace = float((gs.sq * xs.sq).sum())  # tr C_g = tr C_x
     if trace <= 0:
         return float("inf")
     n, s = xs.sq.shape[0], xs.gram_sq.shape[0]
-    # a token with itself: A_tt B_tt + A'_tt B'_tt + 2 A_tt B'_tt
-    diagonal = float((gs.fourth * xs.sq.square() + gs.sq.square() * xs.fourth + 2 * gs.fourth * xs.fourth).sum())
-    # A = sum_i g_ti^2 g_si^2, A' = (g_t . g_s)^2, B = (x_t . x_s)^2, B' = sum_j x_tj^2 x_sj^2
-    pairs = gs.sq_gram * xs.gram_sq + gs.gram_sq * xs.sq_gram + 2 * gs.sq_gram * xs.sq_gram
-    off = float(pairs.sum() - pairs.diagonal().sum()) * (n * (n - 1) / (s * (s - 1)) if s > 1 else 0.0)
-    return trace * trace / (diagonal + off)
+    scale = n * (n - 1) / (s * (s - 1)) if s > 1 else 0.0
+
+    def square_trace(token_with_itself: torch.Tensor, pairs: torch.Tensor) -> float:
+        return float(token_with_itself.sum()) + float(pairs.sum() - pairs.diagonal().sum()) * scale
+
+    # A = sum_i g_ti^2 g_si^2, A' = (g_t . g_s)^2, B = (x_t . x_s)^2, B' = sum_j x_tj^2 x_sj^2;
+    # a token with itself: A_tt = sum g^4, A'_tt = |g|^4, B_tt = |x|^4, B'_tt = sum x^4
+    errs_in_g = square_trace(gs.fourth * xs.sq.square(), gs.sq_gram * xs.gram_sq)  # tr C_g^2 = sum A B
+    errs_in_x = square_trace(gs.sq.square() * xs.fourth, gs.gram_sq * xs.sq_gram)  # tr C_x^2 = sum A' B'
+    # C weighs the two alike (equal relative errors in g and x), but where one side's values are
+    # themselves cancellations (a GELU unit's input summed from much larger terms) its relative
+    # error is far larger and its term alone sets E: whatever the weights, the count is at least
+    # the fewer of the two terms' (Cauchy-Schwarz), which is what is returned. Found by the
+    # campaign: a two-unit fc2 weight grad at 34.6 equal-weight degrees of freedom, whose error sat
+    # in one unit's column at 2.35x its bound (ulysses-gpt, 4 ranks, ffn 2; 10.4 counted now)
+    return min(trace * trace / errs_in_g, trace * trace / errs_in_x)
 
 
 def bias_grad_dof(g: torch.Tensor, side: TokenSide | None = None) -> float:

@@ -77,6 +77,12 @@ class LinearTerms:
         self.norms = {name: m for name, m in model.named_modules()
                       if "Norm" in type(m).__name__ and isinstance(getattr(m, "weight", None), torch.Tensor)
                       and m.weight.dim() == 1}
+        attention = [name for name, m in model.named_modules() if name and "Attention" in type(m).__name__]
+        self.in_attention = {name for name in self.linears
+                             if any(name.startswith(prefix + ".") for prefix in attention)}
+        """Linears inside a module whose class name has "Attention" (q/k/v and output
+        projections): their per-token terms come through the attention's token mixing, which a
+        sharded run computes in other orders and blocks than any reference (tolerance.NO_CANCELLATION)."""
         self.inputs: dict[str, list[torch.Tensor]] = {name: [] for name in (*self.linears, *self.norms)}
         self.out_grads: dict[str, dict[int, torch.Tensor]] = {name: {} for name in self.inputs}
         self.handles: list = []
