@@ -125,7 +125,8 @@ class _SideBySide:
               grad_noise=None):
         record(self.result, check_tensor(kind=kind, name=name, step=step, rank=self.ctx.rank, got=got, ref64=want64,
                                          ref_lp=want_lp, dtype=self.dtype, offset=offset, ref_alt=want_alt,
-                                         extra_allowed=extra, dof=dof, ref_samples=samples, grad_noise=grad_noise))
+                                         extra_allowed=extra, dof=dof, ref_samples=samples, grad_noise=grad_noise,
+                                         summed_over=self.built.config.world_size))
 
     def check_init(self) -> None:
         """The sharded factory must start from the reference's weights, cast to the run dtype."""
