@@ -204,16 +204,17 @@ def piece_noise(terms: LinearTerms, pieces: Iterable[LinearPiece],
             # side is the one the weight piece of the same rows uses
             return PieceNoise(dof=bias_grad_dof(g_rows, side(module, "g", piece.rows)), share=share)
         x, g = side(module, "x", piece.cols), side(module, "g", piece.rows)
+        terms_sq = float((g.sq * x.sq).sum())  # sum_t |g_t|^2 |x_t|^2 over every token
         # tr C over every token, scaled to the sample the projection is summed over
-        trace = 2.0 * float((g.sq * x.sq).sum()) * x.sample.shape[0] / x.sq.shape[0]
+        trace = 2.0 * terms_sq * x.sample.shape[0] / x.sq.shape[0]
         weight = grad[rows][:, _contiguous(piece.cols)]
         share = (1.0 if sums_to_zero(out_grads[module][:, rows], weight)
                  else weight_share(x.sample, g.sample, weight, trace))
-        rss = float((g.sq * x.sq).sum()) ** 0.5
         norm = float(weight.norm())
         # an attention's projections keep the perturbed reference's term (cancellation inf)
-        plain = norm and module not in terms.in_attention
-        return PieceNoise(dof=weight_grad_dof(x, g), share=share, cancellation=rss / norm if plain else float("inf"))
+        plain = norm > 0 and module not in terms.in_attention
+        return PieceNoise(dof=weight_grad_dof(x, g), share=share,
+                          cancellation=terms_sq ** 0.5 / norm if plain else float("inf"))
 
     derived: dict[tuple, PieceNoise] = {}
     for piece in pieces:

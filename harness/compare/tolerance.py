@@ -174,7 +174,7 @@ errs far more than its terms' roundings, and keeps alt's term. The fc1 weight pi
 PLAIN_MIN_WIDTH = 8
 """...and that has at least this many rows and columns. In a narrow piece one unit's column (or
 row) can carry the error: a two-unit fc2 weight grad erred 8x the members in one unit's column
-(ulysses-gpt, 4 ranks, hidden 150, ffn 2, shards 90/88/0/112, `--seed` none, `reorder`: 2.35x
+(ulysses-gpt, 4 ranks, hidden 150, ffn 2, shards 90/88/0/112, seed 0, `reorder`: 2.35x
 under `avx2` without alt's term, 1.05x with it at the equal-weight degrees of freedom; the unit's
 inputs are far less accurate than u relative, and may share one rounding across the tokens), an
 error whose count of independent parts no per-token model of the piece bounds from below."""
@@ -314,7 +314,7 @@ def check_tensor(*, kind: str, name: str, step: int, rank: int, got: torch.Tenso
     measured against its band and recorded (`scale_ratio`; sp_harness.compare.grad_scale).
     With the ensemble's members, a forward piece's coherent scale along its exact output is
     judged too (sp_harness.compare.output_scale). `summed_over`: the ranks a grad may be summed
-    over in the run dtype (the world size), which sets a plain sum's floor (PLAIN_FLOOR).
+    over in the run dtype (the world size), which sets a plain sum's floor (plain_floor_units).
     """
     cancellation = math.inf
     if grad_noise is not None:
