@@ -14,7 +14,7 @@ largest of 200 draws, and whose sharded run erred 17x).
 Grads that are zero in exact arithmetic (an attention's k-proj bias: softmax's shift invariance)
 move by many times their tiny norm in every config; the tolerance model judges those as
 cancellations, against the terms that cancel. The default bfloat16 megatron-gpt-sp config's
-other grads move by 2-3.6% at most (50 draws).
+other grads move by 2-3% at the median (50 draws).
 
 Takes `sp-harness check`'s config flags (the repro line of a record) and runs no ranks; the
 loss is the case's own token-loss sum over the reference's global batch at step 0.
