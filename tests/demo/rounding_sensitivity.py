@@ -26,8 +26,9 @@ import copy
 import torch
 
 from sp_harness.cli import add_config_args, config_from_args
+from sp_harness.compare.tolerance import eps
 from sp_harness.config.case import as_batch, get_case
-from sp_harness.step.inputs import batch_generator
+from sp_harness.step.inputs import batch_generator, call
 
 parser = argparse.ArgumentParser()
 add_config_args(parser)
@@ -39,12 +40,12 @@ case = get_case(config.case)
 config = case.resolve(config)
 model = case.build_reference(config)
 batch = as_batch(case.make_batch(config, 0, batch_generator(config.seed)))
-unit = torch.finfo(getattr(torch, config.dtype)).eps / 2
+unit = eps(config.torch_dtype) / 2
 
 
 def grads(m: torch.nn.Module) -> dict[str, torch.Tensor]:
     m.zero_grad()
-    out = m(*batch.inputs.values())
+    out = call(m, batch.inputs, batch.positional)
     case.loss_sum(out, batch.target).backward()
     return {n: p.grad.clone() for n, p in m.named_parameters() if p.grad is not None}
 
