@@ -19,6 +19,7 @@ from sp_harness.compare.tolerance import (
     ensemble_factor,
     weight_grad_dof,
 )
+from sp_harness.judge.verdict import RankResult, record
 from sp_harness.step.rounding import RoundedResults
 
 
@@ -129,14 +130,63 @@ def test_the_rounded_member_forms_softmax_row_sums_from_its_output_as_a_flash_ke
     assert float((score_grad(None) - flash).abs().max()) > 2 * float(ulp)
 
 
-def test_a_cancellation_keeps_the_two_reference_bound():
+def test_a_cancelling_piece_whose_max_abs_bound_binds_is_judged():
+    # the members err by more than half the piece's norm (its norm-wise bound would pass a zero
+    # tensor), but one large element keeps the max-abs bound below it: judged
     gen = torch.Generator().manual_seed(2)
-    ref64 = 1e-9 * torch.randn(32, 32, generator=gen, dtype=torch.float64)  # a grad zero in exact arithmetic
-    noise = 1e-6 * torch.randn(32, 32, generator=gen, dtype=torch.float64)
-    chk = check_tensor(kind="forward", name="output", step=0, rank=0, got=ref64 + noise, ref64=ref64,
-                       ref_lp=ref64 + noise.flip(0), ref_alt=ref64 + 2 * noise, dtype=torch.bfloat16, dof=32,
-                       ref_samples=[ref64 - noise])
-    assert chk.ok
+    ref64 = torch.zeros(64, 64, dtype=torch.float64)
+    ref64[0, 0] = 1.0
+    noise = 0.012 * torch.randn(64, 64, generator=gen, dtype=torch.float64)
+    common = dict(kind="forward", name="output", step=0, rank=0, ref64=ref64, ref_lp=ref64 + noise.flip(0),
+                  ref_alt=ref64 + noise, dtype=torch.bfloat16, dof=32, ref_samples=[ref64 - noise])
+    assert float(noise.norm()) >= tolerance.CANCELLATION * float(ref64.norm())
+    chk = check_tensor(got=ref64 + noise.flip(1), **common)
+    assert chk.ok and not chk.vacuous and chk.allowed < 1
+    wrong = ref64.clone()
+    wrong[0, 0] = 0.0
+    assert not check_tensor(got=wrong + noise.flip(1), **common).ok
+
+
+def _vacuous_grad(dtype):
+    """A bfloat16 grad piece whose correct references err by about its own norm (the sixteenth
+    session's hidden-4 ulysses-gpt: references about 1x, the correct run 17x)."""
+    gen = torch.Generator().manual_seed(31)
+    ref64 = torch.randn(16, 4, generator=gen, dtype=torch.float64)
+    members = [ref64 + ref64.norm() / 8 * torch.randn(16, 4, generator=gen, dtype=torch.float64) for _ in range(3)]
+    run = ref64 + 17 * ref64.norm() / 8 * torch.randn(16, 4, generator=gen, dtype=torch.float64)
+    return dict(kind="grad", name="pos_emb.weight", step=0, rank=0, ref64=ref64, ref_lp=members[0],
+                ref_alt=members[1], dtype=dtype, dof=12, ref_samples=[members[2]] if dtype == torch.bfloat16 else []), run
+
+
+def test_a_piece_whose_bounds_would_pass_zero_is_not_judged_and_is_named():
+    common, run = _vacuous_grad(torch.bfloat16)
+    zero = check_tensor(got=torch.zeros_like(common["ref64"]), **common)
+    chk = check_tensor(got=run, **common)
+    assert zero.ok and chk.ok and chk.ratio == 0 and chk.vacuous >= 1
+    assert chk.norm_ratio > 1 or chk.max_abs > chk.allowed  # what the bounds would have said
+    result = RankResult(rank=0)
+    record(result, chk)
+    assert result.num_checks == 0 and "grad:pos_emb.weight" in result.vacuous and not result.worst
+
+
+def test_a_vacuous_piece_still_fails_where_the_run_is_not_finite():
+    common, run = _vacuous_grad(torch.bfloat16)
+    run[3, 1] = float("nan")
+    assert not check_tensor(got=run, **common).ok
+
+
+def test_float32_judges_the_pieces_bfloat16_withholds():
+    common, run = _vacuous_grad(torch.float32)
+    chk = check_tensor(got=run, **common)
+    assert not chk.ok and not chk.vacuous
+
+
+def test_an_exactly_zero_piece_is_judged():
+    zero = torch.zeros(8, 8, dtype=torch.float64)
+    noisy = torch.full((8, 8), 1e-3, dtype=torch.float64)
+    chk = check_tensor(kind="grad", name="pos_emb.weight", step=0, rank=0, got=noisy, ref64=zero, ref_lp=noisy,
+                       ref_alt=noisy, dtype=torch.bfloat16, dof=12, ref_samples=[noisy])
+    assert not chk.vacuous
 
 
 def test_rounded_results_round_every_result_to_the_run_dtype():

@@ -183,6 +183,45 @@ CANCELLATION = 0.5
 larger terms (a grad that is zero in exact arithmetic, softmax's shift invariance): the
 ensemble's error there says how much the terms cancel, not how a legal order rounds them, so it
 keeps the two-reference bound (NORM_FACTOR), whose perturbed reference rounds the terms."""
+VACUOUS_KINDS = ENSEMBLE_KINDS
+"""The checks whose pieces are withheld where their bounds would pass a zero tensor (vacuous):
+those the ensemble's members judge, in runs below float32."""
+
+
+def vacuous(kind: str, ref64: torch.Tensor, samples: Sequence[torch.Tensor], allowed: float,
+            norm_bound: float | None) -> float:
+    """Where a piece's bounds, derived from the correct references alone, would pass a zero
+    tensor in its place: its max-abs bound `allowed` is at least its largest element, and its
+    norm-wise bound `norm_bound` (None where the piece has none) at least its norm. Returned:
+    the smaller of those bounds over the piece's own size (>= 1); 0 where a bound binds, where
+    the piece is exactly zero (known exactly), or where it has no ensemble (float32 and float64
+    judge every piece: their campaigns found no false alarm there, and their pieces that are
+    zero in exact arithmetic, an attention's k-proj bias grad, are judged).
+
+    Such a check cannot tell the piece from a grad never computed, the commonest SP bug, so its
+    PASS says nothing, and its FAIL is no verdict either where correct runs land in a
+    heavy-tailed spread: the sixteenth session's campaign found a bfloat16 ulysses-gpt config
+    (hidden 4, one head, `--seed 119`) whose backward amplifies a relative perturbation of its
+    weights about 300-fold, where correct grads erred 10-50x their norm while the references
+    erred about 1x, and one bfloat16 rounding of the float64 weights moved such a grad by 1.0x
+    its norm at the median and 13x at the largest of 200 draws
+    (tests/demo/rounding_sensitivity.py). The piece is not judged and the result names it
+    (TensorCheck.vacuous). Decided by the references alone: a run cannot withhold its own
+    piece. In the default bfloat16 configs the pieces this withholds are bias and norm grads
+    (32 elements, max-abs only), whose bound is 16x the perturbed reference's error on a
+    cancelling sum: a bound too loose to tell, not a piece without digits (docs/tolerance.md)."""
+    if kind not in VACUOUS_KINDS or not samples or ref64.numel() == 0:
+        return 0.0
+    ref64 = ref64.detach().to(torch.float64)
+    largest, ref_norm = float(ref64.abs().max()), float(ref64.norm())
+    if largest == 0 or allowed < largest or (norm_bound is not None and norm_bound < ref_norm):
+        return 0.0
+    sizes = [allowed / largest]
+    if norm_bound is not None:
+        sizes.append(norm_bound / ref_norm)
+    return min(sizes)
+
+
 ENSEMBLE_FLOOR_UNITS = 1.0
 """Ensemble floor, in units of the unit roundoff eps/2 times ||ref64||: a final rounding to the
 run dtype changes every element by at most u |x|, so by at most u ||x|| in norm, whatever the
@@ -270,6 +309,10 @@ class TensorCheck:
     correct runs' attention key projections exceed its model (sp_harness.compare.grad_scale)."""
     scale: float = 0.0
     """That coherent scale, beta: the piece is (1 + beta) times the exact one plus noise."""
+    vacuous: float = 0.0
+    """Where the piece's bounds would pass a zero tensor (sp_harness.compare.tolerance.vacuous):
+    the smaller bound over the piece's own size, >= 1; the piece is then not judged (ratio 0,
+    ok) unless the run is not finite there. 0: judged."""
 
     def describe(self) -> str:
         where = f"[{', '.join(map(str, self.worst_index))}]" if self.worst_index else ""
@@ -361,6 +404,7 @@ def check_tensor(*, kind: str, name: str, step: int, rank: int, got: torch.Tenso
     norm = (_norm_bound(kind, got64 - ref64, ref64, ref_lp, ref_alt, dtype, lp, ref_samples, dof, grad_dof,
                         cancellation, summed_over)
             if dof >= NORM_MIN_DOF else NormBound())
+    withheld = 0.0 if nonfinite.any() else vacuous(kind, ref64, ref_samples, allowed, norm.bound)
     flat = int(err.reshape(-1).argmax())
     max_abs = float(err.reshape(-1)[flat])
     index = tuple(int(i) for i in torch.unravel_index(torch.tensor(flat), err.shape)) if err.dim() else ()
@@ -377,12 +421,15 @@ def check_tensor(*, kind: str, name: str, step: int, rank: int, got: torch.Tenso
     # model (sp_harness.compare.grad_scale)
     if kind == "forward":
         ratio = max(ratio, scale_ratio)
+    if withheld:
+        ratio = 0.0
     return TensorCheck(
         kind=kind, name=name, step=step, rank=rank, max_abs=max_abs,
         max_rel=max_abs / scale if scale else max_abs, allowed=allowed, ratio=ratio, worst_index=index,
         got=float(got64.reshape(-1)[flat]), want=float(ref64.reshape(-1)[flat]),
         ok=ratio <= 1.0, norm_ratio=norm.ratio, err_norm=norm.err, noise_norm=norm.noise, ref_norm=norm.ref,
         dof=norm.dof, scale_ratio=scale_ratio, scale=0.0 if coherent is None else coherent.run.beta,
+        vacuous=withheld,
     )
 
 
@@ -423,6 +470,8 @@ class NormBound:
     ref: float = 0.0
     dof: float = 0.0
     """The degrees of freedom the ensemble's factor counted (0 where another bound judged)."""
+    bound: float | None = None
+    """The norm-wise bound on ||err|| (None where the piece has none)."""
 
 
 def _norm_bound(kind: str, diff: torch.Tensor, ref64: torch.Tensor, ref_lp: torch.Tensor, ref_alt: torch.Tensor | None,
@@ -455,8 +504,9 @@ def _norm_bound(kind: str, diff: torch.Tensor, ref64: torch.Tensor, ref_lp: torc
         if ensemble is not None and ensemble[1] < bound:
             noise, bound, m = ensemble
     if got == 0:
-        return NormBound(err=0.0, noise=noise, ref=ref_norm, dof=m)
-    return NormBound(ratio=got / bound if bound else float("inf"), err=got, noise=noise, ref=ref_norm, dof=m)
+        return NormBound(err=0.0, noise=noise, ref=ref_norm, dof=m, bound=bound)
+    return NormBound(ratio=got / bound if bound else float("inf"), err=got, noise=noise, ref=ref_norm, dof=m,
+                     bound=bound)
 
 
 def _ensemble_bound(kind: str, ref64: torch.Tensor, ref_lp: torch.Tensor, ref_alt: torch.Tensor | None,

@@ -50,9 +50,15 @@ class RankResult:
     not_run: list[str] = field(default_factory=list)
     """Checks the case asked for that could not run, each with why (an attention module that
     exposes an LSE under a name the reference has no LSE for)."""
+    vacuous: dict[str, TensorCheck] = field(default_factory=dict)
+    """Per 'kind:name', the first piece not judged because its bounds would pass a zero tensor
+    (TensorCheck.vacuous)."""
 
 
 def record(result: RankResult, chk: TensorCheck) -> None:
+    if chk.vacuous:
+        result.vacuous.setdefault(f"{chk.kind}:{chk.name}", chk)
+        return
     result.num_checks += 1
     best = result.worst.get(chk.kind)
     if best is None or chk.ratio > best.ratio:
@@ -100,6 +106,9 @@ class CheckResult:
     rank, step 0; sp_harness.capture.islands), then those the case declared."""
     not_run: list[str] = field(default_factory=list)
     """Checks that could not run, each with why, over all ranks (RankResult.not_run)."""
+    vacuous: list[TensorCheck] = field(default_factory=list)
+    """Tensors not judged because their bounds would pass a zero tensor, one piece each (the
+    earliest step, then the lowest rank; RankResult.vacuous)."""
 
     @property
     def not_judged(self) -> tuple[str, ...]:
@@ -162,7 +171,7 @@ class CheckResult:
             "worst_scale": conv(self.worst_scale), "drift": conv(self.drift), "losses": self.losses, "comm": conv(self.comm),
             "error": self.error, "crash_kind": self.crash_kind, "rank_errors": conv(self.rank_errors), "wall_s": self.wall_s, "num_checks": self.num_checks,
             "divergence": conv(self.divergence), "not_judged": list(self.not_judged),
-            "islands": conv(self.islands), "not_run": list(self.not_run),
+            "islands": conv(self.islands), "not_run": list(self.not_run), "vacuous": conv(self.vacuous),
         }
 
 
@@ -174,6 +183,14 @@ def _worst_over(per_rank: list[dict[str, TensorCheck]], ratio) -> dict[str, Tens
             if kind not in worst or ratio(chk) > ratio(worst[kind]):
                 worst[kind] = chk
     return worst
+
+
+def _first_per_tensor(checks: list[TensorCheck]) -> list[TensorCheck]:
+    """One check per kind and name, the earliest (step, then rank), in KIND_ORDER."""
+    first: dict[tuple[str, str], TensorCheck] = {}
+    for chk in sorted(checks, key=lambda c: (c.step, c.rank)):
+        first.setdefault((chk.kind, chk.name), chk)
+    return sorted(first.values(), key=lambda c: (KIND_ORDER.index(c.kind), c.name))
 
 
 def merge(config: CheckConfig, results: list[RankResult], *, wall_s: float = 0.0,
@@ -199,7 +216,8 @@ def merge(config: CheckConfig, results: list[RankResult], *, wall_s: float = 0.0
                       wall_s=wall_s, num_checks=sum(r.num_checks for r in results), divergence=divergence,
                       islands=list(dict.fromkeys([i for r in results for i in r.islands]
                                                  + declared_islands(declared or {}))),
-                      not_run=list(dict.fromkeys(n for r in results for n in r.not_run)))
+                      not_run=list(dict.fromkeys(n for r in results for n in r.not_run)),
+                      vacuous=_first_per_tensor([c for r in results for c in r.vacuous.values()]))
     if verdict == FAIL:
         n = len({(f.step, f.kind, f.name) for f in failures})
         res.reason = f"{n} tensor mismatch(es), {len(drifts)} replica drift(s); first: {res.first_failure}"
@@ -256,6 +274,12 @@ def format_result(res: CheckResult, *, verbose: bool = False) -> str:
         lines.append(f"forward only: not judged: {', '.join(res.not_judged)}")
     for why in res.not_run:
         lines.append(f"not run: {why}")
+    if res.vacuous:
+        shown = res.vacuous[: (50 if verbose else 6)]
+        more = f" and {len(res.vacuous) - len(shown)} more" if len(res.vacuous) > len(shown) else ""
+        pieces = ", ".join(f"{c.kind} {c.name} (step {c.step}: {c.vacuous:.3g}x)" for c in shown)
+        lines.append(f"not judged in {cfg.dtype}, their bounds would pass a zero tensor (the bound over the tensor's "
+                     f"size): {pieces}{more}")
     return "\n".join(lines)
 
 

@@ -1,7 +1,8 @@
 """Summarise false-alarm campaign records (the JSONL that tests/demo/false_alarms.py --out writes).
 
 Per dtype: draws, false alarms, draws at a training-like size (hidden >= 256 and seq_len >= 256),
-draws per case and kernel family, and the worst PASS ratio per check with its repro. Draws that
+draws per case and kernel family, the worst PASS ratio per check with its repro, and the tensors
+not judged because their bounds would pass a zero tensor (tolerance.vacuous). Draws that
 ran no sequence parallelism (world_size / dp = 1) are left out unless --with-sp1: they exercise
 the tolerance model on an unsharded run, not an SP implementation.
 
@@ -61,6 +62,12 @@ for dtype in sorted({r["dtype"] for r in rows}):
         worst = max(recorded, key=lambda r: r["worst_scale"]["ratio"])
         print(f"  grad scale (recorded) worst {worst['worst_scale']['ratio']:.3f} ({worst['worst_scale']['name']}) "
               f"{worst['repro']}")
+    withheld = [r for r in draws if r.get("vacuous")]
+    if withheld:
+        kinds = collections.Counter(v["kind"] for r in withheld for v in r["vacuous"])
+        weights = sum(1 for r in withheld for v in r["vacuous"] if not v["name"].endswith("bias"))
+        print(f"  vacuous (not judged): {len(withheld)} draws, {sum(kinds.values())} tensors "
+              f"({', '.join(f'{k} {n}' for k, n in sorted(kinds.items()))}; {weights} not a bias)")
     for r in alarms:
         print(f"  FALSE ALARM ({r['family']}, {r['verdict']}): {r['repro']}")
 if crashed:
