@@ -208,7 +208,7 @@ def vacuous(kind: str, ref64: torch.Tensor, samples: Sequence[torch.Tensor], all
     (tests/demo/rounding_sensitivity.py). The piece is not judged and the result names it
     (TensorCheck.vacuous). Decided by the references alone: a run cannot withhold its own
     piece. In the default bfloat16 configs the pieces this withholds are bias and norm grads
-    (32 elements, max-abs only), whose bound is 16x the perturbed reference's error on a
+    (16-32 elements, max-abs only), whose bound is 16x the perturbed reference's error on a
     cancelling sum: a bound too loose to tell, not a piece without digits (docs/tolerance.md)."""
     if kind not in VACUOUS_KINDS or not samples or ref64.numel() == 0:
         return 0.0
