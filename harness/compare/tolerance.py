@@ -188,11 +188,10 @@ VACUOUS_KINDS = ENSEMBLE_KINDS
 those the ensemble's members judge, in runs below float32."""
 
 
-def vacuous(kind: str, ref64: torch.Tensor, samples: Sequence[torch.Tensor], allowed: float,
-            norm_bound: float | None) -> float:
+def vacuous(kind: str, samples: Sequence[torch.Tensor], allowed: float, largest: float, norm: NormBound) -> float:
     """Where a piece's bounds, derived from the correct references alone, would pass a zero
-    tensor in its place: its max-abs bound `allowed` is at least its largest element, and its
-    norm-wise bound `norm_bound` (None where the piece has none) at least its norm. Returned:
+    tensor in its place: its max-abs bound `allowed` is at least its `largest` element, and its
+    norm-wise bound (`norm.bound`, None where the piece has none) at least its norm. Returned:
     the smaller of those bounds over the piece's own size (>= 1); 0 where a bound binds, where
     the piece is exactly zero (known exactly), or where it has no ensemble (float32 and float64
     judge every piece: their campaigns found no false alarm there, and their pieces that are
@@ -210,15 +209,13 @@ def vacuous(kind: str, ref64: torch.Tensor, samples: Sequence[torch.Tensor], all
     piece. In the default bfloat16 configs the pieces this withholds are bias and norm grads
     (16-32 elements, max-abs only), whose bound is 16x the perturbed reference's error on a
     cancelling sum: a bound too loose to tell, not a piece without digits (docs/tolerance.md)."""
-    if kind not in VACUOUS_KINDS or not samples or ref64.numel() == 0:
+    if kind not in VACUOUS_KINDS or not samples:
         return 0.0
-    ref64 = ref64.detach().to(torch.float64)
-    largest, ref_norm = float(ref64.abs().max()), float(ref64.norm())
-    if largest == 0 or allowed < largest or (norm_bound is not None and norm_bound < ref_norm):
+    if largest == 0 or allowed < largest or (norm.bound is not None and norm.bound < norm.ref):
         return 0.0
     sizes = [allowed / largest]
-    if norm_bound is not None:
-        sizes.append(norm_bound / ref_norm)
+    if norm.bound is not None:
+        sizes.append(norm.bound / norm.ref)
     return min(sizes)
 
 
@@ -404,7 +401,7 @@ def check_tensor(*, kind: str, name: str, step: int, rank: int, got: torch.Tenso
     norm = (_norm_bound(kind, got64 - ref64, ref64, ref_lp, ref_alt, dtype, lp, ref_samples, dof, grad_dof,
                         cancellation, summed_over)
             if dof >= NORM_MIN_DOF else NormBound())
-    withheld = 0.0 if nonfinite.any() else vacuous(kind, ref64, ref_samples, allowed, norm.bound)
+    withheld = 0.0 if nonfinite.any() else vacuous(kind, ref_samples, allowed, scale, norm)
     flat = int(err.reshape(-1).argmax())
     max_abs = float(err.reshape(-1)[flat])
     index = tuple(int(i) for i in torch.unravel_index(torch.tensor(flat), err.shape)) if err.dim() else ()

@@ -12,8 +12,8 @@ largest of 200 draws, and whose sharded run erred 17x).
     python tests/demo/rounding_sensitivity.py --case CASE [check's config flags] [--draws N]
 
 Grads that are zero in exact arithmetic (an attention's k-proj bias: softmax's shift invariance)
-move by many times their tiny norm in every config; the tolerance model judges those as
-cancellations, against the terms that cancel. The default bfloat16 megatron-gpt-sp config's
+move by many times their tiny norm in every config; in bfloat16 their bounds would pass a zero
+tensor, and the tolerance model does not judge them (tolerance.vacuous). The default bfloat16 megatron-gpt-sp config's
 other grads move by 2-3% at the median (50 draws).
 
 Takes `sp-harness check`'s config flags (the repro line of a record) and runs no ranks; the
