@@ -29,9 +29,12 @@ def _bf16_like(ref64: torch.Tensor, gen: torch.Generator, rel: float) -> torch.T
 
 
 def test_factor_follows_the_chi_ratio_table_and_falls_with_more_tokens():
-    assert ensemble_factor(1) == ensemble_factor(2) == MISMATCH * CHI_RATIO_QUANTILE[0][1]
+    assert ensemble_factor(0.5) == ensemble_factor(1) == MISMATCH * CHI_RATIO_QUANTILE[0][1]
+    # one degree of freedom is a single half-normal sample against the larger of two: the
+    # small-piece quantile's first row, not the two-degree one
+    assert CHI_RATIO_QUANTILE[0] == tolerance.SMALL_PIECE_QUANTILE[0]
     assert ensemble_factor(10_000) == MISMATCH * CHI_RATIO_QUANTILE[-1][1]
-    values = [ensemble_factor(m) for m in (2, 3, 5, 8, 12, 16, 24, 32, 100, 256, 512)]
+    values = [ensemble_factor(m) for m in (1, 1.5, 2, 3, 5, 8, 12, 16, 24, 32, 100, 256, 512)]
     assert values == sorted(values, reverse=True)
 
 
@@ -179,6 +182,55 @@ def test_float32_judges_the_pieces_bfloat16_withholds():
     common, run = _vacuous_grad(torch.float32)
     chk = check_tensor(got=run, **common)
     assert not chk.ok and not chk.vacuous
+
+
+def _small_grad(dtype, *, aligned=False):
+    """A 32-element norm-weight grad piece (under NORM_MIN_NUMEL) of a bfloat16 run: members err
+    about 1% of its norm, the perturbed reference 8% (its worst element, x 16, above the piece's
+    largest, as measured in the default configs), and a correct run about as the members;
+    `aligned`: every reference errs along one direction (one token's rounding amplified)."""
+    gen = torch.Generator().manual_seed(7)
+    ref64 = torch.randn(32, generator=gen, dtype=torch.float64)
+    direction = torch.randn(32, generator=gen, dtype=torch.float64)
+
+    def err(rel):
+        e = direction * torch.randn((), generator=gen, dtype=torch.float64) if aligned else torch.randn(
+            32, generator=gen, dtype=torch.float64)
+        return rel * float(ref64.norm()) * e / e.norm()
+
+    common = dict(kind="grad", name="blocks.0.norm1.weight", step=0, rank=0, ref64=ref64, ref_lp=ref64 + err(0.01),
+                  ref_alt=ref64 + err(0.08), dtype=dtype, dof=24,
+                  ref_samples=[ref64 + err(0.01)] if dtype == torch.bfloat16 else [])
+    return common, ref64 + err(0.012)
+
+
+def test_a_small_bf16_piece_has_the_ensembles_norm_wise_bound():
+    # a norm or bias grad of 16-32 elements had the max-abs bound alone, 16x the perturbed
+    # reference's worst element: vacuous in every default bfloat16 config (docs/tolerance.md)
+    common, correct = _small_grad(torch.bfloat16)
+    chk = check_tensor(got=correct, **common)
+    assert chk.ok and not chk.vacuous and chk.norm_ratio > 0 and chk.dof >= 2
+    assert chk.allowed >= float(common["ref64"].abs().max())  # its max-abs bound alone passes zero
+    assert not check_tensor(got=torch.zeros_like(correct), **common).ok
+    # a replicated norm grad summed over one of two ranks only: about half of it
+    assert not check_tensor(got=common["ref64"] * 0.5, **common).ok
+    # float32 (no members) keeps the max-abs bound alone there
+    common32, correct32 = _small_grad(torch.float32)
+    assert check_tensor(got=correct32, **common32).norm_ratio == 0
+
+
+def test_members_that_err_along_one_direction_count_one_degree_of_freedom():
+    gen = torch.Generator().manual_seed(5)
+    v = torch.randn(32, generator=gen, dtype=torch.float64)
+    assert tolerance.member_dof([v, -3 * v, 0.5 * v]) == pytest.approx(1.0)
+    e1, e2 = torch.zeros(32, dtype=torch.float64), torch.zeros(32, dtype=torch.float64)
+    e1[0], e2[1] = 1.0, 1.0
+    assert tolerance.member_dof([e1, e2]) == float("inf")  # orthogonal: no evidence of fewer
+    # the least over pairs: one aligned pair is enough
+    assert tolerance.member_dof([v, 2 * v, torch.randn(32, generator=gen, dtype=torch.float64)]) == pytest.approx(1.0)
+    aligned, run = _small_grad(torch.bfloat16, aligned=True)
+    spread, _ = _small_grad(torch.bfloat16)
+    assert check_tensor(got=run, **aligned).dof < 1.01 < check_tensor(got=run, **spread).dof
 
 
 def test_an_exactly_zero_piece_is_judged():
