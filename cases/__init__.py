@@ -31,7 +31,8 @@ BUILTIN: dict[str, tuple[str, ...]] = {
         "mutant-ring-dkv-not-sent-back", "mutant-ring-mask-ignores-zigzag", "mutant-ring-zigzag-drops-tail",
         "mutant-ring-merge-by-max", "mutant-ring-loss-per-rank-norm", "mutant-ring-balancer-assumes-causal",
         "mutant-ring-zigzag-unbalanced", "mutant-ring-lse-base2"),
-    "sp_harness.cases.mutants.scaled_mutants": ("mutant-scaled-forward", "mutant-scaled-grad", "mutant-scaled-update"),
+    "sp_harness.cases.mutants.scaled_mutants": ("mutant-scaled-forward", "mutant-scaled-grad", "mutant-scaled-update",
+                                               "mutant-scaled-norm-grad"),
     "sp_harness.cases.mutants.ulysses_mutants": (
         "mutant-ulysses-a2a-assumes-even", "mutant-ulysses-gqa-kv-heads-tiled", "mutant-ulysses-backward-forward-splits",
         "mutant-ulysses-loss-mean-per-rank", "mutant-ulysses-label-shift-per-shard", "mutant-ulysses-no-sp-grad-sync",

@@ -7,11 +7,11 @@ import os
 
 import pytest
 
-from sp_harness.cases.mutants.scaled_mutants import CASES, ENV, set_scale
+from sp_harness.cases.mutants.scaled_mutants import CASES, ENV, EVERY_RANK, set_scale
 from sp_harness.config.check_config import CheckConfig
 from sp_harness.suites.sensitivity import caught_by
 
-EXPECTED_CATCH = {"forward": "forward", "grad": "grad", "update": "param"}
+EXPECTED_CATCH = {"forward": "forward", "grad": "grad", "update": "param", "norm-grad": "grad"}
 
 
 @pytest.fixture
@@ -35,7 +35,7 @@ def test_scaled_mutant_fails_at_1e6_passes_at_0(scaled, shape):
     assert res.verdict == "FAIL", (shape, res.reason)
     assert caught_by(res) == EXPECTED_CATCH[shape], res.first_failure
     first = res.failures[0]
-    assert first.rank == 1 and first.step == 0, first.describe()
+    assert (first.rank == 1 or shape in EVERY_RANK) and first.step == 0, first.describe()
     res = scaled(shape, 0.0)
     assert res.verdict == "PASS", (shape, res.reason)
 
@@ -151,3 +151,16 @@ def test_a_bf16_grads_coherent_scale_is_recorded_where_a_four_percent_scaled_pie
     correct = _bf16_scaled(sp_pool, "grad", 0.0)
     assert correct.verdict == "PASS", correct.reason
     assert correct.worst_scale is not None and correct.worst_scale.scale_ratio < 1
+
+
+def test_a_bf16_norm_grad_half_off_is_caught_by_its_small_piece_norm_bound(sp_pool):
+    """bfloat16, a replicated LayerNorm weight's grad (32 elements) x 1.5 on every rank: every
+    element inside its max-abs bound (16x the perturbed reference's worst element, which passed a
+    zero tensor there: the grad was not judged), the error norm past the ensemble's norm-wise
+    bound at the piece's own few degrees of freedom (tolerance.member_dof); d = 0 passes."""
+    res = _bf16_scaled(sp_pool, "norm-grad", 0.5)
+    assert res.verdict == "FAIL", res.reason
+    first = res.failures[0]
+    assert first.kind == "grad" and first.name == "blocks.0.norm1.weight", first.describe()
+    assert first.max_abs <= first.allowed and first.norm_ratio > 1 and 1 <= first.dof < 32, first.describe()
+    assert _bf16_scaled(sp_pool, "norm-grad", 0.0).verdict == "PASS"

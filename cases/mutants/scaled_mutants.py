@@ -4,7 +4,7 @@ Stage: build sharded. They measure the harness's sensitivity (`sp-harness sensit
 the smallest d each check catches, per dtype), they are not catalogue bugs: tagged "scaled",
 which `sp_harness.suites.battery.mutant_names()` leaves out of the default battery.
 
-Three shapes of bug, each on TP rank 1 only, each `CORRECT` plus one wrapper:
+Four shapes of bug, each `CORRECT` plus one wrapper, the first three on TP rank 1 only:
 
   mutant-scaled-forward  the logits TP rank 1 returns (its output piece of the final layer)
                          times (1 + d); the backward through them is scaled with them.
@@ -13,6 +13,12 @@ Three shapes of bug, each on TP rank 1 only, each `CORRECT` plus one wrapper:
   mutant-scaled-update   the optimizer update of that shard on TP rank 1 times (1 + d):
                          p_new <- p_old + (1 + d) (p_new - p_old), by a global optimizer
                          step pre/post hook pair (no engine change), filtered on the one param.
+  mutant-scaled-norm-grad  every rank's grad of blocks.0.norm1.weight (a LayerNorm weight,
+                         replicated, summed over the TP ranks) after the grad sync times
+                         (1 + d): on every rank, because a replicated param's grad scaled on one
+                         rank alone makes its replicas drift, which the replica check catches
+                         at any d. A bias or norm grad of 16-32 elements: the piece bfloat16's
+                         max-abs bound could not judge (docs/sensitivity.md).
 
 d is read from the environment variable SP_HARNESS_SCALE_D when the sharded model is built
 (`DEFAULT_D` if unset). Rank processes are persistent (sp_harness.launch.pool) and took the driver's
@@ -44,7 +50,11 @@ RANK = 1
 """The TP rank that carries the error."""
 PARAM = "blocks.0.mlp.fc1.weight"
 """The parameter (local name = reference name) whose grad or update is scaled."""
-SHAPES = ("forward", "grad", "update")
+NORM_PARAM = "blocks.0.norm1.weight"
+"""The replicated norm weight whose grad mutant-scaled-norm-grad scales on every rank."""
+SHAPES = ("forward", "grad", "update", "norm-grad")
+EVERY_RANK = frozenset({"norm-grad"})
+"""The shapes applied on every rank (a replicated param's), not on TP rank RANK alone."""
 
 
 def scale_d() -> float:
@@ -105,8 +115,8 @@ def _scale_forward(sharded: Sharded, ctx: RankContext, d: float) -> None:
     sharded.module.register_forward_hook(hook)
 
 
-def _scale_grad(sharded: Sharded, ctx: RankContext, d: float) -> None:
-    param = _param(sharded.module, PARAM)
+def _scale_grad(sharded: Sharded, ctx: RankContext, d: float, name: str = PARAM) -> None:
+    param = _param(sharded.module, name)
     sync = sharded.sync_grads
 
     def sync_then_scale() -> None:
@@ -164,7 +174,11 @@ def _scale_update(sharded: Sharded, ctx: RankContext, d: float) -> None:
     weakref.finalize(ref(), lambda: [h.remove() for h in handles])
 
 
-_APPLY = {"forward": _scale_forward, "grad": _scale_grad, "update": _scale_update}
+def _scale_norm_grad(sharded: Sharded, ctx: RankContext, d: float) -> None:
+    _scale_grad(sharded, ctx, d, NORM_PARAM)
+
+
+_APPLY = {"forward": _scale_forward, "grad": _scale_grad, "update": _scale_update, "norm-grad": _scale_norm_grad}
 
 
 def _shard(shape: str):
@@ -173,7 +187,7 @@ def _shard(shape: str):
     def shard(ref: torch.nn.Module, ctx: RankContext) -> Sharded:
         d = scale_d()
         sharded = build_sharded(ref, ctx, CORRECT, sequence_parallel=True)
-        if ctx.tp_rank == RANK:
+        if ctx.tp_rank == RANK or shape in EVERY_RANK:
             apply(sharded, ctx, d)  # also at d == 0: the machinery itself must not false-alarm
         return sharded
 
@@ -205,4 +219,12 @@ UPDATE = _scaled_mutant(
     "(a per-rank learning-rate or optimizer-state error)",
 )
 
-CASES = {"forward": FORWARD, "grad": GRAD, "update": UPDATE}
+NORM_GRAD = _scaled_mutant(
+    "norm-grad",
+    f"every rank's {NORM_PARAM} grad x (1 + d)",
+    f"sensitivity probe: the {NORM_PARAM} grad (a replicated LayerNorm weight's, summed over the TP ranks) "
+    "off by a relative d on every rank after the grad sync (a norm grad summed over too few or too many "
+    "ranks, or mis-scaled)",
+)
+
+CASES = {"forward": FORWARD, "grad": GRAD, "update": UPDATE, "norm-grad": NORM_GRAD}

@@ -2,7 +2,7 @@
 
 For each dtype and each bug shape of the scaled mutants (cases/mutants/scaled_mutants.py: one
 rank's logits, one parameter's grad on one rank, one parameter's optimizer update on one rank,
-each off by a relative d), bisect in log10 space, between d = 1e-16 and d = 1, the smallest d at
+each off by a relative d; on request a replicated norm weight's grad on every rank), bisect in log10 space, between d = 1e-16 and d = 1, the smallest d at
 which the default side-by-side check (`CheckConfig(case, world_size=2, dtype)`, the default GPT
 config) gives FAIL, and which check caught it there (the first failure's kind: forward, loss,
 grad, param, or replica drift). The issue's targets at the default config: float64 d <= 1e-10,
@@ -26,7 +26,10 @@ from sp_harness.config.check_config import CheckConfig, DType
 if TYPE_CHECKING:
     from sp_harness.launch.runner import Runner
 
-SHAPES = ("forward", "grad", "update")
+SHAPES = ("forward", "grad", "update", "norm-grad")
+TARGETED_SHAPES = ("forward", "grad", "update")
+"""The shapes the issues set targets for, and the default run; 'norm-grad' (a replicated norm
+weight's grad on every rank) is measured on request, without a target."""
 DTYPES = ("float64", "float32", "bfloat16")
 SIZES = ("default", "training")
 TARGETS = {"default": {"float64": 1e-10, "float32": 1e-5, "bfloat16": 2e-2},
@@ -98,7 +101,7 @@ def measure(dtype: DType, shape: str, runner: Runner, *, iterations: int = ITERA
     case = CASES[shape].name
     config = sized(CheckConfig(case=case, world_size=WORLD_SIZE, dtype=dtype, timeout_s=TIMEOUT_S), size)
     out = Sensitivity(dtype=dtype, shape=shape, case=case, size=size, min_d=None, max_pass_d=None,
-                      target=TARGETS[size].get(dtype))
+                      target=TARGETS[size].get(dtype) if shape in TARGETED_SHAPES else None)
     t0 = time.perf_counter()
     failed = None
 
@@ -174,8 +177,9 @@ def format_table(rows: list[Sensitivity]) -> str:
         for s in shapes:
             c = cell.get((size, dt, s))
             parts.append("" if c is None else ("not caught" if c.min_d is None else f"{c.min_d:.2g} ({c.caught_by})"))
-        mets = [cell[(size, dt, s)].target_met for s in shapes if (size, dt, s) in cell]
-        verdict = "met" if mets and all(mets) else "NOT met"
+        mets = [cell[(size, dt, s)].target_met for s in shapes
+                if (size, dt, s) in cell and cell[(size, dt, s)].target is not None]
+        verdict = "" if not mets else ("met" if all(mets) else "NOT met")
         goal = TARGETS[size].get(dt, float("nan"))
         lines.append(f"{size + ' ' + dt:<27}" + "".join(f"{p:>26}" for p in parts) + f"{goal:>10g} {verdict}")
     return "\n".join(lines)
@@ -208,8 +212,9 @@ def add_subcommands(sub) -> None:
     p = sub.add_parser("sensitivity", help="bisect the smallest relative error each check catches, per dtype; "
                                            "exit 1 if a target is missed")
     p.add_argument("--dtype", nargs="+", choices=DTYPES, default=list(DTYPES), help="dtypes to bisect (default: all)")
-    p.add_argument("--shape", nargs="+", choices=SHAPES, default=list(SHAPES),
-                   help="bug shapes (scaled mutants) to measure (default: all)")
+    p.add_argument("--shape", nargs="+", choices=SHAPES, default=list(TARGETED_SHAPES),
+                   help="bug shapes (scaled mutants) to measure (default: the three with targets; 'norm-grad' "
+                        "has none)")
     p.add_argument("--iterations", type=int, default=ITERATIONS, help=f"bisection steps (default {ITERATIONS})")
     p.add_argument("--size", nargs="+", choices=SIZES, default=["default"],
                    help="model sizes: the case's default config, and/or 'training' (hidden 256, seq 256, 2 layers) "
