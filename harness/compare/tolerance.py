@@ -502,12 +502,10 @@ def _norm_bound(kind: str, diff: torch.Tensor, ref64: torch.Tensor, ref_lp: torc
         samples = (ref_alt,)
     ensemble = _ensemble_bound(kind, ref64, ref_lp, ref_alt, dtype, samples, dof, diff.numel(), ref_norm, grad_dof,
                                cancellation, summed_over)
+    if small and ensemble is None:
+        return NormBound()
     m = 0.0
-    if small:
-        if ensemble is None:
-            return NormBound()
-        noise, bound, m = ensemble
-    elif ensemble is not None and not both:
+    if ensemble is not None and not both:
         noise, bound, m = ensemble
     else:
         noise = float((ref_lp.detach().to(torch.float64) - ref64).norm()) * (eps(dtype) / eps(lp))
