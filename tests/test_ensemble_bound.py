@@ -167,9 +167,14 @@ def test_a_piece_whose_bounds_would_pass_zero_is_not_judged_and_is_named():
     chk = check_tensor(got=run, **common)
     assert zero.ok and chk.ok and chk.ratio == 0 and chk.vacuous >= 1
     assert chk.norm_ratio > 1 or chk.max_abs > chk.allowed  # what the bounds would have said
+    # a zero tensor is what the bounds pass (the definition), the run is what they would have failed
+    assert chk.withheld_ratio == max(chk.norm_ratio, chk.max_abs / chk.allowed) > 1 >= zero.withheld_ratio > 0
     result = RankResult(rank=0)
+    record(result, zero)
     record(result, chk)
     assert result.num_checks == 0 and "grad:pos_emb.weight" in result.vacuous and not result.worst
+    # the first piece is named, the one its bounds would have failed is recorded
+    assert result.vacuous["grad:pos_emb.weight"] is zero and result.withheld_worst["grad:pos_emb.weight"] is chk
 
 
 def test_a_vacuous_piece_still_fails_where_the_run_is_not_finite():

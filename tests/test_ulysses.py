@@ -101,6 +101,8 @@ def test_a_bf16_config_whose_backward_amplifies_rounding_300_fold_withholds_what
     assert res.verdict == "PASS", format_result(res)
     withheld = {(c.kind, c.name) for c in res.vacuous}
     assert ("grad", "pos_emb.weight") in withheld and res.worst["grad"].ratio > 0
+    # recorded, not judged: the bounds it withholds would have failed it (4.05x when judged)
+    assert max(c.withheld_ratio for c in res.withheld_worst if c.name == "pos_emb.weight") > 1
     assert "pos_emb.weight" in format_result(res, verbose=True)
 
 

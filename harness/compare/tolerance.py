@@ -316,6 +316,10 @@ class TensorCheck:
     """Where the piece's bounds would pass a zero tensor (sp_harness.compare.tolerance.vacuous):
     the smaller bound over the piece's own size, >= 1; the piece is then not judged (ratio 0,
     ok) unless the run is not finite there. 0: judged."""
+    withheld_ratio: float = 0.0
+    """Where the piece is not judged (`vacuous`): the ratio its bounds would have given it.
+    Recorded, never judged: the evidence for judging a class of withheld pieces again (an
+    attention's k-proj bias grad, zero in exact arithmetic) comes from it."""
 
     def describe(self) -> str:
         where = f"[{', '.join(map(str, self.worst_index))}]" if self.worst_index else ""
@@ -427,15 +431,16 @@ def check_tensor(*, kind: str, name: str, step: int, rank: int, got: torch.Tenso
     # model (sp_harness.compare.grad_scale)
     if kind == "forward":
         ratio = max(ratio, scale_ratio)
+    withheld_ratio = 0.0
     if withheld:
-        ratio = 0.0
+        withheld_ratio, ratio = ratio, 0.0
     return TensorCheck(
         kind=kind, name=name, step=step, rank=rank, max_abs=max_abs,
         max_rel=max_abs / scale if scale else max_abs, allowed=allowed, ratio=ratio, worst_index=index,
         got=float(got64.reshape(-1)[flat]), want=float(ref64.reshape(-1)[flat]),
         ok=ratio <= 1.0, norm_ratio=norm.ratio, err_norm=norm.err, noise_norm=norm.noise, ref_norm=norm.ref,
         dof=norm.dof, scale_ratio=scale_ratio, scale=0.0 if coherent is None else coherent.run.beta,
-        vacuous=withheld,
+        vacuous=withheld, withheld_ratio=withheld_ratio,
     )
 
 

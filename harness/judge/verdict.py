@@ -53,11 +53,18 @@ class RankResult:
     vacuous: dict[str, TensorCheck] = field(default_factory=dict)
     """Per 'kind:name', the first piece not judged because its bounds would pass a zero tensor
     (TensorCheck.vacuous)."""
+    withheld_worst: dict[str, TensorCheck] = field(default_factory=dict)
+    """Per 'kind:name', the withheld piece whose bounds would have given it the largest ratio
+    (TensorCheck.withheld_ratio): recorded, not judged."""
 
 
 def record(result: RankResult, chk: TensorCheck) -> None:
     if chk.vacuous:
-        result.vacuous.setdefault(f"{chk.kind}:{chk.name}", chk)
+        key = f"{chk.kind}:{chk.name}"
+        result.vacuous.setdefault(key, chk)
+        best = result.withheld_worst.get(key)
+        if best is None or chk.withheld_ratio > best.withheld_ratio:
+            result.withheld_worst[key] = chk
         return
     result.num_checks += 1
     best = result.worst.get(chk.kind)
@@ -109,6 +116,9 @@ class CheckResult:
     vacuous: list[TensorCheck] = field(default_factory=list)
     """Tensors not judged because their bounds would pass a zero tensor, one piece each (the
     earliest step, then the lowest rank; RankResult.vacuous)."""
+    withheld_worst: list[TensorCheck] = field(default_factory=list)
+    """The same tensors, each as its withheld piece with the largest would-be ratio over every
+    step and rank (TensorCheck.withheld_ratio; recorded, not judged)."""
 
     @property
     def not_judged(self) -> tuple[str, ...]:
@@ -172,6 +182,7 @@ class CheckResult:
             "error": self.error, "crash_kind": self.crash_kind, "rank_errors": conv(self.rank_errors), "wall_s": self.wall_s, "num_checks": self.num_checks,
             "divergence": conv(self.divergence), "not_judged": list(self.not_judged),
             "islands": conv(self.islands), "not_run": list(self.not_run), "vacuous": conv(self.vacuous),
+            "withheld_worst": conv(self.withheld_worst),
         }
 
 
@@ -191,6 +202,16 @@ def _first_per_tensor(checks: list[TensorCheck]) -> list[TensorCheck]:
     for chk in sorted(checks, key=lambda c: (c.step, c.rank)):
         first.setdefault((chk.kind, chk.name), chk)
     return sorted(first.values(), key=lambda c: (KIND_ORDER.index(c.kind), c.name))
+
+
+def _worst_per_tensor(checks: list[TensorCheck]) -> list[TensorCheck]:
+    """One check per kind and name, the largest withheld ratio (ties: the earliest), in KIND_ORDER."""
+    worst: dict[tuple[str, str], TensorCheck] = {}
+    for chk in sorted(checks, key=lambda c: (c.step, c.rank)):
+        best = worst.get((chk.kind, chk.name))
+        if best is None or chk.withheld_ratio > best.withheld_ratio:
+            worst[(chk.kind, chk.name)] = chk
+    return sorted(worst.values(), key=lambda c: (KIND_ORDER.index(c.kind), c.name))
 
 
 def merge(config: CheckConfig, results: list[RankResult], *, wall_s: float = 0.0,
@@ -217,7 +238,8 @@ def merge(config: CheckConfig, results: list[RankResult], *, wall_s: float = 0.0
                       islands=list(dict.fromkeys([i for r in results for i in r.islands]
                                                  + declared_islands(declared or {}))),
                       not_run=list(dict.fromkeys(n for r in results for n in r.not_run)),
-                      vacuous=_first_per_tensor([c for r in results for c in r.vacuous.values()]))
+                      vacuous=_first_per_tensor([c for r in results for c in r.vacuous.values()]),
+                      withheld_worst=_worst_per_tensor([c for r in results for c in r.withheld_worst.values()]))
     if verdict == FAIL:
         n = len({(f.step, f.kind, f.name) for f in failures})
         res.reason = f"{n} tensor mismatch(es), {len(drifts)} replica drift(s); first: {res.first_failure}"

@@ -22,6 +22,10 @@ import json
 from pathlib import Path
 
 FAMILIES = ("native", "avx2", "default")
+ZERO_SIZE = 1e8
+"""A withheld piece whose bound is this many times its float64 value or more is zero in exact
+arithmetic: the campaigns' vacuous sizes fall at most 571 or at least 2.5e14 (every one of the
+latter an attention's k-proj bias grad)."""
 
 parser = argparse.ArgumentParser()
 parser.add_argument("records", nargs="+")
@@ -68,6 +72,16 @@ for dtype in sorted({r["dtype"] for r in rows}):
         weights = sum(1 for r in withheld for v in r["vacuous"] if not v["name"].endswith("bias"))
         print(f"  vacuous (not judged): {len(withheld)} draws, {sum(kinds.values())} tensors "
               f"({', '.join(f'{k} {n}' for k, n in sorted(kinds.items()))}; {weights} not a bias)")
+        # records since the would-be ratio was recorded: what judging them would have said, split at
+        # ZERO_SIZE between pieces zero in exact arithmetic (bounds ~1e14x their float64 value) and the rest
+        for label, keep in (("zero in exact arithmetic", lambda v: v["bound"] >= ZERO_SIZE),
+                            ("with digits", lambda v: v["bound"] < ZERO_SIZE)):
+            seen = [(v["withheld_ratio"], v["name"], r["repro"]) for r in withheld for v in r["vacuous"]
+                    if "withheld_ratio" in v and keep(v)]
+            if seen:
+                ratio, name, repro = max(seen)
+                print(f"    would-be ratio, {label}: {len(seen)} tensors, {sum(x[0] > 1 for x in seen)} above 1, "
+                      f"worst {ratio:.3g} ({name}) {repro}")
     for r in alarms:
         print(f"  FALSE ALARM ({r['family']}, {r['verdict']}): {r['repro']}")
 if crashed:

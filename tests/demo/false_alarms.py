@@ -122,7 +122,10 @@ def run(config):
             "forward_scale": (res.worst["forward"].scale_ratio if "forward" in res.worst else None),
             "worst_norm": {k: {"ratio": v.norm_ratio, "err": v.err_norm, "noise": v.noise_norm, "ref": v.ref_norm, "dof": v.dof,
                                "name": v.name} for k, v in res.worst_norm.items()},
-            "vacuous": [{"kind": v.kind, "name": v.name, "step": v.step, "bound": v.vacuous} for v in res.vacuous],
+            # per withheld tensor, the largest ratio its bounds would have given it (never judged)
+            "vacuous": [{"kind": v.kind, "name": v.name, "step": v.step, "bound": v.vacuous,
+                         "withheld_ratio": next(w.withheld_ratio for w in res.withheld_worst
+                                                if (w.kind, w.name) == (v.kind, v.name))} for v in res.vacuous],
             "seconds": time.perf_counter() - t,
             # a mismatch keeps its whole reason: a rank's stack, a desync's counts
             **({"reason": res.reason} if res.verdict != want else {})}) + "\n")
