@@ -19,7 +19,8 @@ from sp_harness.compare.tolerance import (
     ensemble_factor,
     weight_grad_dof,
 )
-from sp_harness.judge.verdict import RankResult, record
+from sp_harness.config.check_config import CheckConfig
+from sp_harness.judge.verdict import RankResult, merge, record
 from sp_harness.step.rounding import RoundedResults
 
 
@@ -175,6 +176,19 @@ def test_a_piece_whose_bounds_would_pass_zero_is_not_judged_and_is_named():
     assert result.num_checks == 0 and "grad:pos_emb.weight" in result.vacuous and not result.worst
     # the first piece is named, the one its bounds would have failed is recorded
     assert result.vacuous["grad:pos_emb.weight"] is zero and result.withheld_worst["grad:pos_emb.weight"] is chk
+
+
+def test_merged_ranks_name_the_first_withheld_piece_and_keep_the_worst_would_be_ratio():
+    common, run = _vacuous_grad(torch.bfloat16)
+    first = check_tensor(got=torch.zeros_like(common["ref64"]), **common)
+    worst = check_tensor(got=run, **{**common, "step": 1, "rank": 1})
+    ranks = [RankResult(rank=0), RankResult(rank=1)]
+    record(ranks[0], first)
+    record(ranks[1], worst)
+    res = merge(CheckConfig(case="ulysses-gpt", dtype="bfloat16"), ranks)
+    assert res.verdict == "PASS" and [c.step for c in res.vacuous] == [0]
+    assert [(c.step, c.rank) for c in res.withheld_worst] == [(1, 1)] and res.withheld_worst[0].withheld_ratio > 1
+    assert res.to_json()["withheld_worst"][0]["withheld_ratio"] == worst.withheld_ratio
 
 
 def test_a_vacuous_piece_still_fails_where_the_run_is_not_finite():

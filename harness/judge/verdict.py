@@ -196,22 +196,15 @@ def _worst_over(per_rank: list[dict[str, TensorCheck]], ratio) -> dict[str, Tens
     return worst
 
 
-def _first_per_tensor(checks: list[TensorCheck]) -> list[TensorCheck]:
-    """One check per kind and name, the earliest (step, then rank), in KIND_ORDER."""
-    first: dict[tuple[str, str], TensorCheck] = {}
+def _one_per_tensor(checks: list[TensorCheck], *, by_withheld_ratio: bool = False) -> list[TensorCheck]:
+    """One check per kind and name, in KIND_ORDER: the earliest (step, then rank), or with
+    `by_withheld_ratio` the one with the largest withheld ratio (ties: the earliest)."""
+    chosen: dict[tuple[str, str], TensorCheck] = {}
     for chk in sorted(checks, key=lambda c: (c.step, c.rank)):
-        first.setdefault((chk.kind, chk.name), chk)
-    return sorted(first.values(), key=lambda c: (KIND_ORDER.index(c.kind), c.name))
-
-
-def _worst_per_tensor(checks: list[TensorCheck]) -> list[TensorCheck]:
-    """One check per kind and name, the largest withheld ratio (ties: the earliest), in KIND_ORDER."""
-    worst: dict[tuple[str, str], TensorCheck] = {}
-    for chk in sorted(checks, key=lambda c: (c.step, c.rank)):
-        best = worst.get((chk.kind, chk.name))
-        if best is None or chk.withheld_ratio > best.withheld_ratio:
-            worst[(chk.kind, chk.name)] = chk
-    return sorted(worst.values(), key=lambda c: (KIND_ORDER.index(c.kind), c.name))
+        best = chosen.get((chk.kind, chk.name))
+        if best is None or (by_withheld_ratio and chk.withheld_ratio > best.withheld_ratio):
+            chosen[(chk.kind, chk.name)] = chk
+    return sorted(chosen.values(), key=lambda c: (KIND_ORDER.index(c.kind), c.name))
 
 
 def merge(config: CheckConfig, results: list[RankResult], *, wall_s: float = 0.0,
@@ -238,8 +231,9 @@ def merge(config: CheckConfig, results: list[RankResult], *, wall_s: float = 0.0
                       islands=list(dict.fromkeys([i for r in results for i in r.islands]
                                                  + declared_islands(declared or {}))),
                       not_run=list(dict.fromkeys(n for r in results for n in r.not_run)),
-                      vacuous=_first_per_tensor([c for r in results for c in r.vacuous.values()]),
-                      withheld_worst=_worst_per_tensor([c for r in results for c in r.withheld_worst.values()]))
+                      vacuous=_one_per_tensor([c for r in results for c in r.vacuous.values()]),
+                      withheld_worst=_one_per_tensor([c for r in results for c in r.withheld_worst.values()],
+                                                     by_withheld_ratio=True))
     if verdict == FAIL:
         n = len({(f.step, f.kind, f.name) for f in failures})
         res.reason = f"{n} tensor mismatch(es), {len(drifts)} replica drift(s); first: {res.first_failure}"
