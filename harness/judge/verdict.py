@@ -50,21 +50,14 @@ class RankResult:
     not_run: list[str] = field(default_factory=list)
     """Checks the case asked for that could not run, each with why (an attention module that
     exposes an LSE under a name the reference has no LSE for)."""
-    vacuous: dict[str, TensorCheck] = field(default_factory=dict)
-    """Per 'kind:name', the first piece not judged because its bounds would pass a zero tensor
-    (TensorCheck.vacuous)."""
-    withheld_worst: dict[str, TensorCheck] = field(default_factory=dict)
-    """Per 'kind:name', the withheld piece whose bounds would have given it the largest ratio
-    (TensorCheck.withheld_ratio): recorded, not judged."""
+    withheld: list[TensorCheck] = field(default_factory=list)
+    """Every piece not judged because its bounds would pass a zero tensor (TensorCheck.vacuous);
+    `merge` picks each tensor's first (to name) and its largest would-be ratio (to record)."""
 
 
 def record(result: RankResult, chk: TensorCheck) -> None:
     if chk.vacuous:
-        key = f"{chk.kind}:{chk.name}"
-        result.vacuous.setdefault(key, chk)
-        best = result.withheld_worst.get(key)
-        if best is None or chk.withheld_ratio > best.withheld_ratio:
-            result.withheld_worst[key] = chk
+        result.withheld.append(chk)
         return
     result.num_checks += 1
     best = result.worst.get(chk.kind)
@@ -115,7 +108,7 @@ class CheckResult:
     """Checks that could not run, each with why, over all ranks (RankResult.not_run)."""
     vacuous: list[TensorCheck] = field(default_factory=list)
     """Tensors not judged because their bounds would pass a zero tensor, one piece each (the
-    earliest step, then the lowest rank; RankResult.vacuous)."""
+    earliest step, then the lowest rank; RankResult.withheld)."""
     withheld_worst: list[TensorCheck] = field(default_factory=list)
     """The same tensors, each as its withheld piece with the largest would-be ratio over every
     step and rank (TensorCheck.withheld_ratio; recorded, not judged)."""
@@ -210,6 +203,7 @@ def _one_per_tensor(checks: list[TensorCheck], *, by_withheld_ratio: bool = Fals
 def merge(config: CheckConfig, results: list[RankResult], *, wall_s: float = 0.0,
           declared: Mapping[str, str] | None = None) -> CheckResult:
     failures = sorted((f for r in results for f in r.failures), key=TensorCheck.sort_key)
+    withheld = [c for r in results for c in r.withheld]
     worst = _worst_over([r.worst for r in results], lambda c: c.ratio)
     worst_norm = _worst_over([r.worst_norm for r in results], lambda c: c.norm_ratio)
     worst_scale = max((r.worst_scale for r in results if r.worst_scale is not None), key=lambda c: c.scale_ratio,
@@ -231,9 +225,8 @@ def merge(config: CheckConfig, results: list[RankResult], *, wall_s: float = 0.0
                       islands=list(dict.fromkeys([i for r in results for i in r.islands]
                                                  + declared_islands(declared or {}))),
                       not_run=list(dict.fromkeys(n for r in results for n in r.not_run)),
-                      vacuous=_one_per_tensor([c for r in results for c in r.vacuous.values()]),
-                      withheld_worst=_one_per_tensor([c for r in results for c in r.withheld_worst.values()],
-                                                     by_withheld_ratio=True))
+                      vacuous=_one_per_tensor(withheld),
+                      withheld_worst=_one_per_tensor(withheld, by_withheld_ratio=True))
     if verdict == FAIL:
         n = len({(f.step, f.kind, f.name) for f in failures})
         res.reason = f"{n} tensor mismatch(es), {len(drifts)} replica drift(s); first: {res.first_failure}"
