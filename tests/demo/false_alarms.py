@@ -15,6 +15,7 @@ are read by the rank processes at pool start: set them on the command line to va
 import argparse
 import json
 import os
+import signal
 import time
 
 from hypothesis import HealthCheck, Phase, given, seed, settings
@@ -23,6 +24,7 @@ from hypothesis import strategies as st
 from sp_harness.checks.side_by_side import check
 from sp_harness.config.strategies import gpt_configs, mlp_configs, realistic_gpt_configs, training_sized_configs
 from sp_harness.judge.expect import expected_verdict
+from sp_harness.launch.pool import interrupt_pending
 from sp_harness.launch.runner import default_manager
 
 parser = argparse.ArgumentParser()
@@ -136,7 +138,19 @@ def run(config):
               f"{stats['verdicts']}", flush=True)
 
 
-run()
+def _terminated(signum, frame):
+    # `pkill` ending a campaign: unwind like Ctrl-C, so the pools' atexit close stops the ranks
+    # and removes their scratch folders (SIGTERM's default would leave both)
+    interrupt_pending(KeyboardInterrupt())  # raised again by a wait loop that swallowed this one
+    raise KeyboardInterrupt
+
+
+signal.signal(signal.SIGTERM, _terminated)
+try:
+    run()
+except KeyboardInterrupt:
+    print(f"STOPPED {case} after {stats['n']} examples; closing its ranks", flush=True)
+    raise SystemExit(130) from None
 el = time.perf_counter() - t0
 print(f"DONE {case}: {stats['n']} examples, {stats['false_alarms']} mismatches, {el:.0f}s, {stats['n'] / el:.2f} ex/s, "
       f"{stats['verdicts']}", flush=True)
