@@ -24,8 +24,8 @@ from pathlib import Path
 FAMILIES = ("native", "avx2", "default")
 ZERO_SIZE = 1e8
 """A withheld piece whose bound is this many times its float64 value or more is zero in exact
-arithmetic: the 4,744 vacuous sizes of the eighteenth and nineteenth sessions' bfloat16 campaign
-fall at most 2,339 or at least 2.5e14 (every one of the latter an attention's k-proj bias grad)."""
+arithmetic: the 9,405 vacuous sizes of the eighteenth to twentieth sessions' bfloat16 campaign
+fall at most 2,925 or at least 2.2e14 (every one of the latter an attention's k-proj bias grad)."""
 
 parser = argparse.ArgumentParser()
 parser.add_argument("records", nargs="+")
