@@ -1,4 +1,11 @@
-"""The benchmark's bare-compute job runs the same models as a check, without capture or compare."""
+"""The benchmark's bare-compute job runs the same models as a check, without capture or compare;
+`sp-harness bench --quick` runs to completion (the full tier)."""
+
+import json
+import subprocess
+import sys
+
+import pytest
 
 from sp_harness.config.check_config import CheckConfig
 from sp_harness.suites.bench_bare import bare_rank
@@ -48,3 +55,19 @@ def test_every_target_is_printed_with_its_figure_and_verdict():
     text = format_targets(r)
     assert "MISSED by 2.00x" in text and "MET" in text
     assert Target(name="x", value=3.0, limit=1.5, at_most=True).line().endswith("MISSED by 2.00x")
+
+
+@pytest.mark.exhaustive("the fast tier runs its parts: the bare job (here, and a framework case's in test_deepspeed), "
+                        "the profile, the targets")
+def test_bench_quick_runs_to_completion_with_every_extra_installed(tmp_path):
+    out = tmp_path / "bench.json"
+    run = subprocess.run([sys.executable, "-m", "sp_harness.cli", "bench", "--quick", "--json", str(out)], cwd=tmp_path,
+                         capture_output=True, text=True, timeout=3000)
+    assert run.returncode == 0, (run.stdout + run.stderr)[-4000:]
+    result = json.loads(out.read_text())
+    plugin = result["plugin"]
+    assert plugin["n"] == 3 and plugin["plugin_s"] > 0 and plugin["cli_s"] > 0
+    assert "(j) a user's test file of N verified examples" in run.stdout
+    cases = {row["case"] for row in result["realistic"]["cost"]}
+    assert {"megatron-gpt-sp", "ds-ulysses-hf-llama"} <= cases, cases
+    assert all(row["verdict"] == "PASS" for row in result["realistic"]["cost"]), result["realistic"]["cost"]

@@ -52,31 +52,39 @@ def test_reduce_scatter_over_world_fails_on_dp_x_tp(sp_pool, tmp_path):
     assert result.first_failing_step is not None and result.first_failing_step <= 2
 
 
-def test_golden_round_trip_through_the_cli(tmp_path):
-    root = Path(__file__).resolve().parent.parent
+def _cli(argv: list[str], capsys) -> tuple[int, str]:
+    """`sp-harness ARGV` through the CLI's own parser and command, in this process (its ranks on
+    this worker's default pools, started once for every call): (exit code, what it printed).
+    The subprocess path (exit codes, signals, nothing left running) has tests of its own."""
+    from sp_harness.cli import build_parser
+
+    capsys.readouterr()
+    args = build_parser().parse_args(argv)
+    code = args.func(args)
+    return code, capsys.readouterr().out
+
+
+def test_golden_round_trip_through_the_cli(tmp_path, capsys):
     common = ["--steps", "4", "--seq-len", "12", "--batch", "2", "--warmup-steps", "2"]
     golden = tmp_path / "golden.json"
-    made = subprocess.run([sys.executable, "-m", "sp_harness.cli", "golden", *common, "--repeats", "2", "--out", str(golden),
-                           "--work-dir", str(tmp_path / "work")], cwd=root, capture_output=True, text=True, timeout=300)
-    assert made.returncode == 0, made.stdout + made.stderr
+    code, text = _cli(["golden", *common, "--repeats", "2", "--out", str(golden), "--work-dir", str(tmp_path / "work")],
+                      capsys)
+    assert code == 0, text
     doc = json.loads(golden.read_text())
     assert doc["metrics"]["loss"]["spread"] == [0.0] * 4  # deterministic CPU: repeats agree exactly
-    ok = subprocess.run([sys.executable, "-m", "sp_harness.cli", "converge", *common, "--golden", str(golden),
-                         "--out", str(tmp_path / "ok")], cwd=root, capture_output=True, text=True, timeout=300)
-    assert ok.returncode == 0, ok.stdout + ok.stderr
+    code, text = _cli(["converge", *common, "--golden", str(golden), "--out", str(tmp_path / "ok")], capsys)
+    assert code == 0, text
     # a shorter run gates the golden's common prefix, and says so in words
-    short = subprocess.run([sys.executable, "-m", "sp_harness.cli", "converge", *common[:1], "2", *common[2:], "--golden",
-                            str(golden), "--out", str(tmp_path / "short")], cwd=root, capture_output=True, text=True,
-                           timeout=300)
-    assert short.returncode == 0, short.stdout + short.stderr
-    assert "golden gated over its steps 0-1 only: this run has 2 steps, the golden 4" in short.stdout
+    code, text = _cli(["converge", *common[:1], "2", *common[2:], "--golden", str(golden), "--out",
+                       str(tmp_path / "short")], capsys)
+    assert code == 0, text
+    assert "golden gated over its steps 0-1 only: this run has 2 steps, the golden 4" in text
     # a different learning rate departs from the stored curve: the gate must fail
-    off = subprocess.run([sys.executable, "-m", "sp_harness.cli", "converge", *common, "--lr", "0.02", "--golden",
-                          str(golden), "--out", str(tmp_path / "off")], cwd=root, capture_output=True, text=True,
-                         timeout=300)
-    assert off.returncode == 1 and "golden" in off.stdout
+    code, text = _cli(["converge", *common, "--lr", "0.02", "--golden", str(golden), "--out", str(tmp_path / "off")],
+                      capsys)
+    assert code == 1 and "golden" in text
     regate = subprocess.run([sys.executable, "-m", "sp_harness.cli", "gate", str(tmp_path / "ok"), "--golden", str(golden)],
-                            cwd=root, capture_output=True, text=True, timeout=120)
+                            cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert regate.returncode == 0, regate.stdout + regate.stderr
 
 
@@ -119,17 +127,16 @@ def test_users_float_case_trains_without_baseline_or_floor(sp_pool, tmp_path):
     assert f"torch {torch.__version__}" in text
 
 
-def test_repro_line_repeats_a_non_default_run_bit_for_bit(sp_pool, tmp_path):
+def test_repro_line_repeats_a_non_default_run_bit_for_bit(sp_pool, tmp_path, capsys):
     opts = ConvergeOptions(case=MY_MLP, steps=5, seq_len=10, lr=0.1 / 3, optimizer="sgd", seed=3, data_seed=7,
                            warmup_steps=1, clip_grad_norm=None, timeout_s=90.5)
     _, _, runs = converge(opts, sp_pool, tmp_path / "first", progress=False)
     _, meta = read_run_dir(tmp_path / "first")
     argv = shlex.split(meta["repro"])
     assert argv[:2] == ["sp-harness", "converge"] and "0.03333333333333333" in argv
-    again = subprocess.run([sys.executable, "-m", "sp_harness.cli", *argv[1:], "--out", str(tmp_path / "again")],
-                           cwd=ROOT, capture_output=True, text=True, timeout=300)
-    assert again.returncode == 0, again.stdout + again.stderr
-    assert f"repro: {meta['repro']}" in again.stdout
+    code, text = _cli([*argv[1:], "--out", str(tmp_path / "again")], capsys)
+    assert code == 0, text
+    assert f"repro: {meta['repro']}" in text
     repeated, _ = read_run_dir(tmp_path / "again")
     assert set(repeated) == set(runs)
     for name in runs:

@@ -60,3 +60,27 @@ def test_ulysses_sp_attention_hf_on_a_tiny_llama_passes(sp_check):
     # 4 query heads, 2 k/v heads over SP 2; DeepSpeed registers itself over transformers' sdpa
     res = sp_check(_config("HF_LLAMA", world_size=2, dtype="float32"))
     assert res.verdict == PASS, res.reason + res.error
+
+
+@pytest.mark.parametrize("case", ["ds-ulysses-f64", "ds-ulysses-hf-llama"])
+def test_the_built_in_cases_reach_their_nightly_verdict(sp_check, case):
+    # the registered cases `sp-harness nightly` runs by name (their first example), beside this
+    # file's examples/ twins of them
+    from sp_harness.config.case import get_case
+    from sp_harness.judge.expect import expected_verdict
+
+    config = get_case(case).examples[0].config(case)
+    res = sp_check(config)
+    assert res.verdict == expected_verdict(config) == PASS, res.reason + res.error
+
+
+def test_the_bench_runs_the_hf_case_bare_at_a_realistic_shape(sp_pool):
+    # `sp-harness bench` crashed here ("query input tensor does not match the required shape"):
+    # its bare job ran the reference after DeepSpeed's UlyssesSPAttentionHF had replaced
+    # transformers' attention in the same process
+    from sp_harness.suites.bench_bare import timed_bare
+    from sp_harness.suites.bench_realistic import realistic_config, runnable
+
+    config = runnable(realistic_config("ds-ulysses-hf-llama", 2, 256, 32))
+    assert config is not None and config.hidden == 256
+    assert len(timed_bare(config.replace(steps=1), sp_pool, 1)) == 1

@@ -181,6 +181,7 @@ def test_pool_scratch_dir_is_removed_on_close():
     assert not os.path.exists(scratch) and pool.scratch_dir is None
 
 
+@pytest.mark.exhaustive("the fast tier starts pools of 1 to 4 ranks in every file; this one is the machine's largest")
 def test_the_largest_pool_starts():
     # the most ranks the machine runs, all connecting to the driver at once (the bench's ws=8 pool
     # once failed to start here: a rank never connected within the start-up budget)

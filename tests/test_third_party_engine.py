@@ -19,7 +19,7 @@ def _case(name: str) -> str:
     return f"{CASES}:{name}"
 
 
-@pytest.mark.parametrize("world_size", [2, 4])
+@pytest.mark.parametrize("world_size", [2, pytest.param(4, marks=pytest.mark.exhaustive("the fast tier runs 2 ranks"))])
 def test_a_global_registration_by_the_sharded_factory_does_not_reach_the_references(sp_check, world_size):
     """A reference that ran the registered attention is wrong, and the references disagree with
     each other (the owner of the float64 one registered another offset than the perturbed one's):

@@ -138,6 +138,7 @@ def test_math_sdpa_empty_shard_raises_on_the_empty_rank(sp_check):
     assert CP_FRAME in innermost and "inner_fn" in innermost
 
 
+@pytest.mark.exhaustive("about 35 s of DTensor's decomposition fallback; the fast tier runs torch-cp-gpt's other pins")
 def test_default_sdpa_non_causal_raises_in_backward(sp_check):
     # the forward shards _scaled_dot_product_flash_attention_for_cpu by DTensor's decomposition
     # fallback (slowly: ~50 s on the 2-core CI machine, hence the timeout); its backward op has no

@@ -25,7 +25,8 @@ def _config(name: str, **fields) -> CheckConfig:
 
 @pytest.mark.parametrize("name,world_size,dp,dtype", [
     ("LLAMA3_SP_TP2", 2, 1, "float32"),
-    ("LLAMA3_SP_TP4", 4, 1, "float32"),
+    pytest.param("LLAMA3_SP_TP4", 4, 1, "float32", marks=pytest.mark.exhaustive(
+        "the fast tier runs TP 2, and 4 ranks as DP 2 x TP 2")),
     ("LLAMA3_SP_TP2", 2, 1, "bfloat16"),
     ("LLAMA3_SP_TP2", 4, 2, "float32"),  # DP 2 x TP 2: torchtitan's own FSDP2 (apply_fsdp_to_decoder)
 ])

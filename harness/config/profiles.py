@@ -1,7 +1,8 @@
 """Stage: config. For property tests: the hypothesis profiles, registered in one place.
 
-- `sp-harness-dev`: a handful of examples per property, for the edit-run loop;
-- `sp-harness-ci`: the default under CI=true, sized so `pytest -n auto` stays within minutes on 2 cores;
+- `sp-harness-dev`: a handful of examples per property: this project's fast test tier (its
+  default `pytest -n auto`, CI included) and a user's edit-run loop;
+- `sp-harness-ci`: 12 per property: this project's full tier (`pytest --tier full`);
 - `sp-harness-nightly`: thousands of examples across the properties (the false-alarm measurement);
 - `sp-harness-replay`: the example database's failures only.
 
@@ -36,18 +37,23 @@ settings.register_profile(PREFIX + "nightly", max_examples=400, **_COMMON)
 settings.register_profile(PREFIX + "replay", max_examples=1, phases=[Phase.explicit, Phase.reuse], **_COMMON)
 
 
-def default_name() -> str:
-    """SP_HARNESS_PROFILE (dev, ci, nightly, replay; with or without the prefix), else `ci` under
-    CI=true, else `dev`; ValueError naming the valid ones."""
-    name = os.environ.get("SP_HARNESS_PROFILE") or ("ci" if os.environ.get("CI", "").lower() in ("1", "true") else "dev")
+TIER_PROFILES = {"fast": "dev", "full": "ci"}
+"""This project's test tiers (tests/conftest.py) -> their profile. The fast tier takes `dev` under
+CI=true too: what CI runs is what a contributor runs, and its time is the one measured."""
+
+
+def default_name(tier: str = "fast") -> str:
+    """SP_HARNESS_PROFILE (dev, ci, nightly, replay; with or without the prefix), else the test
+    tier's (`TIER_PROFILES`); ValueError naming the valid ones."""
+    name = os.environ.get("SP_HARNESS_PROFILE") or TIER_PROFILES[tier]
     short = name.removeprefix(PREFIX)
     if short not in NAMES:
         raise ValueError(f"SP_HARNESS_PROFILE={name!r}: valid are {', '.join(NAMES)}")
     return PREFIX + short
 
 
-def load_default() -> str:
-    """Makes `default_name()` hypothesis' default profile; returns its name."""
-    name = default_name()
+def load_default(tier: str = "fast") -> str:
+    """Makes `default_name(tier)` hypothesis' default profile; returns its name."""
+    name = default_name(tier)
     settings.load_profile(name)
     return name

@@ -97,13 +97,18 @@ class Battery:
             self._twin[key] = self.evaluate(twin, entry)
         return self._twin[key]
 
-    def kill(self, mutant: str) -> MutantOutcome:
+    def kill(self, mutant: str, *, only: str | None = None) -> MutantOutcome:
+        """The battery's entries in order until one kills `mutant`; `only`: that entry alone (the
+        pinned kill, without proving that no earlier entry kills it: the fast test tier's)."""
+        entries = BATTERY if only is None else tuple(e for e in BATTERY if e.name == only)
+        if not entries:
+            raise ValueError(f"no battery entry {only!r}; entries: {', '.join(e.name for e in BATTERY)}")
         case = get_case(mutant)
         if not case.twin:
             raise ValueError(f"{mutant} names no correct twin (Case.twin)")
         t0 = time.perf_counter()
         twin_failures = []
-        for entry in BATTERY:
+        for entry in entries:
             twin = self.twin_outcome(case.twin, entry)
             if twin.passed is False:
                 twin_failures.append(f"{case.twin} fails entry {entry.name}: {twin.detail}")

@@ -169,10 +169,10 @@ def run_profile(config: CheckConfig, runner: Runner) -> dict:
     check(config, runner)
     t0 = time.perf_counter()
     ranks = runner.run(config.world_size, profile_rank, config,
-                       timeout_s=config.timeout_s, label=f"bench profile {config.case}")
+                       timeout_s=config.timeout_s, label=f"bench profile {config.case}", case=config.case)
     profiled_s = time.perf_counter() - t0
     bare = runner.run(config.world_size, bare_rank, config, timeout_s=config.timeout_s,
-                      label=f"bench bare {config.case}")
+                      label=f"bench bare {config.case}", case=config.case)
     return {"case": config.case, "world_size": config.world_size, "hidden": config.hidden, "seq_len": config.seq_len,
             "num_layers": config.num_layers, "dtype": str(config.dtype), "steps": config.steps,
             "profiled_s": profiled_s, "bare_rank_s": [b["total_s"] for b in bare],

@@ -126,16 +126,17 @@ def memory_row(config: CheckConfig) -> MemoryRow:
     def fresh(job) -> tuple[float, float]:
         manager = PoolManager(max_pools=1)
         try:
+            # case=: the same processes as the job's (a case of its own isolation gets its own)
             base = max(manager.run(config.world_size, peak_rss_mib, None,
-                                   timeout_s=600, label="bench rss"))
+                                   timeout_s=600, label="bench rss", case=config.case))
             job(manager)
             return base, max(manager.run(config.world_size, peak_rss_mib, None,
-                                         timeout_s=600, label="bench rss"))
+                                         timeout_s=600, label="bench rss", case=config.case))
         finally:
             manager.close()
 
     base_bare, bare = fresh(lambda m: m.run(config.world_size, bare_rank, config,
-                                            timeout_s=config.timeout_s, label="bench bare"))
+                                            timeout_s=config.timeout_s, label="bench bare", case=config.case))
     base_check, checked = fresh(lambda m: check(config, m))
     assert config.hidden is not None and config.seq_len is not None, "realistic_config sets hidden and seq_len"
     return MemoryRow(case=config.case, world_size=config.world_size, hidden=config.hidden, seq_len=config.seq_len,

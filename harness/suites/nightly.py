@@ -100,6 +100,7 @@ def _nightly(args, opts, run_dir) -> int:
     runner = _runner()
     print(f"[1/2] case checks ({len(nightly_examples())} configs)")
     rows = run_checks(runner)
+    stages = {"checks": time.perf_counter() - t0}
     (out / "checks.json").write_text(json.dumps(rows, indent=1))
     (out / "checks.md").write_text(checks_markdown(rows) + "\n")
     checks_ok = all(r["ok"] for r in rows)
@@ -109,6 +110,7 @@ def _nightly(args, opts, run_dir) -> int:
     golden_file = GOLDEN_DIR / f"{args.case}.json"
     golden = str(golden_file) if golden_file.exists() and not args.no_golden else None
     result, html_path, runs = converge(opts, runner, out, golden=golden)
+    stages["convergence"] = time.perf_counter() - t0 - stages["checks"]
     _append_checks_to_html(html_path, rows)
     ok = checks_ok and result.passed
     with open(out / "summary.md", "a") as f:
@@ -120,11 +122,27 @@ def _nightly(args, opts, run_dir) -> int:
     history.append(log, entry)
     entries = history.read(log)
     _append_history_to_html(html_path, history.plot(entries, out / "history.png"), len(entries), log)
+    stages["report"] = time.perf_counter() - t0 - stages["checks"] - stages["convergence"]
+    _write_stages(out, stages)
     html_path = run_dir.publish() / html_path.name
     print(format_gate(result, html_path) + (f"   (golden: {golden_file.name})" if golden else "   (no golden)"))
     print(f"nightly: {'PASS' if ok else 'FAIL'}: {sum(r['ok'] for r in rows)}/{len(rows)} checks as expected, "
-          f"gate {result.verdict}, {time.perf_counter() - t0:.0f}s; history: {len(entries)} run(s) in {log}")
+          f"gate {result.verdict}, {time.perf_counter() - t0:.0f}s ({_format_stages(stages)}); "
+          f"history: {len(entries)} run(s) in {log}")
     return 0 if ok else 1
+
+
+def _format_stages(stages: dict[str, float]) -> str:
+    return ", ".join(f"{name} {seconds:.0f}s" for name, seconds in stages.items())
+
+
+def _write_stages(out: Path, stages: dict[str, float]) -> None:
+    """Each stage's wall seconds into summary.json (`stages_s`) and summary.md."""
+    summary = json.loads((out / "summary.json").read_text())
+    summary["stages_s"] = {name: round(seconds, 2) for name, seconds in stages.items()}
+    (out / "summary.json").write_text(json.dumps(summary, indent=2, allow_nan=False) + "\n")
+    with open(out / "summary.md", "a") as f:
+        f.write(f"\nStages (wall): {_format_stages(stages)}.\n")
 
 
 def _append_history_to_html(html_path: Path, png: Path, num_runs: int, log: Path) -> None:
