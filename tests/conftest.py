@@ -35,7 +35,18 @@ def tier_of(config: pytest.Config) -> str:
     return tier
 
 
+def _schedule_by_file(config: pytest.Config) -> None:
+    """Under xdist, a test file's tests go to one worker (unless --dist says otherwise): they share
+    that worker's warm pools and their case's setup (a framework's import), where `load` spread
+    every file over both workers and each paid them."""
+    args = config.invocation_params.args
+    explicit = any(a in ("--dist", "-d") or str(a).startswith("--dist=") for a in args)
+    if getattr(config.option, "dist", "no") == "load" and not explicit:
+        config.option.dist = "loadfile"
+
+
 def pytest_configure(config: pytest.Config) -> None:
+    _schedule_by_file(config)
     config.addinivalue_line("markers", "exhaustive(why): runs in the full tier only; `why` names what the fast "
                                        "tier runs instead (the same check, case, mutant or framework, smaller)")
     config.stash[TIER_KEY] = tier = tier_of(config)
@@ -60,3 +71,19 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 def tier(request: pytest.FixtureRequest) -> str:
     """The tier this run is (`fast` or `full`)."""
     return request.config.stash[TIER_KEY]
+
+
+if os.environ.get("SP_TEST_POOL_LOG"):  # measurement only: every pool start of this process, appended
+    from sp_harness.launch import pool as _pool
+
+    _start = _pool.RankPool.start
+
+    def _logged_start(self):
+        import time
+        t0 = time.monotonic()
+        _start(self)
+        with open(os.environ["SP_TEST_POOL_LOG"], "a") as f:
+            f.write(f"{os.environ.get('PYTEST_CURRENT_TEST', '?').split(' ')[0]}\t{self.world_size}\t"
+                    f"{time.monotonic() - t0:.1f}\n")
+
+    _pool.RankPool.start = _logged_start

@@ -74,13 +74,15 @@ def test_the_built_in_cases_reach_their_nightly_verdict(sp_check, case):
     assert res.verdict == expected_verdict(config) == PASS, res.reason + res.error
 
 
-def test_the_bench_runs_the_hf_case_bare_at_a_realistic_shape(sp_pool):
+def test_the_bench_runs_the_hf_case_bare_after_its_check(sp_check, sp_pool):
     # `sp-harness bench` crashed here ("query input tensor does not match the required shape"):
-    # its bare job ran the reference after DeepSpeed's UlyssesSPAttentionHF had replaced
-    # transformers' attention in the same process
+    # its bare job ran the reference in the rank, where the check before it had left DeepSpeed's
+    # UlyssesSPAttentionHF in transformers' attention table; it now computes where a check's does
     from sp_harness.suites.bench_bare import timed_bare
     from sp_harness.suites.bench_realistic import realistic_config, runnable
 
     config = runnable(realistic_config("ds-ulysses-hf-llama", 2, 256, 32))
     assert config is not None and config.hidden == 256
-    assert len(timed_bare(config.replace(steps=1), sp_pool, 1)) == 1
+    config = config.replace(steps=1)
+    assert sp_check(config).verdict == PASS
+    assert len(timed_bare(config, sp_pool, 1)) == 1

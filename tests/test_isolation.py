@@ -28,7 +28,8 @@ def manager():
     m.close()
 
 
-@pytest.mark.parametrize("order", [("PATCHING", "TWIN"), ("TWIN", "PATCHING")])
+@pytest.mark.parametrize("order", [("PATCHING", "TWIN"), pytest.param(("TWIN", "PATCHING"), marks=pytest.mark.exhaustive(
+    "the fast tier runs the patcher first here, and both orders through the plugin below"))])
 def test_a_patching_mutant_and_its_twin_get_their_standalone_verdicts_on_one_manager(manager, order):
     verdicts = {name: _run(manager, name).verdict for name in order}
     assert verdicts == {"PATCHING": "FAIL", "TWIN": "PASS"}
@@ -54,6 +55,8 @@ def test_through_the_plugin_each_case_gets_its_standalone_verdict(tmp_path):
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
 
 
+@pytest.mark.exhaustive("two 25 s setups; the fast tier runs every framework case's setup (a 5-20 s import) on the "
+                        "budget this pins, and a failing setup below")
 def test_setup_runs_once_per_process_outside_the_jobs_timeout(tmp_path, monkeypatch):
     log = tmp_path / "setup.log"
     monkeypatch.setenv("SP_TEST_SETUP_LOG", str(log))

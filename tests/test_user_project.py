@@ -145,7 +145,9 @@ def _cli(project, *args: str) -> subprocess.CompletedProcess:
                           text=True, timeout=180, env=_env(PYTHONPATH=str(project / "src")))
 
 
-@pytest.mark.parametrize("case", ["seed-mlp", "spchecks/user_cases.py:USER_CASE"])
+@pytest.mark.parametrize("case", [pytest.param("seed-mlp", marks=pytest.mark.exhaustive(
+    "the fast tier runs the user's case here, and built-in cases through the CLI in test_cli_errors and test_engine")),
+    "spchecks/user_cases.py:USER_CASE"])
 def test_cli_runs_builtin_and_user_cases_inside_the_project(project, case):
     out = _cli(project, "check", "--case", case, "--world-size", "2")
     assert out.returncode == 0, out.stdout + out.stderr

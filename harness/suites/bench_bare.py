@@ -8,8 +8,6 @@ from __future__ import annotations
 import time
 from typing import TYPE_CHECKING
 
-import torch
-
 from sp_harness.config.check_config import CheckConfig
 
 if TYPE_CHECKING:
@@ -22,38 +20,36 @@ def bare_rank(config: CheckConfig) -> dict:
     forward, loss, backward, grad sync and optimizer step on both. No extra reference copies, no
     capture, no comparison, no replica-drift collectives.
 
-    The reference takes all its steps before the sharded model is built: a sharded factory may
-    replace a global that the reference would then call (DeepSpeed's UlyssesSPAttentionHF
-    registers itself in transformers' attention table), and a check runs its references in
-    processes of their own. The same compute, in another order."""
-    from sp_harness.config.case import as_batch, get_case
-    from sp_harness.step.build import build, cast_floating, new_reference
-    from sp_harness.step.context import rank_device, reference_context
+    The reference computes where a check's does, in the rank's reference process
+    (sp_harness.checks.refproc), overlapping the sharded step: a sharded factory may replace a
+    global the reference would otherwise call (DeepSpeed's UlyssesSPAttentionHF registers itself
+    in transformers' attention table, and it stays there for the rank's next job)."""
+    from sp_harness.checks.refproc import Remote
+    from sp_harness.config.case import as_batch
+    from sp_harness.step.build import build
     from sp_harness.step.inputs import batch_generator
     from sp_harness.step.loop import ShardedLoop
     from sp_harness.step.optim_ref import make_optimizer
-    from sp_harness.step.reference import reference_pass
 
     t_start, c_start = time.perf_counter(), time.process_time()
-    case = get_case(config.case)
-    config = case.resolve(config)
+    built = build(config)
+    config, case, ref = built.config, built.case, built.reference
     assert config.optimizer is not None and config.lr is not None and config.steps is not None, \
-        "resolve fills optimizer, lr and steps"
-    device = rank_device()
-    ref = cast_floating(new_reference(case, config, reference_context(config, device)).to(device=device), torch.float64)
+        "build resolves optimizer, lr and steps"
     opt_ref = make_optimizer(config.optimizer, config.lr, ref.parameters())
+    remote = Remote(config, ref, built.device)
+    loop = ShardedLoop(built)
     gen = batch_generator(config.seed)
-    batches = [as_batch(case.make_batch(config, step, gen)) for step in range(config.steps)]
     t_setup = time.perf_counter() - t_start
-    for batch in batches:
-        reference_pass(ref, case, batch, torch.float64)
+    for step in range(config.steps):
+        batch = as_batch(case.make_batch(config, step, gen))
+        remote.start(("r64",), {n: p.detach() for n, p in ref.named_parameters()}, batch, ())
+        loop.step(batch)
+        grads = remote.finish()["r64"].grads
+        for name, p in ref.named_parameters():
+            p.grad = grads[name]
         opt_ref.step()
         opt_ref.zero_grad(set_to_none=True)
-    t_built = time.perf_counter()
-    loop = ShardedLoop(build(config))
-    t_setup += time.perf_counter() - t_built
-    for batch in batches:
-        loop.step(batch)
     return {"setup_s": t_setup, "total_s": time.perf_counter() - t_start, "cpu_s": time.process_time() - c_start}
 
 
