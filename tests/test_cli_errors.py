@@ -46,6 +46,8 @@ def _one_line_usage_error(proc: subprocess.CompletedProcess, *needles: str) -> N
     (["check", "--case", "no_such_file.py:CASE"], ["no_such_file.py"]),
     (["nightly", "--case", "nope", "--out", "/tmp"], ["'nope'", "known cases"]),
     (["converge", "--case", "seed-mlp", "--out", "/proc/nope/run"], ["/proc/nope/run", "cannot be written"]),
+    # a folder that root may "access" but no one can make entries in (its runs folder): was a traceback, exit 1
+    (["converge", "--case", "seed-mlp", "--out", "/proc/nope"], ["/proc/nope", "cannot be written"]),
     (["converge", "--case", "megatron-gpt-sp", "--world-size", "1000"], ["1000", "at most"]),
     (["converge", "--case", "megatron-gpt-sp", "--world-size", "3", "--baseline", "nope"], ["'nope'"]),
 ])

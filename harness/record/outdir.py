@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -100,6 +101,13 @@ def check_out(out: str | os.PathLike) -> None:
         raise ValueError(f"--out {str(out)!r} cannot be written ({exc.strerror})") from None
     if not os.access(parent, os.W_OK):
         raise ValueError(f"--out {str(out)!r} cannot be written ({parent} is not writable)")
+    # access() says yes to root for folders no one can make entries in (/proc): make one, as the
+    # run will (its runs folder), and take it away again
+    try:
+        probe = Path(tempfile.mkdtemp(prefix=f".{link.name}.", suffix=".probe", dir=parent))
+    except OSError as exc:
+        raise ValueError(f"--out {str(out)!r} cannot be written ({exc.strerror}: {runs_root(link)})") from None
+    probe.rmdir()
 
 
 def _prune(root: Path, keep_also: Path) -> None:
