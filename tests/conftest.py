@@ -13,6 +13,7 @@ A test left out of the fast tier is deselected, so pytest's summary line counts 
 from __future__ import annotations
 
 import os
+from types import SimpleNamespace
 
 import pytest
 
@@ -65,6 +66,24 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     if dropped:
         config.hook.pytest_deselected(items=dropped)
         items[:] = [item for item in items if not item.get_closest_marker("exhaustive")]
+    workeroutput = getattr(config, "workeroutput", None)
+    if workeroutput is not None:  # an xdist worker: its controller prints the summary line
+        workeroutput[DESELECTED_KEY] = [item.nodeid for item in dropped]
+
+
+DESELECTED_KEY = "sp_harness_tier_deselected"
+_REPORTED: pytest.StashKey[bool] = pytest.StashKey()
+
+
+def pytest_testnodedown(node, error) -> None:
+    """On the xdist controller: count the tier's deselected tests in the summary line, as a run
+    without xdist does (every worker collects, and deselects, the same tests: counted once)."""
+    config = node.config
+    ids = getattr(node, "workeroutput", {}).get(DESELECTED_KEY)
+    if ids and not config.stash.get(_REPORTED, False):
+        config.stash[_REPORTED] = True
+        # stand-ins with the item's nodeid: other plugins' summaries read the reports' attributes
+        config.hook.pytest_deselected(items=[SimpleNamespace(nodeid=nodeid) for nodeid in ids])
 
 
 @pytest.fixture(scope="session")
