@@ -59,9 +59,6 @@ def pytest_configure(config: pytest.Config) -> None:
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     if config.stash[TIER_KEY] == "full":
         return
-    for item in items:
-        marker = item.get_closest_marker("exhaustive")
-        assert marker is None or (marker.args and marker.args[0]), f"{item.nodeid}: exhaustive(why) needs its why"
     dropped = [item for item in items if item.get_closest_marker("exhaustive")]
     if dropped:
         config.hook.pytest_deselected(items=dropped)
@@ -75,6 +72,7 @@ DESELECTED_KEY = "sp_harness_tier_deselected"
 _REPORTED: pytest.StashKey[bool] = pytest.StashKey()
 
 
+@pytest.hookimpl(optionalhook=True)  # xdist's hook: `pytest -p no:xdist` must still load this file
 def pytest_testnodedown(node, error) -> None:
     """On the xdist controller: count the tier's deselected tests in the summary line, as a run
     without xdist does (every worker collects, and deselects, the same tests: counted once)."""
