@@ -57,6 +57,10 @@ def pytest_configure(config: pytest.Config) -> None:
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    for item in items:
+        marker = item.get_closest_marker("exhaustive")
+        if marker is not None and not (marker.args and len(str(marker.args[0])) > 10):
+            raise pytest.UsageError(f"{item.nodeid}: exhaustive(why) must say what the fast tier runs instead")
     if config.stash[TIER_KEY] == "full":
         return
     dropped = [item for item in items if item.get_closest_marker("exhaustive")]

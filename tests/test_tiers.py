@@ -90,12 +90,6 @@ def test_the_fast_tier_exercises_every_check_case_mutant_and_framework(fast_item
     assert set(FRAMEWORK_TESTS) == set(FRAMEWORK_CASES)
 
 
-def test_every_exhaustive_test_says_what_the_fast_tier_runs_instead(request):
-    for item in request.session.items:
-        marker = item.get_closest_marker("exhaustive")
-        assert marker is None or (marker.args and len(marker.args[0]) > 10), item.nodeid
-
-
 def test_the_scaled_sensitivity_mutants_are_no_catalogue_entries():
     # the catalogue is what the battery must kill; the scaled mutants are measured by
     # `sp-harness sensitivity` (tests/test_sensitivity.py), so the coverage above need not list them
