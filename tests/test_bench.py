@@ -70,4 +70,6 @@ def test_bench_quick_runs_to_completion_with_every_extra_installed(tmp_path):
     assert "(j) a user's test file of N verified examples" in run.stdout
     cases = {row["case"] for row in result["realistic"]["cost"]}
     assert {"megatron-gpt-sp", "ds-ulysses-hf-llama"} <= cases, cases
-    assert all(row["verdict"] == "PASS" for row in result["realistic"]["cost"]), result["realistic"]["cost"]
+    # runnable() keeps only configs expected to PASS: any other verdict at these sizes is a finding
+    off = [(row["case"], row["world_size"], row["verdict"]) for row in result["realistic"]["cost"] if row["verdict"] != "PASS"]
+    assert not off, off
