@@ -62,8 +62,7 @@ def timed_bare(config: CheckConfig, runner: Runner, reps: int) -> list[float]:
     times = []
     for _ in range(reps):
         t0 = time.perf_counter()
-        # case=: the case's own processes and its setup, as its check gets them (a framework case
-        # built in the shared pool, without its setup, raised inside the framework)
+        # case=: the processes and setup its check gets (a framework case's own group, its import)
         runner.run(config.world_size, bare_rank, config, timeout_s=config.timeout_s,
                    label=f"bench bare {config.case} [{config.short()}]", case=config.case)
         times.append(time.perf_counter() - t0)

@@ -7,7 +7,7 @@ same N examples as N `sp-harness check` commands (a fresh interpreter and pool e
   cli_s        N `sp-harness check --case C --seed K` commands, one after the other
 
 so a file of N examples costs about plugin_1_s + (N - 1) * marginal_s, where marginal_s =
-(plugin_s - plugin_1_s) / (N - 1), against N * cli_s / N through the CLI. Each figure is one run.
+(plugin_s - plugin_1_s) / (N - 1), against cli_s through the CLI. Each figure is one run.
 """
 
 from __future__ import annotations
