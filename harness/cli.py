@@ -46,7 +46,7 @@ def cmd_list(args) -> int:
 
 
 def _check_names(args) -> list[str]:
-    names = ["side-by-side"]
+    names = ["train-step" if args.train_step else "side-by-side"]
     if args.compare_comm:
         names.append("comm-vs-baseline")
     if args.memory:
@@ -65,6 +65,15 @@ def cmd_check(args) -> int:
         check_writable(args.json)
     case = get_case(config.case)  # unknown case: ValueError -> exit 2 before any rank starts
     checks = [get_check(name) for name in _check_names(args)]  # unknown check: exit 2 as well
+    if config.train_step:
+        from sp_harness.checks.train_step import require_train_step
+        from sp_harness.config.case import Unsupported
+
+        # no declared step, or no valid token: one line and exit 2 before any rank starts
+        try:
+            require_train_step(case, case.resolve(config))
+        except Unsupported:
+            pass  # the check reports it as its verdict
     check_world_size(config.world_size)
     runner = _runner()
     if sys.stderr.isatty() or os.environ.get("SP_HARNESS_PROGRESS"):  # pytest and pipes stay quiet

@@ -19,6 +19,7 @@ from torch import nn
 
 from sp_harness.cases.common import (
     GPT_DEFAULTS,
+    IGNORE_INDEX,
     gpt_fields,
     known,
     require_heads,
@@ -28,8 +29,10 @@ from sp_harness.cases.common import (
 )
 from sp_harness.cases.megatron.impl import CORRECT, Impl
 from sp_harness.cases.megatron.model import build_sharded
+from sp_harness.cases.train_steps import marked_sequence_parallel, with_train_step
 from sp_harness.config.case import Case, Example, Layout, RankContext, Sharded, Unsupported, register
 from sp_harness.config.check_config import CheckConfig
+from sp_harness.config.train_step import TrainLoss
 
 DEFAULTS = dict(GPT_DEFAULTS)
 FIELDS = gpt_fields(DEFAULTS, positions=False)
@@ -130,6 +133,9 @@ SP = register(dataclasses.replace(
         "sp",
         description="Megatron-style TP + sequence parallel GPT (all-gather/reduce-scatter)",
     ),
+    # its own training step: per-token loss over the global valid tokens, as Megatron's schedule
+    shard=with_train_step(megatron_shard(CORRECT, sequence_parallel=True), marked_sequence_parallel),
+    train_loss=TrainLoss(ignore_index=IGNORE_INDEX),
     examples=(
         Example(fields=(("world_size", 2),), note="even"),
         Example(fields=(("world_size", 3), ("seq_len", 10)), note="uneven: 10 tokens 4/4/2, heads 2/2/0"),

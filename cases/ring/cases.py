@@ -21,6 +21,7 @@ from torch import nn
 
 from sp_harness.cases.common import (
     GPT_DEFAULTS,
+    IGNORE_INDEX,
     LocalLoss,
     as_gpt,
     attention_of,
@@ -36,6 +37,8 @@ from sp_harness.cases.ring.mappings import Ring
 from sp_harness.cases.ring.placement import rank_positions
 from sp_harness.config.case import Case, Example, Layout, RankContext, Sharded, register
 from sp_harness.config.check_config import CheckConfig
+from sp_harness.config.train_step import TrainLoss
+from sp_harness.cases.train_steps import every_param, with_train_step
 
 DEFAULTS = dict(GPT_DEFAULTS, load_balancer="zigzag", causal=True)
 """A small GPT; zigzag placement by default (as PyTorch's context_parallel balances by default)."""
@@ -72,7 +75,9 @@ RING = register(Case(
     name="ring-gpt",
     description="context parallel GPT: ring attention (p2p k/v ring, LSE merge), zigzag or contiguous",
     **gpt_fields(DEFAULTS, positions=True),
-    shard=ring_shard(),
+    # its own training step: per-token loss over the global valid tokens, grads summed over CP
+    shard=with_train_step(ring_shard(), every_param),
+    train_loss=TrainLoss(ignore_index=IGNORE_INDEX),
     validate=validate,
     tags=("ring", "context-parallel"),
     examples=(

@@ -68,6 +68,8 @@ class SideBySide:
     label = "side-by-side"
 
     def applies(self, case: Case, config: CheckConfig) -> str | None:
+        if config.train_step:
+            return "the config asks for the case's own training step (the train-step check)"
         return None  # a case declares what it cannot run through `validate` (UNSUPPORTED)
 
     def run(self, config: CheckConfig, runner: Runner) -> Outcome:

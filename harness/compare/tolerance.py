@@ -254,7 +254,7 @@ largest (usp-gpt, 3 ranks, hidden 60, a q-proj weight grad at 1.05x the ensemble
 `avx2` kernels; 0.66 of the two-reference one). bfloat16's `rounded` member forms that row sum
 (sp_harness.step.rounding.RoundedResults); a float32 one would cost a float64 pass per step."""
 
-KIND_ORDER = ("init", "forward", "lse", "loss", "input_grad", "grad", "param")
+KIND_ORDER = ("init", "forward", "lse", "loss", "input_grad", "grad", "grad_norm", "clip", "param")
 
 
 def eps(dtype: torch.dtype) -> float:

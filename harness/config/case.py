@@ -26,6 +26,7 @@ from sp_harness.config.check_config import ENGINE_DEFAULTS, KNOBS, RESOLVE, Chec
 from sp_harness.config.gpt_knobs import GPTKnobs
 from sp_harness.config.loading import load_case_file
 from sp_harness.config.resources import require_memory
+from sp_harness.config.train_step import TrainLoss, TrainStep
 
 
 class Unsupported(Exception):
@@ -242,6 +243,10 @@ class Sharded:
     """Builds what the sharded module is called with from this rank's input pieces: a per-rank
     attention mask (torchtitan's BlockMask for the local sequence) from a spec in `Batch.inputs`,
     say. The pieces it is given stay the grad leaves that are judged. Part of the system under test."""
+    train_step: TrainStep | None = None
+    """The implementation's own training step (sp_harness.config.train_step.TrainStep), for a case
+    that declares `Case.train_loss`: what the training-step check runs instead of the engine's
+    step. Part of the system under test."""
     grad_attr: str = "grad"
     """The param attribute the implementation leaves its final grads in ("main_grad" for
     megatron-core's DDP): the grad check reads it, and before the engine's optimizer step it is
@@ -364,6 +369,10 @@ class Case:
     outside the job's timeout (its own budget: sp_harness.launch.case_setup.SETUP_TIMEOUT_S): a
     framework's first-use work, such as a C++ op JIT-built on first import. It raising, or
     running past its budget, is a setup error (exit 2), not a FAIL."""
+    train_loss: TrainLoss | None = None
+    """The loss this case's own training step means (sp_harness.config.train_step.TrainLoss); its
+    `shard` then sets `Sharded.train_step`. None: the case declares no training step (the
+    training-step check is a setup error for it)."""
     precision_islands: Mapping[str, str] = field(default_factory=dict)
     """Module-name prefix in the reference -> dtype name ('float32', 'bfloat16', ...): modules
     that compute at that precision whatever their tensors' dtype says, for kernels whose internal

@@ -131,12 +131,23 @@ class CheckConfig(GPTKnobs, RunFields):
     """Inference: the sharded side runs forward only (under no_grad), no backward, no grad sync, no
     optimizer step; the references run forward only. Judged: the output, the loss, attention
     LSEs; input grads, grads and updates are not (the result says so). None: the case's default."""
+    train_step: bool = False
+    """Run the case's own training step (`Sharded.train_step`: its loss normalisation, gradient
+    accumulation, grad sync, clipping and optimizer) and judge it against the loss the case
+    declares (`Case.train_loss`): the training-step check instead of the side-by-side one."""
+    micro_batches: int = knob(3, min=1)
+    """Micro-batches per optimizer step of the training-step check; every one holds dp * batch
+    sequences, their valid tokens drawn unevenly across ranks and micro-batches."""
+    clip_grad_norm: float | None = knob(positive=True)
+    """The global grad norm the training step clips to. None: no clipping."""
 
     def __post_init__(self) -> None:
         RunFields.__post_init__(self)
         if self.prompt_len and self.seq_len is not None and self.prompt_len >= self.seq_len:
             raise ValueError(f"prompt_len({self.prompt_len}) must be < seq_len({self.seq_len}): a sequence "
                              f"needs at least one target")
+        if self.train_step and self.forward_only:
+            raise ValueError("train_step and forward_only exclude each other: a training step runs backward")
         if self.seq_shards is not None:
             if len(self.seq_shards) != self.tp:
                 raise ValueError(
@@ -188,6 +199,10 @@ class CheckConfig(GPTKnobs, RunFields):
                 parts.append(getattr(self, name))
         if self.forward_only:
             parts.append("forward-only")
+        if self.train_step:
+            parts.append(f"train-step K={self.micro_batches}")
+            if self.clip_grad_norm is not None:
+                parts.append(f"clip={self.clip_grad_norm:g}")
         parts += [str(self.dtype), f"steps={self.steps}", f"seed={self.seed}"]
         return " ".join(parts)
 

@@ -191,7 +191,8 @@ def add_flags(parser: Any, cls: type, *, only: typing.Iterable[str] | None = Non
             continue
         kwargs: dict[str, Any] = dict(dest=s.name, help=help_text(s, fallbacks).replace("%", "%%"))
         if s.kind is bool:
-            kwargs["metavar"] = "{yes,no}"
+            # a bare `--train-step` means yes; `--forward-only no` still spells the other value
+            kwargs.update(metavar="{yes,no}", nargs="?", const=True)
         if s.choices is not None:
             kwargs["choices"] = s.choices
         else:

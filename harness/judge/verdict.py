@@ -53,6 +53,9 @@ class RankResult:
     withheld: list[TensorCheck] = field(default_factory=list)
     """Every piece not judged because its bounds would pass a zero tensor (TensorCheck.vacuous);
     `merge` picks each tensor's first (to name) and its largest would-be ratio (to record)."""
+    grad_factor: float | None = None
+    """Training-step check, where its grads failed: the one factor that maps the reference's grads
+    onto the run's to 5% rms (sp_harness.checks.train_step_rank.UNIFORM_FIT); None where none does."""
 
 
 def record(result: RankResult, chk: TensorCheck) -> None:
@@ -112,6 +115,9 @@ class CheckResult:
     withheld_worst: list[TensorCheck] = field(default_factory=list)
     """The same tensors, each as its withheld piece with the largest would-be ratio over every
     step and rank (TensorCheck.withheld_ratio; recorded, not judged)."""
+    grad_factor: float | None = None
+    """Training-step check: every param grad is this factor times the reference's (a loss
+    normalisation or averaging error); None where the grads passed or no one factor fits."""
 
     @property
     def not_judged(self) -> tuple[str, ...]:
@@ -226,10 +232,14 @@ def merge(config: CheckConfig, results: list[RankResult], *, wall_s: float = 0.0
                                                  + declared_islands(declared or {}))),
                       not_run=list(dict.fromkeys(n for r in results for n in r.not_run)),
                       vacuous=_one_per_tensor(withheld),
-                      withheld_worst=_one_per_tensor(withheld, by_withheld_ratio=True))
+                      withheld_worst=_one_per_tensor(withheld, by_withheld_ratio=True),
+                      grad_factor=next((r.grad_factor for r in results if r.grad_factor is not None), None))
     if verdict == FAIL:
         n = len({(f.step, f.kind, f.name) for f in failures})
         res.reason = f"{n} tensor mismatch(es), {len(drifts)} replica drift(s); first: {res.first_failure}"
+        if res.grad_factor is not None:
+            res.reason += (f"; every param grad is {res.grad_factor:.3f}x the reference: a loss normalisation "
+                           f"or averaging error")
     return res
 
 

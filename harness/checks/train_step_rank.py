@@ -1,0 +1,292 @@
+"""Stage: checks. The training-step check's rank job (sp_harness.checks.train_step drives it).
+
+Each step: K micro-batches with uneven valid-token masks (sp_harness.step.train_batches); the
+references (float64, same-precision, perturbed: sp_harness.checks.references) run the intended
+loss (`Case.train_loss`) over the whole global batch at once, anchored at the run's params, while
+the case's own step (`Sharded.train_step`) accumulates over its micro-batches. Then, stage by
+stage, each judged by the tolerance model the side-by-side check uses:
+
+1. reported loss   the loss the step reports vs the intended loss
+2. grad            the grads it leaves before clipping vs the intended loss's grads; where they
+                   fail, the one factor that best maps the reference's onto them (a uniform
+                   factor is a normalisation or averaging error)
+3. grad_norm       which params its norm counts (step 0: the norm of each param alone, every
+                   other grad zeroed, vs that param's own) and the norm it reports vs the float64
+                   norm of its own grads
+4. clip            (SGD, clipping active) the coefficient its update applied vs
+                   min(1, max_norm / (norm + 1e-6)) of its own grads
+5. param           its update vs the float64 step from its own grads, clipped by that coefficient
+
+Stages 3-5 start from the run's own grads, so a wrong grad fails at stage 2 alone.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+import torch.distributed as dist
+
+from sp_harness.checks.references import KINDS, RefResult
+from sp_harness.checks.side_by_side_rank import _expected_step, _loss_allowance, _SideBySide, _update_scale
+from sp_harness.compare.tolerance import check_bounded, eps, lp_dtype
+from sp_harness.config.check_config import CheckConfig
+from sp_harness.config.train_step import MicroBatch, TrainStep
+from sp_harness.judge.verdict import RankResult, record
+from sp_harness.launch import announce
+from sp_harness.step.inputs import batch_generator, batch_to, target_layout
+from sp_harness.step.params import declared_grad, replica_drift
+from sp_harness.step.train_batches import concatenated, micro_batches
+
+CLIP_EPS = 1e-6
+"""The clip coefficient's guard, min(1, max_norm / (norm + CLIP_EPS)): torch.nn.utils.clip_grad_norm_
+and Megatron's clip_grad_by_total_norm_fp32 both add 1e-6."""
+UNIFORM_FIT = 0.05
+"""A failing grad set is reported as one factor times the reference's when that factor explains
+every grad to 5% rms: enough to name "grads x 0.5" under bfloat16's own rounding (0.4% per
+element), too tight for a set of unrelated errors to pass as one."""
+
+
+def _global(t: torch.Tensor) -> torch.Tensor:
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(t)
+    return t
+
+
+class _TrainStepRun(_SideBySide):
+    """The case's own training step on one rank, judged stage by stage."""
+
+    def __init__(self, config: CheckConfig):
+        super().__init__(config)
+        train = self.sharded.train_step
+        if train is None:
+            raise ValueError(f"case {config.case} declares Case.train_loss but its shard set no Sharded.train_step")
+        if not isinstance(train, TrainStep):
+            raise TypeError(f"case {config.case}: Sharded.train_step is a {type(train).__name__}, not a TrainStep "
+                            f"(accumulate, grad_norm, step and optimizer)")
+        self.train = train
+        assert self.case.train_loss is not None, "the driver refuses a case without train_loss"
+        self.loss_spec = self.case.train_loss
+        self.opt = train.optimizer
+        # the norm's accumulator: what frameworks sum squares in (float32 below float64)
+        self.norm_dtype = lp_dtype(self.dtype) if self.dtype != torch.float64 else torch.float64
+
+    def _scaled(self, refs: dict[str, RefResult], tokens: int) -> dict[str, RefResult]:
+        """The references' token mean as the declared reduction: 'sum' is the mean times the
+        valid-token count, exact in float64 (and one rounding in the others)."""
+        if self.loss_spec.reduction == "token-mean":
+            return refs
+        for r in refs.values():
+            r.step.loss = r.step.loss * tokens
+            if r.step.out_grad is not None:
+                r.step.out_grad = r.step.out_grad * tokens
+            r.grads = {n: None if g is None else g * tokens for n, g in r.grads.items()}
+        return refs
+
+    def own_grads(self) -> dict[int, torch.Tensor | None]:
+        return {id(p.param): declared_grad(p.param, self.sharded.grad_attr) for p in self.params}
+
+    def norm_shares(self, grads: dict[int, torch.Tensor | None]) -> dict[str, float]:
+        """Each reference param's squared norm from the run's own grads, float64, every piece
+        counted once: a TP-split param's pieces summed over TP, a replicated one taken once."""
+        names = sorted({p.spec.ref_name for p in self.params})
+        local = torch.zeros(len(names), dtype=torch.float64)
+        for p in self.params:
+            g = grads[id(p.param)]
+            if g is None:
+                continue
+            g = p.full(g.detach()).to(torch.float64)
+            sq = g.pow(2).sum()
+            # a replicated param (or a DTensor's whole tensor) is held by every TP rank: its
+            # sum over TP counts it tp times; DP replicas are identical and are divided out
+            share = sq / self.ctx.tp if (p.replicated_tp or p.dtensor) else sq
+            local[names.index(p.spec.ref_name)] += share / self.ctx.dp
+        return dict(zip(names, _global(local).tolist(), strict=True))
+
+    def _norm_bound(self, sq: float, numel: int) -> float:
+        """What a correct norm's square may differ by: a sum of `numel` squares in the norm's
+        accumulator (Higham's gamma_n, n u / (1 - n u), u = eps / 2) and the result's rounding to
+        the run dtype."""
+        u = eps(self.norm_dtype) / 2
+        n_u = min(numel * u, 0.5)
+        return sq * (n_u / (1 - n_u) + 2 * eps(self.dtype))
+
+    def judge_composition(self, step: int, grads: dict[int, torch.Tensor | None], shares: dict[str, float]) -> None:
+        """Which params the step's norm counts, and how often: its norm of each param alone."""
+        saved = {k: None if g is None else g.detach().clone() for k, g in grads.items()}
+        numel = {p.spec.ref_name: p.full(p.param.detach()).numel() for p in self.params}
+        try:
+            for name in sorted(shares):
+                for p in self.params:
+                    g = grads[id(p.param)]
+                    if g is not None:
+                        g.detach().copy_(saved[id(p.param)] if p.spec.ref_name == name else torch.zeros_like(g))
+                got = float(self.train.grad_norm()) ** 2
+                want = shares[name]
+                record(self.result, check_bounded(
+                    kind="grad_norm", name=f"{name} in the norm", step=step, rank=self.ctx.rank,
+                    got=torch.tensor([got]), want=torch.tensor([want]),
+                    bound=torch.tensor([self._norm_bound(want, numel[name])])))
+        finally:
+            for p in self.params:
+                g = grads[id(p.param)]
+                if g is not None:
+                    g.detach().copy_(saved[id(p.param)])
+
+    def judge_uniform(self, step: int, refs: dict[str, RefResult]) -> None:
+        """Where grads failed: the factor that best maps the reference's grads onto the run's."""
+        sums = torch.zeros(3, dtype=torch.float64)
+        for p in self.params:
+            g = declared_grad(p.param, self.sharded.grad_attr)
+            want = refs["r64"].grads[p.spec.ref_name]
+            if g is None or want is None:
+                continue
+            got, w64, _, _ = p.full_or_piece(g.detach(), want, want, self.ctx)
+            got = got.to(torch.float64)
+            sums += torch.stack([(got * w64).sum(), (w64 * w64).sum(), (got * got).sum()])
+        gw, ww, gg = _global(sums).tolist()
+        if ww == 0 or gg == 0:
+            return
+        factor = gw / ww
+        residual = max(gg - 2 * factor * gw + factor * factor * ww, 0.0)
+        if residual <= (UNIFORM_FIT ** 2) * gg:
+            self.result.grad_factor = factor
+
+    def clip_coefficient(self, norm_sq: float) -> float:
+        limit = self.config.clip_grad_norm
+        return 1.0 if limit is None else min(1.0, limit / (norm_sq ** 0.5 + CLIP_EPS))
+
+    def judge_clip(self, step: int, before: dict[int, torch.Tensor], buffers: dict[int, torch.Tensor | None],
+                   grads: dict[int, torch.Tensor | None], coef: float, coef_rel: float) -> None:
+        """SGD with active clipping: the coefficient its update applied, from p' = p - lr buf and
+        buf = momentum buf_prev + coef g: one least-squares fit over every element."""
+        from sp_harness.step.optim_ref import SGD_MOMENTUM
+
+        assert self.config.lr is not None, "the check resolves lr"
+        sums = torch.zeros(2, dtype=torch.float64)
+        for p in self.params:
+            g = grads[id(p.param)]
+            if g is None or p.dtensor:
+                continue
+            applied = (before[id(p.param)] - p.param.detach().to(torch.float64)) / self.config.lr
+            prev = buffers[id(p.param)]
+            if prev is not None:
+                applied = applied - SGD_MOMENTUM * prev
+            g = g.to(torch.float64)
+            weight = 1.0 / self.ctx.tp if p.replicated_tp else 1.0
+            sums += weight * torch.stack([(applied * g).sum(), (g * g).sum()])
+        ag, gg = _global(sums).tolist()
+        if gg == 0:
+            return
+        got = ag / gg
+        # the update's own rounding is relative eps(dtype) per element, far below a wrong coefficient
+        bound = coef * (coef_rel + 8 * eps(self.dtype))
+        record(self.result, check_bounded(kind="clip", name="clip coefficient", step=step, rank=self.ctx.rank,
+                                          got=torch.tensor([got]), want=torch.tensor([coef]),
+                                          bound=torch.tensor([bound])))
+
+    def step(self, step: int, gen: torch.Generator) -> None:
+        layout = target_layout(self.sharded.output_layout)
+        mbs = [batch_to(b, self.built.device) for b in
+               micro_batches(self.case, self.config, step, gen, layout=layout, ctx=self.ctx)]
+        batch_dim = self.case.input_layout.batch_dim
+        assert batch_dim is not None, "the driver refuses a case whose input has no batch dim"
+        whole = concatenated(mbs, batch_dim)
+        tokens = self.case.tokens(whole.target)
+        self.start_references(whole)
+        ignore = self.loss_spec.ignore_index
+        pieces = [self.loop.local_batch(b) for b in mbs]
+        micro = [MicroBatch(inputs=piece.call_inputs, target=piece.target, valid=piece.target != ignore,
+                            positional=piece.positional)
+                 for piece in pieces]
+        t0 = time.perf_counter()
+        with self.counter:
+            self.counter.phase = "accumulate"
+            reported = self.train.accumulate(micro)
+        self.compute_s += time.perf_counter() - t0
+        refs = self._scaled(self.finish_references(), tokens)
+        r64, r_lp, r_alt = (refs[w].step for w in KINDS)
+        loss = torch.as_tensor(reported, dtype=torch.float64).detach().reshape(())
+        self.result.losses.append(float(loss))
+        # K micro-batch sums added in the run dtype: K more roundings of the loss
+        summed = len(mbs) * eps(lp_dtype(self.dtype)) * abs(float(r64.loss))
+        self.judge("loss", "reported loss", step, loss, r64.loss, r_lp.loss, (), r_alt.loss,
+                   extra=_loss_allowance(r64, r_lp, r_alt, self.dtype) + summed)
+        failures = len(self.result.failures)
+        self.judge_grads(step, tokens, refs)
+        if any(f.kind == "grad" for f in self.result.failures[failures:]):
+            self.judge_uniform(step, refs)
+        self.norm_and_update(step)
+
+    def norm_and_update(self, step: int) -> None:
+        """Stages 3-5, from the run's own grads."""
+        grads = self.own_grads()
+        shares = self.norm_shares(grads)
+        if step == 0:
+            self.judge_composition(step, grads, shares)
+        norm_sq = sum(shares.values())
+        numel = sum(p.full(p.param.detach()).numel() for p in self.params)
+        norm_rel = self._norm_bound(norm_sq, numel) / norm_sq if norm_sq else 0.0
+        coef = self.clip_coefficient(norm_sq)
+        clipping = coef < 1.0
+        # a coefficient from a norm off by norm_rel / 2 is off by as much, and scales the update
+        coef_rel = norm_rel / 2 if clipping else 0.0
+        before = {id(p.param): p.full(p.param.detach()).to(torch.float64, copy=True) for p in self.params}
+        buffers = {id(p.param): _momentum(self.opt, p.param) for p in self.params}
+        self.loop.load_grads()
+        own64 = {k: None if g is None else g.detach().to(torch.float64).clone() for k, g in grads.items()}
+        expected = []
+        for p in self.params:
+            g = p.param.grad
+            kept = None if g is None or not clipping else g.detach().clone()
+            if kept is not None:
+                g.mul_(coef)  # in the grad's dtype, as the step's clipping does
+            expected.append(_expected_step(p, self.opt, self.config, self.dtype))
+            if kept is not None:
+                g.copy_(kept)
+        for ref, p in zip(expected, self.params, strict=True):
+            ref.bound = ref.bound + (ref.param - before[id(p.param)]).abs() * coef_rel
+        t0 = time.perf_counter()
+        with self.counter:
+            self.counter.phase = "step"
+            reported = self.train.step()
+        self.compute_s += time.perf_counter() - t0
+        got_sq = float(torch.as_tensor(reported, dtype=torch.float64)) ** 2
+        record(self.result, check_bounded(kind="grad_norm", name="reported grad norm (squared)", step=step,
+                                          rank=self.ctx.rank, got=torch.tensor([got_sq]),
+                                          want=torch.tensor([norm_sq]),
+                                          bound=torch.tensor([self._norm_bound(norm_sq, numel)])))
+        if clipping and self.config.optimizer == "sgd":
+            self.judge_clip(step, before, buffers, own64, coef, coef_rel)
+        self.result.comm.append(self.counter.snapshot())
+        self.counter.stats.clear()
+        for p, ref in zip(self.params, expected, strict=True):
+            got = p.full(p.param.detach())
+            record(self.result, check_bounded(kind="param", name=p.spec.ref_name, step=step, rank=self.ctx.rank,
+                                              got=got, want=ref.param, bound=ref.bound,
+                                              offset=p.offset(self.ref64[p.spec.ref_name], self.ctx),
+                                              scale=_update_scale(ref, got)))
+        self.result.drift.extend(replica_drift(step, self.params, self.ctx, set(self.case.replicated_hint)))
+
+
+def _momentum(opt: torch.optim.Optimizer, param: torch.Tensor) -> torch.Tensor | None:
+    buf = opt.state.get(param, {}).get("momentum_buffer")
+    return None if buf is None else buf.detach().to(torch.float64).clone()
+
+
+def run_rank(config: CheckConfig) -> RankResult:
+    """The job: one training-step run of `config` on this rank."""
+    t_start = time.perf_counter()
+    run = _TrainStepRun(config)
+    run.result.timings["setup_s"] = time.perf_counter() - t_start
+    run.check_init()
+    gen = batch_generator(config.seed)
+    assert config.steps is not None, "the check resolves steps"
+    for step in range(config.steps):
+        run.step(step, gen)
+        announce.progress("step", step + 1, config.steps)
+    if run.recorder is not None:
+        run.recorder.remove()
+    run.result.timings["compute_s"] = run.compute_s
+    run.result.timings["total_s"] = time.perf_counter() - t_start
+    return run.result
