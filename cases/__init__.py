@@ -33,6 +33,11 @@ BUILTIN: dict[str, tuple[str, ...]] = {
         "mutant-ring-zigzag-unbalanced", "mutant-ring-lse-base2"),
     "sp_harness.cases.mutants.scaled_mutants": ("mutant-scaled-forward", "mutant-scaled-grad", "mutant-scaled-update",
                                                "mutant-scaled-norm-grad"),
+    "sp_harness.cases.mutants.train_mutants": (
+        "mutant-train-mean-of-means", "mutant-train-drop-middle-microbatches", "mutant-train-cp-local-count",
+        "mutant-train-dp-local-count", "mutant-train-clip-missing-param", "mutant-train-norm-avg-shards",
+        "mutant-train-loss-times-sp", "mutant-train-sp-grads-unsynced", "mutant-train-ga-times-sp",
+        "mutant-train-logged-loss-per-rank"),
     "sp_harness.cases.mutants.ulysses_mutants": (
         "mutant-ulysses-a2a-assumes-even", "mutant-ulysses-gqa-kv-heads-tiled", "mutant-ulysses-backward-forward-splits",
         "mutant-ulysses-loss-mean-per-rank", "mutant-ulysses-label-shift-per-shard", "mutant-ulysses-no-sp-grad-sync",

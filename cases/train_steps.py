@@ -122,17 +122,19 @@ class FrameworkStep:
     def _finalize(self) -> None:
         """The grad sync after the last micro-batch: sequence-group sums, then DP."""
         ctx, bugs = self.ctx, self.bugs
-        for p in self.named.values():
+        grads = {}
+        for name, p in self.named.items():
             if p.grad is None:
                 p.grad = torch.zeros_like(p)  # a param this rank's tokens never reached
-        summed = [self.named[n].grad for n in sorted(self.seq_summed)]
+            grads[name] = p.grad
+        summed = [grads[n] for n in sorted(self.seq_summed)]
         if ctx.tp > 1 and not (bugs.skip_sp_sync_with_dp and ctx.dp > 1):
             all_reduce_coalesced(summed, ctx.tp_group, divide_by=ctx.tp if bugs.local_count == "seq" else 1)
         elif ctx.tp > 1 and bugs.local_count == "seq":
             for g in summed:
                 g.div_(ctx.tp)
         if ctx.dp > 1:
-            every = [p.grad for p in self.named.values()]
+            every = list(grads.values())
             averaged = bugs.local_count in ("seq", "dp") or bugs.mean_of_means
             all_reduce_coalesced(every, ctx.dp_group, divide_by=ctx.dp if averaged else 1)
 

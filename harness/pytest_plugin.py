@@ -99,10 +99,12 @@ def sp_max_world_size(request: pytest.FixtureRequest) -> int:
 
 @pytest.fixture
 def sp_check(sp_pool, request: pytest.FixtureRequest):
-    """sp_check(config) -> CheckResult, run on this worker's warm pool with the suite's timeout."""
-    from sp_harness.checks.side_by_side import check
+    """sp_check(config) -> CheckResult, run on this worker's warm pool with the suite's timeout: the
+    side-by-side check, or the training-step check for a config with `train_step=True`."""
+    from sp_harness.checks import side_by_side, train_step
 
     def run(config):
+        check = train_step.check if config.train_step else side_by_side.check
         return check(config, sp_pool)  # a config without its own timeout takes the suite's
 
     return run

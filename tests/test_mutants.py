@@ -12,6 +12,16 @@ import pytest
 from sp_harness.suites.battery import Battery, mutant_names
 
 EXPECTED_KILLER = {
+    "mutant-train-mean-of-means": ("reported loss", "train-step"),
+    "mutant-train-drop-middle-microbatches": ("grads before clipping", "train-step"),
+    "mutant-train-cp-local-count": ("reported loss", "train-step"),
+    "mutant-train-dp-local-count": ("reported loss", "train-step"),
+    "mutant-train-clip-missing-param": ("grad norm", "train-step"),
+    "mutant-train-norm-avg-shards": ("grad norm", "train-step"),
+    "mutant-train-loss-times-sp": ("reported loss", "train-step"),
+    "mutant-train-sp-grads-unsynced": ("grads before clipping", "train-step"),
+    "mutant-train-ga-times-sp": ("grads before clipping", "train-step"),
+    "mutant-train-logged-loss-per-rank": ("reported loss", "train-step"),
     "mutant-ds-ulysses-batch-dim-idx": ("forward", "even"),
     "mutant-ds-ulysses-detached-a2a": ("grad", "even"),
     "mutant-ds-ulysses-engine-without-sp-group": ("grad", "even"),

@@ -118,9 +118,9 @@ class _TrainStepRun(_SideBySide):
         try:
             for name in sorted(shares):
                 for p in self.params:
-                    g = grads[id(p.param)]
-                    if g is not None:
-                        g.detach().copy_(saved[id(p.param)] if p.spec.ref_name == name else torch.zeros_like(g))
+                    g, kept = grads[id(p.param)], saved[id(p.param)]
+                    if g is not None and kept is not None:
+                        g.detach().copy_(kept if p.spec.ref_name == name else torch.zeros_like(g))
                 got = float(self.train.grad_norm()) ** 2
                 want = shares[name]
                 record(self.result, check_bounded(
@@ -129,9 +129,9 @@ class _TrainStepRun(_SideBySide):
                     bound=torch.tensor([self._norm_bound(want, numel[name])])))
         finally:
             for p in self.params:
-                g = grads[id(p.param)]
-                if g is not None:
-                    g.detach().copy_(saved[id(p.param)])
+                g, kept = grads[id(p.param)], saved[id(p.param)]
+                if g is not None and kept is not None:
+                    g.detach().copy_(kept)
 
     def judge_uniform(self, step: int, refs: dict[str, RefResult]) -> None:
         """Where grads failed: the factor that best maps the reference's grads onto the run's."""
@@ -157,13 +157,17 @@ class _TrainStepRun(_SideBySide):
         return 1.0 if limit is None else min(1.0, limit / (norm_sq ** 0.5 + CLIP_EPS))
 
     def judge_clip(self, step: int, before: dict[int, torch.Tensor], buffers: dict[int, torch.Tensor | None],
-                   grads: dict[int, torch.Tensor | None], coef: float, coef_rel: float) -> None:
+                   grads: dict[int, torch.Tensor | None], coef: float, coef_rel: float,
+                   bounds: dict[int, torch.Tensor]) -> None:
         """SGD with active clipping: the coefficient its update applied, from p' = p - lr buf and
-        buf = momentum buf_prev + coef g: one least-squares fit over every element."""
+        buf = momentum buf_prev + coef g: one least-squares fit over every element. Each element's
+        update may be off by its own bound (`bounds`, the update check's), which moves the fit by
+        at most sum |g| bound / lr over sum g^2: a bfloat16 param rounds away an update of
+        lr * coef * g far below its eps, and then the fit can say nothing."""
         from sp_harness.step.optim_ref import SGD_MOMENTUM
 
         assert self.config.lr is not None, "the check resolves lr"
-        sums = torch.zeros(2, dtype=torch.float64)
+        sums = torch.zeros(3, dtype=torch.float64)
         for p in self.params:
             g = grads[id(p.param)]
             if g is None or p.dtensor:
@@ -174,13 +178,13 @@ class _TrainStepRun(_SideBySide):
                 applied = applied - SGD_MOMENTUM * prev
             g = g.to(torch.float64)
             weight = 1.0 / self.ctx.tp if p.replicated_tp else 1.0
-            sums += weight * torch.stack([(applied * g).sum(), (g * g).sum()])
-        ag, gg = _global(sums).tolist()
+            slack = (g.abs() * bounds[id(p.param)]).sum() / self.config.lr
+            sums += weight * torch.stack([(applied * g).sum(), (g * g).sum(), slack])
+        ag, gg, slack = _global(sums).tolist()
         if gg == 0:
             return
         got = ag / gg
-        # the update's own rounding is relative eps(dtype) per element, far below a wrong coefficient
-        bound = coef * (coef_rel + 8 * eps(self.dtype))
+        bound = coef * coef_rel + slack / gg
         record(self.result, check_bounded(kind="clip", name="clip coefficient", step=step, rank=self.ctx.rank,
                                           got=torch.tensor([got]), want=torch.tensor([coef]),
                                           bound=torch.tensor([bound])))
@@ -238,12 +242,13 @@ class _TrainStepRun(_SideBySide):
         expected = []
         for p in self.params:
             g = p.param.grad
-            kept = None if g is None or not clipping else g.detach().clone()
-            if kept is not None:
-                g.mul_(coef)  # in the grad's dtype, as the step's clipping does
+            if g is None or not clipping:
+                expected.append(_expected_step(p, self.opt, self.config, self.dtype))
+                continue
+            kept = g.detach().clone()
+            g.mul_(coef)  # in the grad's dtype, as the step's clipping does
             expected.append(_expected_step(p, self.opt, self.config, self.dtype))
-            if kept is not None:
-                g.copy_(kept)
+            g.copy_(kept)
         for ref, p in zip(expected, self.params, strict=True):
             ref.bound = ref.bound + (ref.param - before[id(p.param)]).abs() * coef_rel
         t0 = time.perf_counter()
@@ -257,7 +262,8 @@ class _TrainStepRun(_SideBySide):
                                           want=torch.tensor([norm_sq]),
                                           bound=torch.tensor([self._norm_bound(norm_sq, numel)])))
         if clipping and self.config.optimizer == "sgd":
-            self.judge_clip(step, before, buffers, own64, coef, coef_rel)
+            bounds = {id(p.param): ref.bound for p, ref in zip(self.params, expected, strict=True)}
+            self.judge_clip(step, before, buffers, own64, coef, coef_rel, bounds)
         self.result.comm.append(self.counter.snapshot())
         self.counter.stats.clear()
         for p, ref in zip(self.params, expected, strict=True):

@@ -452,6 +452,10 @@ def mutant(base: Case, *, name: str, summary: str, bug: str, source: str, tags: 
     if not bug or not source:
         raise ValueError(f"mutant {name} needs the bug it models and its public source")
     all_tags = tuple(dict.fromkeys(base.tags + ("mutant",) + tags))
+    if "shard" in changes and "train_loss" not in changes:
+        # a new sharded factory does not carry the twin's training step: a mutant that keeps one
+        # passes the twin's train_loss with it
+        changes["train_loss"] = None
     made = dataclasses.replace(
         base, name=name, description=f"MUTANT {base.name}: {summary}", models_bug=bug, source=source,
         twin=base.name, tags=all_tags, expect=None, examples=(), **changes)

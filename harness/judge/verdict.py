@@ -181,7 +181,7 @@ class CheckResult:
             "error": self.error, "crash_kind": self.crash_kind, "rank_errors": conv(self.rank_errors), "wall_s": self.wall_s, "num_checks": self.num_checks,
             "divergence": conv(self.divergence), "not_judged": list(self.not_judged),
             "islands": conv(self.islands), "not_run": list(self.not_run), "vacuous": conv(self.vacuous),
-            "withheld_worst": conv(self.withheld_worst),
+            "withheld_worst": conv(self.withheld_worst), "grad_factor": self.grad_factor,
         }
 
 

@@ -61,6 +61,11 @@ BATTERY: tuple[Entry, ...] = (
     # inside the position table (a real model's table is longer than its sequence), so an
     # aliasing bug shows as wrong numbers, not as an out-of-range index
     Entry(name="bf16", check="side-by-side", fields=(("world_size", 2), ("dtype", "bfloat16"), ("seq_len", 290))),
+    # the case's own training step (cases that declare one): K = 3 uneven micro-batches on a
+    # 2 x 2 mesh, SGD (AdamW would hide a uniform grad scale), clipping active
+    Entry(name="train-step", check="train-step",
+          fields=(("world_size", 4), ("dp", 2), ("train_step", True), ("micro_batches", 3), ("optimizer", "sgd"),
+                  ("clip_grad_norm", 0.01))),
 )
 
 

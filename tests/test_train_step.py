@@ -1,0 +1,108 @@
+"""The training-step check: the built-in cases' own steps PASS against the intended loss over
+every dtype, optimizer and clipping mode; a case without a step is a one-line setup error; the
+masks make the bugs visible; a uniform grad factor is named. The ten training-step mutants are
+killed at their pinned stages in tests/test_mutants.py (battery entry "train-step")."""
+
+import dataclasses
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+from hypothesis import given, note
+from hypothesis import strategies as st
+
+from sp_harness.checks import train_step
+from sp_harness.config.case import get_case
+from sp_harness.config.check_config import CheckConfig
+from sp_harness.config.strategies import train_step_configs
+from sp_harness.judge.verdict import format_result
+from sp_harness.step.context import reference_context
+from sp_harness.step.train_batches import micro_batches
+
+
+def _train(case, **fields):
+    return CheckConfig(case=case, train_step=True, **fields)
+
+
+@pytest.mark.parametrize("case, fields", [
+    ("megatron-gpt-sp", dict(world_size=4, dp=2, optimizer="sgd", clip_grad_norm=0.01)),
+    ("megatron-gpt-sp", dict(world_size=4, dp=2, optimizer="adamw", dtype="float32")),
+    ("megatron-gpt-sp", dict(world_size=4, dp=2, optimizer="sgd", dtype="bfloat16", clip_grad_norm=0.01)),
+    ("ring-gpt", dict(world_size=4, dp=2, optimizer="sgd", dtype="float32", clip_grad_norm=0.01)),
+    ("ring-gpt", dict(world_size=4, dp=2, optimizer="adamw", dtype="bfloat16")),
+])
+def test_built_in_steps_pass(sp_pool, case, fields):
+    res = train_step.check(_train(case, micro_batches=3, **fields), sp_pool)
+    assert res.verdict == "PASS", format_result(res)
+    # every stage was judged: loss, grads, the norm (its composition and total) and the update
+    judged = set(res.worst)
+    assert {"loss", "grad", "grad_norm", "param"} <= judged, judged
+    if fields.get("clip_grad_norm") and fields["optimizer"] == "sgd":
+        assert "clip" in judged
+
+
+@given(data=st.data())
+def test_correct_steps_pass_over_drawn_configs(sp_pool, sp_max_world_size, data):
+    case = data.draw(st.sampled_from(("megatron-gpt-sp", "ring-gpt")), label="case")
+    config = data.draw(train_step_configs(case, max_world_size=min(4, sp_max_world_size)), label="config")
+    res = train_step.check(config, sp_pool)
+    note(format_result(res))
+    assert res.verdict != "FAIL", f"{res.reason}\nrepro: {res.config.repro()}"
+
+
+def test_uniform_grad_factor_is_named(sp_pool):
+    res = train_step.check(_train("mutant-train-ga-times-sp", world_size=4, dp=2, optimizer="sgd", steps=1), sp_pool)
+    assert res.verdict == "FAIL" and res.first_check == "grad"
+    assert res.grad_factor == pytest.approx(0.5, rel=1e-6)
+    assert "every param grad is 0.500x the reference" in res.reason
+
+
+def test_clipping_inactive_and_a_wrong_clip_coefficient_are_told_apart(sp_pool):
+    # a max norm far above the grad norm: clipping inactive, no clip stage, still PASS
+    res = train_step.check(_train("megatron-gpt-sp", world_size=2, optimizer="sgd", clip_grad_norm=1e6), sp_pool)
+    assert res.verdict == "PASS" and "clip" not in res.worst, format_result(res)
+
+
+def test_masks_make_the_counts_differ():
+    case = get_case("megatron-gpt-sp")
+    config = case.resolve(_train("megatron-gpt-sp", world_size=4, dp=2))
+    ctx = dataclasses.replace(reference_context(config, torch.device("cpu")), dp_rank=0, tp_rank=0,
+                              tp_ranks=(0, 1), dp_ranks=(0, 2), seq_shards=(6, 6), world_size=4)
+    from sp_harness.step.inputs import batch_generator
+
+    made = micro_batches(case, config, 0, batch_generator(0), layout=case.input_layout, ctx=ctx)
+    valid = [(b.target != -100) for b in made]
+    counts = [int(v.sum()) for v in valid]
+    assert len(made) == 3 and counts[-1] == 0 and all(c > 0 for c in counts[:-1]), counts
+    assert counts[0] != counts[1]
+    # the last DP replica's last sequence shard holds no valid token in any micro-batch
+    assert not any(bool(v[2:, 6:].any()) for v in valid)
+
+
+def test_a_case_without_a_step_is_a_one_line_setup_error(tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "sp_harness.cli", "check", "--case", "seed-mlp", "--train-step"],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and "seed-mlp declares no training step" in lines[0], proc.stderr
+    assert "megatron-gpt-sp" in lines[0]
+
+
+def test_train_step_and_forward_only_exclude_each_other():
+    with pytest.raises(ValueError, match="train_step and forward_only"):
+        CheckConfig(case="megatron-gpt-sp", train_step=True, forward_only=True)
+
+
+def test_json_carries_the_stage_and_the_factor(tmp_path, sp_pool):
+    from sp_harness.checks import get_check, run_check
+    from sp_harness.report.text import dump_json
+
+    config = _train("mutant-train-loss-times-sp", world_size=2, optimizer="sgd", steps=1)
+    outcome = run_check(get_check("train-step"), config, sp_pool)
+    assert (outcome.status, outcome.caught_by) == ("fail", "reported loss")
+    path = tmp_path / "out.json"
+    dump_json([outcome], str(path))
+    record = json.loads(path.read_text())["outcomes"][0]
+    assert record["figures"]["grad_factor"] == pytest.approx(2.0, rel=1e-6)
