@@ -144,6 +144,10 @@ SP = register(dataclasses.replace(
         Example(fields=(("world_size", 4), ("dp", 2)), note="2 x 2 DP x TP mesh"),
         Example(fields=(("world_size", 4), ("dp", 2), ("seq_len", 7), ("dtype", "float32")),
                 note="2 x 2 mesh, 7 tokens 4/3, float32"),
+        Example(fields=(("world_size", 4), ("dp", 2), ("train_step", True), ("micro_batches", 3), ("optimizer", "sgd"),
+                        ("clip_grad_norm", 0.01)),
+                note="its own training step: 3 uneven micro-batches (the last empty, one rank without tokens), "
+                     "SGD, clipping active"),
     ),
 ))
 

@@ -91,6 +91,9 @@ RING = register(Case(
         Example(fields=(("world_size", 2), ("dtype", "bfloat16")), note="bf16 run, float32 LSE merge"),
         Example(fields=(("world_size", 4), ("seq_len", 8), ("prompt_len", 4), ("load_balancer", "none")),
                 note="a 4-token prompt: ranks 0 and 1 hold no target tokens"),
+        Example(fields=(("world_size", 4), ("dp", 2), ("train_step", True), ("micro_batches", 3), ("dtype", "float32")),
+                note="its own training step: 3 uneven micro-batches (the last empty, one rank without tokens), "
+                     "AdamW, float32"),
     ),
 ))
 

@@ -35,13 +35,14 @@ def nightly_examples() -> list[tuple[CheckConfig, str]]:
 
 
 def run_checks(runner: Runner) -> list[dict]:
-    from sp_harness.checks.side_by_side import check
+    from sp_harness.checks import side_by_side, train_step
     from sp_harness.judge.expect import expected_verdict
     from sp_harness.judge.verdict import format_result
 
     rows = []
     for config, why in nightly_examples():
         expected = expected_verdict(config)
+        check = train_step.check if config.train_step else side_by_side.check
         res = check(config, runner)
         rows.append({"case": config.case, "config": res.config.short(), "expected": expected, "verdict": res.verdict,
                      "ok": res.verdict == expected, "why": why, "reason": res.reason.splitlines()[0][:300] if res.reason else "",
