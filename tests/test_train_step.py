@@ -106,3 +106,41 @@ def test_json_carries_the_stage_and_the_factor(tmp_path, sp_pool):
     dump_json([outcome], str(path))
     record = json.loads(path.read_text())["outcomes"][0]
     assert record["figures"]["grad_factor"] == pytest.approx(2.0, rel=1e-6)
+
+
+INVARIANCE_KILLS = {
+    # mutant -> (fails accumulation invariance, fails degree invariance), float64, 2 x 2, K = 3
+    "mutant-train-mean-of-means": (True, False),
+    "mutant-train-drop-middle-microbatches": (True, False),
+    "mutant-train-cp-local-count": (True, True),
+    "mutant-train-dp-local-count": (True, True),
+    "mutant-train-loss-times-sp": (False, True),
+    "mutant-train-sp-grads-unsynced": (False, True),
+    "mutant-train-ga-times-sp": (False, True),
+    "mutant-train-logged-loss-per-rank": (True, True),
+    # the clip norm's bugs leave loss and grads alone: the train-step check's norm stage sees them
+    "mutant-train-clip-missing-param": (False, False),
+    "mutant-train-norm-avg-shards": (False, False),
+}
+
+
+def _invariance(sp_pool, name, case, dtype="float64"):
+    from sp_harness.checks import get_check, run_check
+
+    config = _train(case, world_size=4, dp=2, micro_batches=3, optimizer="sgd", dtype=dtype)
+    return run_check(get_check(name), config, sp_pool)
+
+
+@pytest.mark.parametrize("dtype", ["float64", "float32", "bfloat16"])
+@pytest.mark.parametrize("case", ["megatron-gpt-sp", "ring-gpt"])
+def test_correct_steps_are_invariant(sp_pool, case, dtype):
+    for name in ("accumulation-invariance", "degree-invariance"):
+        outcome = _invariance(sp_pool, name, case, dtype)
+        assert outcome.status == "pass", f"{name}: {outcome.detail}"
+
+
+@pytest.mark.parametrize("mutant", sorted(INVARIANCE_KILLS))
+def test_invariance_checks_fail_on_the_mutants_they_exist_for(sp_pool, mutant):
+    got = tuple(_invariance(sp_pool, name, mutant).status == "fail"
+                for name in ("accumulation-invariance", "degree-invariance"))
+    assert got == INVARIANCE_KILLS[mutant]

@@ -31,7 +31,7 @@ from sp_harness.checks.references import KINDS, RefResult
 from sp_harness.checks.side_by_side_rank import _expected_step, _loss_allowance, _SideBySide, _update_scale
 from sp_harness.compare.tolerance import check_bounded, eps, lp_dtype
 from sp_harness.config.check_config import CheckConfig
-from sp_harness.config.train_step import MicroBatch, TrainStep
+from sp_harness.config.step_protocol import MicroBatch, TrainStep
 from sp_harness.judge.verdict import RankResult, record
 from sp_harness.launch import announce
 from sp_harness.step.inputs import batch_generator, batch_to, target_layout

@@ -26,7 +26,7 @@ from sp_harness.config.check_config import ENGINE_DEFAULTS, KNOBS, RESOLVE, Chec
 from sp_harness.config.gpt_knobs import GPTKnobs
 from sp_harness.config.loading import load_case_file
 from sp_harness.config.resources import require_memory
-from sp_harness.config.train_step import TrainLoss, TrainStep
+from sp_harness.config.step_protocol import TrainLoss, TrainStep
 
 
 class Unsupported(Exception):
@@ -244,7 +244,7 @@ class Sharded:
     attention mask (torchtitan's BlockMask for the local sequence) from a spec in `Batch.inputs`,
     say. The pieces it is given stay the grad leaves that are judged. Part of the system under test."""
     train_step: TrainStep | None = None
-    """The implementation's own training step (sp_harness.config.train_step.TrainStep), for a case
+    """The implementation's own training step (sp_harness.config.step_protocol.TrainStep), for a case
     that declares `Case.train_loss`: what the training-step check runs instead of the engine's
     step. Part of the system under test."""
     grad_attr: str = "grad"
@@ -370,7 +370,7 @@ class Case:
     framework's first-use work, such as a C++ op JIT-built on first import. It raising, or
     running past its budget, is a setup error (exit 2), not a FAIL."""
     train_loss: TrainLoss | None = None
-    """The loss this case's own training step means (sp_harness.config.train_step.TrainLoss); its
+    """The loss this case's own training step means (sp_harness.config.step_protocol.TrainLoss); its
     `shard` then sets `Sharded.train_step`. None: the case declares no training step (the
     training-step check is a setup error for it)."""
     precision_islands: Mapping[str, str] = field(default_factory=dict)

@@ -1,0 +1,112 @@
+"""Stage: checks. What the two training-step invariance checks share: running the rank job
+(sp_harness.checks.invariance_rank) and judging two variants of one step against each other,
+each within the bound the tolerance model holds a correct run to, so the pair within the sum."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from sp_harness.checks.base import Outcome
+from sp_harness.checks.invariance_rank import InvariancePayload, InvarianceResult, Variant, run_rank
+from sp_harness.checks.train_step import require_train_step
+from sp_harness.config.case import Case, Unsupported, get_case
+from sp_harness.config.check_config import CheckConfig
+from sp_harness.launch.failure import RankFailure
+from sp_harness.launch.runner import Runner
+
+
+@dataclass(kw_only=True)
+class Difference:
+    what: str
+    """'reported loss' or a reference param name (its grad)."""
+    max_abs: float
+    bound: float
+
+    @property
+    def ok(self) -> bool:
+        return self.max_abs <= self.bound
+
+    def describe(self) -> str:
+        kind = "" if self.what == "reported loss" else "grad "
+        return f"{kind}{self.what}: differ by {self.max_abs:.3g} > {self.bound:.3g} (the two runs' bounds summed)"
+
+
+@dataclass(kw_only=True)
+class InvarianceFigures:
+    """What an invariance check compared (its `Outcome.figures`)."""
+
+    left: str
+    right: str
+    differences: list[Difference] = field(default_factory=list)
+    """Every compared quantity, the reported loss first."""
+
+    @property
+    def failures(self) -> list[Difference]:
+        return [d for d in self.differences if not d.ok]
+
+
+def compare(left: Variant, right: Variant, left_name: str, right_name: str) -> InvarianceFigures:
+    out = InvarianceFigures(left=left_name, right=right_name)
+    out.differences.append(Difference(what="reported loss", max_abs=abs(left.loss - right.loss),
+                                      bound=left.loss_bound + right.loss_bound))
+    for name in sorted(left.grads):
+        a, b = left.grads[name], right.grads[name]
+        err = max((abs(x - y) for x, y in zip(a, b, strict=True)), default=0.0)
+        out.differences.append(Difference(what=name, max_abs=err, bound=left.bounds[name] + right.bounds[name]))
+    return out
+
+
+def prepared(case: Case, config: CheckConfig) -> CheckConfig | str:
+    """The resolved train-step config, or why it is UNSUPPORTED; ValueError for a setup error."""
+    config = case.resolve(config.replace(train_step=True, steps=1))
+    try:
+        case.validate(config)
+        require_train_step(case, config)
+    except Unsupported as exc:
+        return str(exc)
+    return config
+
+
+def run_variant(runner: Runner, payload: InvariancePayload, label: str) -> InvarianceResult:
+    config = payload.config
+    assert config.timeout_s is not None, "Case.resolve fills timeout_s"
+    results = runner.run(config.world_size, run_rank, payload, timeout_s=config.timeout_s, label=label,
+                         case=config.case)
+    assert results[0] is not None, "rank 0 returns the variants"
+    return results[0]
+
+
+def outcome(name: str, config: CheckConfig, figures: InvarianceFigures | None, *, error: RankFailure | None = None,
+            t0: float) -> Outcome:
+    if error is not None:
+        return Outcome(check=name, status="fail", caught_by="crash", detail=error.one_line(), repro=config.repro())
+    assert figures is not None
+    if figures.failures:
+        first = figures.failures[0]
+        return Outcome(check=name, status="fail", caught_by=f"{figures.left} vs {figures.right}",
+                       detail=first.describe(), repro=config.repro(), figures=figures)
+    return Outcome(check=name, status="pass", detail=f"{time.perf_counter() - t0:.1f}s", repro=config.repro(),
+                   figures=figures)
+
+
+def render(outcome: Outcome) -> str:
+    figures = outcome.figures
+    if figures is None:
+        return f"{outcome.status.upper()}: {outcome.detail}"
+    lines = [f"{outcome.check}: {figures.left} vs {figures.right}"]
+    worst = max(figures.differences, key=lambda d: d.max_abs / d.bound if d.bound else float("inf") if d.max_abs
+                else 0.0)
+    lines.append(f"  largest difference against its bound: {worst.what} {worst.max_abs:.3g} (bound {worst.bound:.3g})")
+    lines += [f"  FAIL {d.describe()}" for d in figures.failures[:8]]
+    lines.append("PASS" if not figures.failures else f"FAIL ({len(figures.failures)} of {len(figures.differences)})")
+    return "\n".join(lines)
+
+
+def applies(case: Case) -> str | None:
+    if case.train_loss is None:
+        return f"case {case.name} declares no training step (Case.train_loss)"
+    return None
+
+
+__all__ = ["InvarianceFigures", "applies", "compare", "get_case", "outcome", "prepared", "render", "run_variant"]
