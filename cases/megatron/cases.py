@@ -32,7 +32,7 @@ from sp_harness.cases.megatron.model import build_sharded
 from sp_harness.cases.train_steps import marked_sequence_parallel, with_train_step
 from sp_harness.config.case import Case, Example, Layout, RankContext, Sharded, Unsupported, register
 from sp_harness.config.check_config import CheckConfig
-from sp_harness.config.train_step import TrainLoss
+from sp_harness.config.step_protocol import TrainLoss
 
 DEFAULTS = dict(GPT_DEFAULTS)
 FIELDS = gpt_fields(DEFAULTS, positions=False)

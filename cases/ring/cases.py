@@ -38,7 +38,7 @@ from sp_harness.cases.ring.placement import rank_positions
 from sp_harness.cases.train_steps import every_param, with_train_step
 from sp_harness.config.case import Case, Example, Layout, RankContext, Sharded, register
 from sp_harness.config.check_config import CheckConfig
-from sp_harness.config.train_step import TrainLoss
+from sp_harness.config.step_protocol import TrainLoss
 
 DEFAULTS = dict(GPT_DEFAULTS, load_balancer="zigzag", causal=True)
 """A small GPT; zigzag placement by default (as PyTorch's context_parallel balances by default)."""
