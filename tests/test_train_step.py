@@ -144,3 +144,24 @@ def test_invariance_checks_fail_on_the_mutants_they_exist_for(sp_pool, mutant):
     got = tuple(_invariance(sp_pool, name, mutant).status == "fail"
                 for name in ("accumulation-invariance", "degree-invariance"))
     assert got == INVARIANCE_KILLS[mutant]
+
+
+def test_converge_trains_the_case_s_own_step(sp_pool):
+    from sp_harness.checks import get_check, run_check
+
+    lockstep = get_check("lockstep")
+    assert run_check(lockstep, CheckConfig(case="megatron-gpt-sp", world_size=2), sp_pool).status == "pass"
+    # the norm's averaged shards are only in the case's own step: the lockstep gate sees its
+    # grad norm, so the convergence run trains that step and records what it reports
+    outcome = run_check(lockstep, CheckConfig(case="mutant-train-norm-avg-shards", world_size=2), sp_pool)
+    assert outcome.status == "fail", outcome.detail
+
+
+def test_a_training_batch_splits_into_micro_batches_that_keep_each_replica_s_rows():
+    from sp_harness.config.case import Batch
+    from sp_harness.step.train_batches import micro_batch_count, split_rows
+
+    rows = torch.arange(8).view(8, 1).expand(8, 3)  # dp 2 x 4 rows per replica
+    parts = split_rows(Batch(inputs={"tokens": rows}, target=rows), 2, 2, 0)
+    assert [p.target[:, 0].tolist() for p in parts] == [[0, 1, 4, 5], [2, 3, 6, 7]]
+    assert micro_batch_count(8, 3) == 2 and micro_batch_count(6, 3) == 3 and micro_batch_count(5, 3) == 1

@@ -78,3 +78,27 @@ def concatenated(batches: list[Batch], batch_dim: int) -> Batch:
     inputs = {name: torch.cat([b.inputs[name] for b in batches], dim=batch_dim)
               if isinstance(value, torch.Tensor) else value for name, value in first.inputs.items()}
     return dataclasses.replace(first, inputs=inputs, target=torch.cat([b.target for b in batches], dim=batch_dim))
+
+
+def micro_batch_count(rows_per_replica: int, wanted: int) -> int:
+    """The most micro-batches, at most `wanted`, that split a replica's rows evenly (a training
+    run's batch of 8 rows per replica and K = 3 asked: 2)."""
+    return max(k for k in range(1, max(1, wanted) + 1) if rows_per_replica % k == 0)
+
+
+def split_rows(batch: Batch, num: int, dp: int, batch_dim: int) -> list[Batch]:
+    """One global batch as `num` micro-batches that keep each DP replica's rows on that replica:
+    micro-batch k holds the k-th of `num` equal slices of every replica's rows, so the engine's
+    DP cut of it gives each replica a slice of its own rows."""
+    rows = batch.target.shape[batch_dim]
+    assert rows % (dp * num) == 0, f"{rows} rows do not split into {dp} replicas x {num} micro-batches"
+    per = rows // (dp * num)
+
+    def take(t, k: int):
+        if not isinstance(t, torch.Tensor):
+            return t
+        index = torch.cat([torch.arange(d * num * per + k * per, d * num * per + (k + 1) * per) for d in range(dp)])
+        return t.index_select(batch_dim, index.to(t.device))
+
+    return [dataclasses.replace(batch, inputs={n: take(v, k) for n, v in batch.inputs.items()},
+                                target=take(batch.target, k)) for k in range(num)]

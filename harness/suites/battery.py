@@ -3,7 +3,8 @@ every realistic broken SP implementation?
 
 Every mutant gets the same default battery, in order, never tuned per mutant: side-by-side
 checks at an even split, an uneven split, a 2 x 2 DP x TP mesh (even, then uneven), the
-[s, b, h] layout; the collective accounting against the paper (SP must move what TP moves); the
+[s, b, h] layout; for a case that declares its own training step, that step (sp_harness.checks.train_step);
+the collective accounting against the paper (SP must move what TP moves); the
 activation-memory check (where sp_harness.checks.activation_memory provides it); a short lockstep convergence run
 through the gate; non-causal attention at an uneven split; for context-parallel cases that
 claim causal load balancing, the work each rank's attention reports (sp_harness.checks.balance);
@@ -48,6 +49,12 @@ BATTERY: tuple[Entry, ...] = (
     Entry(name="dp2xtp2", check="side-by-side", fields=(("world_size", 4), ("dp", 2))),
     Entry(name="dp2xtp2-uneven", check="side-by-side", fields=(("world_size", 4), ("dp", 2), ("seq_len", 7))),
     Entry(name="sbh", check="side-by-side", fields=(("world_size", 2), ("layout", "sbh"))),
+    # the case's own training step (cases that declare one): K = 3 uneven micro-batches on a
+    # 2 x 2 mesh, SGD (AdamW would hide a uniform grad scale), clipping active. Before the
+    # lockstep entry, which trains a case's own step too: the stage that names the bug comes first
+    Entry(name="train-step", check="train-step",
+          fields=(("world_size", 4), ("dp", 2), ("train_step", True), ("micro_batches", 3), ("optimizer", "sgd"),
+                  ("clip_grad_norm", 0.01))),
     Entry(name="comm-vs-tp", check="comm-vs-baseline", fields=(("world_size", 2),)),
     Entry(name="memory", check="activation-memory", fields=(("world_size", 2),)),
     Entry(name="lockstep", check="lockstep", fields=(("world_size", 2),)),
@@ -61,11 +68,6 @@ BATTERY: tuple[Entry, ...] = (
     # inside the position table (a real model's table is longer than its sequence), so an
     # aliasing bug shows as wrong numbers, not as an out-of-range index
     Entry(name="bf16", check="side-by-side", fields=(("world_size", 2), ("dtype", "bfloat16"), ("seq_len", 290))),
-    # the case's own training step (cases that declare one): K = 3 uneven micro-batches on a
-    # 2 x 2 mesh, SGD (AdamW would hide a uniform grad scale), clipping active
-    Entry(name="train-step", check="train-step",
-          fields=(("world_size", 4), ("dp", 2), ("train_step", True), ("micro_batches", 3), ("optimizer", "sgd"),
-                  ("clip_grad_norm", 0.01))),
 )
 
 

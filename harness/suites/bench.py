@@ -19,6 +19,8 @@ One run measures, on this machine:
       verified example's time goes, per rank and stage (sp_harness.suites.bench_profile);
   (j) a user's test file of N examples through the pytest plugin against N `sp-harness check`
       commands (sp_harness.suites.bench_plugin);
+  (k) the training-step check against a side-by-side check of the same config and K
+      (sp_harness.suites.bench_train);
   then every target with its figure, MET or MISSED and by what factor (`targets`).
 
 An "example" is one `check(config)`: one side-by-side verification (default 2 optimizer steps).
@@ -45,6 +47,7 @@ from sp_harness.config.case import all_cases, get_case
 from sp_harness.config.check_config import CheckConfig
 from sp_harness.suites.bench_bare import timed_bare
 from sp_harness.suites.bench_plugin import format_plugin, plugin_row
+from sp_harness.suites.bench_train import format_train, train_row
 from sp_harness.suites.bench_targets import SUBJECT, format_targets, targets, worst_memory_ratio
 
 if TYPE_CHECKING:
@@ -263,6 +266,12 @@ def run_bench(*, quick: bool = False, spawn_reps: int = 1, reps: int | None = No
         manager.close()
     out["converge"] = _converge_cell(converge_steps)
     out["plugin"] = plugin_row(n=3 if quick else 8)
+    manager = PoolManager(max_pools=1)
+    try:
+        out["train"] = train_row(manager, reps=1 if quick else 3)
+    finally:
+        manager.close()
+    log("  " + format_train(out["train"]))
     log(f"  plugin {out['plugin']['plugin_s']:.2f}s vs CLI {out['plugin']['cli_s']:.2f}s")
     for key, sp in spawn.items():
         w = out["warm"].get(key)
@@ -338,7 +347,8 @@ def _format_memory(r: dict) -> list[str]:
 def format_bench(r: dict) -> str:
     head = (f"sp-harness bench{' --quick' if r['quick'] else ''}: torch {r['torch']}, {r['cpus']} CPUs, "
             f"load avg before {r['load_before'][0]:.2f}, after {r['load_after'][0]:.2f}, total {r['bench_s']:.0f}s")
-    return "\n".join([head, "", *_format_speed(r), "", *_format_memory(r), "", format_plugin(r["plugin"])])
+    return "\n".join([head, "", *_format_speed(r), "", *_format_memory(r), "", format_plugin(r["plugin"]), "",
+                      format_train(r["train"])])
 
 
 def cmd_bench(args) -> int:

@@ -67,6 +67,11 @@ def targets(r: dict) -> list[Target]:
                         at_most=True, unit="%"))
     if r.get("realistic"):
         found += realistic_targets(r["realistic"])
+    if "train" in r:
+        from sp_harness.suites.bench_train import TARGET_RATIO
+
+        found.append(Target(name="training-step check vs side-by-side (same config and K)", value=r["train"]["ratio"],
+                            limit=TARGET_RATIO, at_most=True))
     return found
 
 

@@ -18,12 +18,14 @@ import torch
 import torch.distributed as dist
 
 from sp_harness.config.case import Batch, get_case
+from sp_harness.config.step_protocol import MicroBatch, TrainStep
 from sp_harness.step.build import Built, build, cast_floating, new_reference
 from sp_harness.step.context import rank_device, reference_context
 from sp_harness.step.inputs import batch_to, call, global_loss
 from sp_harness.step.loop import ShardedLoop
 from sp_harness.step.optim_ref import make_optimizer
 from sp_harness.step.params import replica_drift
+from sp_harness.step.train_batches import micro_batch_count, split_rows
 from sp_harness.train.spec import TrainSpec, batch_at, lr_at
 
 
@@ -89,7 +91,9 @@ class _Trainer:
             ref = new_reference(self.case, config, reference_context(config, self.device))
             self.ref = cast_floating(ref.to(device=self.device), config.torch_dtype)
         else:
-            self.built = build(config, reference_dtype=config.torch_dtype)
+            # a case's own training step clips to the run's max norm (its ctx.config says it)
+            built_as = config.replace(clip_grad_norm=spec.clip_grad_norm) if self.case.train_loss else config
+            self.built = build(built_as, reference_dtype=config.torch_dtype)
             self.device, self.ref = self.built.device, self.built.reference
             self.loop = ShardedLoop(self.built)
         assert config.optimizer is not None and config.lr is not None, "base_config resolves optimizer and lr"
@@ -134,8 +138,38 @@ class _Trainer:
         assert self.built is not None, "a reference-only run has no sharded model"
         return self.built
 
+    def _own_step(self, batch: Batch, lr: float, tokens: int, train: TrainStep) -> Measured:
+        """The case's own training step (`Sharded.train_step`): its accumulation over micro-batches
+        of this step's batch, its normalisation, sync, clipping and optimizer; the loss and grad
+        norm recorded are the ones it reports."""
+        built, loop = self._built, self.loop
+        config, ctx = built.config, built.ctx
+        assert self.case.train_loss is not None and config.batch is not None, "a case with its own step, resolved"
+        batch_dim = self.case.input_layout.batch_dim
+        if batch_dim is None or self.case.train_loss.reduction != "token-mean":
+            raise ValueError(f"case {config.case}: converge trains a case's own step on a batched input with a "
+                             f"token-mean loss (the reference's)")
+        num = micro_batch_count(config.batch, config.micro_batches)
+        ignore = self.case.train_loss.ignore_index
+        t0 = time.perf_counter()
+        micro = []
+        for part in split_rows(batch, num, ctx.dp, batch_dim):
+            local = loop.local_batch(part)
+            micro.append(MicroBatch(inputs=local.call_inputs, target=local.target, valid=local.target != ignore,
+                                    positional=local.positional))
+        _set_lr(train.optimizer, lr)
+        loss = float(torch.as_tensor(train.accumulate(micro)))
+        grad_norm = float(torch.as_tensor(train.step()))
+        seconds = time.perf_counter() - t0
+        drift = self._drift()
+        return Measured(loss=loss, grad_norm=grad_norm, replica_drift=drift,
+                        max_replica_drift=max(drift.values(), default=0.0), param_err_vs_ref=self._param_err(),
+                        step_time_s=seconds, tokens_per_s=_per_s(tokens, seconds))
+
     def _sharded_step(self, batch: Batch, lr: float, tokens: int) -> Measured:
         built, spec, loop = self._built, self.spec, self.loop
+        if built.sharded.train_step is not None and self.case.train_loss is not None:
+            return self._own_step(batch, lr, tokens, built.sharded.train_step)
         sharded, ctx, params = built.sharded, built.ctx, built.params
         t0 = time.perf_counter()
         _, loss = loop.forward_backward(loop.local_batch(batch), batch.target)
