@@ -7,6 +7,7 @@ rank, replicated params compared bit for bit. `check(config)` runs the rank job
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 
 from sp_harness.checks.base import Outcome
 from sp_harness.checks.side_by_side_rank import run_rank
@@ -24,18 +25,27 @@ def resolve(config: CheckConfig) -> CheckConfig:
 
 def check(config: CheckConfig, runner: Runner | None = None) -> CheckResult:
     """Run one side-by-side check of `config` and return its verdict. Never raises on FAIL."""
+    return run_job(config, runner, run_rank)
+
+
+def run_job(config: CheckConfig, runner: Runner | None, job: Callable[[CheckConfig], RankResult], *,
+            validate: Callable[[Case, CheckConfig], None] = lambda case, config: None) -> CheckResult:
+    """Resolve and validate `config` (the case's `validate`, then `validate`), run `job` on every
+    rank and merge the ranks' results into one verdict: the one path of every check whose rank
+    job returns a `RankResult`. Never raises on FAIL."""
     t0 = time.perf_counter()
     case = get_case(config.case)
     config = case.resolve(config)
     try:
         case.validate(config)
+        validate(case, config)
     except Unsupported as exc:
         return CheckResult(config=config, verdict=UNSUPPORTED, reason=str(exc), wall_s=time.perf_counter() - t0)
     runner = runner or default_manager()
     label = f"case {config.case} [{config.short()}]"
     assert config.timeout_s is not None, "Case.resolve fills timeout_s"
     try:
-        results: list[RankResult] = runner.run(config.world_size, run_rank, config,
+        results: list[RankResult] = runner.run(config.world_size, job, config,
                                                timeout_s=config.timeout_s, label=label, case=config.case)
     except RankFailure as exc:
         # UNSUPPORTED only when every rank declared it: one rank alone may be a symptom of a bug

@@ -314,8 +314,14 @@ class _SideBySide:
 
 def run_rank(config: CheckConfig) -> RankResult:
     """The job: one side-by-side run of `config` on this rank."""
+    return drive(_SideBySide, config)
+
+
+def drive(kind: type[_SideBySide], config: CheckConfig) -> RankResult:
+    """Build `kind` for `config`, check its init, run its steps with progress, and time it: the
+    body of every rank job built on `_SideBySide`."""
     t_start = time.perf_counter()
-    run = _SideBySide(config)
+    run = kind(config)
     run.result.timings["setup_s"] = time.perf_counter() - t_start
     run.check_init()
     gen = batch_generator(config.seed)

@@ -6,16 +6,13 @@ sp_harness.checks.train_step_rank. It runs where the config asks for it (`train_
 
 from __future__ import annotations
 
-import time
-
 from sp_harness.checks.base import Outcome
-from sp_harness.checks.side_by_side import KIND_LABEL, outcome_of
+from sp_harness.checks.side_by_side import KIND_LABEL, outcome_of, run_job
 from sp_harness.checks.train_step_rank import run_rank
-from sp_harness.config.case import Case, Unsupported, as_batch, get_case
+from sp_harness.config.case import Case, Unsupported, as_batch
 from sp_harness.config.check_config import CheckConfig
-from sp_harness.judge.verdict import FAIL, UNSUPPORTED, CheckResult, RankResult, format_result, merge
-from sp_harness.launch.failure import RankFailure
-from sp_harness.launch.runner import Runner, default_manager
+from sp_harness.judge.verdict import CheckResult, format_result
+from sp_harness.launch.runner import Runner
 from sp_harness.step.inputs import batch_generator
 
 NAME = "train-step"
@@ -48,27 +45,7 @@ def train_step_cases() -> list[str]:
 
 def check(config: CheckConfig, runner: Runner | None = None) -> CheckResult:
     """Run one training-step check of `config` (its `train_step` is set here); never raises on FAIL."""
-    t0 = time.perf_counter()
-    case = get_case(config.case)
-    config = case.resolve(config.replace(train_step=True))
-    try:
-        case.validate(config)
-        require_train_step(case, config)
-    except Unsupported as exc:
-        return CheckResult(config=config, verdict=UNSUPPORTED, reason=str(exc), wall_s=time.perf_counter() - t0)
-    runner = runner or default_manager()
-    label = f"case {config.case} [{config.short()}]"
-    assert config.timeout_s is not None, "Case.resolve fills timeout_s"
-    try:
-        results: list[RankResult] = runner.run(config.world_size, run_rank, config, timeout_s=config.timeout_s,
-                                               label=label, case=config.case)
-    except RankFailure as exc:
-        if len(exc.errors) == config.world_size and all(e.is_unsupported for e in exc.errors):
-            return CheckResult(config=config, verdict=UNSUPPORTED, reason=exc.errors[0].message or exc.summary_line(),
-                               wall_s=time.perf_counter() - t0)
-        return CheckResult(config=config, verdict=FAIL, reason=exc.one_line(), error=exc.describe(),
-                           crash_kind=exc.kind, rank_errors=exc.errors, wall_s=time.perf_counter() - t0)
-    return merge(config, results, wall_s=time.perf_counter() - t0, declared=case.precision_islands)
+    return run_job(config.replace(train_step=True), runner, run_rank, validate=require_train_step)
 
 
 class TrainStepCheck:

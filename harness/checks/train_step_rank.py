@@ -28,13 +28,12 @@ import torch
 import torch.distributed as dist
 
 from sp_harness.checks.references import KINDS, RefResult
-from sp_harness.checks.side_by_side_rank import _expected_step, _loss_allowance, _SideBySide, _update_scale
+from sp_harness.checks.side_by_side_rank import _expected_step, _loss_allowance, _SideBySide, _update_scale, drive
 from sp_harness.compare.tolerance import check_bounded, eps, lp_dtype
 from sp_harness.config.check_config import CheckConfig
 from sp_harness.config.step_protocol import MicroBatch, TrainStep
 from sp_harness.judge.verdict import RankResult, record
-from sp_harness.launch import announce
-from sp_harness.step.inputs import batch_generator, batch_to, target_layout
+from sp_harness.step.inputs import batch_to, target_layout
 from sp_harness.step.params import declared_grad, replica_drift
 from sp_harness.step.train_batches import concatenated, micro_batches
 
@@ -282,17 +281,4 @@ def _momentum(opt: torch.optim.Optimizer, param: torch.Tensor) -> torch.Tensor |
 
 def run_rank(config: CheckConfig) -> RankResult:
     """The job: one training-step run of `config` on this rank."""
-    t_start = time.perf_counter()
-    run = _TrainStepRun(config)
-    run.result.timings["setup_s"] = time.perf_counter() - t_start
-    run.check_init()
-    gen = batch_generator(config.seed)
-    assert config.steps is not None, "the check resolves steps"
-    for step in range(config.steps):
-        run.step(step, gen)
-        announce.progress("step", step + 1, config.steps)
-    if run.recorder is not None:
-        run.recorder.remove()
-    run.result.timings["compute_s"] = run.compute_s
-    run.result.timings["total_s"] = time.perf_counter() - t_start
-    return run.result
+    return drive(_TrainStepRun, config)
