@@ -103,12 +103,13 @@ class _TrainStepRun(_SideBySide):
         return dict(zip(names, _global(local).tolist(), strict=True))
 
     def _norm_bound(self, sq: float, numel: int) -> float:
-        """What a correct norm's square may differ by: a sum of `numel` squares in the norm's
-        accumulator (Higham's gamma_n, n u / (1 - n u), u = eps / 2) and the result's rounding to
-        the run dtype."""
+        """What a correct norm's square may differ by, in any summation order: `numel` squares
+        summed on a rank, the ranks' sums added, the square root and its square, all in the norm's
+        accumulator (Higham's gamma_m = m u / (1 - m u), u = eps / 2, m = numel + world size + 2),
+        and the result rounded once to the run dtype (squared: 2 eps)."""
         u = eps(self.norm_dtype) / 2
-        n_u = min(numel * u, 0.5)
-        return sq * (n_u / (1 - n_u) + 2 * eps(self.dtype))
+        m_u = min((numel + self.config.world_size + 2) * u, 0.5)
+        return sq * (m_u / (1 - m_u) + 2 * eps(self.dtype))
 
     def judge_composition(self, step: int, grads: dict[int, torch.Tensor | None], shares: dict[str, float]) -> None:
         """Which params the step's norm counts, and how often: its norm of each param alone."""

@@ -139,15 +139,17 @@ def gpt_configs(draw, case: str, *, min_world_size: int = 1, max_world_size: int
 
 @st.composite
 def train_step_configs(draw, case: str, *, max_world_size: int = 4, max_micro_batches: int = 4,
-                       dtype_choices=None) -> CheckConfig:
+                       dtype_choices=None, bsh_only: bool = False) -> CheckConfig:
     """CheckConfigs of the training-step check for a GPT case that declares a step: a small GPT
     config (`gpt_configs`, at least 2 tokens per rank so the masks have room), K micro-batches
     (1..max_micro_batches), SGD or AdamW, clipping off or forced active (a max norm far below any
-    of these models' grad norms)."""
+    of these models' grad norms). `bsh_only`: layout 'bsh' always (a case that runs no other)."""
     if max_micro_batches < 1:
         raise ValueError(f"max_micro_batches must be >= 1, got {max_micro_batches}")
     config = draw(gpt_configs(case, max_world_size=max_world_size, min_tokens=2, max_tokens=4, max_hidden=16,
                               dtype_choices=dtype_choices))
+    if bsh_only:
+        config = config.replace(layout="bsh")
     return config.replace(train_step=True, micro_batches=draw(st.integers(1, max_micro_batches)),
                           optimizer=draw(st.sampled_from(("sgd", "adamw"))),
                           clip_grad_norm=draw(st.sampled_from((None, 1e-3))))
