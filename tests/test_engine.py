@@ -285,6 +285,22 @@ def _children(pid: int) -> list[int]:
     return [int(x) for x in out.split()]
 
 
+def _is_fork_server(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return b"sp_harness.launch.zygote" in f.read()
+    except OSError:
+        return False
+
+
+def _ranks(driver: int) -> tuple[list[int], list[int]]:
+    """(the driver's rank processes, its fork servers): ranks are its children, or its fork
+    server's (sp_harness.launch.zygote)."""
+    servers = [c for c in _children(driver) if _is_fork_server(c)]
+    ranks = [c for c in _children(driver) if c not in servers] + [r for s in servers for r in _children(s)]
+    return ranks, servers
+
+
 def _tagged_processes(tag: str) -> list[int]:
     """Live processes whose environment carries `tag` (rank processes inherit the driver's env)."""
     found = []
@@ -331,9 +347,9 @@ def _interrupt_mid_run(sig, tmp_path, *, times: int = 1, after_s: float = 1.0):
                             stderr=subprocess.PIPE, text=True,
                             preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     deadline = time.monotonic() + 60
-    while time.monotonic() < deadline and len(_children(proc.pid)) < 2:
+    while time.monotonic() < deadline and len(_ranks(proc.pid)[0]) < 2:
         time.sleep(0.2)
-    ranks = _children(proc.pid)
+    ranks, servers = _ranks(proc.pid)
     assert len(ranks) == 2
     time.sleep(after_s)
     for _ in range(times):
@@ -341,7 +357,7 @@ def _interrupt_mid_run(sig, tmp_path, *, times: int = 1, after_s: float = 1.0):
         time.sleep(0.1)
     _, err = proc.communicate(timeout=60)
     time.sleep(0.5)
-    alive = [pid for pid in ranks if os.path.exists(f"/proc/{pid}") and
+    alive = [pid for pid in ranks + servers if os.path.exists(f"/proc/{pid}") and
              open(f"/proc/{pid}/stat").read().split()[2] != "Z"]
     assert not list(tmp_path.iterdir()), f"left behind: {list(tmp_path.iterdir())}"
     return proc, err, alive

@@ -11,7 +11,9 @@ is killed by a signal becomes a `RankFailure` (sp_harness.launch.failure) naming
 (case and config), each failing rank, what happened to it and its traceback or Python stack, and
 the pool is torn down and rebuilt on next use. A desync (ranks whose collectives cannot pair up)
 is found from the collectives the ranks announce while the job runs (sp_harness.launch.desync),
-within seconds rather than at the timeout. Rank processes (sp_harness.launch.worker) die with
+within seconds rather than at the timeout. On Linux each rank is forked from a fork server that
+has imported torch once (sp_harness.launch.zygote: milliseconds, where a fresh interpreter took
+seconds); SP_HARNESS_FORKSERVER=0 starts fresh ones. Rank processes (sp_harness.launch.worker) die with
 the driver, so nothing is left running after success, failure, timeout or Ctrl-C; the pool's
 scratch directory (stack dumps, rank logs) goes with `close()`, which also runs at exit.
 
@@ -40,6 +42,7 @@ from multiprocessing.connection import wait as wait_conns
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from sp_harness.config.case import SHARED_PROCESSES, get_case, isolation_key
+from sp_harness.launch import zygote
 from sp_harness.launch.activity import stopped
 from sp_harness.launch.case_setup import SETUP_TIMEOUT_S
 from sp_harness.launch.desync import DesyncWatch
@@ -130,7 +133,7 @@ class RankPool:
             raise ValueError(f"world_size must be >= 1, got {world_size}")
         self.world_size = world_size
         self.options = options
-        self._procs: list[subprocess.Popen] = []
+        self._procs: list[subprocess.Popen | zygote.RankProcess] = []
         self._conns: list[Any] = []
         self._logs: list[Any] = []
         self._tmpdir: str | None = None
@@ -182,8 +185,11 @@ class RankPool:
         # and a rank killed before its own cleanup leave nothing in the machine's /tmp
         env = dict(os.environ, SP_HARNESS_AUTHKEY=authkey.hex(), TMPDIR=self._tmpdir, **dict(self.options.env))
         try:
+            # ranks forked from a process that has imported torch (sp_harness.launch.zygote):
+            # milliseconds each, where a fresh interpreter takes seconds
+            forks = zygote.for_env(env, START_TIMEOUT_S) if zygote.enabled() else None
             for rank in range(self.world_size):
-                self._procs.append(self._spawn(rank, store.port, listener.address, env))
+                self._procs.append(self._spawn(rank, store.port, listener.address, env, forks))
             deadline = time.monotonic() + START_TIMEOUT_S
             self._connect(listener, deadline, label)
             self._await_ready(deadline, label)
@@ -197,10 +203,16 @@ class RankPool:
         self._run(warm_up, None, timeout_s=START_TIMEOUT_S, label=label + " (warm-up)")
         self.start_s = time.monotonic() - self._started_at
 
-    def _spawn(self, rank: int, store_port: int, address: tuple[str, int], env: dict[str, str]) -> subprocess.Popen:
+    def _spawn(self, rank: int, store_port: int, address: tuple[str, int], env: dict[str, str],
+               forks: zygote.Zygote | None) -> subprocess.Popen | zygote.RankProcess:
         spec = WorkerSpec(rank=rank, world_size=self.world_size, store_port=store_port, address=(address[0], address[1]),
                           stack_path=self._path(rank, "stack.txt"), fatal_path=self._path(rank, "fatal.txt"),
                           options=self.options, sys_path=tuple(_import_path()))
+        if forks is not None:
+            try:
+                return forks.spawn(spec.to_json(), log_path=self._path(rank, "log"), env=env, cwd=os.getcwd())
+            except zygote.ZygoteError:
+                pass  # it died or could not fork: this rank starts as a fresh interpreter instead
         # rank output goes to a per-rank log; its tail is attached to failures (a C++ abort such
         # as gloo's size-mismatch enforce is only ever printed there)
         log = open(self._path(rank, "log"), "w")
@@ -507,3 +519,5 @@ class PoolManager:
             pool.request_shutdown()
         for pool in pools:
             pool.close()
+        # the fork servers no pool uses any more, and their temp dirs (sp_harness.launch.zygote)
+        zygote.close_idle()

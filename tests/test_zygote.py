@@ -1,0 +1,246 @@
+"""The rank fork server (sp_harness.launch.zygote, issue 47): ranks forked from a process that has
+imported torch behave as ranks started as fresh interpreters did (exit codes, signals, logs, kernel
+family, temp dirs), both start paths keep working, and nothing outlives the driver."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+
+from sp_harness.launch import zygote
+from sp_harness.launch.failure import RankFailure
+from sp_harness.launch.pool import PoolManager, PoolOptions, RankPool
+from sp_harness.launch.worker import health_check
+
+pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the fork server is Linux's")
+
+
+def _how_started(_payload: object) -> tuple[int, str, str, str]:
+    """(parent pid, the companion's kind, TMPDIR, the temp dir Python resolves) on a rank."""
+    import tempfile
+
+    from sp_harness.launch import companion
+
+    spare = companion._SPARE
+    return (os.getppid(), type(spare.proc).__name__ if spare else "", os.environ["TMPDIR"],
+            tempfile.gettempdir())
+
+
+def _capability(_payload: object) -> str:
+    import torch
+
+    return torch.backends.cpu.get_cpu_capability()
+
+
+def _numpy_draw(_payload: object) -> int:
+    import numpy
+
+    return int(numpy.random.randint(2**31))
+
+
+def _exit_3(_payload: object) -> None:
+    os._exit(3)
+
+
+def _kill_self(_payload: object) -> None:
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def _wait_gone(pids, timeout_s: float = 10.0) -> list[int]:
+    deadline = time.monotonic() + timeout_s
+    while any(_alive(p) for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return [p for p in pids if _alive(p)]
+
+
+@pytest.mark.parametrize("forkserver", ["1", "0"], ids=["forked", "subprocess"])
+def test_a_pool_job_runs_on_either_start_path(forkserver, monkeypatch):
+    if forkserver == "0":
+        monkeypatch.setenv(zygote.ENV_VAR, "0")
+    else:  # the default: on Linux, forked
+        monkeypatch.delenv(zygote.ENV_VAR, raising=False)
+    pool = RankPool(2)
+    try:
+        assert pool.run(health_check, None, timeout_s=120, label="path") == [2, 2]
+        got = pool.run(_how_started, None, timeout_s=60, label="path")
+        kinds = {type(p).__name__ for p in pool._procs}
+        scratch = pool.scratch_dir
+    finally:
+        pool.close()
+    parents = {g[0] for g in got}
+    if forkserver == "1":
+        # forked by the zygote, each with a forked companion
+        assert kinds == {"RankProcess"} and os.getpid() not in parents
+        assert {g[1] for g in got} == {"ForkedChild"}
+    else:
+        assert kinds == {"Popen"} and parents == {os.getpid()}
+        assert {g[1] for g in got} == {"Popen"}
+    # temp files of either go to the pool's folder, removed with it
+    assert {g[2] for g in got} == {g[3] for g in got} == {scratch}
+
+
+def test_the_kernel_family_follows_each_pools_environment():
+    # torch fixes its kernel family at the first op: a zygote that ran one, or a pool forked from
+    # a zygote of another environment, would run the native family under ATEN_CPU_CAPABILITY
+    import torch
+
+    native = torch.backends.cpu.get_cpu_capability()
+    forced = PoolManager(PoolOptions(env=(("ATEN_CPU_CAPABILITY", "default"),)))
+    plain = PoolManager()
+    try:
+        assert forced.run(2, _capability, None, timeout_s=120, label="forced") == ["DEFAULT", "DEFAULT"]
+        assert plain.run(2, _capability, None, timeout_s=120, label="native") == [native, native]
+        assert all(isinstance(p, zygote.RankProcess) for m in (forced, plain) for p in m.get(2)._procs)
+    finally:
+        forced.close()
+        plain.close()
+
+
+def test_each_rank_draws_its_own_numpy_seed():
+    # numpy seeds its global generator from the OS at import: in the zygote, once for all ranks
+    pool = RankPool(2)
+    try:
+        draws = pool.run(_numpy_draw, None, timeout_s=120, label="seed")
+        assert len(set(draws)) == 2, draws
+    finally:
+        pool.close()
+
+
+def test_exits_and_signals_are_reported_as_for_a_subprocess():
+    pool = RankPool(2)
+    try:
+        with pytest.raises(RankFailure) as exited:
+            pool.run(_exit_3, None, timeout_s=60, label="exit")
+        assert {(e.kind, e.exit_code) for e in exited.value.errors} == {("exited", 3)}
+        with pytest.raises(RankFailure) as killed:
+            pool.run(_kill_self, None, timeout_s=60, label="kill")
+        assert {(e.kind, e.signal_name, e.exit_code) for e in killed.value.errors} == {("signal", "SIGKILL", -9)}
+        assert "killed by SIGKILL" in str(killed.value)
+    finally:
+        pool.close()
+
+
+def test_an_uncaught_exception_exits_1_with_its_traceback_in_the_log(tmp_path):
+    forks = zygote.for_env(dict(os.environ), 120)
+    assert forks is not None
+    log = tmp_path / "rank.log"
+    proc = forks.spawn("not a spec", log_path=str(log), env=dict(os.environ), cwd=str(tmp_path))
+    assert proc.wait(timeout=60) == 1 and proc.poll() == 1
+    assert "Traceback" in log.read_text() and "JSONDecodeError" in log.read_text()
+
+
+def test_a_live_ranks_handle_times_out_as_popen_does():
+    pool = RankPool(1)
+    try:
+        pool.run(health_check, None, timeout_s=120, label="wait")
+        (rank,) = pool._procs
+        with pytest.raises(subprocess.TimeoutExpired):
+            rank.wait(timeout=0.2)
+        assert rank.poll() is None
+    finally:
+        pool.close()
+    assert rank.poll() is not None
+
+
+def test_the_zygote_is_single_threaded_when_it_forks():
+    pool = RankPool(1)
+    try:
+        pool.run(health_check, None, timeout_s=120, label="threads")
+        pids = [z.proc.pid for z in zygote._REGISTRY.values()]
+        assert pids
+        for pid in pids:
+            with open(f"/proc/{pid}/status") as f:
+                assert "Threads:\t1\n" in f.read()
+    finally:
+        pool.close()
+
+
+def test_the_preload_dispatches_no_op(tmp_path):
+    # the profiler records every dispatched op; a zygote's import must record none
+    script = textwrap.dedent("""
+        from torch.autograd.profiler import profile
+        from sp_harness.launch.zygote import _preload
+        with profile() as prof:
+            _preload()
+        print(sorted({e.name for e in prof.function_events}))
+        """)
+    run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300,
+                         env=dict(os.environ, TMPDIR=str(tmp_path)))
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.strip().splitlines()[-1] == "[]"
+
+
+def test_a_dead_zygote_ends_its_ranks_and_the_pool_restarts():
+    pool = RankPool(2, PoolOptions(env=(("SP_TEST_ZYGOTE", "victim"),)))
+    try:
+        pool.run(health_check, None, timeout_s=120, label="victim")
+        ranks = [p.pid for p in pool._procs]
+        (victim,) = [z for z in zygote._REGISTRY.values() if any(p in z._children for p in ranks)]
+        os.kill(victim.proc.pid, signal.SIGKILL)
+        assert not _wait_gone(ranks)
+        assert all(p.wait(timeout=10) == -signal.SIGKILL for p in pool._procs) and not pool.alive
+        assert pool.run(health_check, None, timeout_s=120, label="victim") == [2, 2]  # a new zygote
+        assert victim not in zygote._REGISTRY.values()
+    finally:
+        pool.close()
+
+
+DRIVER = """
+    import os, sys, threading, time
+    from sp_harness.launch import zygote
+    from sp_harness.launch.pool import PoolManager, PoolOptions
+    from sp_harness.launch.worker import health_check
+
+    manager = PoolManager(PoolOptions(env=(("SP_TEST_ZYGOTE", "driver"),)))
+    if sys.argv[1] == "thread-kill":
+        # started from a thread that then ends: the death signal would follow that thread
+        worker = threading.Thread(target=manager.run, args=(2, health_check, None),
+                                  kwargs=dict(timeout_s=120, label="driver"))
+        worker.start()
+        worker.join()
+        time.sleep(0.5)
+        assert manager.get(2).alive and all(z.alive for z in zygote._REGISTRY.values())
+    else:
+        manager.run(2, health_check, None, timeout_s=120, label="driver")
+    (z,) = zygote._REGISTRY.values()
+    ranks = [p.pid for p in manager.get(2)._procs]
+    companions = [int(c) for r in ranks for c in open(f"/proc/{r}/task/{r}/children").read().split()]
+    print(z.proc.pid, *ranks, *companions, flush=True)
+    if sys.argv[1].endswith("kill"):
+        os.kill(os.getpid(), 9)
+    manager.close()
+    print(sorted(os.listdir(os.environ["TMPDIR"])), flush=True)
+    """
+
+
+@pytest.mark.parametrize("how", ["close", "kill", "thread-kill"])
+def test_nothing_outlives_the_driver(how, tmp_path):
+    env = dict(os.environ, TMPDIR=str(tmp_path))
+    run = subprocess.run([sys.executable, "-c", textwrap.dedent(DRIVER), how], capture_output=True, text=True,
+                         timeout=300, env=env)
+    lines = run.stdout.strip().splitlines()
+    pids = [int(p) for p in lines[0].split()]
+    assert len(pids) == 5, run.stdout + run.stderr  # the zygote, 2 ranks, their 2 companions
+    assert not _wait_gone(pids), "outlived the driver"
+    if how == "close":
+        assert run.returncode == 0 and lines[1] == "[]", run.stdout + run.stderr  # the zygote's folder too
+    else:
+        from sp_harness.launch.scratch import sweep_orphans
+
+        assert run.returncode == -signal.SIGKILL
+        sweep_orphans(root=str(tmp_path))  # what the next pool's start does
+    assert not list(tmp_path.iterdir())
