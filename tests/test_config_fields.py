@@ -32,11 +32,13 @@ def _dests(parser: argparse.ArgumentParser) -> set[str]:
 
 
 def test_the_record_keeps_every_field_flat():
-    # meta.json's and the verdict's "config": the same 26 keys as before the knobs moved out
+    # meta.json's and the verdict's "config": the 26 keys from before the knobs moved out, and
+    # the training-step check's three
     assert {f.name for f in dataclasses.fields(CheckConfig)} == {
         "case", "world_size", "dp", "seq_len", "seq_shards", "batch", "hidden", "ffn", "num_heads", "num_kv_heads",
         "causal", "load_balancer", "ring_degree", "prompt_len", "num_layers", "vocab", "norm", "layout", "dtype",
-        "steps", "seed", "lr", "optimizer", "adversary", "timeout_s", "forward_only"}
+        "steps", "seed", "lr", "optimizer", "adversary", "timeout_s", "forward_only",
+        "train_step", "micro_batches", "clip_grad_norm"}
 
 
 @pytest.mark.parametrize("cls", [CheckConfig, ConvergeOptions, GPTKnobs])
