@@ -46,6 +46,11 @@ every grad to 5% rms: enough to name "grads x 0.5" under bfloat16's own rounding
 element), too tight for a set of unrelated errors to pass as one."""
 
 
+def _scalar(x: float) -> torch.Tensor:
+    """A figure as a 1-element float64 tensor (torch.tensor([x]) alone rounds it to float32)."""
+    return torch.tensor([x], dtype=torch.float64)
+
+
 def _global(t: torch.Tensor) -> torch.Tensor:
     if dist.is_initialized() and dist.get_world_size() > 1:
         dist.all_reduce(t)
@@ -125,8 +130,8 @@ class _TrainStepRun(_SideBySide):
                 want = shares[name]
                 record(self.result, check_bounded(
                     kind="grad_norm", name=f"{name} in the norm", step=step, rank=self.ctx.rank,
-                    got=torch.tensor([got]), want=torch.tensor([want]),
-                    bound=torch.tensor([self._norm_bound(want, numel[name])])))
+                    got=_scalar(got), want=_scalar(want),
+                    bound=_scalar(self._norm_bound(want, numel[name]))))
         finally:
             for p in self.params:
                 g, kept = grads[id(p.param)], saved[id(p.param)]
@@ -186,8 +191,8 @@ class _TrainStepRun(_SideBySide):
         got = ag / gg
         bound = coef * coef_rel + slack / gg
         record(self.result, check_bounded(kind="clip", name="clip coefficient", step=step, rank=self.ctx.rank,
-                                          got=torch.tensor([got]), want=torch.tensor([coef]),
-                                          bound=torch.tensor([bound])))
+                                          got=_scalar(got), want=_scalar(coef),
+                                          bound=_scalar(bound)))
 
     def step(self, step: int, gen: torch.Generator) -> None:
         layout = target_layout(self.sharded.output_layout)
@@ -258,9 +263,9 @@ class _TrainStepRun(_SideBySide):
         self.compute_s += time.perf_counter() - t0
         got_sq = float(torch.as_tensor(reported, dtype=torch.float64)) ** 2
         record(self.result, check_bounded(kind="grad_norm", name="reported grad norm (squared)", step=step,
-                                          rank=self.ctx.rank, got=torch.tensor([got_sq]),
-                                          want=torch.tensor([norm_sq]),
-                                          bound=torch.tensor([self._norm_bound(norm_sq, numel)])))
+                                          rank=self.ctx.rank, got=_scalar(got_sq),
+                                          want=_scalar(norm_sq),
+                                          bound=_scalar(self._norm_bound(norm_sq, numel))))
         if clipping and self.config.optimizer == "sgd":
             bounds = {id(p.param): ref.bound for p, ref in zip(self.params, expected, strict=True)}
             self.judge_clip(step, before, buffers, own64, coef, coef_rel, bounds)
