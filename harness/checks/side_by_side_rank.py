@@ -284,6 +284,11 @@ class _SideBySide:
             self.loop.optimizer_step()
         self.compute_s += time.perf_counter() - t0
         self.loop.clear_grads()
+        self.judge_update(step, expected)
+
+    def judge_update(self, step: int, expected: list[StepReference]) -> None:
+        """After the optimizer step: the step's collectives filed, each param against its expected
+        update, and the replicated params' drift across ranks."""
         self.result.comm.append(self.counter.snapshot())
         self.counter.stats.clear()
         for p, ref in zip(self.params, expected, strict=True):

@@ -28,13 +28,13 @@ import torch
 import torch.distributed as dist
 
 from sp_harness.checks.references import KINDS, RefResult
-from sp_harness.checks.side_by_side_rank import _expected_step, _loss_allowance, _SideBySide, _update_scale, drive
+from sp_harness.checks.side_by_side_rank import _expected_step, _loss_allowance, _SideBySide, drive
 from sp_harness.compare.tolerance import check_bounded, eps, lp_dtype
 from sp_harness.config.check_config import CheckConfig
 from sp_harness.config.step_protocol import MicroBatch, TrainStep
 from sp_harness.judge.verdict import RankResult, record
 from sp_harness.step.inputs import batch_to, target_layout
-from sp_harness.step.params import declared_grad, replica_drift
+from sp_harness.step.params import declared_grad
 from sp_harness.step.train_batches import concatenated, micro_batches
 
 CLIP_EPS = 1e-6
@@ -269,15 +269,7 @@ class _TrainStepRun(_SideBySide):
         if clipping and self.config.optimizer == "sgd":
             bounds = {id(p.param): ref.bound for p, ref in zip(self.params, expected, strict=True)}
             self.judge_clip(step, before, buffers, own64, coef, coef_rel, bounds)
-        self.result.comm.append(self.counter.snapshot())
-        self.counter.stats.clear()
-        for p, ref in zip(self.params, expected, strict=True):
-            got = p.full(p.param.detach())
-            record(self.result, check_bounded(kind="param", name=p.spec.ref_name, step=step, rank=self.ctx.rank,
-                                              got=got, want=ref.param, bound=ref.bound,
-                                              offset=p.offset(self.ref64[p.spec.ref_name], self.ctx),
-                                              scale=_update_scale(ref, got)))
-        self.result.drift.extend(replica_drift(step, self.params, self.ctx, set(self.case.replicated_hint)))
+        self.judge_update(step, expected)
 
 
 def _momentum(opt: torch.optim.Optimizer, param: torch.Tensor) -> torch.Tensor | None:
