@@ -4,7 +4,8 @@ Each step: K micro-batches with uneven valid-token masks (sp_harness.step.train_
 references (float64, same-precision, perturbed: sp_harness.checks.references) run the intended
 loss (`Case.train_loss`) over the whole global batch at once, anchored at the run's params, while
 the case's own step (`Sharded.train_step`) accumulates over its micro-batches. Then, stage by
-stage, each judged by the tolerance model the side-by-side check uses:
+stage (1-2 by the side-by-side check's tolerance model, 3-5 by bounds derived from their own
+arithmetic: docs/tolerance.md, "The training-step check's bounds"):
 
 1. reported loss   the loss the step reports vs the intended loss
 2. grad            the grads it leaves before clipping vs the intended loss's grads; where they
