@@ -77,36 +77,57 @@ def run_variant(runner: Runner, payload: InvariancePayload, label: str) -> Invar
     return results[0]
 
 
-def outcome(name: str, config: CheckConfig, figures: InvarianceFigures | None, *, error: RankFailure | None = None,
-            t0: float) -> Outcome:
-    if error is not None:
-        return Outcome(check=name, status="fail", caught_by="crash", detail=error.one_line(), repro=config.repro())
-    assert figures is not None
-    if figures.failures:
-        first = figures.failures[0]
-        return Outcome(check=name, status="fail", caught_by=f"{figures.left} vs {figures.right}",
-                       detail=first.describe(), repro=config.repro(), figures=figures)
-    return Outcome(check=name, status="pass", detail=f"{time.perf_counter() - t0:.1f}s", repro=config.repro(),
-                   figures=figures)
+class InvarianceCheck:
+    """What both invariance checks share: n/a without a declared step, the config resolved as
+    the training-step check resolves it (one step), a crash as a fail, the figures rendered.
+    A subclass names itself and says how it runs and compares its two variants."""
+
+    name: str
+    label: str
+
+    def why_not(self, config: CheckConfig) -> str | None:
+        """Why the check does not apply to `config` beyond a missing step; None where it does."""
+        return None
+
+    def compare_runs(self, case: Case, ready: CheckConfig, runner: Runner, label: str) -> InvarianceFigures | str:
+        """Run the two variants and compare them; a string says why they cannot run (n/a)."""
+        raise NotImplementedError
+
+    def applies(self, case: Case, config: CheckConfig) -> str | None:
+        if case.train_loss is None:
+            return f"case {case.name} declares no training step (Case.train_loss)"
+        return self.why_not(config)
+
+    def run(self, config: CheckConfig, runner: Runner) -> Outcome:
+        t0 = time.perf_counter()
+        case = get_case(config.case)
+        ready = prepared(case, config)
+        if isinstance(ready, str):
+            return Outcome(check=self.name, status="n/a", detail=ready)
+        try:
+            figures = self.compare_runs(case, ready, runner, f"case {config.case} [{ready.short()}] ({self.name})")
+        except RankFailure as exc:
+            return Outcome(check=self.name, status="fail", caught_by="crash", detail=exc.one_line(),
+                           repro=ready.repro())
+        if isinstance(figures, str):
+            return Outcome(check=self.name, status="n/a", detail=figures)
+        if figures.failures:
+            return Outcome(check=self.name, status="fail", caught_by=f"{figures.left} vs {figures.right}",
+                           detail=figures.failures[0].describe(), repro=ready.repro(), figures=figures)
+        return Outcome(check=self.name, status="pass", detail=f"{time.perf_counter() - t0:.1f}s",
+                       repro=ready.repro(), figures=figures)
+
+    def render(self, outcome: Outcome) -> str:
+        figures = outcome.figures
+        if figures is None:
+            return f"{outcome.status.upper()}: {outcome.detail}"
+        lines = [f"{outcome.check}: {figures.left} vs {figures.right}"]
+        worst = max(figures.differences, key=lambda d: d.max_abs / d.bound if d.bound else float("inf") if d.max_abs
+                    else 0.0)
+        lines.append(f"  largest difference against its bound: {worst.what} {worst.max_abs:.3g} (bound {worst.bound:.3g})")
+        lines += [f"  FAIL {d.describe()}" for d in figures.failures[:8]]
+        lines.append("PASS" if not figures.failures else f"FAIL ({len(figures.failures)} of {len(figures.differences)})")
+        return "\n".join(lines)
 
 
-def render(outcome: Outcome) -> str:
-    figures = outcome.figures
-    if figures is None:
-        return f"{outcome.status.upper()}: {outcome.detail}"
-    lines = [f"{outcome.check}: {figures.left} vs {figures.right}"]
-    worst = max(figures.differences, key=lambda d: d.max_abs / d.bound if d.bound else float("inf") if d.max_abs
-                else 0.0)
-    lines.append(f"  largest difference against its bound: {worst.what} {worst.max_abs:.3g} (bound {worst.bound:.3g})")
-    lines += [f"  FAIL {d.describe()}" for d in figures.failures[:8]]
-    lines.append("PASS" if not figures.failures else f"FAIL ({len(figures.failures)} of {len(figures.differences)})")
-    return "\n".join(lines)
-
-
-def applies(case: Case) -> str | None:
-    if case.train_loss is None:
-        return f"case {case.name} declares no training step (Case.train_loss)"
-    return None
-
-
-__all__ = ["InvarianceFigures", "applies", "compare", "get_case", "outcome", "prepared", "render", "run_variant"]
+__all__ = ["InvarianceCheck", "InvarianceFigures", "compare", "prepared", "run_variant"]

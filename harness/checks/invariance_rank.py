@@ -26,9 +26,9 @@ from sp_harness.compare.tolerance import check_tensor, eps, lp_dtype
 from sp_harness.config.check_config import CheckConfig
 from sp_harness.config.step_protocol import MicroBatch
 from sp_harness.step.anchor import gather_full
-from sp_harness.step.inputs import batch_generator, batch_to, target_layout
+from sp_harness.step.inputs import batch_generator
 from sp_harness.step.params import declared_grad, zero_declared_grads
-from sp_harness.step.train_batches import concatenated, micro_batches
+from sp_harness.step.train_batches import micro_batch
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -121,27 +121,14 @@ class _Invariance(_TrainStepRun):
         zero_declared_grads(self.params, self.sharded.grad_attr)
 
     def run(self) -> InvarianceResult:
-        layout = target_layout(self.sharded.output_layout)
-        gen = batch_generator(self.config.seed)
-        mbs = [batch_to(b, self.built.device) for b in
-               micro_batches(self.case, self.config, 0, gen, layout=layout, ctx=self._mask_ctx())]
-        batch_dim = self.case.input_layout.batch_dim
-        assert batch_dim is not None, "the driver refuses a case whose input has no batch dim"
-        whole = concatenated(mbs, batch_dim)
-        tokens = self.case.tokens(whole.target)
-        self.start_references(whole)
+        mbs, whole, tokens = self.start_step(0, batch_generator(self.config.seed), self._mask_ctx())
         refs = self._scaled(self.finish_references(), tokens)
         ignore = self.loss_spec.ignore_index
-
-        def piece(batch) -> MicroBatch:
-            local = self.loop.local_batch(batch)
-            return MicroBatch(inputs=local.call_inputs, target=local.target, valid=local.target != ignore,
-                              positional=local.positional)
-
-        result = InvarianceResult(micro=self.variant([piece(b) for b in mbs], refs, tokens))
+        result = InvarianceResult(micro=self.variant([micro_batch(self.loop.local_batch(b), ignore) for b in mbs],
+                                                     refs, tokens))
         if self.payload.single:
             self.clear()
-            result.single = self.variant([piece(whole)], refs, tokens)
+            result.single = self.variant([micro_batch(self.loop.local_batch(whole), ignore)], refs, tokens)
         return result
 
 

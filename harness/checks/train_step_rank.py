@@ -31,12 +31,13 @@ import torch.distributed as dist
 from sp_harness.checks.references import KINDS, RefResult
 from sp_harness.checks.side_by_side_rank import _expected_step, _loss_allowance, _SideBySide, drive
 from sp_harness.compare.tolerance import check_bounded, eps, lp_dtype
+from sp_harness.config.case import Batch, RankContext
 from sp_harness.config.check_config import CheckConfig
-from sp_harness.config.step_protocol import MicroBatch, TrainStep
+from sp_harness.config.step_protocol import TrainStep
 from sp_harness.judge.verdict import RankResult, record
 from sp_harness.step.inputs import batch_to, target_layout
 from sp_harness.step.params import declared_grad
-from sp_harness.step.train_batches import concatenated, micro_batches
+from sp_harness.step.train_batches import concatenated, micro_batch, micro_batches
 
 CLIP_EPS = 1e-6
 """The clip coefficient's guard, min(1, max_norm / (norm + CLIP_EPS)): torch.nn.utils.clip_grad_norm_
@@ -195,20 +196,22 @@ class _TrainStepRun(_SideBySide):
                                           got=_scalar(got), want=_scalar(coef),
                                           bound=_scalar(bound)))
 
-    def step(self, step: int, gen: torch.Generator) -> None:
+    def start_step(self, step: int, gen: torch.Generator, mask_ctx: RankContext) -> tuple[list[Batch], Batch, int]:
+        """Step `step`'s micro-batches (masked as `mask_ctx`'s mesh holds them), the global batch they
+        make and its valid tokens; the references set going on that batch."""
         layout = target_layout(self.sharded.output_layout)
         mbs = [batch_to(b, self.built.device) for b in
-               micro_batches(self.case, self.config, step, gen, layout=layout, ctx=self.ctx)]
+               micro_batches(self.case, self.config, step, gen, layout=layout, ctx=mask_ctx)]
         batch_dim = self.case.input_layout.batch_dim
         assert batch_dim is not None, "the driver refuses a case whose input has no batch dim"
         whole = concatenated(mbs, batch_dim)
-        tokens = self.case.tokens(whole.target)
         self.start_references(whole)
+        return mbs, whole, self.case.tokens(whole.target)
+
+    def step(self, step: int, gen: torch.Generator) -> None:
+        mbs, _, tokens = self.start_step(step, gen, self.ctx)
         ignore = self.loss_spec.ignore_index
-        pieces = [self.loop.local_batch(b) for b in mbs]
-        micro = [MicroBatch(inputs=piece.call_inputs, target=piece.target, valid=piece.target != ignore,
-                            positional=piece.positional)
-                 for piece in pieces]
+        micro = [micro_batch(self.loop.local_batch(b), ignore) for b in mbs]
         t0 = time.perf_counter()
         with self.counter:
             self.counter.phase = "accumulate"

@@ -18,7 +18,8 @@ import torch
 
 from sp_harness.config.case import Batch, Case, Layout, RankContext, as_batch
 from sp_harness.config.check_config import CheckConfig
-from sp_harness.step.inputs import cut
+from sp_harness.config.step_protocol import MicroBatch
+from sp_harness.step.inputs import RankBatch, cut
 
 VALID_FRACTIONS = (0.85, 0.55, 0.3)
 """Probability that a token keeps its loss, by micro-batch (cycling): three different counts,
@@ -102,3 +103,9 @@ def split_rows(batch: Batch, num: int, dp: int, batch_dim: int) -> list[Batch]:
 
     return [dataclasses.replace(batch, inputs={n: take(v, k) for n, v in batch.inputs.items()},
                                 target=take(batch.target, k)) for k in range(num)]
+
+
+def micro_batch(local: RankBatch, ignore_index: int) -> MicroBatch:
+    """This rank's piece of one micro-batch (`ShardedLoop.local_batch`) as a training step takes it."""
+    return MicroBatch(inputs=local.call_inputs, target=local.target, valid=local.target != ignore_index,
+                      positional=local.positional)

@@ -18,14 +18,14 @@ import torch
 import torch.distributed as dist
 
 from sp_harness.config.case import Batch, get_case
-from sp_harness.config.step_protocol import MicroBatch, TrainStep
+from sp_harness.config.step_protocol import TrainStep
 from sp_harness.step.build import Built, build, cast_floating, new_reference
 from sp_harness.step.context import rank_device, reference_context
 from sp_harness.step.inputs import batch_to, call, global_loss
 from sp_harness.step.loop import ShardedLoop
 from sp_harness.step.optim_ref import make_optimizer
 from sp_harness.step.params import replica_drift
-from sp_harness.step.train_batches import micro_batch_count, split_rows
+from sp_harness.step.train_batches import micro_batch, micro_batch_count, split_rows
 from sp_harness.train.spec import TrainSpec, batch_at, lr_at
 
 
@@ -152,11 +152,7 @@ class _Trainer:
         num = micro_batch_count(config.batch, config.micro_batches)
         ignore = self.case.train_loss.ignore_index
         t0 = time.perf_counter()
-        micro = []
-        for part in split_rows(batch, num, ctx.dp, batch_dim):
-            local = loop.local_batch(part)
-            micro.append(MicroBatch(inputs=local.call_inputs, target=local.target, valid=local.target != ignore,
-                                    positional=local.positional))
+        micro = [micro_batch(loop.local_batch(part), ignore) for part in split_rows(batch, num, ctx.dp, batch_dim)]
         _set_lr(train.optimizer, lr)
         loss = float(torch.as_tensor(train.accumulate(micro)))
         grad_norm = float(torch.as_tensor(train.step()))
