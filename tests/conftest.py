@@ -1,7 +1,7 @@
 """This project's own test settings (a plugin must not impose them on other projects: the
 sp-harness plugin only registers what is here loaded).
 
-Two tiers (docs/benchmarks.md, "The test suite's tiers"):
+Two tiers (docs/benchmarks.md, "The tiers"):
 - `fast`, the default (`python -m pytest -n auto`, what CI runs): every check, case, mutant pin
   and framework integration, each at its smallest config that still exercises it;
 - `full` (`--tier full`, `SP_HARNESS_TIER=full`, `tox -e full`): also the tests marked
