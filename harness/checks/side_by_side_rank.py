@@ -219,13 +219,17 @@ class _SideBySide:
     def forward_only(self) -> bool:
         return bool(self.built.config.forward_only)
 
+    def grad_of(self, param: torch.Tensor) -> torch.Tensor | None:
+        """The grad the implementation left for `param`, as the grad check reads it."""
+        return declared_grad(param, self.sharded.grad_attr)
+
     def judge_grads(self, step: int, tokens: int, refs: dict[str, RefResult]) -> None:
         if self.forward_only:
             return
         grads = {w: refs[w].grads for w in refs}
         for p in self.params:
             ref = p.spec.ref_name
-            got_grad = declared_grad(p.param, self.sharded.grad_attr)
+            got_grad = self.grad_of(p.param)
             g64, glp = grads["r64"][ref], grads["lp"][ref]
             assert g64 is not None and glp is not None, f"the references computed no grad of {ref} (backward ran)"
             got, w64, wlp, off = p.full_or_piece(got_grad, g64, glp, self.ctx)

@@ -33,10 +33,11 @@ from sp_harness.checks.side_by_side_rank import _expected_step, _loss_allowance,
 from sp_harness.compare.tolerance import check_bounded, eps, lp_dtype
 from sp_harness.config.case import Batch, RankContext
 from sp_harness.config.check_config import CheckConfig
-from sp_harness.config.step_protocol import TrainStep
+from sp_harness.config.step_protocol import TrainStep, grad_reader
 from sp_harness.judge.verdict import RankResult, record
 from sp_harness.step.inputs import batch_to, target_layout
-from sp_harness.step.params import declared_grad
+from sp_harness.step.optim_ref import StepReference
+from sp_harness.step.shadow import ShadowOptimizer, ShadowStep
 from sp_harness.step.train_batches import concatenated, micro_batch, micro_batches
 
 CLIP_EPS = 1e-6
@@ -73,9 +74,19 @@ class _TrainStepRun(_SideBySide):
         self.train = train
         assert self.case.train_loss is not None, "the driver refuses a case without train_loss"
         self.loss_spec = self.case.train_loss
-        self.opt = train.optimizer
+        self.step_opt = train.optimizer
+        self.read_grad = grad_reader(train)
         # the norm's accumulator: what frameworks sum squares in (float32 below float64)
         self.norm_dtype = lp_dtype(self.dtype) if self.dtype != torch.float64 else torch.float64
+        self.shadow: ShadowOptimizer | None = None
+        if self.step_opt is None:
+            assert config.optimizer is not None and config.lr is not None, "the check resolves optimizer and lr"
+            # master copies and state in float32, as the frameworks keep them (float64 in a float64 run)
+            self.shadow = ShadowOptimizer(optimizer=config.optimizer, lr=config.lr, master_dtype=self.norm_dtype,
+                                          param_dtype=self.dtype)
+
+    def grad_of(self, param: torch.Tensor) -> torch.Tensor | None:
+        return super().grad_of(param) if self.read_grad is None else self.read_grad(param)
 
     def _scaled(self, refs: dict[str, RefResult], tokens: int) -> dict[str, RefResult]:
         """The references' token mean as the declared reduction: 'sum' is the mean times the
@@ -90,7 +101,7 @@ class _TrainStepRun(_SideBySide):
         return refs
 
     def own_grads(self) -> dict[int, torch.Tensor | None]:
-        return {id(p.param): declared_grad(p.param, self.sharded.grad_attr) for p in self.params}
+        return {id(p.param): self.grad_of(p.param) for p in self.params}
 
     def norm_shares(self, grads: dict[int, torch.Tensor | None]) -> dict[str, float]:
         """Each reference param's squared norm from the run's own grads, float64, every piece
@@ -119,7 +130,10 @@ class _TrainStepRun(_SideBySide):
         return sq * (m_u / (1 - m_u) + 2 * eps(self.dtype))
 
     def judge_composition(self, step: int, grads: dict[int, torch.Tensor | None], shares: dict[str, float]) -> None:
-        """Which params the step's norm counts, and how often: its norm of each param alone."""
+        """Which params the step's norm counts, and how often: its norm of each param alone
+        (where the step can compute its norm outside its step: `TrainStep.grad_norm`)."""
+        if self.train.grad_norm() is None:
+            return
         saved = {k: None if g is None else g.detach().clone() for k, g in grads.items()}
         numel = {p.spec.ref_name: p.full(p.param.detach()).numel() for p in self.params}
         try:
@@ -128,7 +142,9 @@ class _TrainStepRun(_SideBySide):
                     g, kept = grads[id(p.param)], saved[id(p.param)]
                     if g is not None and kept is not None:
                         g.detach().copy_(kept if p.spec.ref_name == name else torch.zeros_like(g))
-                got = float(self.train.grad_norm()) ** 2
+                norm = self.train.grad_norm()
+                assert norm is not None, "a step whose norm was computable a moment ago"
+                got = float(norm) ** 2
                 want = shares[name]
                 record(self.result, check_bounded(
                     kind="grad_norm", name=f"{name} in the norm", step=step, rank=self.ctx.rank,
@@ -144,7 +160,7 @@ class _TrainStepRun(_SideBySide):
         """Where grads failed: the factor that best maps the reference's grads onto the run's."""
         sums = torch.zeros(3, dtype=torch.float64)
         for p in self.params:
-            g = declared_grad(p.param, self.sharded.grad_attr)
+            g = self.grad_of(p.param)
             want = refs["r64"].grads[p.spec.ref_name]
             if g is None or want is None:
                 continue
@@ -244,22 +260,18 @@ class _TrainStepRun(_SideBySide):
         clipping = coef < 1.0
         # a coefficient from a norm off by norm_rel / 2 is off by as much, and scales the update
         coef_rel = norm_rel / 2 if clipping else 0.0
-        before = {id(p.param): p.full(p.param.detach()).to(torch.float64, copy=True) for p in self.params}
-        buffers = {id(p.param): _momentum(self.opt, p.param) for p in self.params}
-        self.loop.load_grads()
+        if self.shadow is None:
+            expected, before, buffers = self.expected_from_state(grads, coef, coef_rel)
+            bounds = {id(p.param): ref.bound for p, ref in zip(self.params, expected, strict=True)}
+        else:
+            shadowed = dict(zip((id(p.param) for p in self.params), self.expected_from_shadow(grads, coef, coef_rel),
+                                strict=True))
+            expected = [StepReference(param=s.param, bound=s.bound) for s in shadowed.values()]
+            before = {k: s.before for k, s in shadowed.items()}
+            buffers = {k: s.momentum_before for k, s in shadowed.items()}
+            # the run's master before the step is itself within err_before of the shadow's
+            bounds = {k: s.bound + s.err_before for k, s in shadowed.items()}
         own64 = {k: None if g is None else g.detach().to(torch.float64).clone() for k, g in grads.items()}
-        expected = []
-        for p in self.params:
-            g = p.param.grad
-            if g is None or not clipping:
-                expected.append(_expected_step(p, self.opt, self.config, self.dtype))
-                continue
-            kept = g.detach().clone()
-            g.mul_(coef)  # in the grad's dtype, as the step's clipping does
-            expected.append(_expected_step(p, self.opt, self.config, self.dtype))
-            g.copy_(kept)
-        for ref, p in zip(expected, self.params, strict=True):
-            ref.bound = ref.bound + (ref.param - before[id(p.param)]).abs() * coef_rel
         t0 = time.perf_counter()
         with self.counter:
             self.counter.phase = "step"
@@ -271,9 +283,43 @@ class _TrainStepRun(_SideBySide):
                                           want=_scalar(norm_sq),
                                           bound=_scalar(self._norm_bound(norm_sq, numel))))
         if clipping and self.config.optimizer == "sgd":
-            bounds = {id(p.param): ref.bound for p, ref in zip(self.params, expected, strict=True)}
             self.judge_clip(step, before, buffers, own64, coef, coef_rel, bounds)
         self.judge_update(step, expected)
+
+    def expected_from_state(self, grads: dict[int, torch.Tensor | None], coef: float, coef_rel: float):
+        """Each param's update from the run's own params, grads (clipped by `coef`) and readable
+        optimizer state; the params and SGD momentum buffers before it."""
+        assert self.step_opt is not None, "the shadow judges a step whose state is not readable"
+        opt = self.step_opt
+        before = {id(p.param): p.full(p.param.detach()).to(torch.float64, copy=True) for p in self.params}
+        buffers = {id(p.param): _momentum(opt, p.param) for p in self.params}
+        self.loop.load_grads()
+        expected = []
+        for p in self.params:
+            g = p.param.grad
+            if g is None or coef >= 1.0:
+                expected.append(_expected_step(p, opt, self.config, self.dtype))
+                continue
+            kept = g.detach().clone()
+            g.mul_(coef)  # in the grad's dtype, as the step's clipping does
+            expected.append(_expected_step(p, opt, self.config, self.dtype))
+            g.copy_(kept)
+        for ref, p in zip(expected, self.params, strict=True):
+            ref.bound = ref.bound + (ref.param - before[id(p.param)]).abs() * coef_rel
+        return expected, before, buffers
+
+    def expected_from_shadow(self, grads: dict[int, torch.Tensor | None], coef: float,
+                             coef_rel: float) -> list[ShadowStep]:
+        """Each param's update by the float64 shadow of the config's optimizer (the step's own
+        optimizer state is not readable), from the run's own grads clipped by `coef`."""
+        assert self.shadow is not None
+        steps = []
+        for p in self.params:
+            g = grads[id(p.param)]
+            steps.append(self.shadow.expect(id(p.param), p.full(p.param.detach()),
+                                            None if g is None else p.full(g.detach()),
+                                            coef=coef, coef_err=coef * coef_rel))
+        return steps
 
 
 def _momentum(opt: torch.optim.Optimizer, param: torch.Tensor) -> torch.Tensor | None:

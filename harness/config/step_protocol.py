@@ -11,7 +11,7 @@ reports and what it leaves behind at each stage.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal, Protocol, runtime_checkable
 
@@ -66,9 +66,15 @@ class TrainStep(Protocol):
     step, so it can read the grads between them. Write it as the framework does: the engine only
     observes."""
 
-    optimizer: torch.optim.Optimizer
-    """The optimizer `step` steps, built from the config's optimizer and lr
-    (sp_harness.step.optim_ref.make_optimizer); the engine reads its state to judge the update."""
+    optimizer: torch.optim.Optimizer | None
+    """The optimizer `step` steps, where it is a torch optimizer over the model's own params
+    (sp_harness.step.optim_ref.make_optimizer): the engine reads its state to judge the update.
+    None where its state cannot be read per param (fp32 master weights, ZeRO or
+    distributed-optimizer partitions, a framework's wrapped optimizer): the engine then judges the
+    update against a float64 shadow of the config's optimizer driven by the step's own grads
+    (sp_harness.step.shadow), so the step must build its optimizer with optim_ref's
+    hyper-parameters (SGD momentum 0.9; AdamW betas, eps and weight decay on every param) and keep
+    its master copies and state in float32 (float64 in a float64 run)."""
 
     def accumulate(self, micro_batches: Sequence[MicroBatch]) -> float | torch.Tensor:
         """Forward and backward over this rank's micro-batches, the loss normalisation, the
@@ -76,14 +82,24 @@ class TrainStep(Protocol):
         (`Sharded.grad_attr`) are the global batch's, before clipping. Returns the loss it reports
         (what a user logs), the same on every rank."""
 
-    def grad_norm(self) -> float | torch.Tensor:
+    def grad_norm(self) -> float | torch.Tensor | None:
         """The global grad norm as this step's clipping computes it from the grads now in place,
-        changing nothing: the engine calls it with all but one param's grads zeroed to learn which
-        params (and how many times each) the norm counts. A collective: every rank calls it."""
+        changing nothing: the engine calls it with all but one param's grads zeroed (in the
+        tensors `grad_of` returns) to learn which params, and how many times each, the norm
+        counts. None where the framework computes its norm only inside its step (DeepSpeed's
+        engine): the norm `step` reports is still judged. A collective: every rank calls it."""
 
     def step(self) -> float | torch.Tensor:
         """Clip (where `CheckConfig.clip_grad_norm` is set), step the optimizer and zero the grads.
         Returns the grad norm it reports, before clipping."""
 
 
-__all__ = ["MicroBatch", "REDUCTIONS", "Reduction", "TrainLoss", "TrainStep"]
+def grad_reader(step: TrainStep) -> Callable[[torch.Tensor], torch.Tensor | None] | None:
+    """The step's optional `grad_of(param)`: the grad of one local param (an entry of the sharded
+    module's `named_parameters()`) as the framework holds it after `accumulate`, before clipping,
+    shaped like that param, in any float dtype (megatron's live `main_grad`; a ZeRO partition
+    gathered by `deepspeed.utils.safe_get_full_grad`). None: the engine reads `Sharded.grad_attr`."""
+    return getattr(step, "grad_of", None)
+
+
+__all__ = ["MicroBatch", "REDUCTIONS", "Reduction", "TrainLoss", "TrainStep", "grad_reader"]

@@ -73,6 +73,9 @@ class StepReference:
     """A parameter below float32: a sample of its elements (sp_harness.compare.update_scale.sample)
     after the step taken by the unfused implementation in its own dtype (`member_step`), which
     the run's coherent update scale is judged against."""
+    state: OptimState | None = None
+    """The optimizer state after the step (float64), for a caller that carries it to the next
+    step (sp_harness.step.shadow)."""
 
 
 def make_optimizer(name: str, lr: float, params) -> torch.optim.Optimizer:
@@ -98,7 +101,8 @@ def reference_step(*, optimizer: str, lr: float, param: torch.Tensor, grad: torc
         scale = lr * g.abs() + (new - p).abs()
         if state.momentum_buffer is not None:
             scale = scale + lr * SGD_MOMENTUM * state.momentum_buffer.abs()
-        return StepReference(param=new, bound=eps * (PARAM_ROUNDINGS * p.abs() + ROUNDINGS * scale))
+        return StepReference(param=new, bound=eps * (PARAM_ROUNDINGS * p.abs() + ROUNDINGS * scale),
+                             state=OptimState(step=state.step + 1, momentum_buffer=buf))
     b1, b2 = ADAMW_BETAS
     m = torch.zeros_like(p) if state.exp_avg is None else state.exp_avg
     v = torch.zeros_like(p) if state.exp_avg_sq is None else state.exp_avg_sq
@@ -110,7 +114,8 @@ def reference_step(*, optimizer: str, lr: float, param: torch.Tensor, grad: torc
     decayed = p * (1 - lr * WEIGHT_DECAY)
     new = decayed - step_size * m_new / denom
     scale = (new - p).abs() + step_size * (m_new.abs() + (1 - b1) * (m.abs() + g.abs())) / denom
-    return StepReference(param=new, bound=eps * (PARAM_ROUNDINGS * p.abs() + ROUNDINGS * scale))
+    return StepReference(param=new, bound=eps * (PARAM_ROUNDINGS * p.abs() + ROUNDINGS * scale),
+                         state=OptimState(step=t, exp_avg=m_new, exp_avg_sq=v_new))
 
 
 def member_step(*, optimizer: str, lr: float, param: torch.Tensor, grad: torch.Tensor,
