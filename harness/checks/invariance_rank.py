@@ -27,7 +27,7 @@ from sp_harness.config.check_config import CheckConfig
 from sp_harness.config.step_protocol import MicroBatch
 from sp_harness.step.anchor import gather_full
 from sp_harness.step.inputs import batch_generator
-from sp_harness.step.params import declared_grad, zero_declared_grads
+from sp_harness.step.params import zero_declared_grads
 from sp_harness.step.train_batches import micro_batch
 
 
@@ -95,7 +95,7 @@ class _Invariance(_TrainStepRun):
         views = []
         for p in self.params:
             ref = p.spec.ref_name
-            g = declared_grad(p.param, self.sharded.grad_attr)
+            g = self.grad_of(p.param)
             g = torch.zeros_like(p.param) if g is None else g.detach()
             views.append(_GradView(param=g, dtensor=p.dtensor, spec=p.spec))
             g64, glp = grads["r64"][ref], grads["lp"][ref]
@@ -116,6 +116,12 @@ class _Invariance(_TrainStepRun):
         return out
 
     def clear(self) -> None:
+        """The first variant's grads dropped, without a step: the step's own `zero_grad` where it
+        has one (a framework's grad buffers), else the declared grads zeroed."""
+        zero_grad = getattr(self.train, "zero_grad", None)
+        if zero_grad is not None:
+            zero_grad()
+            return
         for p in self.params:
             p.param.grad = None
         zero_declared_grads(self.params, self.sharded.grad_attr)

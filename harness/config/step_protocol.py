@@ -98,7 +98,10 @@ def grad_reader(step: TrainStep) -> Callable[[torch.Tensor], torch.Tensor | None
     """The step's optional `grad_of(param)`: the grad of one local param (an entry of the sharded
     module's `named_parameters()`) as the framework holds it after `accumulate`, before clipping,
     shaped like that param, in any float dtype (megatron's live `main_grad`; a ZeRO partition
-    gathered by `deepspeed.utils.safe_get_full_grad`). None: the engine reads `Sharded.grad_attr`."""
+    gathered by `deepspeed.utils.safe_get_full_grad`). None: the engine reads `Sharded.grad_attr`.
+    A step may also offer `zero_grad()`, which drops the accumulated grads without stepping (the
+    invariance checks run a second accumulation from the same params); without it they zero
+    `.grad` and the declared grads."""
     return getattr(step, "grad_of", None)
 
 

@@ -55,6 +55,14 @@ BATTERY: tuple[Entry, ...] = (
     Entry(name="train-step", check="train-step",
           fields=(("world_size", 4), ("dp", 2), ("train_step", True), ("micro_batches", 3), ("optimizer", "sgd"),
                   ("clip_grad_norm", 0.01))),
+    # the same in float32, for frameworks whose step refuses float64 (DeepSpeed's engine), and on
+    # two data-parallel ranks alone, for steps with no sequence parallelism (the HF Trainer's)
+    Entry(name="train-step-f32", check="train-step",
+          fields=(("world_size", 4), ("dp", 2), ("train_step", True), ("micro_batches", 3), ("optimizer", "sgd"),
+                  ("clip_grad_norm", 0.01), ("dtype", "float32"))),
+    Entry(name="train-step-dp", check="train-step",
+          fields=(("world_size", 2), ("dp", 2), ("train_step", True), ("micro_batches", 3), ("optimizer", "sgd"),
+                  ("clip_grad_norm", 0.01), ("dtype", "float32"))),
     Entry(name="comm-vs-tp", check="comm-vs-baseline", fields=(("world_size", 2),)),
     Entry(name="memory", check="activation-memory", fields=(("world_size", 2),)),
     Entry(name="lockstep", check="lockstep", fields=(("world_size", 2),)),
