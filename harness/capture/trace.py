@@ -36,13 +36,17 @@ class Trace:
 class Recorder:
     """Module outputs and input grads of one model, in the order they happened."""
 
-    def __init__(self, model: nn.Module, skip: frozenset[str] = frozenset()):
+    def __init__(self, model: nn.Module, skip: frozenset[str] = frozenset(), prefix: str = ""):
+        """`skip`: module names (as `model` names them) left out; `prefix`: what a wrapper (DDP,
+        megatron's Float16Module, DeepSpeed's engine: "module.") adds before the names the
+        reference has: stripped, and the wrapper itself left out, so the modules line up."""
         self.forward: dict[str, torch.Tensor] = {}
         self.backward: dict[str, torch.Tensor] = {}
         self._handles = []
         for name, module in model.named_modules():
-            if not name or name in skip:
+            if not name or name in skip or not name.startswith(prefix) or name == prefix.rstrip("."):
                 continue
+            name = name[len(prefix):]
             self._handles.append(module.register_forward_hook(self._on_forward(name)))
             self._handles.append(module.register_forward_pre_hook(self._on_input(name)))
 

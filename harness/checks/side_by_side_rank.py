@@ -54,6 +54,7 @@ from sp_harness.step.params import (
     LocalParam,
     declared_grad,
     replica_drift,
+    wrapper_prefix,
 )
 from sp_harness.step.reference import RefStep
 
@@ -109,8 +110,10 @@ class _SideBySide:
         self.full: dict[str, torch.Tensor] = {}
         traced = not any(p.dtensor for p in self.params)  # DTensor outputs do not line up with plain ones
         # modules holding a TP-sharded param return pieces or partial sums: not comparable
-        self.pieces = frozenset(p.local_name.rpartition(".")[0] for p in self.params if not p.replicated_tp)
-        self.recorder = Recorder(self.sharded.module, self.pieces) if traced else None
+        local_pieces = frozenset(p.local_name.rpartition(".")[0] for p in self.params if not p.replicated_tp)
+        prefix = wrapper_prefix(self.params)
+        self.pieces = frozenset(n[len(prefix):] for n in local_pieces)
+        self.recorder = Recorder(self.sharded.module, local_pieces, prefix) if traced else None
         self.compute_s = 0.0
 
     def _phase(self, name: str) -> None:

@@ -122,7 +122,7 @@ def map_params(sharded: Sharded, ref_names: set[str], case_name: str) -> list[Lo
     return params
 
 
-def declared_grad(param: nn.Parameter, attr: str) -> torch.Tensor | None:
+def declared_grad(param: torch.Tensor, attr: str) -> torch.Tensor | None:
     """The grad an implementation left in `param.<attr>` (`Sharded.grad_attr`)."""
     return getattr(param, attr, None)
 
@@ -188,3 +188,17 @@ def replica_drift(step: int, params: list[LocalParam], ctx: RankContext, hint: s
             if d > 0 or not torch.isfinite(torch.tensor(d)):
                 drifts.append(Drift(step=step, name=p.spec.ref_name, group=label, max_abs=d, ranks=ranks))
     return drifts
+
+
+def wrapper_prefix(params: list[LocalParam]) -> str:
+    """What a wrapper adds before every reference name ("module." under DDP, megatron's
+    Float16Module or DeepSpeed's engine), read from the declared mapping: the one prefix every
+    plain param's local name has before its reference name, or "" where there is none or they
+    disagree."""
+    prefixes = {p.local_name[:-len(p.spec.ref_name)] for p in params
+                if not p.dtensor and p.local_name.endswith(p.spec.ref_name)}
+    if len(prefixes) != 1:
+        return ""
+    prefix = prefixes.pop()
+    return prefix if prefix.endswith(".") and all(not p.dtensor and p.local_name.startswith(prefix) for p in params) else ""
+
