@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from sp_harness.capture.comm import CommRow
-from sp_harness.capture.islands import Island, declared_islands, summary
+from sp_harness.capture.islands import DECLARED, Island, declared_islands, summary
 from sp_harness.compare.divergence import Divergence
 from sp_harness.compare.tolerance import KIND_ORDER, TensorCheck
 from sp_harness.config.check_config import CheckConfig
@@ -243,6 +243,14 @@ def merge(config: CheckConfig, results: list[RankResult], *, wall_s: float = 0.0
     return res
 
 
+def _encloses(module: str, divergence: Divergence | None) -> bool:
+    """Whether the first diverging module is `module`, inside it, or holds it."""
+    if divergence is None or not divergence.module:
+        return False
+    found = divergence.module
+    return found == module or found.startswith(module + ".") or module.startswith(found + ".")
+
+
 def format_result(res: CheckResult, *, verbose: bool = False) -> str:
     """The human verdict table for one check."""
     cfg = res.config
@@ -273,8 +281,12 @@ def format_result(res: CheckResult, *, verbose: bool = False) -> str:
         lines.append("loss per step: " + " ".join(f"{x:.6f}" for x in res.losses))
     if res.verdict == FAIL:
         lines.append(f"FAIL: first failure: {res.first_failure}")
-        if res.islands:  # right after it: a reader sees the low-precision ops as candidate causes
-            lines.append(summary(res.islands, str(cfg.dtype), "candidate cause, precision islands"))
+        # right after it: a reader sees the low-precision ops as candidate causes: every op found
+        # below the run dtype, and a declared island only where localisation placed the failure
+        # in or around its module (the references model a declared one, so elsewhere it is noise)
+        candidates = [i for i in res.islands if i.op != DECLARED or _encloses(i.module, res.divergence)]
+        if candidates:
+            lines.append(summary(candidates, str(cfg.dtype), "candidate cause, precision islands"))
         if res.divergence is not None:
             lines.append(res.divergence.describe())
         names = res.failing_names
