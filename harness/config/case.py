@@ -22,7 +22,14 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from sp_harness.config.check_config import ENGINE_DEFAULTS, KNOBS, RESOLVE, CheckConfig, default_timeout_s
+from sp_harness.config.check_config import (
+    CASE_DEFAULTS,
+    ENGINE_DEFAULTS,
+    KNOBS,
+    RESOLVE,
+    CheckConfig,
+    default_timeout_s,
+)
 from sp_harness.config.gpt_knobs import GPTKnobs
 from sp_harness.config.loading import load_case_file
 from sp_harness.config.resources import require_memory
@@ -515,3 +522,4 @@ def _rename(case: Case, name: str) -> Case:
 
 
 RESOLVE[:] = [lambda config: get_case(config.case).resolve(config)]  # for CheckConfig.repro (no import back)
+CASE_DEFAULTS[:] = [lambda name: {**ENGINE_DEFAULTS, **get_case(name).defaults}]  # for CheckConfig.short

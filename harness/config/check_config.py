@@ -203,14 +203,31 @@ class CheckConfig(GPTKnobs, RunFields):
             parts.append(f"train-step K={self.micro_batches}")
             if self.clip_grad_norm is not None:
                 parts.append(f"clip={self.clip_grad_norm:g}")
+        parts += [f"{name}={getattr(self, name)}" for name in self._other_knobs_set()]
         parts += [str(self.dtype), f"steps={self.steps}", f"seed={self.seed}"]
         return " ".join(parts)
+
+    def _other_knobs_set(self) -> list[str]:
+        """The fields `short` has no place for whose value is not the case's default (a header
+        must name every knob a run changed: lr, batch, causal, ...)."""
+        try:
+            defaults = CASE_DEFAULTS[0](self.case) if CASE_DEFAULTS else ENGINE_DEFAULTS
+        except ValueError:  # a case file that no longer loads: name every field set
+            defaults = {}
+        return [name for name in SHORT_OTHERS
+                if getattr(self, name) is not None and getattr(self, name) != defaults.get(name)]
 
 
 KNOBS: tuple[type, ...] = tuple(b for b in CheckConfig.__bases__ if b is not RunFields)
 """The knob classes `CheckConfig` carries (its bases besides `RunFields`): a case names the one
 it reads (`Case.knobs`)."""
 
+SHORT_OTHERS = ("batch", "lr", "num_kv_heads", "causal", "load_balancer", "ring_degree", "prompt_len", "num_layers",
+                "vocab")
+"""The knobs `CheckConfig.short` names only where they differ from the case's default."""
+CASE_DEFAULTS: list = []
+"""The registry's defaults lookup (case name -> the values a None field resolves to), put here by
+sp_harness.config.case as `RESOLVE` is."""
 RESOLVE: list = []
 """The registry's resolver (config -> its case's `resolve(config)`), put here by sp_harness.config.case
 when it loads: the registry imports this module, so this module does not import it back."""
