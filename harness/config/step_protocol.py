@@ -66,15 +66,16 @@ class TrainStep(Protocol):
     step, so it can read the grads between them. Write it as the framework does: the engine only
     observes."""
 
-    optimizer: torch.optim.Optimizer | None
-    """The optimizer `step` steps, where it is a torch optimizer over the model's own params
-    (sp_harness.step.optim_ref.make_optimizer): the engine reads its state to judge the update.
-    None where its state cannot be read per param (fp32 master weights, ZeRO or
-    distributed-optimizer partitions, a framework's wrapped optimizer): the engine then judges the
-    update against a float64 shadow of the config's optimizer driven by the step's own grads
-    (sp_harness.step.shadow), so the step must build its optimizer with optim_ref's
-    hyper-parameters (SGD momentum 0.9; AdamW betas, eps and weight decay on every param) and keep
-    its master copies and state in float32 (float64 in a float64 run)."""
+    @property
+    def optimizer(self) -> torch.optim.Optimizer | None:
+        """The optimizer `step` steps, where it is a torch optimizer over the model's own params
+        (sp_harness.step.optim_ref.make_optimizer): the engine reads its state to judge the update.
+        None where its state cannot be read per param (fp32 master weights, ZeRO or
+        distributed-optimizer partitions, a framework's wrapped optimizer): the engine then judges the
+        update against a float64 shadow of the config's optimizer driven by the step's own grads
+        (sp_harness.step.shadow), so the step must build its optimizer with optim_ref's
+        hyper-parameters (SGD momentum 0.9; AdamW betas, eps and weight decay on every param) and keep
+        its master copies and state in float32 (float64 in a float64 run)."""
 
     def accumulate(self, micro_batches: Sequence[MicroBatch]) -> float | torch.Tensor:
         """Forward and backward over this rank's micro-batches, the loss normalisation, the
