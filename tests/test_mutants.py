@@ -22,6 +22,8 @@ EXPECTED_KILLER = {
     "mutant-train-sp-grads-unsynced": ("grads before clipping", "train-step"),
     "mutant-train-ga-times-sp": ("grads before clipping", "train-step"),
     "mutant-train-logged-loss-per-rank": ("reported loss", "train-step"),
+    "mutant-hf-trainer-mean-of-micro-batch-means": ("reported loss", "train-step-dp"),
+    "mutant-hf-trainer-4470-training-step": ("reported loss", "train-step-dp"),
     "mutant-ds-ulysses-batch-dim-idx": ("forward", "even"),
     "mutant-ds-ulysses-detached-a2a": ("grad", "even"),
     "mutant-ds-ulysses-engine-without-sp-group": ("grad", "even"),
@@ -93,7 +95,7 @@ def test_catalogue_is_large_enough():
 
 
 FRAMEWORK_OF = {"mutant-mcore-": "megatron.core", "mutant-yc-": "yunchang", "mutant-titan-": "torchtitan",
-                "mutant-ds-": "deepspeed"}
+                "mutant-ds-": "deepspeed", "mutant-hf-trainer-": "accelerate"}
 """A framework mutant's name prefix -> the module its framework installs (its cases register
 only where it is installed; the README's test command installs them all)."""
 

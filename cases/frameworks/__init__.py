@@ -30,6 +30,9 @@ FRAMEWORK_CASES: dict[str, tuple[str, tuple[str, ...]]] = {
         "ds-ulysses", "ds-ulysses-f64", "ds-ulysses-hf-llama", "mutant-ds-ulysses-detached-a2a",
         "mutant-ds-ulysses-batch-dim-idx", "mutant-ds-ulysses-scatter-gather-swapped",
         "mutant-ds-ulysses-engine-without-sp-group")),
+    "accelerate": ("sp_harness.cases.frameworks.hf_trainer_cases", (
+        "hf-trainer-llama", "hf-trainer-qwen2", "hf-trainer-llama-user-loss",
+        "mutant-hf-trainer-mean-of-micro-batch-means", "mutant-hf-trainer-4470-training-step")),
 }
 """importable framework module -> (the module registering its built-in cases, their names)."""
 
