@@ -2,9 +2,13 @@
 DeepSpeed is installed): DeepSpeed 0.19.8's `DistributedAttention` around torch's SDPA in the
 reference GPT, its grads reduced by DeepSpeed's engine, and the bugs its users have shipped,
 expressed through DeepSpeed's own knobs (`scatter_idx` / `gather_idx`, the `batch_dim_idx` its
-forward is told, the `mpu` its engine is given) or the all-to-all's autograd edge."""
+forward is told, the `mpu` its engine is given) or the all-to-all's autograd edge; and DeepSpeed's
+own engine training step (`ds-ulysses-step*`: ZeRO 0/1/2/3, CPU optimizer offload) for the
+training-step check, with two of its ZeRO-Offload bugs put back into its optimizer and a user's
+loss divided by the accumulation steps twice."""
 
 from sp_harness.cases.frameworks import installed
+from sp_harness.cases.frameworks.deepspeed_step import DeepSpeedStepConfig, ds_step_case, ds_step_shard
 from sp_harness.cases.frameworks.deepspeed_ulysses import (
     detached,
     hf_ulysses_case,
@@ -63,3 +67,70 @@ if installed("transformers"):
         examples=(Example(fields=(("world_size", 2),), note="UlyssesSPAttentionHF (sdpa) on a tiny HF Llama, SP 2"),
                   Example(fields=(("world_size", 4), ("dtype", "bfloat16")), note="SP 4: one head per rank, bfloat16"))))
     """DeepSpeed's Arctic (ALST) Ulysses for HF transformers: registered over transformers' sdpa."""
+
+
+# --- DeepSpeed's engine training step (the training-step check: sp-harness check --train-step) ---
+
+ZERO2 = {"zero_optimization": {"stage": 2}}
+ZERO2_OFFLOAD = {"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}}}
+_STEP = (("train_step", True), ("micro_batches", 3), ("optimizer", "sgd"), ("clip_grad_norm", 0.01))
+
+DS_STEP = register(ds_step_case(
+    "ds-ulysses-step", {"zero_optimization": {"stage": 0}}, isolation=ISOLATION,
+    examples=(Example(fields=(("world_size", 4), ("dp", 2), *_STEP),
+                      note="engine.backward / engine.step over K=3, stage 0, SGD with clipping active"),)))
+"""DeepSpeed's engine step at stage 0: the client optimizer stepped unwrapped (float32)."""
+
+DS_STEP_ZERO1 = register(ds_step_case(
+    "ds-ulysses-step-zero1", {"zero_optimization": {"stage": 1}}, isolation=ISOLATION,
+    examples=(Example(fields=(("world_size", 4), ("dp", 2), *_STEP), note="ZeRO-1: optimizer states partitioned"),)))
+
+DS_STEP_ZERO2 = register(ds_step_case(
+    "ds-ulysses-step-zero2", ZERO2, isolation=ISOLATION,
+    examples=(Example(fields=(("world_size", 4), ("dp", 2), *_STEP), note="ZeRO-2: grads reduce-scattered"),)))
+
+DS_STEP_OFFLOAD = register(ds_step_case(
+    "ds-ulysses-step-offload", ZERO2_OFFLOAD, isolation=ISOLATION,
+    examples=(Example(fields=(("world_size", 4), ("dp", 2), *_STEP),
+                      note="ZeRO-2 with offload_optimizer cpu (the client optimizer on the CPU partitions)"),)))
+
+DS_STEP_OFFLOAD_MULTI = register(ds_step_case(
+    "ds-ulysses-step-offload-multi-backward", ZERO2_OFFLOAD, step=DeepSpeedStepConfig(boundary="user"),
+    isolation=ISOLATION,
+    examples=(Example(fields=(("world_size", 4), ("dp", 2), *_STEP),
+                      note="gradient_accumulation_steps 1, K backwards per step via set_gradient_accumulation_boundary"),)))
+
+DS_STEP_ZERO3 = register(ds_step_case(
+    "ds-ulysses-step-zero3", {"zero_optimization": {"stage": 3, "reduce_scatter": False}}, isolation=ISOLATION,
+    examples=(Example(fields=(("world_size", 4), ("dp", 2), *_STEP),
+                      note="ZeRO-3 through its all-reduce path (its default reduce_scatter path is UNSUPPORTED: "
+                           "it averages grads over SP too)"),)))
+"""ZeRO-3 on the tiny GPT: every param below stage3_param_persistence_threshold stays whole."""
+
+DS_STEP_DROPS_MIDDLE = mutant(DS_STEP_OFFLOAD, name="mutant-ds-step-offload-drops-middle",
+       summary="ZeRO-2 CPU offload with GA >= 3: DeepSpeed's CPU grad buffer written at micro-step 0 only",
+       bug="async_accumulate_grad_in_cpu_via_gpu before the fix: micro-batches 1..K-2 are added to the device grad "
+           "but never saved to the CPU accumulator, so the boundary sees g0 + g(K-1) (DeepSpeed 0.15.2 to 0.18.x). "
+           "Caught at the grads before clipping",
+       source="deepspeedai/DeepSpeed#7967 (bug from #6550, fixed in 0.19.0)",
+       shard=ds_step_shard(ZERO2_OFFLOAD, DeepSpeedStepConfig(regress=("7967",))), train_loss=DS_STEP_OFFLOAD.train_loss,
+       tags=("train-step",))
+
+DS_STEP_KEEPS_LAST = mutant(DS_STEP_OFFLOAD_MULTI, name="mutant-ds-step-offload-multi-backward-keeps-last",
+       summary="ZeRO-2 CPU offload, several backwards per step at GA 1: only the last backward's grads kept",
+       bug="copy_grads_in_partition before the fix gated the CPU accumulation on gradient_accumulation_steps > 1, "
+           "so with GA 1 and set_gradient_accumulation_boundary the boundary overwrote the fp32 grads with the last "
+           "backward's. Caught at the grads before clipping",
+       source="deepspeedai/DeepSpeed#7981",
+       shard=ds_step_shard(ZERO2_OFFLOAD, DeepSpeedStepConfig(boundary="user", regress=("7981",))),
+       train_loss=DS_STEP_OFFLOAD_MULTI.train_loss, tags=("train-step",))
+
+DS_STEP_GAS_TWICE = mutant(DS_STEP_ZERO2, name="mutant-ds-step-loss-scaled-by-gas-twice",
+       summary="a loss already normalised over the accumulation window handed to engine.backward unchanged",
+       bug="engine.backward divides the loss by gradient_accumulation_steps again (scale_wrt_gas defaults to True): "
+           "grads and the grad norm are 1/K of the token mean's while the logged loss is right. Caught at the grads "
+           "before clipping (a uniform factor 1/K)",
+       source="huggingface/transformers#35808 (Trainer + DeepSpeed: grad_norm depends on gradient_accumulation_steps); "
+              "deepspeedai/DeepSpeed#7439",
+       shard=ds_step_shard(ZERO2, DeepSpeedStepConfig(undo_gas_scaling=False)), train_loss=DS_STEP_ZERO2.train_loss,
+       tags=("train-step",))
