@@ -1,8 +1,15 @@
 """Stage: build reference + sharded. megatron-core's built-in cases (registered where
-megatron-core is installed): its GPTModel with sequence parallelism at the run's TP, and the
-bugs SP users have shipped, expressed through megatron's own knobs."""
+megatron-core is installed): its GPTModel with sequence parallelism at the run's TP, the same
+model trained by megatron's own training step (schedule, finalize_model_grads, optimizer), and
+the bugs SP users have shipped, expressed through megatron's own knobs."""
 
 from sp_harness.cases.frameworks.megatron_core import drop_sequence_parallel_flag, megatron_case, megatron_shard
+from sp_harness.cases.frameworks.megatron_step import (
+    MegatronStepConfig,
+    drop_tensor_parallel_flag,
+    megatron_step_shard,
+    megatron_train_case,
+)
 from sp_harness.config.case import Example, mutant, register
 
 CONFIG = dict(num_layers=2, hidden_size=32, num_attention_heads=4, sequence_parallel=True)
@@ -40,3 +47,43 @@ mutant(MCORE_GPT_SP, name="mutant-mcore-ddp-sync-only",
            "sequence-parallel params' grads over TP",
        source="deepspeedai/DeepSpeed#4548",
        shard=megatron_shard(CONFIG, grad_sync="ddp"))
+
+TRAIN_STEP = (("train_step", True), ("micro_batches", 3), ("clip_grad_norm", 0.01), ("dtype", "float32"))
+"""The training-step check's config the step cases are shown on: K = 3 uneven micro-batches,
+clipping active."""
+
+MCORE_GPT_SP_STEP = register(megatron_train_case(
+    "mcore-gpt-sp-step", CONFIG, isolation=ISOLATION, baseline=MCORE_GPT_TP.name,
+    examples=(Example(fields=(("world_size", 4), ("dp", 2), ("optimizer", "sgd"), *TRAIN_STEP),
+                      note="megatron's own training step, DP 2 x TP 2 + SP, SGD, clipping active"),
+              Example(fields=(("world_size", 2), ("optimizer", "adamw"), *TRAIN_STEP),
+                      note="megatron's own training step, TP 2 + SP, AdamW, clipping active"))))
+
+MCORE_GPT_SP_STEP_DISTOPT = register(megatron_train_case(
+    "mcore-gpt-sp-step-distopt", CONFIG, step=MegatronStepConfig(use_distributed_optimizer=True),
+    isolation=ISOLATION, baseline=MCORE_GPT_TP.name,
+    examples=(Example(fields=(("world_size", 4), ("dp", 2), ("optimizer", "adamw"), *TRAIN_STEP),
+                      note="megatron's own step with its distributed optimizer (grads reduce-scattered, "
+                           "Adam over DP shards), DP 2 x TP 2 + SP"),)))
+
+mutant(MCORE_GPT_SP_STEP, name="mutant-mcore-step-local-token-mean",
+       summary="megatron's calculate_per_token_loss=False: each micro-batch and DP replica normalised by its own tokens",
+       bug="each rank's loss divided by its own valid-token count (per micro-batch, then by K) and the grads "
+           "averaged over DP, where the case means the token mean over the global batch: megatron's legacy "
+           "normalisation, the same local-count bug as context-parallel ranks normalising by their own tokens "
+           "(context parallelism needs TransformerEngine's attention, not on CPU: modelled at DP). The logged "
+           "loss stays the token mean. Caught at the grads before clipping",
+       source="NVIDIA/Megatron-LM#7452 finding 9 (CP ranks normalise by their local token count; PR #7513)",
+       shard=megatron_step_shard(CONFIG, MegatronStepConfig(calculate_per_token_loss=False)),
+       train_loss=MCORE_GPT_SP_STEP.train_loss, tags=("train-step",))
+
+mutant(MCORE_GPT_SP_STEP, name="mutant-mcore-step-clip-norm-tp-rank0",
+       summary="a head-sharded param without megatron's tensor_model_parallel flag: the clip norm counts TP rank 0's shard",
+       bug="megatron's grad norm keeps a param's grad on every TP rank only if it is flagged tensor_model_parallel "
+           "(param_is_not_tensor_parallel_duplicate), else on TP rank 0 alone: the attention's head-sharded qkv "
+           "bias, unflagged, loses its other shards from the norm and the clip coefficient, as the learnable "
+           "attention sinks' softmax_offset did. Caught at the grad norm",
+       source="NVIDIA/Megatron-LM#7452 finding 8 (PR #7530)",
+       shard=megatron_step_shard(CONFIG, edit_model=drop_tensor_parallel_flag(
+           "decoder.layers.1.self_attention.linear_qkv.bias")),
+       train_loss=MCORE_GPT_SP_STEP.train_loss, tags=("train-step",))

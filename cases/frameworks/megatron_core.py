@@ -172,13 +172,16 @@ training loop around megatron's DDP calls when it misses the SP step)."""
 
 
 def megatron_shard(kwargs: Mapping[str, Any], *, edit_model: Callable[[nn.Module], None] | None = None,
-                   vocab_parallel_loss: bool = True, grad_sync: GradSync = "finalize_model_grads"):
+                   vocab_parallel_loss: bool = True, grad_sync: GradSync = "finalize_model_grads",
+                   ddp_config: Callable[[Any], Mapping[str, Any]] | None = None):
     """The sharded factory of a `megatron_case`. `edit_model(gpt)` runs on this rank's megatron
     model before it is wrapped in megatron's DDP: a user's own change to it (a mutant's). The
     shapes in `kwargs` are overridden by the run's config (a `megatron_case`'s defaults).
     `vocab_parallel_loss`: the vocab-parallel logits and megatron's vocab-parallel cross entropy
     (a float32 island); False: logits gathered over TP by megatron (`parallel_output=False`) and
-    the case's own loss in the run dtype. `grad_sync`: see `GradSync`."""
+    the case's own loss in the run dtype. `grad_sync`: see `GradSync`. `ddp_config(run config)`:
+    keywords of megatron's `DistributedDataParallelConfig` (None: its defaults), a function of the
+    run (a bfloat16 run's training loop reduces grads in float32)."""
     if grad_sync not in ("finalize_model_grads", "ddp"):
         raise ValueError(f"grad_sync {grad_sync!r}: 'finalize_model_grads' or 'ddp'")
 
@@ -214,7 +217,8 @@ def megatron_shard(kwargs: Mapping[str, Any], *, edit_model: Callable[[nn.Module
                     p.copy_(full[name])
         if edit_model is not None:
             edit_model(gpt)
-        ddp = DistributedDataParallel(tconfig, DistributedDataParallelConfig(), gpt)
+        ddp = DistributedDataParallel(tconfig, DistributedDataParallelConfig(**(ddp_config(cfg) if ddp_config else {})),
+                                      gpt)
 
         def local_loss(out, tgt, ctx):  # this replica's mean token loss, whole on every TP rank
             return vocab_parallel_cross_entropy(out, tgt).sum() / tgt.numel()
