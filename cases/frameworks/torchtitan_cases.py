@@ -1,8 +1,11 @@
 """Stage: build reference + sharded. torchtitan's built-in cases (registered where torchtitan is
-installed): its llama3 with its own TP + SP sharding config at the run's TP, and plan bugs
-expressed through torchtitan's own `ShardingConfig` knobs."""
+installed): its llama3 with its own TP + SP sharding config at the run's TP, the same model trained
+by torchtitan's own trainer step (`Trainer.train_step`, clip_grad_norm_, OptimizersContainer), plan
+bugs expressed through torchtitan's own `ShardingConfig` knobs and step bugs through its trainer's
+own slots."""
 
 from sp_harness.cases.frameworks.torchtitan import torchtitan_case, torchtitan_shard
+from sp_harness.cases.frameworks.torchtitan_step import TitanStepConfig, titan_step_shard, titan_train_case
 from sp_harness.config.case import Example, mutant, register
 
 SHAPES = dict(dim=32, n_layers=2, n_heads=4, vocab_size=64)
@@ -56,3 +59,44 @@ mutant(TITAN_LLAMA3_SP, name="mutant-titan-fsdp-grads-summed-over-dp",
            "loss and the params",
        source="pytorch/torchtitan#2323",
        shard=torchtitan_shard(SHAPES, fsdp_mean=False))
+
+TRAIN_STEP = (("train_step", True), ("micro_batches", 3), ("clip_grad_norm", 0.01), ("dtype", "float32"))
+"""The training-step check's config the step case is shown on: K = 3 uneven micro-batches, clipping active."""
+
+TITAN_LLAMA3_SP_STEP = register(titan_train_case(
+    "titan-llama3-sp-step", SHAPES, isolation=ISOLATION,
+    examples=(Example(fields=(("world_size", 2), ("optimizer", "sgd"), *TRAIN_STEP),
+                      note="torchtitan's own trainer step, TP 2 + SP, SGD, clipping active"),
+              Example(fields=(("world_size", 4), ("dp", 2), ("optimizer", "adamw"), *TRAIN_STEP),
+                      note="torchtitan's own trainer step, DP 2 (its FSDP2) x TP 2 + SP, AdamW, clipping active"))))
+
+STEP_PER_MICRO_BATCH_MEAN = mutant(
+    TITAN_LLAMA3_SP_STEP, name="mutant-titan-step-per-micro-batch-mean",
+    summary="torchtitan's loss before #2206 in its trainer's loss_fn slot: each micro-batch's own token mean / K",
+    bug="per-rank, per-micro-batch token weighting: each micro-batch's loss is the mean over its own valid "
+        "tokens divided by the accumulation steps (RescaleAccumulatedLoss) and FSDP averages the grads over "
+        "DP, so a micro-batch or replica with few valid tokens weighs as much as a full one; the trainer's "
+        "0.3.0 loop and logging around it are unchanged. Caught at the reported loss",
+    source="pytorch/torchtitan#2206 (fixes #1842)",
+    shard=titan_step_shard(SHAPES, TitanStepConfig(per_micro_batch_mean=True)),
+    train_loss=TITAN_LLAMA3_SP_STEP.train_loss, tags=("train-step",))
+
+STEP_FSDP_DIVIDES_TWICE = mutant(
+    TITAN_LLAMA3_SP_STEP, name="mutant-titan-step-fsdp-divides-twice",
+    summary="FSDP's grad division over DP left on under torchtitan's global-token loss",
+    bug="the loss is already divided by the global valid-token count (summed over DP), and the data-parallel "
+        "wrapper still averages the grads over DP: every grad / DP, which AdamW's scale invariance hides "
+        "from the loss (the DDP / HSDP path after #2206). Caught at the grads before clipping (dp > 1)",
+    source="pytorch/torchtitan#2318 (fixed for DDP by #2323)",
+    shard=titan_step_shard(SHAPES, TitanStepConfig(fsdp_grad_division=True)),
+    train_loss=TITAN_LLAMA3_SP_STEP.train_loss, tags=("train-step",))
+
+STEP_CLIP_NORM_LOCAL_SHARD = mutant(
+    TITAN_LLAMA3_SP_STEP, name="mutant-titan-step-clip-norm-local-shard",
+    summary="clip_grad_norm_'s norm over each rank's local grad pieces (to_local), never reduced over the ranks",
+    bug="the grad norm computed over this rank's shards alone and never reduced over the ranks holding the "
+        "others: each rank clips by its own pieces' norm (TP ranks by different coefficients), as torchtitan's "
+        "norm missed the other pipeline stages' params before #649. Caught at the grad norm",
+    source="pytorch/torchtitan#596 (fixed by #649)",
+    shard=titan_step_shard(SHAPES, TitanStepConfig(norm_local_only=True)),
+    train_loss=TITAN_LLAMA3_SP_STEP.train_loss, tags=("train-step",))
