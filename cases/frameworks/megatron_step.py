@@ -212,15 +212,24 @@ class MegatronTrainStep:
             self.megatron_optimizer.prepare_grads()
             return self.megatron_optimizer.get_grad_norm()
 
+    def zero_grad(self) -> None:
+        """The accumulated grads dropped without a step, as Megatron-LM's train_step starts."""
+        self.ddp.zero_grad_buffer()
+        self.megatron_optimizer.zero_grad()
+
+    def set_lr(self, lr: float) -> None:
+        """converge's lr schedule, through the param groups' bounds megatron's scheduler reads."""
+        for group in self.megatron_optimizer.param_groups:
+            group["lr"] = group["max_lr"] = group["min_lr"] = lr
+
     def step(self) -> float:
         with cuda_on_cpu():
             ok, norm, _ = self.megatron_optimizer.step()
             if not ok:
                 raise RuntimeError("megatron's optimizer skipped the step (found inf or nan in the grads)")
             self.scheduler.step(increment=1)
-            # Megatron-LM's train_step zeroes them before its next forward-backward
-            self.ddp.zero_grad_buffer()
-            self.megatron_optimizer.zero_grad()
+        # Megatron-LM's train_step zeroes them before its next forward-backward
+        self.zero_grad()
         return norm
 
 
