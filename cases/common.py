@@ -1,4 +1,4 @@
-"""Stage: build reference + sharded. Shared pieces of the built-in cases: GPT config from a
+"""Stage: config and step. Shared pieces of the built-in cases: GPT config from a
 CheckConfig, batches, losses, the checks of a GPT config, the replicated-grad sync and the fields
 every GPT case shares (`gpt_fields`)."""
 

@@ -75,7 +75,7 @@ def _seed_shard(model: nn.Module, ctx: RankContext) -> Sharded:
 
 
 def _seed_expect(config: CheckConfig) -> str:
-    # torch 2.13: every split even, or the upstream failure (README "What it found")
+    # torch 2.13: every split even, or the upstream failure (docs/findings.md)
     tp, hidden = config.tp, known(config.hidden, "hidden")
     even = known(config.seq_len, "seq_len") % tp == 0 and hidden % tp == 0
     return "PASS" if even and hidden > 1 else "FAIL"

@@ -1,4 +1,4 @@
-"""Stage: config (generated). The hypothesis strategy the sequence-parallel GPT cases share.
+"""Stage: config. The hypothesis strategy the sequence-parallel GPT cases share.
 
 In the style of sp_harness.config.strategies: keyword-only bounds, validated before any draw,
 valid values built directly (shards drawn rank by rank or torch.chunk's split of a drawn length,

@@ -1,7 +1,7 @@
 """The built-in cases' own training steps, written the way Megatron-LM and torchtitan write
 theirs, and the switches that turn each into one of the training-step bugs of 2024-2026.
 
-Stage: build sharded. `FrameworkStep` is a `TrainStep` (sp_harness.config.step_protocol): over K
+Stage: step. `FrameworkStep` is a `TrainStep` (sp_harness.config.step_protocol): over K
 micro-batches each rank sums its tokens' losses and backpropagates the sum over the global
 valid-token count (all-reduced over the whole world first: Megatron's `calculate_per_token_loss`
 with `num_tokens`, torchtitan's global valid tokens); after the last micro-batch the grads of

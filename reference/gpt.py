@@ -1,6 +1,6 @@
 """A small GPT, nanoGPT style: the single-device reference for every GPT case.
 
-Stage: build reference. Token embedding + learned positions, pre-norm blocks (LayerNorm or
+Stage: step. Token embedding + learned positions, pre-norm blocks (LayerNorm or
 RMSNorm, both with affine weights), causal multi-head attention, GELU MLP, final norm, LM head.
 Everything is deterministic given the seed, and dropout is off so a sharded twin can match it
 to machine precision. Parameter names here are the names every sharded case maps back to.

@@ -1,6 +1,6 @@
 """The seed's ToyModel: Linear(in, hidden) -> ReLU -> Linear(hidden, out).
 
-Stage: build reference. Widths are configurable; the seed uses 10 -> 32 -> 5.
+Stage: step. Widths are configurable; the seed uses 10 -> 32 -> 5.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """The Megatron-style GPT cases: megatron-gpt-ref, megatron-gpt-tp, megatron-gpt-sp.
 
-Stage: build reference + build sharded. `megatron_case(name, mode, impl, ...)` makes a Case
+Stage: config and step. `megatron_case(name, mode, impl, ...)` makes a Case
 from an `Impl`; mutants use it with one piece of `CORRECT` swapped.
 
 Supported: any dp x tp mesh with tp <= num_heads; uneven heads, ffn and sequence shards

@@ -1,6 +1,6 @@
 """The swappable pieces of the Megatron-style GPT, gathered in one frozen `Impl`.
 
-Stage: build sharded. The model in `model.py` calls every collective, the row-parallel bias
+Stage: step. The model in `model.py` calls every collective, the row-parallel bias
 rule, the position ids, the grad sync and the loss through an `Impl`, so a broken variant
 (a mutant in cases/mutants/megatron_mutants.py) is one field swapped:
 

@@ -1,6 +1,6 @@
 """Megatron-style tensor-parallel layers with an optional sequence-parallel mode.
 
-Stage: build sharded. `Parallel` is what a layer knows about its rank: the TP group, the mode
+Stage: step. `Parallel` is what a layer knows about its rank: the TP group, the mode
 and, under SP, the sequence dim and the per-rank sequence sizes. Its `enter` / `exit` are the
 two region changes of Megatron's ColumnParallelLinear / RowParallelLinear:
 

@@ -1,6 +1,6 @@
 """Megatron-LM / GPT-NeoX `mappings.py`: the tensor- and sequence-parallel collectives.
 
-Stage: sharded forward/backward. Each region change is a `torch.autograd.Function` whose forward
+Stage: step. Each region change is a `torch.autograd.Function` whose forward
 and backward are conjugate collectives over the TP group (Korthikanti et al. 2022, "Reducing
 Activation Recomputation in Large Transformer Models", section 4.2.2):
 

@@ -1,6 +1,6 @@
 """The Megatron-style TP (+ SP) twin of reference.gpt.GPT, and how it is cut from the reference.
 
-Stage: build sharded. Parameter names are the reference's, so `Sharded.params` maps each local
+Stage: step. Parameter names are the reference's, so `Sharded.params` maps each local
 parameter to the same name with its split.
 
 What is split and what is replicated over the TP group:

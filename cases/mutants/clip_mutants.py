@@ -1,6 +1,6 @@
 """A broken global grad-norm clip for the Megatron-style SP GPT.
 
-Stage: build sharded. Only training runs clip, so only the lockstep convergence entry of the
+Stage: config and step. Only training runs clip, so only the lockstep convergence entry of the
 mutant battery can see it: the side-by-side checks step without clipping.
 """
 

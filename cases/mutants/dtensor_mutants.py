@@ -1,6 +1,6 @@
 """Broken DTensor plans: slips in `parallelize_module` plans that run without an error.
 
-Stage: build sharded. Each is the correct plan (cases/dtensor_plans.py) with one entry changed.
+Stage: config and step. Each is the correct plan (cases/dtensor_plans.py) with one entry changed.
 """
 
 from __future__ import annotations

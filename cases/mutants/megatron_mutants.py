@@ -1,6 +1,6 @@
 """Broken variants of the Megatron-style GPT: each is `CORRECT` with one `Impl` piece swapped.
 
-Stage: build sharded. Every mutant is a registered Case tagged "mutant" whose `models_bug` names
+Stage: config and step. Every mutant is a registered Case tagged "mutant" whose `models_bug` names
 the real bug it models. Which configs expose each one is in the docstring next to it; the
 default suite must kill all of them.
 """

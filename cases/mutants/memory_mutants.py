@@ -1,6 +1,6 @@
 """Mutants whose numbers are right but whose memory or communication is not what SP promises.
 
-Stage: build sharded. The engine's numeric checks pass on these (the math is exact); only the
+Stage: config and step. The engine's numeric checks pass on these (the math is exact); only the
 activation-memory check (`sp_harness.checks.activation_memory.activation_gate`) and the communication check
 (`sp_harness.checks.activation_memory.comm_gate`) kill them.
 

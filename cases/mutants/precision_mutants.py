@@ -1,7 +1,7 @@
 """Mutants that are exact in float32 and float64 and wrong only in low precision: position ids
 that pass through the run dtype, where bfloat16 holds every integer only up to 256.
 
-Stage: build sharded. In float64 (the battery's default dtype) each one computes exactly what its
+Stage: config and step. In float64 (the battery's default dtype) each one computes exactly what its
 twin computes, so every float64 entry passes; only the battery's bfloat16 entry, whose sequence is
 longer than 256 tokens, sees positions alias (257 -> 256, 259 -> 260: two tokens share a position
 id, one is skipped). One mutant per SP family: Megatron-style SP, Ulysses, ring, Ulysses x ring.

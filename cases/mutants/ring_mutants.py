@@ -1,6 +1,6 @@
 """Broken variants of ring-gpt: each is the correct `Impl` (or loss) with one piece swapped.
 
-Stage: build sharded. Which configs expose each one is in the comment next to it. The battery
+Stage: config and step. Which configs expose each one is in the comment next to it. The battery
 runs ring-gpt at its defaults (zigzag, causal), non-causal in its 'noncausal' entry, and the
 load-balance check in its 'balance' entry.
 """

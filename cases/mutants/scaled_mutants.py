@@ -1,6 +1,6 @@
 """Scaled mutants of megatron-gpt-sp: one number on one rank off by a relative d, d tunable.
 
-Stage: build sharded. They measure the harness's sensitivity (`sp-harness sensitivity` bisects
+Stage: config and step. They measure the harness's sensitivity (`sp-harness sensitivity` bisects
 the smallest d each check catches, per dtype), they are not catalogue bugs: tagged "scaled",
 which `sp_harness.suites.battery.mutant_names()` leaves out of the default battery.
 

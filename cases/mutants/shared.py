@@ -1,4 +1,4 @@
-"""Stage: build sharded. Broken pieces more than one family's mutants use (registers nothing)."""
+"""Stage: step. Broken pieces more than one family's mutants use (registers nothing)."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """Training-step mutants: the built-in steps (cases/train_steps.py) with one shipped bug each.
 
-Stage: build sharded. Each changes only the case's own training step, so every side-by-side entry
+Stage: config and step. Each changes only the case's own training step, so every side-by-side entry
 of the battery (which runs the engine's step) passes it: only the training-step check can kill
 it, at the stage its docstring names. The batches that make each visible (uneven valid tokens
 across ranks and micro-batches, an empty micro-batch and an empty rank, K = 3) are the check's

@@ -1,6 +1,6 @@
 """Broken variants of the Ulysses GPT: each is `CORRECT` with one `Impl` piece swapped.
 
-Stage: build sharded. Which configs expose each one is in the docstring next to it; the default
+Stage: config and step. Which configs expose each one is in the docstring next to it; the default
 battery must kill all of them (pinned in tests/test_mutants.py).
 """
 

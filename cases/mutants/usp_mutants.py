@@ -1,6 +1,6 @@
 """Broken variants of usp-gpt: each is the correct `Impl` with one piece swapped.
 
-Stage: build sharded. The default battery runs world sizes 2 (sp 2: U = 1, R = 2), 3 (sp 3:
+Stage: config and step. The default battery runs world sizes 2 (sp 2: U = 1, R = 2), 3 (sp 3:
 U = 3, R = 1), a 2 x 2 DP x SP mesh (sp 2), and, in its '2x2' entry, sp 4 = 2 x 2, the only one
 with U and R both > 1. Which configs expose each one is next to it.
 """

@@ -1,6 +1,6 @@
 """ring-gpt: the reference GPT with context parallelism by ring attention.
 
-Stage: build reference + build sharded. world_size = dp x cp; the TP group of the engine is the
+Stage: config and step. world_size = dp x cp; the TP group of the engine is the
 context-parallel (CP) group. Every parameter is a replicated copy; each rank embeds and runs its
 own tokens (contiguous or zigzag, `load_balancer`), attention passes k/v around the ring
 (sp_harness.cases.ring.attention). Grads: each rank's loss covers its tokens over the global

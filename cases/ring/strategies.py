@@ -1,4 +1,4 @@
-"""Stage: config (generated). A hypothesis strategy for ring-gpt configs (cases/strategies.py's
+"""Stage: config. A hypothesis strategy for ring-gpt configs (cases/strategies.py's
 `sp_gpt_configs`, with a load balancer and the layout the case declares UNSUPPORTED)."""
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """torch-cp-gpt: PyTorch's own context parallelism (`torch.distributed.tensor.experimental.
 context_parallel`) on the reference GPT, run as a user would run it on CPU.
 
-Stage: build reference + build sharded. world_size = dp x cp; the engine's TP group is the CP
+Stage: config and step. world_size = dp x cp; the engine's TP group is the CP
 group (a 1-D DeviceMesh over it). Every parameter is a replicated copy, grads are SUMMED over CP
 and averaged over DP (`sum_replicated_grads`, as ring-gpt's). Each rank gets the whole sequence of its batch
 rows; the model's forward enters `context_parallel(mesh, buffers=[tokens, positions],
@@ -9,7 +9,7 @@ buffer_seq_dims=[1, 1])`, which cuts them itself (torch.chunk, head-tail permute
 balancer is on and 2W divides seq_len), and each attention calls `F.scaled_dot_product_attention`
 (the reference's explicit softmax, the same mathematics), which `context_parallel` patches.
 
-What torch 2.13 does with that on CPU (measured, README "What it found"): the patched SDPA wraps
+What torch 2.13 does with that on CPU (measured, docs/findings.md): the patched SDPA wraps
 q/k/v as DTensors Shard(2), but its ring handlers cover only the CUDA kernels (flash, efficient,
 cuDNN); CPU SDPA dispatches `aten._scaled_dot_product_flash_attention_for_cpu`, which DTensor
 shards by its generic decomposition (no ring) where it can. So:

@@ -1,6 +1,6 @@
 """ulysses-gpt: DeepSpeed-Ulysses all-to-all sequence parallelism on the reference GPT.
 
-Stage: build reference + build sharded. `ulysses_shard(impl)` is the sharded factory built from
+Stage: config and step. `ulysses_shard(impl)` is the sharded factory built from
 an `Impl`; mutants swap one piece of `CORRECT`.
 
 Supported: any dp x sp mesh (world_size = dp x sp; the SP group is the engine's TP group); uneven

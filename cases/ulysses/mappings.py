@@ -1,6 +1,6 @@
 """DeepSpeed-Ulysses' all-to-alls (Jacobs et al. 2023, arXiv:2309.14509), for uneven shards.
 
-Stage: sharded forward/backward. Each is a `torch.autograd.Function` whose backward is the
+Stage: step. Each is a `torch.autograd.Function` whose backward is the
 conjugate all-to-all over the sequence-parallel group:
 
     seq_to_heads   forward: all-to-all seq->heads   backward: all-to-all heads->seq (summing)

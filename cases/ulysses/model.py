@@ -1,6 +1,6 @@
 """The DeepSpeed-Ulysses twin of reference.gpt.GPT, and the swappable pieces a bug could live in.
 
-Stage: build sharded. Every parameter is a REPLICATED copy of the reference's (same names: the
+Stage: step. Every parameter is a REPLICATED copy of the reference's (same names: the
 sharded model reuses the reference's own submodules), and every activation outside attention is
 sequence-sharded over the SP group (`ctx.tp_group`): rank r embeds, normalises, runs the MLP and
 the LM head on its own `ctx.seq_shards[r]` tokens. Attention per block:

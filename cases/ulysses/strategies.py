@@ -1,4 +1,4 @@
-"""Stage: config (generated). A hypothesis strategy for ulysses-gpt configs (cases/strategies.py's
+"""Stage: config. A hypothesis strategy for ulysses-gpt configs (cases/strategies.py's
 `sp_gpt_configs`: shards always drawn rank by rank, no load balancer, both layouts)."""
 
 from __future__ import annotations

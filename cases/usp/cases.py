@@ -1,6 +1,6 @@
 """usp-gpt: Unified Sequence Parallelism (Ulysses x ring) on the reference GPT.
 
-Stage: build reference + build sharded. world_size = dp x sp, the engine's TP group is the SP
+Stage: config and step. world_size = dp x sp, the engine's TP group is the SP
 group, factored as sp = ulysses_degree x ring_degree (`ring_degree`; default 2 where 2 divides
 sp, else 1). Each block's attention: all-to-all seq->heads in the Ulysses group, ring attention
 (p2p k/v ring, LSE merge) across the ring group over each Ulysses group's combined tokens,

@@ -1,6 +1,6 @@
 """The 2-D factorisation of the SP group: sp = ulysses_degree x ring_degree.
 
-Stage: build sharded. SP rank t (the engine's TP rank) is (r, u) = divmod(t, U): Ulysses groups
+Stage: step. SP rank t (the engine's TP rank) is (r, u) = divmod(t, U): Ulysses groups
 are runs of U consecutive SP ranks ("ulysses-low", yunchang's default), ring groups take one rank
 from each run (stride U). With contiguous shards a Ulysses group's combined tokens are then one
 contiguous chunk, and ring rank r holds chunk r.

@@ -1,6 +1,6 @@
 """The USP twin of reference.gpt.GPT: Ulysses all-to-alls inside a ring of Ulysses groups.
 
-Stage: build sharded. Every parameter is a REPLICATED copy of the reference's (the reference's
+Stage: step. Every parameter is a REPLICATED copy of the reference's (the reference's
 own submodules); every activation outside attention is sequence-sharded over the SP group. SP
 rank t = (r, u) (groups.py). Attention per block, on rank (r, u):
 

@@ -1,4 +1,4 @@
-"""Stage: config (generated). A hypothesis strategy for usp-gpt configs (cases/strategies.py's
+"""Stage: config. A hypothesis strategy for usp-gpt configs (cases/strategies.py's
 `sp_gpt_configs`, with a ring degree, a load balancer and what the case declares UNSUPPORTED)."""
 
 from __future__ import annotations

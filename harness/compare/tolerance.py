@@ -26,14 +26,9 @@ Two bounds, both must hold:
 The optimizer step has its own elementwise bound (check_bounded, sp_harness.step.optim_ref), the loss an
 allowance propagated from its output (side_by_side_rank._loss_allowance).
 
-History: FACTOR and FLOOR_ULPS date from the first model (calibrated on 72 correct runs); the
-ref_alt terms were added after hypothesis found false alarms (a key-bias grad at one head of dim
-1; a bfloat16 k-weight grad; a saturated bf16 LayerNorm at hidden=2). The first model judged
-params after AdamW against the references' own trajectories and false-alarmed at 1.02x on
-AVX-512 CPUs (AdamW amplifying a last-bit grad difference on an element whose grad was 26x its
-eps): replaced by re-anchoring and the optimizer-stage bound. The norm-wise bound and the order
-error came with the reorder adversary (sp_harness.step.adversary), which the README's false-alarm table
-runs against.
+The rules and their reasons: docs/tolerance.md; the measurements and false alarms behind each,
+and the models before it: docs/history/tolerance-model.md; the false-alarm rate they give:
+docs/false-alarms.md.
 """
 
 from __future__ import annotations
@@ -57,11 +52,9 @@ SMALL_PIECE_QUANTILE = ((1, 252.3), (2, 21.73), (3, 10.02))
 elements of independent normal errors of one scale (the exact integral
 P = int n F(x)^(n-1) f(x) F(x/q)^(2n) dx, F the half-normal CDF: `tests/demo/max_ratio.py`): how
 far the worst element of one rounding process exceeds the worst of two others' once in 1e5
-pieces of n elements. For one element it is a single sample against the larger of two single
-samples, whose tail falls as 0.64/q^2 only: FACTOR (16) holds it at about 1 in 400 (a one-unit
-fc1 bias grad in float32 false-alarmed at 2.24x: both references erred 1.3e-9 at that step,
-the run 5.8e-8, docs/false-alarms.md). From 3 elements MISMATCH x q is under FACTOR, which
-stays."""
+pieces of n elements. For one element it is a single sample against the larger of two, whose
+tail falls as 0.64/q^2 only, so FACTOR alone would pass about 1 in 400; from 3 elements
+MISMATCH x q is under FACTOR, which stays (docs/tolerance.md, "Pieces of one or two elements")."""
 FLOOR_ULPS = 8.0
 """Absolute floor, in units of eps(dtype) * max|ref64|: covers tensors the reference happens
 to round exactly (its measured error is 0) while a different reduction order does not."""
@@ -74,7 +67,7 @@ processes, hence its 16x. A norm over many elements concentrates: the sharded ru
 error and the reference's are draws of the same kind of process (other orders, other splits),
 so their norms agree to a small factor, while a systematic error (a shard scaled by 1 + d, a
 grad missing a small term) adds coherently over the whole shard. 4x over a ratio whose expected
-value is about 1 (measured under the reorder adversary: README, false-alarm table)."""
+value is about 1 (docs/tolerance.md, "The norm-wise bound")."""
 NORM_MIN_NUMEL = 64
 """Below this many elements the two-reference norm (NORM_FACTOR, a fixed factor) does not
 concentrate; only the max-abs bound applies there, except in a run with ensemble members, whose
@@ -82,8 +75,8 @@ norm-wise factor counts the piece's degrees of freedom however few (ensemble_fac
 those its members' errors show (member_dof)."""
 NORM_MIN_DOF = 8
 """Nor below this many tokens behind the tensor: a weight grad from T tokens is a sum of T outer
-products, and its error has about T independent sources however many elements it spans (the
-reorder adversary found a 2-token k-proj grad whose error norm was 18x the reference's)."""
+products, and its error has about T independent sources however many elements it spans, too
+few below this for a norm to concentrate (docs/tolerance.md, "The norm-wise bound")."""
 NORM_FLOOR_ULPS = 2.0
 """Norm-wise floor: an rms error of 2 ulps of the tensor's rms (a reference that happens to be
 exact still leaves the sharded run its own final roundings)."""
@@ -94,23 +87,18 @@ CHI_RATIO_QUANTILE = ((1, 252.3), (2, 19.4), (3, 9.67), (4, 6.19), (6, 4.20), (8
 m degrees of freedom (1e6 draws from 8 up, 4e6 below, `tests/demo/chi_ratio.py --samples 2`; at
 one degree of freedom the half-normal's exact integral, SMALL_PIECE_QUANTILE's first row): how
 far one rounding process's error norm exceeds the larger of two others' once in 1e5 tensors,
-when each norm is m independent contributions. m is the piece's tokens, capped by its elements
-(an error that comes from upstream is one vector per token however wide the piece); for a
-weight grad, a quarter of them (GRAD_DOF_SHARE)."""
+when each norm is m independent contributions (docs/tolerance.md, "Degrees of freedom")."""
 GRAD_DOF_SHARE = 0.25
 """Effective independent contributions per token of a param grad's error, where none are derived
 (weight_grad_dof and bias_grad_dof do for an nn.Linear's): norm weights, embeddings, a
 framework's own linear modules. A weight grad is a sum of one outer product per token, and its
 error norm has as many degrees of freedom as tokens only if they weigh alike; a gated unit sees
-some tokens only. Measured: a one- and two-unit MLP (ffn 1-2, 13 tokens, 4 ranks) whose correct
-grads erred up to 5x the members' largest, a chi ratio of about 3 degrees of freedom, not 13
-(docs/tolerance.md)."""
+some tokens only (docs/tolerance.md, "Degrees of freedom")."""
 MISMATCH = 1.5
 """What a correct sharded run may round beyond the ensemble: the 'rounded' member rounds every
 op's result and every rank-split reduction's parts, but not inside fused ops it cannot split
 (a LayerNorm's weight grad summed over ranks in the run dtype: one more rounding, sqrt(2) in
-norm). Checked against the largest error norm correct sharded runs made against their
-ensemble's, over the campaign in docs/false-alarms.md."""
+norm). The campaigns measure it (docs/false-alarms.md; docs/tolerance.md, "The ensemble bound")."""
 
 
 def ensemble_factor(dof: float) -> float:
@@ -139,50 +127,38 @@ def max_abs_factor(numel: int) -> float:
 
 ENSEMBLE_KINDS = frozenset({"forward", "lse", "grad", "input_grad"})
 """The checks the ensemble bound judges: every one the references compute (the loss has its
-propagated allowance, the update its own bound). Grads need the 'rounded' member's backward to
-form softmax's row sum D as a flash kernel does, from the rounded output (sp_harness.step.
-rounding.RoundedResults): without it a correct bfloat16 ring's k-proj grads erred 7x the
-ensemble's largest at hidden 256, seq 512, 4 layers, with it 1.2x; and the perturbed reference
-over ALT_OVERESTIMATE as a third member (docs/tolerance.md, "The ensemble bound")."""
+propagated allowance, the update its own bound). Grads rely on the 'rounded' member's backward
+forming softmax's row sum D from the rounded output, as a flash kernel does
+(sp_harness.step.rounding.RoundedResults), and on the perturbed reference over ALT_OVERESTIMATE
+as a third member (docs/tolerance.md, "The ensemble bound")."""
 BACKWARD_KINDS = frozenset({"grad", "input_grad"})
 ALT_OVERESTIMATE = 3.0
 """For grads and input grads the ensemble's largest error is at least the perturbed reference's
-over this (the issue's measured 3x: alt's error norm is 2.9x the ensemble's at the median of a
-4-rank megatron run, 5x at the default config). A grad is a sum over tokens that a sharded run
-splits by its own shards and reduces across ranks in the run dtype; where that sum cancels (a
-norm's bias grad, an MLP of one unit), the rounding of its per-rank parts follows the parts,
-not the result, which the members (rounding results, at random splits) see less of than alt
-(rounding every op's inputs: the backward-error view). Found by the campaign: megatron-gpt-sp,
-4 ranks, shards (0, 4, 1, 8), ffn 1, where correct grads erred 4.55x the members' largest and
-at most 2.04x this (docs/false-alarms.md)."""
+over this: alt overstates a real kernel's error about 3-fold. A grad is a sum over tokens that a
+sharded run splits by its own shards and reduces across ranks in the run dtype; where that sum
+cancels (a norm's bias grad, an MLP of one unit), the rounding of its per-rank parts follows the
+parts, not the result, which the members (rounding results, at random splits) see less of than
+alt (rounding every op's inputs). docs/tolerance.md, "The ensemble bound"."""
 NO_CANCELLATION = 1.5
 """A Linear weight grad piece whose per-token terms' root sum of squares is at most this many
 times the piece's norm (PieceNoise.cancellation) is not a cancelling sum, and the perturbed
 reference's term (ALT_OVERESTIMATE) is left out of its noise: however a sharded run splits its
 tokens, its per-rank parts are then about as large as the terms' root sum of squares, the size
-the 'rounded' member's random splits round at too. alt's term was 2.2x the members' largest on
-the fc1 weight of the training-like config (1.3-1.6x at the default one), and set its bound.
-The terms of a key projection's grad, which sum to zero over the keys, reached 1.4-2.6 in
-small configs (megatron-gpt-sp, 4 ranks, shards 0/4/1/8, ffn 1). An attention's projections
-(a Linear inside a module whose class name has "Attention": step.reference.LinearTerms) get no
+the 'rounded' member's random splits round at too (a key projection's terms, which sum to zero
+over the keys, measure above it). An attention's projections (step.reference.LinearTerms) get no
 `cancellation` and keep alt's term: their inputs or output grads come through the attention's
-token mixing, which a sharded run computes in other blocks and orders than the members, and the
-campaign's correct v-, q- and out-proj weight grads erred 1.6-1.8x the members' largest at
-150-1000 degrees of freedom (ratios 0.75-0.91 without alt; ring-gpt, ulysses-gpt, usp-gpt at
-hidden 256-384)."""
+token mixing, which a sharded run orders differently from the members. docs/tolerance.md,
+"Plain sums leave alt out; the floor in quadrature"."""
 PLAIN_NOISE_UNITS = 8.0
 """...and whose members err by at most this many unit roundoffs of its norm: a grad whose
 per-token terms are themselves cancellations (a q-proj's, through softmax's backward p (g - D))
-errs far more than its terms' roundings, and keeps alt's term. The fc1 weight pieces err 1 u
-(training-like config) to 4 u (default); a ring-gpt q-proj weight grad at 115 u (4 ranks, hidden
-256, 384 tokens, `reorder-tf32`, the GPU machine's CPUs) reached 0.917 of its bound without it."""
+errs far more than its terms' roundings, and keeps alt's term (docs/tolerance.md, "Plain sums
+leave alt out; the floor in quadrature")."""
 PLAIN_MIN_WIDTH = 8
 """...and that has at least this many rows and columns. In a narrow piece one unit's column (or
-row) can carry the error: a two-unit fc2 weight grad erred 8x the members in one unit's column
-(ulysses-gpt, 4 ranks, hidden 150, ffn 2, shards 90/88/0/112, seed 0, `reorder`: 2.35x
-under `avx2` without alt's term, 1.05x with it at the equal-weight degrees of freedom; the unit's
-inputs are far less accurate than u relative, and may share one rounding across the tokens), an
-error whose count of independent parts no per-token model of the piece bounds from below."""
+row) can carry the error, an error whose count of independent parts no per-token model of the
+piece bounds from below (docs/tolerance.md, "Plain sums leave alt out; the floor in
+quadrature")."""
 CANCELLATION = 0.5
 """A piece whose ensemble errs by this fraction of its own norm or more is a cancellation of much
 larger terms (a grad that is zero in exact arithmetic, softmax's shift invariance): the
@@ -204,17 +180,10 @@ def vacuous(kind: str, samples: Sequence[torch.Tensor], allowed: float, largest:
 
     Such a check cannot tell the piece from a grad never computed, the commonest SP bug, so its
     PASS says nothing, and its FAIL is no verdict either where correct runs land in a
-    heavy-tailed spread: the sixteenth session's campaign found a bfloat16 ulysses-gpt config
-    (hidden 4, one head, `--seed 119`) whose backward amplifies a relative perturbation of its
-    weights about 300-fold, where correct grads erred 10-50x their norm while the references
-    erred about 1x, and one bfloat16 rounding of the float64 weights moved such a grad by 1.0x
-    its norm at the median and 13x at the largest of 200 draws
-    (tests/demo/rounding_sensitivity.py). The piece is not judged and the result names it
-    (TensorCheck.vacuous). Decided by the references alone: a run cannot withhold its own
-    piece. In the default bfloat16 configs it withholds the attention's k-proj bias grads (zero
-    in exact arithmetic) and at most two more bias or norm grads at a later step: their 16-32
-    elements had the max-abs bound alone, 16x the perturbed reference's error, until small pieces
-    got the ensemble's norm-wise bound (member_dof; docs/tolerance.md)."""
+    heavy-tailed spread (a config whose backward amplifies one rounding of its weights into a
+    grad's whole norm). The piece is not judged and the result names it (TensorCheck.vacuous).
+    Decided by the references alone: a run cannot withhold its own piece. docs/tolerance.md,
+    "Vacuous checks"."""
     if kind not in VACUOUS_KINDS or not samples:
         return 0.0
     if largest == 0 or allowed < largest or (norm.bound is not None and norm.bound < norm.ref):
@@ -232,27 +201,17 @@ references did (a tensor they all rounded exactly). It adds to the ensemble's te
 the run's final rounding and the error it rounds are independent, and over a piece of at least
 NORM_MIN_DOF degrees of freedom their cross term is small next to both; the members' errors
 already hold their own final rounding (about 0.58 u ||x||), so the floor binds only where they
-rounded (nearly) exactly. Added linearly it was half the fc1 weight grad's bound at the
-training-like config in bfloat16 (docs/tolerance.md, "The floor in quadrature")."""
+rounded (nearly) exactly (docs/tolerance.md, "The ensemble bound")."""
 
 FLOAT32_ENSEMBLE_KINDS: frozenset[str] = frozenset({"forward", "lse"})
 """The checks a float32 run's ensemble judges: forward outputs and LSEs. Its members are the
 run-precision reference and the perturbed one (no third reference), each carrying the
-sequential-order matmul error (sp_harness.step.adversary.order_error, when float32 is in
-SEQUENTIAL_ORDER_DTYPES), which at float32 is most of either's error; the perturbed one
-overestimates a correct sharded forward (it also rounds every op's inputs), so the chi-ratio
-argument holds. Such a piece takes the smaller of that bound and the two-reference one
-(NORM_FACTOR): with hundreds of tokens the ensemble's factor is about 2 and its floor half an
-ulp. float64 keeps the two-reference bound: its run-precision reference is float32, another
-process, scaled by eps64 / eps32. Forward outputs and LSEs were validated with the
-sequential-order error (campaigns in docs/false-alarms.md, no forward or LSE false alarm); with
-it they catch one rank's logits scaled by about 1e-6 at the training size. Never grads: a
-sharded attention's backward (a flash-style row sum D = rowsum(dO * O), ranks' partial dK / dV
-summed in float32) rounds what
-neither member does, and the float32 campaign found correct grads at up to 2.7x the members'
-largest (usp-gpt, 3 ranks, hidden 60, a q-proj weight grad at 1.05x the ensemble bound under
-`avx2` kernels; 0.66 of the two-reference one). bfloat16's `rounded` member forms that row sum
-(sp_harness.step.rounding.RoundedResults); a float32 one would cost a float64 pass per step."""
+sequential-order matmul error (sp_harness.step.adversary.order_error), and the perturbed one
+overestimates a correct sharded forward, so the chi-ratio argument holds. Such a piece takes the
+smaller of that bound and the two-reference one (NORM_FACTOR). Never grads: a sharded
+attention's backward (a flash-style row sum, ranks' partial dK / dV summed in float32) rounds
+what neither member does. float64 keeps the two-reference bound: its run-precision reference is
+float32, another process, scaled. docs/tolerance.md, "The ensemble bound"."""
 
 KIND_ORDER = ("init", "forward", "lse", "loss", "input_grad", "grad", "grad_norm", "clip", "param")
 
@@ -403,8 +362,7 @@ def check_tensor(*, kind: str, name: str, step: int, rank: int, got: torch.Tenso
         ref_err = max(ref_err, float((ref_alt.detach().to(torch.float64) - ref64).abs().max()))
     # the ensemble's members are legal implementations too: where alt's one draw happens to err
     # little on a cancellation, 'rounded' (a flash-style row sum from the rounded output) may
-    # not (a one-key bfloat16 ring's k-proj weight grad, zero in exact arithmetic: the run
-    # 5.8e-4, alt 1.1e-5, 'rounded' 8.6e-5; docs/false-alarms.md, fourteenth session)
+    # not (docs/tolerance.md, "The max-abs bound")
     for member in ref_samples:
         ref_err = max(ref_err, float((member.detach().to(torch.float64) - ref64).abs().max()))
     # a scalar loss keeps FACTOR: its allowance is propagated from its output's many elements
@@ -460,9 +418,8 @@ def _output_scale(diff: torch.Tensor, ref64: torch.Tensor, ref_lp: torch.Tensor,
     (sp_harness.compare.output_scale), its members the ensemble's (the run-precision reference
     and `samples`); none where the run is not finite or a member errs by CANCELLATION of the
     piece (the piece is a cancellation, not a scale). float32 is not judged this way: its correct
-    runs carry a coherent error shared across tokens (an attention carries one value's rounding
-    into every query) of up to 2 unit roundoffs, at 9 of the clustered standard errors, because
-    float32's error norm is many roundings deep (docs/tolerance.md)."""
+    runs carry a coherent error shared across tokens that the clustered standard error does not
+    see (docs/tolerance.md, "The coherent output scale")."""
     if not torch.isfinite(diff).all():
         return None
     errs = [m.detach().to(torch.float64) - ref64 for m in (ref_lp, *samples)]
@@ -563,16 +520,10 @@ def member_dof(errs: Sequence[torch.Tensor]) -> float:
     is amplified into it, count one.
 
     Used for pieces under NORM_MIN_NUMEL elements only, where it caps the count derived from the
-    piece's per-token terms, which assumes every token errs alike. The sixteenth session's
-    bfloat16 false alarm (ulysses-gpt, hidden 4, `--seed 119`) has one token whose logits the
-    references erred 10x the others' (the run 100x); its 36-element lm_head weight grad, derived
-    at 10.3 degrees of freedom, erred 16x the members' largest, and the pairs read 1.25 (the
-    run-precision and `rounded` references), 3.9 and 19 (each with the perturbed one). Their
-    pooled quotient (5.2) left it failing at 2.2x; the most aligned pair passes it. The members
-    share roundings, so a pair's quotient is low for that reason too, and the least of three is
-    low by chance: both widen the bound, never narrow it. In the default bfloat16 megatron-gpt-sp
-    config the 32-element pieces' counts fell from 6-10 (derived) to a median of 4.2. Larger
-    pieces keep the derived count alone: their campaigns validated it."""
+    piece's per-token terms, which assumes every token errs alike: one token whose error is
+    amplified into the piece makes it one vector. The least of the pairs is low by chance and
+    because the members share roundings: both widen the bound, never narrow it. Larger pieces
+    keep the derived count alone. docs/tolerance.md, "Small pieces"."""
     least = math.inf
     for i, a in enumerate(errs):
         for b in errs[i + 1:]:
@@ -588,9 +539,8 @@ def plain_floor_units(summed_over: int) -> float:
     dtype, rounding R partials and R - 1 running sums: for a coherent sum at most about
     sqrt(3) x 0.58 sqrt(1/R + sum_k=2..R (k/R)^2) unit roundoffs of the piece's norm (1.22 at
     R = 2, 1.44 at 4, 1.82 at 8), which sqrt(R) exceeds; the members round such a reduction
-    only at their random splits. Measured: every replicated weight grad of a correct 4-rank
-    ulysses-gpt run (hidden 256, 423 tokens, `default` kernels, `--seed 50325`) erred 1.5-1.9 u
-    where the members erred 0.9-1.2 u: 0.84 of the bound with a floor of 1 u, 0.67 with 2 u."""
+    only at their random splits (docs/tolerance.md, "Plain sums leave alt out; the floor in
+    quadrature")."""
     return ENSEMBLE_FLOOR_UNITS * math.sqrt(max(summed_over, 1))
 
 
@@ -659,9 +609,8 @@ def weight_grad_dof(x: torch.Tensor | TokenSide, g: torch.Tensor | TokenSide) ->
     # C weighs the two alike (equal relative errors in g and x), but where one side's values are
     # themselves cancellations (a GELU unit's input summed from much larger terms) its relative
     # error is far larger and its term alone sets E: whatever the weights, the count is at least
-    # the fewer of the two terms' (Cauchy-Schwarz), which is what is returned. Found by the
-    # campaign: a two-unit fc2 weight grad at 34.6 equal-weight degrees of freedom, whose error sat
-    # in one unit's column at 2.35x its bound (ulysses-gpt, 4 ranks, ffn 2; 10.4 counted now)
+    # the fewer of the two terms' (Cauchy-Schwarz), which is what is returned (docs/tolerance.md,
+    # "Degrees of freedom")
     return min(trace * trace / errs_in_g, trace * trace / errs_in_x)
 
 

@@ -2,7 +2,7 @@
 
 Cases declare it: `Case.validate` says what is UNSUPPORTED up front, `Case.expect` pins upstream
 behaviour where a case wraps someone else's code (PyTorch's DTensor styles fail on uneven splits
-in torch 2.13; measured and recorded in the README's "What it found"); every other case must
+in torch 2.13; measured and recorded in docs/findings.md); every other case must
 PASS. If PyTorch changes, the property tests say so.
 """
 

@@ -209,8 +209,8 @@ class RoundingNoise(TorchDispatchMode):
         matmul_input_rel * sum_j p_j |g_j| and p (g - D) by p times that (at least the run's
         eps: the same sum in another order). Found by hypothesis: ring-gpt at seq_len 1, a k-bias
         grad of 1e-6 under reorder-tf32 (float32) and of 1.8e-18 under reorder (float64) where
-        every reference gave exactly 0; it also closes the README's last structurally-zero
-        k-bias false alarm (megatron-gpt-tp, 3.2x before, 0.15 with it). D is another dot
+        every reference gave exactly 0; it also closes a structurally-zero k-bias false alarm
+        of the first campaign (megatron-gpt-tp, 3.2x before, 0.15 with it; docs/false-alarms.md). D is another dot
         product over the head dim than the dP it cancels against, so it also carries its own
         summation-order error, of the magnitude the reference gave dP's matmul (tracked from that
         matmul through reshapes): the campaign found seq_len-1 usp-gpt / ring-gpt runs at up to

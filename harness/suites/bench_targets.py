@@ -1,4 +1,4 @@
-"""Stage: suites. The issue's speed and memory targets for `sp-harness bench`, each with the
+"""Stage: suites. The project's speed and memory targets for `sp-harness bench` (docs/benchmarks.md), each with the
 figure a run measured for it: MET, or MISSED and by what factor. Pure: reads a bench result."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import dataclasses
 from sp_harness.config.case import get_case
 
 SUBJECT = "megatron-gpt-sp"
-"""The case the issue's figures are about (scaling, memory, communication, the realistic sizes);
+"""The case the targets' figures are about (scaling, memory, communication, the realistic sizes);
 its TP baseline and memory mutants come from case attributes."""
 TARGET_SPEEDUP_SEED = 200.0
 TARGET_SPEEDUP = 50.0
@@ -22,13 +22,13 @@ BIG = (1024, 2048)
 
 
 def speedup_target(case: str) -> float:
-    """The issue's warm-pool target at 4 ranks: 200x for the seed's toy, 50x for the GPT."""
+    """The warm-pool target at 4 ranks: 200x for the seed's toy, 50x for the GPT."""
     return TARGET_SPEEDUP_SEED if "seed" in get_case(case).tags else TARGET_SPEEDUP
 
 
 @dataclasses.dataclass(kw_only=True, frozen=True)
 class Target:
-    """One of the issue's targets, with the figure measured for it."""
+    """One of the targets, with the figure measured for it."""
 
     name: str
     value: float
@@ -76,7 +76,7 @@ def targets(r: dict) -> list[Target]:
 
 
 def realistic_targets(r: dict) -> list:
-    """The issue's targets at realistic sizes, each with its figure."""
+    """The targets at realistic sizes, each with its figure."""
     found = []
     for row in r["cost"]:
         big = (row["hidden"], row["seq_len"]) == BIG

@@ -5,7 +5,7 @@ rank's logits, one parameter's grad on one rank, one parameter's optimizer updat
 each off by a relative d; on request a replicated norm weight's grad on every rank), bisect in
 log10 space, between d = 1e-16 and d = 1, the smallest d at which the default side-by-side check
 (`CheckConfig(case, world_size=2, dtype)`, the default GPT config) gives FAIL, and which check caught it there (the first failure's kind: forward, loss,
-grad, param, or replica drift). The issue's targets at the default config: float64 d <= 1e-10,
+grad, param, or replica drift). The targets at the default config (docs/sensitivity.md): float64 d <= 1e-10,
 float32 d <= 1e-5, bfloat16 d <= 2e-2.
 
 The bisection assumes detection is monotone in d (a larger error is no harder to see); it checks
@@ -27,7 +27,7 @@ if TYPE_CHECKING:
     from sp_harness.launch.runner import Runner
 
 TARGETED_SHAPES = ("forward", "grad", "update")
-"""The shapes the issues set targets for, and the default run; 'norm-grad' (a replicated norm
+"""The shapes with targets, and the default run; 'norm-grad' (a replicated norm
 weight's grad on every rank) is measured on request, without a target."""
 SHAPES = (*TARGETED_SHAPES, "norm-grad")
 DTYPES = ("float64", "float32", "bfloat16")

@@ -5,9 +5,9 @@ of their norm (median, 90th percentile and largest over the draws).
 
 A piece whose grads move by their own norm under one rounding has no significant digits in that
 dtype: a correct run lands anywhere in that spread, and two same-precision references cannot
-bound where (docs/false-alarms.md, sixteenth session: a bfloat16 ulysses-gpt draw whose
-pos_emb grads moved 1.0x their norm at the median, 7.0x at the 90th percentile and 13.2x at the
-largest of 200 draws, and whose sharded run erred 17x).
+bound where (docs/false-alarms.md, "The false alarms found, and what closed each": a bfloat16
+ulysses-gpt draw whose pos_emb grads moved 1.0x their norm at the median, 7.0x at the 90th
+percentile and 13.2x at the largest of 200 draws, and whose sharded run erred 17x).
 
     python tests/demo/rounding_sensitivity.py --case CASE [check's config flags] [--draws N]
 
