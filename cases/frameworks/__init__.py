@@ -19,7 +19,8 @@ import importlib.util
 FRAMEWORK_CASES: dict[str, tuple[str, tuple[str, ...]]] = {
     "megatron.core": ("sp_harness.cases.frameworks.megatron_cases", (
         "mcore-gpt-tp", "mcore-gpt-sp", "mutant-mcore-norm-flag-dropped", "mutant-mcore-row-bias-flag-dropped",
-        "mutant-mcore-ddp-sync-only")),
+        "mutant-mcore-ddp-sync-only", "mcore-gpt-sp-step", "mcore-gpt-sp-step-distopt", "mutant-mcore-step-local-token-mean",
+        "mutant-mcore-step-clip-norm-tp-rank0")),
     "yunchang": ("sp_harness.cases.frameworks.yunchang_cases", (
         "yc-usp", "yc-usp-torch-flash", "mutant-yc-zigzag-contiguous-shards", "mutant-yc-ring-merge-overwrites",
         "mutant-yc-grad-sync-ulysses-only", "mutant-yc-causal-mask-on-received-blocks")),
@@ -29,7 +30,10 @@ FRAMEWORK_CASES: dict[str, tuple[str, tuple[str, ...]]] = {
     "deepspeed": ("sp_harness.cases.frameworks.deepspeed_cases", (
         "ds-ulysses", "ds-ulysses-f64", "ds-ulysses-hf-llama", "mutant-ds-ulysses-detached-a2a",
         "mutant-ds-ulysses-batch-dim-idx", "mutant-ds-ulysses-scatter-gather-swapped",
-        "mutant-ds-ulysses-engine-without-sp-group")),
+        "mutant-ds-ulysses-engine-without-sp-group", "ds-ulysses-step", "ds-ulysses-step-zero1", "ds-ulysses-step-zero2",
+        "ds-ulysses-step-zero3", "ds-ulysses-step-offload", "ds-ulysses-step-offload-multi-backward",
+        "mutant-ds-step-offload-drops-middle", "mutant-ds-step-offload-multi-backward-keeps-last",
+        "mutant-ds-step-loss-scaled-by-gas-twice")),
     "accelerate": ("sp_harness.cases.frameworks.hf_trainer_cases", (
         "hf-trainer-llama", "hf-trainer-qwen2", "hf-trainer-llama-user-loss",
         "mutant-hf-trainer-mean-of-micro-batch-means", "mutant-hf-trainer-4470-training-step")),

@@ -144,6 +144,10 @@ class DeepSpeedTrainStep:
     """A DeepSpeed user's training loop over one rank's sharded model, one optimizer step per call
     sequence `accumulate`, `step`."""
 
+    fixed_micro_batches = True
+    """The engine's gradient_accumulation_steps is fixed at initialize (the first accumulate's K):
+    accumulation-invariance, which accumulates one batch after K, needs a fresh engine."""
+
     def __init__(self, model: nn.Module, ctx: RankContext, *, mpu: Any, ds_config: Mapping[str, Any],
                  step: DeepSpeedStepConfig):
         cfg = ctx.config
@@ -204,6 +208,11 @@ class DeepSpeedTrainStep:
         reported = torch.stack(sums).sum()
         dist.all_reduce(reported)
         return reported / n
+
+    def set_lr(self, lr: float) -> None:
+        """converge's lr schedule: the client optimizer's groups, which the engine's wrappers step."""
+        for group in self.client.param_groups:
+            group["lr"] = lr
 
     def grad_of(self, param: torch.Tensor) -> torch.Tensor | None:
         from deepspeed.utils import safe_get_full_grad

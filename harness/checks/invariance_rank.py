@@ -23,6 +23,7 @@ from sp_harness.checks.references import KINDS, SAMPLES, RefResult
 from sp_harness.checks.side_by_side_rank import _loss_allowance
 from sp_harness.checks.train_step_rank import _TrainStepRun
 from sp_harness.compare.tolerance import check_tensor, eps, lp_dtype
+from sp_harness.config.case import Unsupported
 from sp_harness.config.check_config import CheckConfig
 from sp_harness.config.step_protocol import MicroBatch
 from sp_harness.step.anchor import gather_full
@@ -133,6 +134,9 @@ class _Invariance(_TrainStepRun):
         result = InvarianceResult(micro=self.variant([micro_batch(self.loop.local_batch(b), ignore) for b in mbs],
                                                      refs, tokens))
         if self.payload.single:
+            if getattr(self.train, "fixed_micro_batches", False):
+                raise Unsupported(f"case {self.config.case}: its training step fixes its micro-batch count when it is "
+                                  f"built (TrainStep.fixed_micro_batches), so it cannot accumulate one batch after K")
             self.clear()
             result.single = self.variant([micro_batch(self.loop.local_batch(whole), ignore)], refs, tokens)
         return result

@@ -101,8 +101,11 @@ def grad_reader(step: TrainStep) -> Callable[[torch.Tensor], torch.Tensor | None
     shaped like that param, in any float dtype (megatron's live `main_grad`; a ZeRO partition
     gathered by `deepspeed.utils.safe_get_full_grad`). None: the engine reads `Sharded.grad_attr`.
     A step may also offer `zero_grad()`, which drops the accumulated grads without stepping (the
-    invariance checks run a second accumulation from the same params); without it they zero
-    `.grad` and the declared grads."""
+    invariance checks run a second accumulation from the same params; without it they zero
+    `.grad` and the declared grads), `fixed_micro_batches = True` where its micro-batch count is
+    fixed when it is built (DeepSpeed's gradient_accumulation_steps: accumulation-invariance is
+    then UNSUPPORTED), and `set_lr(lr)`, which converge calls to follow its lr schedule where
+    `optimizer` is None."""
     return getattr(step, "grad_of", None)
 
 

@@ -153,7 +153,14 @@ class _Trainer:
         ignore = self.case.train_loss.ignore_index
         t0 = time.perf_counter()
         micro = [micro_batch(loop.local_batch(part), ignore) for part in split_rows(batch, num, ctx.dp, batch_dim)]
-        _set_lr(train.optimizer, lr)
+        set_lr = getattr(train, "set_lr", None)
+        if set_lr is not None:
+            set_lr(lr)
+        elif train.optimizer is not None:
+            _set_lr(train.optimizer, lr)
+        else:
+            raise ValueError(f"case {config.case}: its training step hides its optimizer (TrainStep.optimizer is None) "
+                             f"and has no set_lr(lr), so converge cannot follow its lr schedule")
         loss = float(torch.as_tensor(train.accumulate(micro)))
         grad_norm = float(torch.as_tensor(train.step()))
         seconds = time.perf_counter() - t0
