@@ -15,8 +15,10 @@ What runs is torchtitan's code, unchanged:
   global valid tokens; vocab-parallel `_LossParallelCrossEntropy` on the Shard(-1) logits), sums
   the K detached losses and logs `dist_sum` of that over the "loss" mesh: the reported loss is
   what it hands `metrics_processor.log` (global_avg_loss).
-- Grads over DP: `apply_fsdp_to_decoder` as torchtitan applies it (its grad division off: the
-  global-token loss summed over DP is the mean).
+- Grads over DP: `apply_fsdp_to_decoder`, its grad division off as torchtitan leaves it (the
+  global-token loss summed over DP is the mean): `torchtitan_shard` sets it back to DP for the
+  side-by-side check's per-replica mean loss, so the first `accumulate` turns it off again with
+  torchtitan's own `disable_fsdp_gradient_division`.
 - `dist_utils.clip_grad_norm_` (distributed/utils.py:599): `torch.nn.utils.get_total_norm` over
   the DTensor grads, `.full_tensor()`, `clip_grads_with_norm_`.
 - The optimizer is torchtitan's `OptimizersContainer` over the model's DTensor params, one param
@@ -221,6 +223,8 @@ class TitanTrainStep:
         config = ctx.config
         assert config.optimizer is not None and config.lr is not None, "the check resolves optimizer and lr"
         self.module, self.max_norm = module, config.clip_grad_norm
+        # torchtitan's trainer runs with FSDP's division off; both pre-fix mutants keep it at DP
+        self.fsdp_division_off = not (step.per_micro_batch_mean or step.fsdp_grad_division)
         self.params = list(module.parameters())
         self.container = _optimizers(module, config.optimizer, config.lr)
         self.optimizer = self.container.optimizers[0]
@@ -243,6 +247,11 @@ class TitanTrainStep:
 
     def accumulate(self, micro_batches: Sequence[MicroBatch]) -> float:
         trainer = self.trainer
+        if self.fsdp_division_off:
+            from torchtitan.distributed.fsdp import disable_fsdp_gradient_division
+
+            disable_fsdp_gradient_division(self.module)
+            self.fsdp_division_off = False
         trainer.gradient_accumulation_steps = len(micro_batches)
         trainer.step += 1
         data: Iterator = iter([({"input": mb.inputs["tokens"]}, mb.target) for mb in micro_batches])
@@ -263,9 +272,9 @@ class TitanTrainStep:
 def titan_step_shard(shapes: Mapping[str, Any], step: TitanStepConfig = TitanStepConfig(),
                      edit_sharding: Callable[[Any], None] | None = None):
     """The sharded factory of a `titan_train_case`: `torchtitan_shard`'s llama3 (its TP + SP plan,
-    at dp > 1 its FSDP2 with the grad division torchtitan sets: off) with a `TitanTrainStep`."""
-    fsdp_mean = step.per_micro_batch_mean or step.fsdp_grad_division
-    shard = torchtitan_shard(shapes, edit_sharding=edit_sharding, fsdp_mean=fsdp_mean)
+    at dp > 1 its FSDP2, the grad division at DP for the side-by-side check's per-replica mean:
+    `TitanTrainStep` turns it off as torchtitan's trainer has it) with a `TitanTrainStep`."""
+    shard = torchtitan_shard(shapes, edit_sharding=edit_sharding)
 
     def sharded(reference: nn.Module, ctx: RankContext) -> Sharded:
         made = shard(reference, ctx)
