@@ -56,11 +56,9 @@ def exercised(item: pytest.Item) -> set[str]:
     if fn is not None:
         names |= _literals(fn)
     if item.name.startswith("test_mutant_is_killed_by_its_pinned_check[") and callspec is not None:
-        from test_mutants import EXPECTED_KILLER
-
         mutant = callspec.params["mutant"]
         case = all_cases()[mutant]
-        entry = next(e for e in BATTERY if e.name == EXPECTED_KILLER[mutant][1])
+        entry = next(e for e in BATTERY if e.name == case.killed_by[1])
         names |= {mutant, case.twin or "", entry.check}
         if entry.check in ("comm-vs-baseline", "activation-memory", "lockstep") and case.baseline:
             names.add(case.baseline)

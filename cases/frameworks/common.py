@@ -1,4 +1,4 @@
-"""Stage: build reference + sharded. What the framework integrations share."""
+"""Stage: step. What the framework integrations share."""
 
 from __future__ import annotations
 

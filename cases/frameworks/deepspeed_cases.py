@@ -1,4 +1,4 @@
-"""Stage: build reference + sharded. DeepSpeed-Ulysses' built-in cases (registered where
+"""Stage: config and step. DeepSpeed-Ulysses' built-in cases (registered where
 DeepSpeed is installed): DeepSpeed 0.19.8's `DistributedAttention` around torch's SDPA in the
 reference GPT, its grads reduced by DeepSpeed's engine, and the bugs its users have shipped,
 expressed through DeepSpeed's own knobs (`scatter_idx` / `gather_idx`, the `batch_dim_idx` its
@@ -41,25 +41,25 @@ mutant(DS_ULYSSES, name="mutant-ds-ulysses-detached-a2a",
        summary="q/k/v reach the local attention detached from DeepSpeed's all-to-all",
        bug="DeepSpeed's all-to-all sends no grad back: the q/k/v projections never learn (forward exact)",
        source="deepspeedai/DeepSpeed#8491",
-       shard=ulysses_shard(local_attention=detached(sdpa_attention)))
+       shard=ulysses_shard(local_attention=detached(sdpa_attention)), killed_by=("grad", "even"))
 
 mutant(DS_ULYSSES, name="mutant-ds-ulysses-batch-dim-idx",
        summary="[b, s, h, d] tensors handed to DistributedAttention with batch_dim_idx=1 (seq-first)",
        bug="the all-to-all told the wrong batch dim: batch taken for sequence, attention over the wrong tokens",
        source="deepspeedai/DeepSpeed#5808",
-       shard=ulysses_shard(local_attention=sdpa_attention, batch_dim_idx=1))
+       shard=ulysses_shard(local_attention=sdpa_attention, batch_dim_idx=1), killed_by=("forward", "even"))
 
 mutant(DS_ULYSSES, name="mutant-ds-ulysses-scatter-gather-swapped",
        summary="DistributedAttention(scatter_idx=1, gather_idx=2): the head and sequence dims swapped",
        bug="the first all-to-all scatters the sequence and gathers heads instead of the reverse",
        source="deepspeedai/DeepSpeed#4359",
-       shard=ulysses_shard(local_attention=sdpa_attention, scatter_idx=1, gather_idx=2))
+       shard=ulysses_shard(local_attention=sdpa_attention, scatter_idx=1, gather_idx=2), killed_by=("forward", "even"))
 
 mutant(DS_ULYSSES, name="mutant-ds-ulysses-engine-without-sp-group",
        summary="deepspeed.initialize without the sequence-parallel mpu",
        bug="grads averaged over every rank instead of summed over SP and averaged over DP (1/sp too small)",
        source="deepspeedai/DeepSpeed#5555",
-       shard=ulysses_shard(local_attention=sdpa_attention, mpu=False))
+       shard=ulysses_shard(local_attention=sdpa_attention, mpu=False), killed_by=("grad", "even"))
 
 if installed("transformers"):
     DS_ULYSSES_HF = register(hf_ulysses_case(
@@ -114,7 +114,7 @@ DS_STEP_DROPS_MIDDLE = mutant(DS_STEP_OFFLOAD, name="mutant-ds-step-offload-drop
            "Caught at the grads before clipping",
        source="deepspeedai/DeepSpeed#7967 (bug from #6550, fixed in 0.19.0)",
        shard=ds_step_shard(ZERO2_OFFLOAD, DeepSpeedStepConfig(regress=("7967",))), train_loss=DS_STEP_OFFLOAD.train_loss,
-       tags=("train-step",))
+       tags=("train-step",), killed_by=("grads before clipping", "train-step"))
 
 DS_STEP_KEEPS_LAST = mutant(DS_STEP_OFFLOAD_MULTI, name="mutant-ds-step-offload-multi-backward-keeps-last",
        summary="ZeRO-2 CPU offload, several backwards per step at GA 1: only the last backward's grads kept",
@@ -123,7 +123,8 @@ DS_STEP_KEEPS_LAST = mutant(DS_STEP_OFFLOAD_MULTI, name="mutant-ds-step-offload-
            "backward's. Caught at the grads before clipping",
        source="deepspeedai/DeepSpeed#7981",
        shard=ds_step_shard(ZERO2_OFFLOAD, DeepSpeedStepConfig(boundary="user", regress=("7981",))),
-       train_loss=DS_STEP_OFFLOAD_MULTI.train_loss, tags=("train-step",))
+       train_loss=DS_STEP_OFFLOAD_MULTI.train_loss, tags=("train-step",),
+                                                    killed_by=("grads before clipping", "train-step"))
 
 DS_STEP_GAS_TWICE = mutant(DS_STEP_ZERO2, name="mutant-ds-step-loss-scaled-by-gas-twice",
        summary="a loss already normalised over the accumulation window handed to engine.backward unchanged",
@@ -133,4 +134,4 @@ DS_STEP_GAS_TWICE = mutant(DS_STEP_ZERO2, name="mutant-ds-step-loss-scaled-by-ga
        source="huggingface/transformers#35808 (Trainer + DeepSpeed: grad_norm depends on gradient_accumulation_steps); "
               "deepspeedai/DeepSpeed#7439",
        shard=ds_step_shard(ZERO2, DeepSpeedStepConfig(undo_gas_scaling=False)), train_loss=DS_STEP_ZERO2.train_loss,
-       tags=("train-step",))
+       tags=("train-step",), killed_by=("grads before clipping", "train-step"))

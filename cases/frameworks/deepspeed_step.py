@@ -1,4 +1,4 @@
-"""Stage: build sharded. DeepSpeed's OWN engine training step as a case's `Sharded.train_step`, so
+"""Stage: step. DeepSpeed's OWN engine training step as a case's `Sharded.train_step`, so
 the training-step check (`sp-harness check --train-step`) judges DeepSpeed's loss scaling,
 gradient accumulation, grad reduction (ZeRO 0/1/2, CPU optimizer offload), clipping and
 optimizer step, not a hand-written copy of them.

@@ -1,4 +1,4 @@
-"""Stage: build reference + sharded. DeepSpeed-Ulysses as a system under test: DeepSpeed's own
+"""Stage: step. DeepSpeed-Ulysses as a system under test: DeepSpeed's own
 `deepspeed.sequence.layer.DistributedAttention` wrapped around a user's local attention inside a
 small GPT, sequence-sharded over the rank's SP group, its grads reduced by DeepSpeed's engine.
 

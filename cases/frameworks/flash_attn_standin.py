@@ -1,4 +1,4 @@
-"""Stage: build sharded. A stand-in for the two flash-attn 2 kernels a ring attention calls:
+"""Stage: step. A stand-in for the two flash-attn 2 kernels a ring attention calls:
 `_flash_attn_forward` and `_flash_attn_backward`, with flash-attn 2.8's names, signatures,
 tensor layouts and return values (`flash_attn.flash_attn_interface`), computed by one of two
 kernels (`use_kernel`):

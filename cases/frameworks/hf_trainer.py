@@ -1,4 +1,4 @@
-"""Stage: build reference + sharded. The Hugging Face transformers `Trainer`'s own training step
+"""Stage: step. The Hugging Face transformers `Trainer`'s own training step
 as a system under test, judged by the training-step check (`sp-harness check --train-step`).
 
     from sp_harness.cases.frameworks.hf_trainer import HFTrainerSetup, hf_trainer_case

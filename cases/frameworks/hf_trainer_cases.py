@@ -1,4 +1,4 @@
-"""Stage: build reference + sharded. The transformers Trainer's built-in cases (registered where
+"""Stage: config and step. The transformers Trainer's built-in cases (registered where
 transformers and accelerate are installed): its own training step on a tiny Llama and a tiny
 Qwen2, with a user's `compute_loss` override, and the gradient-accumulation bugs the Trainer has
 shipped, reintroduced through a Trainer subclass as a user (or an upstream release) wrote them."""
@@ -90,7 +90,7 @@ MEAN_OF_MEANS = mutant(HF_TRAINER_LLAMA, name="mutant-hf-trainer-mean-of-micro-b
        source="huggingface/transformers gradient accumulation before 4.46, fixed in PR #34191; the same loss from "
               "any compute_loss override that drops num_items_in_batch",
        shard=hf_trainer_shard(HFTrainerSetup(trainer_class=MeanOfMicroBatchMeans)), train_loss=HF_TRAINER_LLAMA.train_loss,
-       tags=("train-step",))
+       tags=("train-step",), killed_by=("reported loss", "train-step-dp"))
 
 TRAINING_STEP_4470 = mutant(HF_TRAINER_LLAMA, name="mutant-hf-trainer-4470-training-step",
        summary="Trainer.training_step as shipped in transformers 4.47.0",
@@ -98,4 +98,4 @@ TRAINING_STEP_4470 = mutant(HF_TRAINER_LLAMA, name="mutant-hf-trainer-4470-train
            "divided by GA, times the world size: the loss and grads come out about K x W x the token mean",
        source="huggingface/transformers v4.47.0 trainer.py 3651-3692; fixed in PR #35207 (4.47.1)",
        shard=hf_trainer_shard(HFTrainerSetup(trainer_class=Release4470TrainingStep)),
-       train_loss=HF_TRAINER_LLAMA.train_loss, tags=("train-step",))
+       train_loss=HF_TRAINER_LLAMA.train_loss, tags=("train-step",), killed_by=("reported loss", "train-step-dp"))

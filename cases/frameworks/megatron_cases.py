@@ -1,4 +1,4 @@
-"""Stage: build reference + sharded. megatron-core's built-in cases (registered where
+"""Stage: config and step. megatron-core's built-in cases (registered where
 megatron-core is installed): its GPTModel with sequence parallelism at the run's TP, the same
 model trained by megatron's own training step (schedule, finalize_model_grads, optimizer), and
 the bugs SP users have shipped, expressed through megatron's own knobs."""
@@ -31,7 +31,8 @@ mutant(MCORE_GPT_SP, name="mutant-mcore-norm-flag-dropped",
        summary="input_layernorm.weight lost its sequence_parallel flag",
        bug="a LayerNorm param's grad not all-reduced over TP under sequence parallelism (through megatron's own flag)",
        source="EleutherAI/gpt-neox#1257",
-       shard=megatron_shard(CONFIG, edit_model=drop_sequence_parallel_flag("decoder.layers.0.input_layernorm.weight")))
+       shard=megatron_shard(CONFIG, edit_model=drop_sequence_parallel_flag("decoder.layers.0.input_layernorm.weight")),
+       killed_by=("grad", "even"))
 
 mutant(MCORE_GPT_SP, name="mutant-mcore-row-bias-flag-dropped",
        summary="the attention's row-parallel linear_proj.bias lost its sequence_parallel flag",
@@ -39,14 +40,14 @@ mutant(MCORE_GPT_SP, name="mutant-mcore-row-bias-flag-dropped",
            "reduce-scattered before the bias is added, so each rank's bias grad covers its own tokens only)",
        source="NVIDIA/Megatron-LM#236",
        shard=megatron_shard(CONFIG, edit_model=drop_sequence_parallel_flag(
-           "decoder.layers.1.self_attention.linear_proj.bias")))
+           "decoder.layers.1.self_attention.linear_proj.bias")), killed_by=("grad", "even"))
 
 mutant(MCORE_GPT_SP, name="mutant-mcore-ddp-sync-only",
        summary="the training loop finishes grads with DDP's finish_grad_sync, not finalize_model_grads",
        bug="a training loop around megatron's DDP that syncs grads over DP only and never sums the "
            "sequence-parallel params' grads over TP",
        source="deepspeedai/DeepSpeed#4548",
-       shard=megatron_shard(CONFIG, grad_sync="ddp"))
+       shard=megatron_shard(CONFIG, grad_sync="ddp"), killed_by=("grad", "even"))
 
 TRAIN_STEP = (("train_step", True), ("micro_batches", 3), ("clip_grad_norm", 0.01), ("dtype", "float32"))
 """The training-step check's config the step cases are shown on: K = 3 uneven micro-batches,
@@ -75,7 +76,8 @@ mutant(MCORE_GPT_SP_STEP, name="mutant-mcore-step-local-token-mean",
            "loss stays the token mean. Caught at the grads before clipping",
        source="NVIDIA/Megatron-LM#7452 finding 9 (CP ranks normalise by their local token count; PR #7513)",
        shard=megatron_step_shard(CONFIG, MegatronStepConfig(calculate_per_token_loss=False)),
-       train_loss=MCORE_GPT_SP_STEP.train_loss, tags=("train-step",))
+       train_loss=MCORE_GPT_SP_STEP.train_loss, tags=("train-step",),
+                                                killed_by=("grads before clipping", "train-step-f32"))
 
 mutant(MCORE_GPT_SP_STEP, name="mutant-mcore-step-clip-norm-tp-rank0",
        summary="a head-sharded param without megatron's tensor_model_parallel flag: the clip norm counts TP rank 0's shard",
@@ -86,4 +88,4 @@ mutant(MCORE_GPT_SP_STEP, name="mutant-mcore-step-clip-norm-tp-rank0",
        source="NVIDIA/Megatron-LM#7452 finding 8 (PR #7530)",
        shard=megatron_step_shard(CONFIG, edit_model=drop_tensor_parallel_flag(
            "decoder.layers.1.self_attention.linear_qkv.bias")),
-       train_loss=MCORE_GPT_SP_STEP.train_loss, tags=("train-step",))
+       train_loss=MCORE_GPT_SP_STEP.train_loss, tags=("train-step",), killed_by=("grad norm", "train-step-f32"))

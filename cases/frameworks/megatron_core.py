@@ -1,4 +1,4 @@
-"""Stage: build reference + sharded. megatron-core as a system under test: a `TransformerConfig`
+"""Stage: step. megatron-core as a system under test: a `TransformerConfig`
 (sequence_parallel=True) turned into a `Case`, verified against the same GPTModel at TP=1.
 
     from sp_harness.cases.frameworks.megatron_core import megatron_case

@@ -1,4 +1,4 @@
-"""Stage: build sharded. megatron-core's OWN training step as a case's `Sharded.train_step`, so
+"""Stage: step. megatron-core's OWN training step as a case's `Sharded.train_step`, so
 the training-step check (`sp-harness check --train-step`) judges megatron's schedule, loss
 normalisation, grad finalize, clipping and optimizer, not a hand-written copy of them.
 

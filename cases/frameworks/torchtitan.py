@@ -1,4 +1,4 @@
-"""Stage: build reference + sharded. torchtitan as a system under test: its llama3 model with its
+"""Stage: step. torchtitan as a system under test: its llama3 model with its
 own tensor + sequence parallel sharding config turned into a `Case`, verified against the same
 model unsharded.
 

@@ -1,4 +1,4 @@
-"""Stage: build reference + sharded. torchtitan's built-in cases (registered where torchtitan is
+"""Stage: config and step. torchtitan's built-in cases (registered where torchtitan is
 installed): its llama3 with its own TP + SP sharding config at the run's TP, the same model trained
 by torchtitan's own trainer step (`Trainer.train_step`, clip_grad_norm_, OptimizersContainer), plan
 bugs expressed through torchtitan's own `ShardingConfig` knobs and step bugs through its trainer's
@@ -43,14 +43,15 @@ mutant(TITAN_LLAMA3_SP, name="mutant-titan-embedding-partial-as-replicate",
        bug="a vocab-parallel embedding's partial per-rank lookups never summed over TP (declared replicated, "
            "so the reduce-scatter to the sequence shard is a local slice)",
        source="pytorch/torchtitan#3468",
-       shard=torchtitan_shard(SHAPES, edit_sharding=embedding_partial_declared_replicate))
+       shard=torchtitan_shard(SHAPES, edit_sharding=embedding_partial_declared_replicate),
+       killed_by=("forward", "even"))
 
 mutant(TITAN_LLAMA3_SP, name="mutant-titan-norm-sp-dropped",
        summary="layers.0.ffn_norm has no sharding config under SP",
        bug="a norm's SequenceParallel style dropped from the TP plan: its plain weight meets the sequence-sharded "
            "DTensor activation",
        source="pytorch/pytorch#139681",
-       shard=torchtitan_shard(SHAPES, edit_sharding=norm_sequence_parallel_dropped))
+       shard=torchtitan_shard(SHAPES, edit_sharding=norm_sequence_parallel_dropped), killed_by=("crash", "even"))
 
 mutant(TITAN_LLAMA3_SP, name="mutant-titan-fsdp-grads-summed-over-dp",
        summary="apply_fsdp_to_decoder's grad division left off under a per-replica mean loss",
@@ -58,7 +59,7 @@ mutant(TITAN_LLAMA3_SP, name="mutant-titan-fsdp-grads-summed-over-dp",
            "its global-token loss scaling): DP times the grads, which AdamW's scale invariance hides from the "
            "loss and the params",
        source="pytorch/torchtitan#2323",
-       shard=torchtitan_shard(SHAPES, fsdp_mean=False))
+       shard=torchtitan_shard(SHAPES, fsdp_mean=False), killed_by=("grad", "dp2xtp2"))
 
 TRAIN_STEP = (("train_step", True), ("micro_batches", 3), ("clip_grad_norm", 0.01), ("dtype", "float32"))
 """The training-step check's config the step case is shown on: K = 3 uneven micro-batches, clipping active."""
@@ -79,7 +80,7 @@ STEP_PER_MICRO_BATCH_MEAN = mutant(
         "0.3.0 loop and logging around it are unchanged. Caught at the reported loss",
     source="pytorch/torchtitan#2206 (fixes #1842)",
     shard=titan_step_shard(SHAPES, TitanStepConfig(per_micro_batch_mean=True)),
-    train_loss=TITAN_LLAMA3_SP_STEP.train_loss, tags=("train-step",))
+    train_loss=TITAN_LLAMA3_SP_STEP.train_loss, tags=("train-step",), killed_by=("reported loss", "train-step-f32"))
 
 STEP_FSDP_DIVIDES_TWICE = mutant(
     TITAN_LLAMA3_SP_STEP, name="mutant-titan-step-fsdp-divides-twice",
@@ -89,7 +90,8 @@ STEP_FSDP_DIVIDES_TWICE = mutant(
         "from the loss (the DDP / HSDP path after #2206). Caught at the grads before clipping (dp > 1)",
     source="pytorch/torchtitan#2318 (fixed for DDP by #2323)",
     shard=titan_step_shard(SHAPES, TitanStepConfig(fsdp_grad_division=True)),
-    train_loss=TITAN_LLAMA3_SP_STEP.train_loss, tags=("train-step",))
+    train_loss=TITAN_LLAMA3_SP_STEP.train_loss, tags=("train-step",),
+                                                killed_by=("grads before clipping", "train-step-f32"))
 
 STEP_CLIP_NORM_LOCAL_SHARD = mutant(
     TITAN_LLAMA3_SP_STEP, name="mutant-titan-step-clip-norm-local-shard",
@@ -99,4 +101,4 @@ STEP_CLIP_NORM_LOCAL_SHARD = mutant(
         "norm missed the other pipeline stages' params before #649. Caught at the grad norm",
     source="pytorch/torchtitan#596 (fixed by #649)",
     shard=titan_step_shard(SHAPES, TitanStepConfig(norm_local_only=True)),
-    train_loss=TITAN_LLAMA3_SP_STEP.train_loss, tags=("train-step",))
+    train_loss=TITAN_LLAMA3_SP_STEP.train_loss, tags=("train-step",), killed_by=("grad norm", "train-step-f32"))

@@ -1,4 +1,4 @@
-"""Stage: build reference + sharded. torchtitan 0.3.0's OWN trainer step as a case's
+"""Stage: step. torchtitan 0.3.0's OWN trainer step as a case's
 `Sharded.train_step`, so the training-step check (`sp-harness check --train-step`) judges
 torchtitan's gradient accumulation, global-token loss normalisation, grad clipping and optimizer
 container on its llama3 under its TP + SP plan (DTensor) and, at dp > 1, its FSDP2.

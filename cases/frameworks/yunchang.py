@@ -1,4 +1,4 @@
-"""Stage: build reference + sharded. yunchang (USP: Ulysses x ring sequence parallelism) as a
+"""Stage: step. yunchang (USP: Ulysses x ring sequence parallelism) as a
 system under test: its `LongContextAttention` at a Ulysses degree x ring degree, inside the
 reference GPT, verified against the same GPT with plain attention on one device.
 

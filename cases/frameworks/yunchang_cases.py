@@ -1,4 +1,4 @@
-"""Stage: build reference + build sharded. yunchang's built-in cases (registered where yunchang
+"""Stage: config and step. yunchang's built-in cases (registered where yunchang
 is installed): its LongContextAttention (USP) with the zigzag ring at the run's Ulysses x ring
 degrees, and the bugs USP users have shipped, expressed through yunchang's own code paths."""
 
@@ -38,20 +38,20 @@ mutant(YC_USP, name="mutant-yc-zigzag-contiguous-shards",
        bug="the input sharded contiguously while the ring runs yunchang's zigzag schedule: the causal "
            "masks assume chunks r and 2R-1-r",
        source="feifeibear/long-context-attention#53 (hybrid zigzag test fed unreordered inputs; fixed by #74)",
-       shard=yunchang_shard(ring_impl_type="zigzag", extract="basic"))
+       shard=yunchang_shard(ring_impl_type="zigzag", extract="basic"), killed_by=("forward", "even"))
 
 mutant(YC_USP, name="mutant-yc-ring-merge-overwrites",
        summary="ring merge keeps the last block (out, lse = block_out, block_lse)",
        bug="the ring's per-step merge overwrites the running output and LSE instead of the LSE-weighted "
            "update_out_and_lse (yunchang's SPARSE_SAGE path)",
        source="feifeibear/long-context-attention#176",
-       shard=yunchang_shard(ring_impl_type="zigzag", merge=overwriting_merge))
+       shard=yunchang_shard(ring_impl_type="zigzag", merge=overwriting_merge), killed_by=("forward", "even"))
 
 mutant(YC_USP, name="mutant-yc-grad-sync-ulysses-only",
        summary="replicated grads summed over yunchang's ULYSSES_PG only",
        bug="grad all-reduce over a sub-group of SP: the ring members' contributions never summed",
        source="bug class: grad all-reduce over a sub-group of SP (arXiv:2309.14509 section 3; GPT-NeoX PR #1259)",
-       shard=yunchang_shard(ring_impl_type="zigzag", sync_groups=("ulysses",)))
+       shard=yunchang_shard(ring_impl_type="zigzag", sync_groups=("ulysses",)), killed_by=("grad", "even"))
 
 mutant(YC_USP, name="mutant-yc-causal-mask-on-received-blocks",
        summary="every ring block attended with the diagonal causal mask",
@@ -59,4 +59,5 @@ mutant(YC_USP, name="mutant-yc-causal-mask-on-received-blocks",
            "step, not only where yunchang passes it)",
        source="zhuzilin/ring-flash-attention#54 (causal masking of the off-diagonal ring blocks)",
        shard=yunchang_shard(ring_impl_type="zigzag",
-                            forward_swaps={"select_flash_attn_impl": diagonal_mask_on_every_block}))
+                            forward_swaps={"select_flash_attn_impl": diagonal_mask_on_every_block}),
+       killed_by=("forward", "even"))

@@ -47,4 +47,5 @@ CLIP_COUNTS_REPLICAS = mutant(
                "counted once, as Megatron's param_is_not_tensor_parallel_duplicate filter does)",
     source="Megatron-LM get_grad_norm_fp32 and param_is_not_tensor_parallel_duplicate; NeMo-RL grad-norm fixes",
     shard=_shard_counting_replicas,
+    killed_by=("lockstep gate", "lockstep"),
 )

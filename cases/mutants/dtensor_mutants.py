@@ -51,6 +51,7 @@ NORM_MISSING_SP = mutant(
                "GPT-NeoX #1257; torchtitan's plans list every norm for this reason)",
     source="GPT-NeoX PR #1257 (the DTensor form); torchtitan's parallelize plans list every norm",
     shard=_gpt_shard(plan_edit=_drop_norm2_sp),
+    killed_by=("grad", "even"),
 )
 
 NORM_INIT_PER_RANK = mutant(
@@ -62,6 +63,7 @@ NORM_INIT_PER_RANK = mutant(
                "are assumed to be initialised identically)",
     source="PyTorch SequenceParallel docstring (torch/distributed/tensor/parallel/style.py): norm weights must be initialised identically on every rank",
     shard=_gpt_shard(before=_init_norms_per_rank),
+    killed_by=("init", "even"),
 )
 
 
@@ -80,4 +82,5 @@ SEED_WRONG_DIM = mutant(
                "shapes still line up for a loss that sums everything",
     source="the wrong-dim collective class of GPT-NeoX PR #1260, as a RowwiseParallel output_layouts",
     shard=_seed_wrong_output_dim,
+    killed_by=("crash", "even"),
 )

@@ -49,6 +49,7 @@ RS_WORLD = megatron_mutant(
         "forward: reduce-scatter over WORLD (BUG: no group=); backward: all-gather",
     ),
     source="missing group= call sites (Megatron-DeepSpeed / GPT-NeoX mpu)",
+    killed_by=("crash", "dp2xtp2"),
 )
 
 
@@ -78,6 +79,7 @@ TP_ALL_REDUCE_WORLD = megatron_mutant(
     "over the DP replicas' different micro-batches; identical when dp == 1",
     reduce_from_tp=lambda x, group: _ReduceFromTPWorld.apply(x, group),
     source="missing group= call sites (Megatron-DeepSpeed / GPT-NeoX mpu)",
+    killed_by=("forward", "dp2xtp2"),
 )
 
 
@@ -135,6 +137,7 @@ GATHER_DIM0 = megatron_mutant(
     "reduce scatter ops on sequence dimension'); visible with layout=bsh",
     **_seq_collectives("NoMovedim", _gather_no_movedim, _reduce_scatter_no_movedim, "on dim 0 (BUG for [b, s, h])"),
     source="GPT-NeoX PR #1260 'Fix gather and reduce scatter ops on sequence dimension'",
+    killed_by=("forward", "even"),
 )
 
 
@@ -171,6 +174,7 @@ EVEN_COLLECTIVES = megatron_mutant(
     "aborts or the shapes break)",
     **_seq_collectives("AssumeEven", _gather_assume_even, _reduce_scatter_assume_even, "assuming even shards"),
     source="Megatron-LM mappings.py _gather_along_first_dim / _reduce_scatter_along_first_dim (assume seq_len % tp == 0)",
+    killed_by=("crash", "uneven"),
 )
 
 
@@ -214,6 +218,7 @@ GATHER_ORDER = megatron_mutant(
         "forward: all-gather in reversed rank order; backward: its adjoint reduce-scatter",
     ),
     source="the rank-map class of hybrid meshes: a gather ordered by global rank, not the TP group's order",
+    killed_by=("forward", "even"),
 )
 
 GATHER_SPLIT_BACKWARD = megatron_mutant(
@@ -229,6 +234,7 @@ GATHER_SPLIT_BACKWARD = megatron_mutant(
         "forward: all-gather on seq dim; backward: split (BUG: no reduce-scatter)",
     ),
     source="Megatron-LM mappings.py gather_from_sequence_parallel_region(tensor_parallel_output_grad=False); awslabs/slapo PR #20",
+    killed_by=("grad", "even"),
 )
 
 

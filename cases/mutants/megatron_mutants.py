@@ -20,11 +20,12 @@ from sp_harness.config.case import mutant
 TAGS = ("mutant", "megatron")
 
 
-def megatron_mutant(name: str, mode: str, short: str, bug: str, *, source: str, **swap):
+def megatron_mutant(name: str, mode: str, short: str, bug: str, *, source: str, killed_by: tuple[str, ...] = (),
+                    **swap):
     """`CORRECT` with the `Impl` fields in `swap` replaced, as a mutant of the TP or SP case."""
     impl = dataclasses.replace(CORRECT, **swap)
     base = SP if mode == "sp" else TP
-    return mutant(base, name=name, summary=short, bug=bug, source=source,
+    return mutant(base, name=name, summary=short, bug=bug, source=source, killed_by=killed_by,
                   shard=megatron_shard(impl, sequence_parallel=mode == "sp"))
 
 
@@ -41,6 +42,7 @@ NO_NORM_SYNC = megatron_mutant(
     "allreduce_layernorm_grads, see NVIDIA/Megatron-LM#443, NVIDIA/TransformerEngine#435)",
     sequence_parallel_kinds=SP_KINDS - {"norm"},
     source="GPT-NeoX PR #1257 / #1259; NVIDIA/Megatron-LM#443; NVIDIA/TransformerEngine#435",
+    killed_by=("grad", "even"),
 )
 
 def _sync_grads_rebuilt_bucket(module, ctx, impl, sequence_parallel):
@@ -71,6 +73,7 @@ NORM_SYNC_LOST_AT_STEP_3 = megatron_mutant(
     "a check of only two steps never sees it (GPT-NeoX #1257's unsynced norms, appearing late)",
     sync_grads=_sync_grads_rebuilt_bucket,
     source="PyTorch DDP Reducer::rebuild_buckets; GPT-NeoX #1257's unsynced norms",
+    killed_by=("grad", "even"),
 )
 
 
@@ -83,6 +86,7 @@ NORM_SYNC_DP = megatron_mutant(
     "also had to fix that hook, which averaged instead of summing)",
     sp_grad_group=lambda ctx: ctx.dp_group,
     source="GPT-NeoX PR #1259 (the hook's group and reduction)",
+    killed_by=("grad", "even"),
 )
 
 NO_ROW_BIAS_SYNC = megatron_mutant(
@@ -94,6 +98,7 @@ NO_ROW_BIAS_SYNC = megatron_mutant(
     "it `sequence_parallel` in RowParallelLinear for this reason)",
     sequence_parallel_kinds=SP_KINDS - {"row_bias"},
     source="Megatron-LM RowParallelLinear marks its bias `sequence_parallel` for this sync",
+    killed_by=("grad", "even"),
 )
 
 NO_EMBEDDING_SYNC = megatron_mutant(
@@ -105,6 +110,7 @@ NO_EMBEDDING_SYNC = megatron_mutant(
     "to an embed-the-shard model forgets the embeddings",
     sequence_parallel_kinds=SP_KINDS - {"embedding"},
     source="Megatron-LM embeds the full sequence, then scatters: its sync list has no embedding entry for SP",
+    killed_by=("grad", "even"),
 )
 
 
@@ -123,6 +129,7 @@ ROW_BIAS_BEFORE = megatron_mutant(
     "tp x bias (Megatron's RowParallelLinear adds the bias after the reduction for this reason)",
     row_parallel=_bias_before_reduce,
     source="Megatron-LM RowParallelLinear adds the bias after the reduction",
+    killed_by=("forward", "even"),
 )
 
 TP_ROW_BIAS_BEFORE = megatron_mutant(
@@ -133,6 +140,7 @@ TP_ROW_BIAS_BEFORE = megatron_mutant(
     "tp x bias (Megatron's RowParallelLinear adds the bias after the reduction for this reason)",
     row_parallel=_bias_before_reduce,
     source="Megatron-LM RowParallelLinear adds the bias after the reduction",
+    killed_by=("forward", "even"),
 )
 
 
@@ -152,6 +160,7 @@ LOCAL_POSITIONS = megatron_mutant(
     "sequence/context-parallel ports)",
     positions=_local_positions,
     source="the position_ids-not-offset class of sequence/context-parallel ports",
+    killed_by=("forward", "even"),
 )
 
 
@@ -168,6 +177,7 @@ EVEN_POSITIONS = megatron_mutant(
     "== 0, wrong positions on a short last shard (10 over 3 = 4/4/2: rank 2 starts at 4, not 8)",
     positions=_even_offset_positions,
     source="the even-shard assumption of SP/CP ports (PyTorch's CP tests assert seq_len % world_size == 0)",
+    killed_by=("forward", "uneven"),
 )
 
 
@@ -179,4 +189,5 @@ LOSS_MEAN = megatron_mutant(
     "means, which weights tokens on short shards more; right only for even shards",
     local_loss=loss_mean_per_rank,
     source="DeepSpeed #7672 (SP loss aggregation); ms-swift PR #10185",
+    killed_by=("forward (loss)", "uneven"),
 )

@@ -84,4 +84,5 @@ FULL_SEQUENCE_NORMS = mutant(
                "Korthikanti et al. 2022 (arXiv 2205.05198, section 4.2.2) is silently lost",
     source="Korthikanti et al. 2022, arXiv 2205.05198, section 4.2.2",
     shard=_shard_full_sequence,
+    killed_by=("collective accounting", "comm-vs-tp"),
 )

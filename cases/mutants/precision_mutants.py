@@ -65,6 +65,7 @@ SP_POSITIONS_BF16 = mutant(
     source=SOURCES + "; EleutherAI/gpt-neox#1003",
     tags=("megatron", "low-precision"),
     shard=_sp_positions_in_run_dtype,
+    killed_by=("forward", "bf16"),
 )
 
 
@@ -85,6 +86,7 @@ ULYSSES_POSITIONS_BF16 = mutant(
     source=SOURCES,
     tags=("low-precision",),
     shard=ulysses_shard(dataclasses.replace(ULYSSES_CORRECT, positions=_positions_through_run_dtype)),
+    killed_by=("forward", "bf16"),
 )
 
 
@@ -120,6 +122,7 @@ RING_POSITIONS_BF16 = mutant(
     source=SOURCES,
     tags=("ring", "low-precision"),
     shard=lambda ref, ctx: _positions_input_through(_run_dtype(ref), ring_shard())(ref, ctx),
+    killed_by=("forward", "bf16"),
 )
 
 
@@ -134,4 +137,5 @@ USP_POSITIONS_BF16 = mutant(
     source=SOURCES,
     tags=("low-precision",),
     shard=lambda ref, ctx: _positions_input_through(_run_dtype(ref), usp_shard())(ref, ctx),
+    killed_by=("forward", "bf16"),
 )

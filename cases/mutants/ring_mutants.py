@@ -21,9 +21,10 @@ from sp_harness.config.case import mutant
 TAGS = ("ring",)
 
 
-def ring_mutant(name: str, summary: str, bug: str, *, source: str, local_loss=None, **swap):
+def ring_mutant(name: str, summary: str, bug: str, *, source: str, local_loss=None, killed_by: tuple[str, ...] = (),
+                **swap):
     """`CORRECT` with the `Impl` fields in `swap` replaced, registered as a mutant of ring-gpt."""
-    return mutant(RING, name=name, summary=summary, bug=bug, source=source, tags=TAGS,
+    return mutant(RING, name=name, summary=summary, bug=bug, source=source, killed_by=killed_by, tags=TAGS,
                   shard=ring_shard(dataclasses.replace(CORRECT, **swap), local_loss=local_loss))
 
 
@@ -50,6 +51,7 @@ DKV_NOT_SENT_BACK = ring_mutant(
     "from its own queries (wrong dK/dV under CP: NVIDIA/Megatron-LM#1465; TransformerEngine#1557)",
     source="NVIDIA/Megatron-LM#1465; NVIDIA/TransformerEngine#1557",
     shift=lambda kv, ring, recv_len: _ShiftNoGradBack.apply(kv, ring, recv_len),
+    killed_by=("grad", "even"),
 )
 
 # (b') zigzag and causal (the battery's every entry): the mask is built in the original order.
@@ -62,6 +64,7 @@ MASK_IGNORES_BALANCER = ring_mutant(
     "had to reconstruct CP's load-balanced order and build the causal mask in that reordered space)",
     source="pytorch/pytorch#147793; pytorch/pytorch PR #177583",
     mask_placement=lambda balancer: contiguous_order,
+    killed_by=("forward", "even"),
 )
 
 
@@ -82,6 +85,7 @@ TAIL_DROPPED = ring_mutant(
     "keys/values never reach any query",
     source="NVIDIA-BioNeMo/bionemo-recipes PR #1480",
     keys_dropped=_tail_dropped,
+    killed_by=("forward", "uneven"),
 )
 
 
@@ -102,6 +106,7 @@ MAX_MERGE = ring_mutant(
     "zhuzilin/ring-flash-attention update_out_and_lse; Dao 2023 FlashAttention-2 eq. for m, l)",
     source="arXiv:2310.01889; github.com/zhuzilin/ring-flash-attention utils.py update_out_and_lse",
     merge=_max_merge,
+    killed_by=("forward", "even"),
 )
 
 
@@ -122,6 +127,7 @@ PER_RANK_LOSS_NORM = ring_mutant(
     "... even an all-ones mask gives different weights after CP partitioning'; PR #7513)",
     source="NVIDIA/Megatron-LM PR #7498; NVIDIA/Megatron-LM PR #7513",
     local_loss=_per_rank_mean_loss,
+    killed_by=("forward (loss)", "uneven"),
 )
 
 
@@ -135,6 +141,7 @@ CAUSAL_UNDER_BALANCER = ring_mutant(
     "broken' with enable_load_balance; the fix asserted the combination unsupported, PR #141622)",
     source="pytorch/pytorch#141429; pytorch/pytorch#141622",
     mask=lambda q_pos, k_pos, causal, balancer: block_mask(q_pos, k_pos, causal or balancer == "zigzag"),
+    killed_by=("forward", "noncausal"),
 )
 
 # (h) numerically correct: plain contiguous placement while load_balancer says zigzag. Only the
@@ -150,6 +157,7 @@ UNBALANCED = ring_mutant(
     "correctness tests never caught it')",
     source="pytorch/pytorch PR #189902",
     placement=lambda balancer: contiguous_order,
+    killed_by=("load balance", "balance"),
 )
 
 
@@ -164,4 +172,5 @@ LSE_BASE2 = ring_mutant(
     "off by factor ln(2)', labelled correctness (silent); lightseekorg/tokenspeed PR #571)",
     source="pytorch/pytorch#181645; lightseekorg/tokenspeed PR #571",
     exposed_lse=lambda lse: lse / math.log(2),
+    killed_by=("attention lse", "even"),
 )

@@ -16,14 +16,16 @@ from sp_harness.cases.train_steps import StepBugs, every_param, marked_sequence_
 from sp_harness.config.case import Case, mutant
 
 
-def _megatron(name: str, bugs: StepBugs, **described: str) -> Case:
+def _megatron(name: str, bugs: StepBugs, *, killed_by: tuple[str, ...], **described: str) -> Case:
     shard = with_train_step(megatron_shard(CORRECT, sequence_parallel=True), marked_sequence_parallel, bugs)
-    return mutant(SP, name=name, shard=shard, train_loss=SP.train_loss, tags=("train-step",), **described)
+    return mutant(SP, name=name, shard=shard, train_loss=SP.train_loss, tags=("train-step",), killed_by=killed_by,
+                  **described)
 
 
-def _ring(name: str, bugs: StepBugs, **described: str) -> Case:
+def _ring(name: str, bugs: StepBugs, *, killed_by: tuple[str, ...], **described: str) -> Case:
     shard = with_train_step(ring_shard(), every_param, bugs)
-    return mutant(RING, name=name, shard=shard, train_loss=RING.train_loss, tags=("train-step",), **described)
+    return mutant(RING, name=name, shard=shard, train_loss=RING.train_loss, tags=("train-step",), killed_by=killed_by,
+                  **described)
 
 
 MEAN_OF_MEANS = _megatron(
@@ -34,6 +36,7 @@ MEAN_OF_MEANS = _megatron(
         "micro-batches hold different token counts). Caught at the reported loss",
     source="huggingface/transformers gradient accumulation, fixed in PR #34191 (Oct 2024); v4.47.0 doubled the "
            "loss again (#35207)",
+    killed_by=("reported loss", "train-step"),
 )
 DROP_MIDDLE = _megatron(
     "mutant-train-drop-middle-microbatches", StepBugs(drop_middle=True),
@@ -42,6 +45,7 @@ DROP_MIDDLE = _megatron(
         "g(K-1), while the loss still counts them. Caught at the grads before clipping",
     source="microsoft/DeepSpeed ZeRO-1/2 with CPU optimizer offload and GA >= 3, 0.15.2 to 0.18.x; fixed in "
            "PR #7967 (v0.19.0)",
+    killed_by=("grads before clipping", "train-step"),
 )
 CP_LOCAL_COUNT = _ring(
     "mutant-train-cp-local-count", StepBugs(local_count="seq"),
@@ -49,6 +53,7 @@ CP_LOCAL_COUNT = _ring(
     bug="each CP rank divides its loss by its own valid tokens and the grads are then averaged over CP: with "
         "one valid token a grad is x1/2 at CP 2, x1/4 at CP 4. Caught at the reported loss",
     source="NVIDIA/Megatron-LM issue #7452 finding 9 (PR #7513)",
+    killed_by=("reported loss", "train-step"),
 )
 DP_LOCAL_COUNT = _megatron(
     "mutant-train-dp-local-count", StepBugs(local_count="dp"),
@@ -56,6 +61,7 @@ DP_LOCAL_COUNT = _megatron(
     bug="the per-token loss of each data-parallel replica is divided by that replica's valid tokens and the "
         "replicas averaged: 14/3 instead of 4 in the upstream repro. Caught at the reported loss",
     source="NVIDIA/Megatron-LM issue #7452 finding 3 (MTP loss); huggingface/transformers #34242 (DDP)",
+    killed_by=("reported loss", "train-step"),
 )
 CLIP_MISSING_PARAM = _megatron(
     "mutant-train-clip-missing-param", StepBugs(clip_skips="blocks.1.attn.out_proj.bias"),
@@ -64,6 +70,7 @@ CLIP_MISSING_PARAM = _megatron(
         "the grad norm the clip coefficient comes from: its share of the total is below any honest bound on "
         "the total, so the norm is judged param by param. Caught at the grad norm",
     source="NVIDIA/Megatron-LM issue #7452 finding 8 (PR #7530)",
+    killed_by=("grad norm", "train-step"),
 )
 NORM_AVG_SHARDS = _megatron(
     "mutant-train-norm-avg-shards", StepBugs(norm_avg_shards=True),
@@ -71,6 +78,7 @@ NORM_AVG_SHARDS = _megatron(
     bug="the grad norm over a TP-sharded model all-reduces its squares with an average (or counts replicas "
         "per rank and shards once): the norm, and every clip coefficient, is wrong. Caught at the grad norm",
     source="NVIDIA/Megatron-LM #5916 (expert grad norm 11.51 vs 12.28); microsoft/DeepSpeed #8478 (7.24 vs 10.95)",
+    killed_by=("grad norm", "train-step"),
 )
 LOSS_TIMES_SP = _ring(
     "mutant-train-loss-times-sp", StepBugs(loss_times_sp=True),
@@ -78,6 +86,7 @@ LOSS_TIMES_SP = _ring(
     bug="each sequence-parallel rank's loss is scaled as if it held the whole sequence: the reported loss and "
         "the grads are x sp_size. Caught at the reported loss",
     source="huggingface/transformers native sequence parallelism through accelerate, #46855 (2026)",
+    killed_by=("reported loss", "train-step"),
 )
 SP_GRADS_UNSYNCED = _ring(
     "mutant-train-sp-grads-unsynced", StepBugs(skip_sp_sync_with_dp=True),
@@ -85,6 +94,7 @@ SP_GRADS_UNSYNCED = _ring(
     bug="when data and sequence parallelism combine, only the DP all-reduce runs: every SP rank trains on the "
         "grads of its own slice of the sequence. Caught at the grads before clipping",
     source="ByteDance-Seed/VeOmni #1086",
+    killed_by=("grads before clipping", "train-step"),
 )
 GA_TIMES_SP = _ring(
     "mutant-train-ga-times-sp", StepBugs(ga_times_sp=True),
@@ -92,6 +102,7 @@ GA_TIMES_SP = _ring(
     bug="the accumulation count is multiplied by the sequence-parallel degree, so every grad is / sp_size "
         "while the logged loss looks right. Caught at the grads before clipping",
     source="volcengine/verl Ulysses SFT trainer, #3332",
+    killed_by=("grads before clipping", "train-step"),
 )
 LOGGED_LOSS_PER_RANK = _megatron(
     "mutant-train-logged-loss-per-rank", StepBugs(logged_loss_per_rank=True),
@@ -99,4 +110,5 @@ LOGGED_LOSS_PER_RANK = _megatron(
     bug="the reported loss averages the ranks' per-rank means (a rank with few valid tokens weighs as much as "
         "a full one; about half the true loss at TP2 x CP2); the grads are right. Caught at the reported loss",
     source="pytorch/torchtitan #2206 and #3159",
+    killed_by=("reported loss", "train-step"),
 )

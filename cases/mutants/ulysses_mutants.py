@@ -20,10 +20,11 @@ from sp_harness.config.case import RankContext, mutant
 from sp_harness.reference.gpt import token_loss_sum
 
 
-def ulysses_mutant(name: str, summary: str, bug: str, *, source: str, **swap):
+def ulysses_mutant(name: str, summary: str, bug: str, *, source: str, killed_by: tuple[str, ...] = (), **swap):
     """`CORRECT` with the `Impl` fields in `swap` replaced, as a mutant of ulysses-gpt."""
     impl = dataclasses.replace(CORRECT, **swap)
-    return mutant(ULYSSES, name=name, summary=summary, bug=bug, source=source, shard=ulysses_shard(impl))
+    return mutant(ULYSSES, name=name, summary=summary, bug=bug, source=source, killed_by=killed_by,
+                  shard=ulysses_shard(impl))
 
 
 # ----------------------------------------------------------------- (a) even-shard all-to-all
@@ -43,6 +44,7 @@ EVEN_SPLITS = ulysses_mutant(
     "shards the split sizes disagree with the tensors, so a rank raises or the exchange corrupts",
     seq_sizes=_even_seq_sizes,
     source="prime-rl PR #2946 (uneven Ulysses shards); DeepSpeed #5177 (sequence length not divisible by SP size)",
+    killed_by=("crash", "uneven"),
 )
 
 
@@ -76,6 +78,7 @@ GQA_TILED = ulysses_mutant(
     kv_heads=_kv_heads_tiled,
     kv_index=_kv_index_interleaved_locally,
     source="verl #1226; VeOmni PR #162 (repeat kv bug with ulysses); prime-rl PR #3042 (repeat_interleave index algebra)",
+    killed_by=("forward", "uneven"),
 )
 
 
@@ -126,6 +129,7 @@ BACKWARD_FORWARD_SPLITS = ulysses_mutant(
     "as Horovod's alltoall gradient had to learn (it now reuses the forward's received splits)",
     seq_to_heads=_seq_to_heads_forward_order,
     source="horovod PR #2631 (alltoall gradient split sizes); DeepSpeed _SeqAllToAll.backward swaps scatter/gather idx",
+    killed_by=("crash", "uneven"),
 )
 
 
@@ -140,6 +144,7 @@ LOSS_MEAN = ulysses_mutant(
     "right only when every rank holds the same number of loss tokens",
     local_loss=loss_mean_per_rank,
     source="DeepSpeed #7672 (Ulysses SP loss aggregation)",
+    killed_by=("forward (loss)", "uneven"),
 )
 
 
@@ -159,6 +164,7 @@ LABEL_SHIFT_PER_SHARD = ulysses_mutant(
     "out of the loss",
     local_loss=_loss_shift_per_shard,
     source="ms-swift PR #10185 (label shift under sequence parallelism)",
+    killed_by=("forward (loss)", "even"),
 )
 
 
@@ -178,6 +184,7 @@ NO_SP_GRAD_SYNC = ulysses_mutant(
     "the data-parallel grad reduction for this; a plain DDP over the DP group alone misses it)",
     sync_grads=_sync_dp_only,
     source="DeepSpeed-Ulysses (arXiv:2309.14509): grads reduced over the sequence-data-parallel group; GPT-NeoX PR #1257 (the same partial-grad class for norms)",
+    killed_by=("grad", "even"),
 )
 
 
@@ -198,4 +205,5 @@ LOCAL_POSITIONS = ulysses_mutant(
     positions=_local_positions,
     source="the position_ids-not-offset class of SP/CP ports (a correct port slices GLOBAL position ids per "
            "rank, as verl's ulysses_pad_and_slice_inputs slices position_ids with input_ids)",
+    killed_by=("forward", "even"),
 )

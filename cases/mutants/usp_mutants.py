@@ -22,9 +22,9 @@ from sp_harness.config.case import RankContext, Sharded, Unsupported, mutant
 TAGS = ("usp",)
 
 
-def usp_mutant(name: str, summary: str, bug: str, *, source: str, **swap):
+def usp_mutant(name: str, summary: str, bug: str, *, source: str, killed_by: tuple[str, ...] = (), **swap):
     """`CORRECT` with the `Impl` fields in `swap` replaced, registered as a mutant of usp-gpt."""
-    return mutant(USP, name=name, summary=summary, bug=bug, source=source, tags=TAGS,
+    return mutant(USP, name=name, summary=summary, bug=bug, source=source, killed_by=killed_by, tags=TAGS,
                   shard=usp_shard(dataclasses.replace(CORRECT, **swap)))
 
 
@@ -42,6 +42,7 @@ ZIGZAG_OVER_SP = usp_mutant(
     source="bug class: a CP-world zigzag split fed to USP (yunchang test_hybrid_attn.py extract_local(rd, ud))",
     placement=lambda balancer, ring_degree: ORDERS[balancer],
     mask_placement=usp_order,
+    killed_by=("forward", "uneven"),
 )
 
 
@@ -61,6 +62,7 @@ GRAD_SYNC_RING_ONLY = usp_mutant(
     "group, arXiv:2309.14509; GPT-NeoX PR #1259 summed SP grads over the wrong group)",
     source="bug class: grad all-reduce over a sub-group of SP (arXiv:2309.14509 section 3; GPT-NeoX PR #1259)",
     sync_grads=_sync_over_ring_only,
+    killed_by=("grad", "uneven"),
 )
 
 
@@ -90,4 +92,4 @@ RING_LOW_GROUPS = mutant(
         "ring passes blocks between ranks of one chunk (yunchang set_seq_parallel_pg's use_ulysses_low "
         "disagreeing with how the inputs were split)",
     source="bug class: yunchang set_seq_parallel_pg(use_ulysses_low) vs the input split",
-    tags=TAGS, shard=_ring_low_groups)
+    tags=TAGS, shard=_ring_low_groups, killed_by=("forward", "2x2"))

@@ -345,6 +345,10 @@ class Case:
     twin: str = ""
     """For a mutant: the correct case it is a variation of (a battery entry only counts as a kill
     if the twin passes it)."""
+    killed_by: tuple[str, ...] = ()
+    """For a catalogue mutant: (the check that must kill it first, as the battery's table names
+    it, the battery entry), e.g. ("grad", "even"): its pin, declared where it is defined and
+    asserted by tests/test_mutants.py (sp_harness.suites.battery)."""
     baseline: str = ""
     """The case this one is compared with beyond the reference: an SP case's tensor-parallel
     twin (its communication volume and its training curve), '' for none."""
@@ -449,11 +453,12 @@ def isolation_key(case: Case) -> str:
 
 
 def mutant(base: Case, *, name: str, summary: str, bug: str, source: str, tags: tuple[str, ...] = (),
-           **changes: Any) -> Case:
+           killed_by: tuple[str, ...] = (), **changes: Any) -> Case:
     """The one way to define a mutant: `base` (its correct twin) with `changes` (Case fields, usually
     `shard`), the bug it models and its public source. Registered under `name` where its twin is
     registered (a built-in case); a mutant in a user's case file is found by `path:NAME`, like
-    its twin, and stays out of the registry (the battery's catalogue, the nightly examples)."""
+    its twin, and stays out of the registry (the battery's catalogue, the nightly examples).
+    `killed_by`: its pin (`Case.killed_by`), which a registered mutant must declare."""
     if not name.startswith("mutant-"):
         raise ValueError(f"mutant names start with 'mutant-', got {name!r}")
     if not bug or not source:
@@ -465,7 +470,7 @@ def mutant(base: Case, *, name: str, summary: str, bug: str, source: str, tags: 
         changes["train_loss"] = None
     made = dataclasses.replace(
         base, name=name, description=f"MUTANT {base.name}: {summary}", models_bug=bug, source=source,
-        twin=base.name, tags=all_tags, expect=None, examples=(), **changes)
+        twin=base.name, tags=all_tags, expect=None, examples=(), killed_by=killed_by, **changes)
     return register(made) if _REGISTRY.get(base.name) is base else made
 
 
