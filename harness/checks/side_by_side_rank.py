@@ -384,4 +384,4 @@ def _update_scale(ref: StepReference, got: torch.Tensor) -> ScaleBound | None:
         return None
     run, member = update_scales(before=ref.before, exact=scale_sample(ref.param), gots=[scale_sample(got), ref.member],
                                 dtype=got.dtype)
-    return scale_bound(run, member)
+    return scale_bound(run, member, ref.scale_slack)

@@ -258,8 +258,10 @@ class _TrainStepRun(_SideBySide):
         norm_rel = self._norm_bound(norm_sq, numel) / norm_sq if norm_sq else 0.0
         coef = self.clip_coefficient(norm_sq)
         clipping = coef < 1.0
-        # a coefficient from a norm off by norm_rel / 2 is off by as much, and scales the update
-        coef_rel = norm_rel / 2 if clipping else 0.0
+        # a coefficient from a norm off by norm_rel / 2 is off by as much, plus its own two
+        # roundings (norm + 1e-6, max_norm / that) where the run computes it in the run dtype (torch's
+        # clip_grad_norm_ on bfloat16 grads): it scales the update
+        coef_rel = norm_rel / 2 + eps(self.dtype) if clipping else 0.0
         if self.shadow is None:
             expected, before, buffers = self.expected_from_state(grads, coef, coef_rel)
             bounds = {id(p.param): ref.bound for p, ref in zip(self.params, expected, strict=True)}
@@ -306,6 +308,7 @@ class _TrainStepRun(_SideBySide):
             g.copy_(kept)
         for ref, p in zip(expected, self.params, strict=True):
             ref.bound = ref.bound + (ref.param - before[id(p.param)]).abs() * coef_rel
+            ref.scale_slack = coef_rel
         return expected, before, buffers
 
     def expected_from_shadow(self, grads: dict[int, torch.Tensor | None], coef: float,

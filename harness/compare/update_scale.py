@@ -85,7 +85,7 @@ class ScaleBound:
     run: UpdateScale
     member: UpdateScale
     allowed: float
-    """MISMATCH |member.beta| + Z sqrt(run.se^2 + member.se^2)."""
+    """MISMATCH |member.beta| + Z sqrt(run.se^2 + member.se^2) (+ the step's slack)."""
 
     @property
     def ratio(self) -> float:
@@ -148,9 +148,11 @@ def update_scales(*, before: torch.Tensor, exact: torch.Tensor, gots: Sequence[t
     return out
 
 
-def scale_bound(run: UpdateScale, member: UpdateScale) -> ScaleBound | None:
-    """The bound, or None where the piece has too few moving elements to judge."""
+def scale_bound(run: UpdateScale, member: UpdateScale, slack: float = 0.0) -> ScaleBound | None:
+    """The bound, or None where the piece has too few moving elements to judge. `slack`: a relative
+    uncertainty of the whole step's scale that the member cannot share (the clip coefficient the
+    run computed itself, in its own precision)."""
     if run.num_moving < MIN_ELEMENTS:
         return None
-    allowed = MISMATCH * abs(member.beta) + Z * math.hypot(run.se, member.se)
+    allowed = MISMATCH * abs(member.beta) + Z * math.hypot(run.se, member.se) + slack
     return ScaleBound(run=run, member=member, allowed=allowed)

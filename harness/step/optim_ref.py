@@ -73,6 +73,9 @@ class StepReference:
     """A parameter below float32: a sample of its elements (sp_harness.compare.update_scale.sample)
     after the step taken by the unfused implementation in its own dtype (`member_step`), which
     the run's coherent update scale is judged against."""
+    scale_slack: float = 0.0
+    """A relative uncertainty of the whole step's scale (a clip coefficient the run computes in
+    its own precision), which the update-scale check allows on top of its band."""
     state: OptimState | None = None
     """The optimizer state after the step (float64), for a caller that carries it to the next
     step (sp_harness.step.shadow)."""
