@@ -193,14 +193,17 @@ class _TrainStepRun(_SideBySide):
         sums = torch.zeros(3, dtype=torch.float64)
         for p in self.params:
             g = grads[id(p.param)]
-            if g is None or p.dtensor:
+            if g is None:
                 continue
-            applied = (before[id(p.param)] - p.param.detach().to(torch.float64)) / self.config.lr
+            # a DTensor's whole tensor (gathered: a collective every rank runs alike) is on every TP
+            # rank, as a replicated param is
+            after = p.full(p.param.detach()).to(torch.float64)
+            applied = (before[id(p.param)] - after) / self.config.lr
             prev = buffers[id(p.param)]
             if prev is not None:
-                applied = applied - SGD_MOMENTUM * prev
-            g = g.to(torch.float64)
-            weight = 1.0 / self.ctx.tp if p.replicated_tp else 1.0
+                applied = applied - SGD_MOMENTUM * p.full(prev)
+            g = p.full(g).to(torch.float64)
+            weight = 1.0 / self.ctx.tp if (p.replicated_tp or p.dtensor) else 1.0
             slack = (g.abs() * bounds[id(p.param)]).sum() / self.config.lr
             sums += weight * torch.stack([(applied * g).sum(), (g * g).sum(), slack])
         ag, gg, slack = _global(sums).tolist()
