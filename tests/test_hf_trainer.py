@@ -40,7 +40,8 @@ def _train(case: str, **fields) -> CheckConfig:
 @pytest.mark.parametrize("case, fields", [
     (_builtin("hf-trainer-llama", "HF_TRAINER_LLAMA"), dict(world_size=2, dp=2, dtype="float32", **CLIPPED_SGD)),
     (_builtin("hf-trainer-qwen2", "HF_TRAINER_QWEN2"), dict(world_size=4, dp=4, dtype="bfloat16", optimizer="adamw")),
-    (f"{EXAMPLE}:MY_LOSS", dict(world_size=2, dp=2, dtype="bfloat16", **CLIPPED_SGD)),
+    (_builtin("hf-trainer-llama-user-loss", "HF_TRAINER_USER_LOSS"), dict(world_size=2, dp=2, dtype="bfloat16",
+                                                                        **CLIPPED_SGD)),
     (f"{EXAMPLE}:LOSS_FUNC", dict(world_size=4, dp=4, dtype="float32", optimizer="adamw", clip_grad_norm=0.01)),
 ], ids=["llama-dp2-f32-sgd-clip", "qwen2-dp4-bf16-adamw", "user-compute-loss-dp2-bf16-sgd-clip",
         "compute-loss-func-dp4-f32-adamw-clip"])
@@ -56,10 +57,9 @@ def test_the_trainers_own_step_passes(sp_check, case, fields):
 @pytest.mark.exhaustive("the fast tier runs Llama at float32 and bfloat16, DP 2 and 4, SGD and AdamW")
 @pytest.mark.parametrize("case, fields", [
     (_builtin("hf-trainer-llama", "HF_TRAINER_LLAMA"), dict(world_size=2, dp=2, dtype="float64", **CLIPPED_SGD)),
-    (_builtin("hf-trainer-llama-user-loss", "HF_TRAINER_USER_LOSS"),
-     dict(world_size=4, dp=4, dtype="float32", **CLIPPED_SGD)),
+    (f"{EXAMPLE}:MY_LOSS", dict(world_size=4, dp=4, dtype="float32", **CLIPPED_SGD)),
     (f"{EXAMPLE}:LLAMA", dict(world_size=4, dp=4, dtype="bfloat16", optimizer="sgd", clip_grad_norm=0.01)),
-], ids=["llama-dp2-f64-sgd-clip", "user-compute-loss-dp4-f32-sgd-clip", "llama-dp4-bf16-sgd-clip"])
+], ids=["llama-dp2-f64-sgd-clip", "example-qwen2-compute-loss-dp4-f32-sgd-clip", "llama-dp4-bf16-sgd-clip"])
 def test_more_configs_pass(sp_check, case, fields):
     res = sp_check(_train(case, **fields))
     assert res.verdict == PASS, format_result(res)

@@ -27,7 +27,9 @@ norm (about 0.05 here): clipping is active at every step."""
 
 
 def _config(name: str, **fields) -> CheckConfig:
-    return CheckConfig(case=f"{EXAMPLE}:{name}", timeout_s=TIMEOUT_S, **STEP, **fields)
+    """`name`: a built-in case (mcore-...) or an example's attribute."""
+    case = name if name.startswith("mcore-") else f"{EXAMPLE}:{name}"
+    return CheckConfig(case=case, timeout_s=TIMEOUT_S, **STEP, **fields)
 
 
 def _judged_every_stage(res, optimizer: str) -> None:
@@ -38,7 +40,7 @@ def _judged_every_stage(res, optimizer: str) -> None:
 @pytest.mark.parametrize("name, fields", [
     ("GPT_SP_STEP", dict(world_size=2, optimizer="sgd", dtype="float32")),
     ("GPT_SP_STEP", dict(world_size=4, dp=2, optimizer="adamw", dtype="bfloat16")),
-    ("GPT_SP_STEP_DISTOPT", dict(world_size=4, dp=2, optimizer="adamw", dtype="float32")),
+    ("mcore-gpt-sp-step-distopt", dict(world_size=4, dp=2, optimizer="adamw", dtype="float32")),
     pytest.param("GPT_SP_STEP", dict(world_size=4, dp=2, optimizer="sgd", dtype="float32"),
                  marks=pytest.mark.exhaustive("the fast tier runs SGD float32 at TP 2 and DP 2 x TP 2 with AdamW")),
     pytest.param("GPT_SP_STEP", dict(world_size=2, optimizer="adamw", dtype="bfloat16"),
