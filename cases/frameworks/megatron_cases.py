@@ -77,7 +77,7 @@ mutant(MCORE_GPT_SP_STEP, name="mutant-mcore-step-local-token-mean",
        source="NVIDIA/Megatron-LM#7452 finding 9 (CP ranks normalise by their local token count; PR #7513)",
        shard=megatron_step_shard(CONFIG, MegatronStepConfig(calculate_per_token_loss=False)),
        train_loss=MCORE_GPT_SP_STEP.train_loss, tags=("train-step",),
-                                                killed_by=("grads before clipping", "train-step-f32"))
+                                                killed_by=("grads before clipping", "train-step"))
 
 mutant(MCORE_GPT_SP_STEP, name="mutant-mcore-step-clip-norm-tp-rank0",
        summary="a head-sharded param without megatron's tensor_model_parallel flag: the clip norm counts TP rank 0's shard",
@@ -88,4 +88,4 @@ mutant(MCORE_GPT_SP_STEP, name="mutant-mcore-step-clip-norm-tp-rank0",
        source="NVIDIA/Megatron-LM#7452 finding 8 (PR #7530)",
        shard=megatron_step_shard(CONFIG, edit_model=drop_tensor_parallel_flag(
            "decoder.layers.1.self_attention.linear_qkv.bias")),
-       train_loss=MCORE_GPT_SP_STEP.train_loss, tags=("train-step",), killed_by=("grad norm", "train-step-f32"))
+       train_loss=MCORE_GPT_SP_STEP.train_loss, tags=("train-step",), killed_by=("grad norm", "train-step"))

@@ -225,10 +225,18 @@ def megatron_shard(kwargs: Mapping[str, Any], *, edit_model: Callable[[nn.Module
 
         io = Layout(seq_dim=1, batch_dim=0, seq_sharded=False)  # megatron scatters the sequence itself
         out = Layout(seq_dim=1, batch_dim=0, seq_sharded=False, split_dim=-1 if vocab_parallel_loss else None)
+        # with calculate_per_token_loss megatron's DDP sums grads over DP and leaves the division to
+        # finalize_model_grads' num_tokens; the engine's loss is each replica's mean, which counts
+        # as one item per replica (what the schedule passes for a loss function returning (mean, 1)),
+        # so finalize averages over DP. Without num_tokens it would sum: grads DP x too big
+        per_token = bool(kwargs.get("calculate_per_token_loss"))
+
+        def finalize() -> None:
+            finalize_model_grads([ddp], num_tokens=torch.ones((), dtype=torch.int) if per_token else None)
+
         return Sharded(module=ddp, input_layout=io, output_layout=out, params=specs,
                        local_loss=local_loss if vocab_parallel_loss else None, grad_attr="main_grad",
-                       sync_grads=(lambda: finalize_model_grads([ddp])) if grad_sync == "finalize_model_grads"
-                       else ddp.finish_grad_sync)
+                       sync_grads=finalize if grad_sync == "finalize_model_grads" else ddp.finish_grad_sync)
 
     return shard
 
