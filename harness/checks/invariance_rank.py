@@ -128,15 +128,16 @@ class _Invariance(_TrainStepRun):
         zero_declared_grads(self.params, self.sharded.grad_attr)
 
     def run(self) -> InvarianceResult:
+        if self.payload.single and getattr(self.train, "fixed_micro_batches", False):
+            # decided by the step alone: before the references and the first accumulation run
+            raise Unsupported(f"case {self.config.case}: its training step fixes its micro-batch count when it is "
+                              f"built (TrainStep.fixed_micro_batches), so it cannot accumulate one batch after K")
         mbs, whole, tokens = self.start_step(0, batch_generator(self.config.seed), self._mask_ctx())
         refs = self._scaled(self.finish_references(), tokens)
         ignore = self.loss_spec.ignore_index
         result = InvarianceResult(micro=self.variant([micro_batch(self.loop.local_batch(b), ignore) for b in mbs],
                                                      refs, tokens))
         if self.payload.single:
-            if getattr(self.train, "fixed_micro_batches", False):
-                raise Unsupported(f"case {self.config.case}: its training step fixes its micro-batch count when it is "
-                                  f"built (TrainStep.fixed_micro_batches), so it cannot accumulate one batch after K")
             self.clear()
             result.single = self.variant([micro_batch(self.loop.local_batch(whole), ignore)], refs, tokens)
         return result
