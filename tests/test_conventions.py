@@ -5,8 +5,8 @@ every shard boundary."""
 import os
 
 import torch
+from judging import judge
 
-from sp_harness.compare.tolerance import check_tensor
 from sp_harness.config.check_config import DEFAULT_STEPS, CheckConfig
 from sp_harness.judge.verdict import FAIL, PASS
 
@@ -38,7 +38,7 @@ def test_loss_bound_scales_with_the_run_precision_not_the_target_dtype():
     ref64 = torch.tensor(2.0, dtype=torch.float64)
     ref_lp = torch.tensor(2.0 + 1e-12, dtype=torch.float64)
     got = torch.tensor(2.0 + 1e-3, dtype=torch.float64)
-    chk = check_tensor(kind="loss", name="loss", step=0, rank=0, got=got, ref64=ref64, ref_lp=ref_lp,
+    chk = judge(kind="loss", name="loss", step=0, rank=0, got=got, ref64=ref64, ref_lp=ref_lp,
                        dtype=torch.float32)
     assert not chk.ok and chk.allowed < 1e-4
 

@@ -3,24 +3,26 @@
 for a forward failure no module explains (sp_harness.compare.divergence). Pure: no process
 group."""
 
+import dataclasses
+
 import pytest
 import torch
+from judging import judge
 
 from sp_harness.capture.trace import Trace
 from sp_harness.compare import tolerance
 from sp_harness.compare.divergence import first_divergence
+from sp_harness.compare.dof import bias_grad_dof, member_dof, weight_grad_dof
 from sp_harness.compare.tolerance import (
     ALT_OVERESTIMATE,
     CHI_RATIO_QUANTILE,
     MISMATCH,
     NORM_FACTOR,
-    bias_grad_dof,
-    check_tensor,
     ensemble_factor,
-    weight_grad_dof,
 )
 from sp_harness.config.check_config import CheckConfig
 from sp_harness.judge.verdict import RankResult, merge, record
+from sp_harness.step import precision
 from sp_harness.step.rounding import RoundedResults
 
 
@@ -48,10 +50,10 @@ def test_ensemble_catches_a_3_percent_scaled_bf16_piece_the_two_reference_bound_
     scaled = correct * 1.03
     common = dict(kind="forward", name="output", step=0, rank=0, ref64=ref64, ref_lp=ref_lp, ref_alt=alt,
                   dtype=torch.bfloat16, dof=48)
-    assert check_tensor(got=correct, ref_samples=[sample], **common).ok
-    assert not check_tensor(got=scaled, ref_samples=[sample], **common).ok
+    assert judge(got=correct, ref_samples=[sample], **common).ok
+    assert not judge(got=scaled, ref_samples=[sample], **common).ok
     # without the ensemble (a float64 run's path, or no samples) the same piece passes
-    assert check_tensor(got=scaled, **common).ok
+    assert judge(got=scaled, **common).ok
 
 
 def test_grads_and_input_grads_are_judged_by_the_ensemble_too():
@@ -63,8 +65,8 @@ def test_grads_and_input_grads_are_judged_by_the_ensemble_too():
     for kind in ("grad", "input_grad"):
         common = dict(kind=kind, name="w", step=0, rank=0, ref64=ref64, ref_lp=ref_lp, ref_alt=alt,
                       dtype=torch.bfloat16, dof=48, ref_samples=[sample])
-        assert check_tensor(got=correct, **common).ok
-        chk = check_tensor(got=correct * 1.03, **common)
+        assert judge(got=correct, **common).ok
+        chk = judge(got=correct * 1.03, **common)
         assert not chk.ok and chk.noise_norm < 2 * float((ref_lp - ref64).norm())  # the ensemble's, not alt's
         assert NORM_FACTOR * float((alt - ref64).norm()) > chk.err_norm  # the old bound passed it
 
@@ -78,9 +80,9 @@ def test_a_grad_whose_perturbed_reference_errs_far_more_keeps_a_third_of_it():
     alt, got = _bf16_like(ref64, gen, 4.8e-2), _bf16_like(ref64, gen, 1.45e-2)
     common = dict(name="b", step=0, rank=0, got=got, ref64=ref64, ref_lp=ref_lp, ref_alt=alt, dtype=torch.bfloat16,
                   dof=48, ref_samples=[sample])
-    grad = check_tensor(kind="grad", **common)
+    grad = judge(kind="grad", **common)
     assert grad.ok and abs(grad.noise_norm - float((alt - ref64).norm()) / ALT_OVERESTIMATE) < 1e-12
-    assert not check_tensor(kind="forward", **common).ok  # a forward output has no such sum
+    assert not judge(kind="forward", **common).ok  # a forward output has no such sum
 
 
 def test_a_forward_error_from_a_few_tokens_counts_those_tokens_not_all():
@@ -96,10 +98,10 @@ def test_a_forward_error_from_a_few_tokens_counts_those_tokens_not_all():
 
     common = dict(kind="forward", name="output", step=0, rank=0, ref64=ref64, dtype=torch.bfloat16, dof=128)
     got = few_tokens(0.12)
-    chk = check_tensor(got=got, ref_lp=few_tokens(0.03), ref_alt=few_tokens(0.1), ref_samples=[few_tokens(0.03)],
+    chk = judge(got=got, ref_lp=few_tokens(0.03), ref_alt=few_tokens(0.1), ref_samples=[few_tokens(0.03)],
                        **common)
     assert chk.ok and chk.err_norm > 3 * chk.noise_norm  # within F(3), beyond F(128) = 1.86
-    assert not check_tensor(got=got * 1.3, ref_lp=few_tokens(0.03), ref_alt=few_tokens(0.1),
+    assert not judge(got=got * 1.3, ref_lp=few_tokens(0.03), ref_alt=few_tokens(0.1),
                             ref_samples=[few_tokens(0.03)], **common).ok
 
 
@@ -144,11 +146,11 @@ def test_a_cancelling_piece_whose_max_abs_bound_binds_is_judged():
     common = dict(kind="forward", name="output", step=0, rank=0, ref64=ref64, ref_lp=ref64 + noise.flip(0),
                   ref_alt=ref64 + noise, dtype=torch.bfloat16, dof=32, ref_samples=[ref64 - noise])
     assert float(noise.norm()) >= tolerance.CANCELLATION * float(ref64.norm())
-    chk = check_tensor(got=ref64 + noise.flip(1), **common)
+    chk = judge(got=ref64 + noise.flip(1), **common)
     assert chk.ok and not chk.vacuous and chk.allowed < 1
     wrong = ref64.clone()
     wrong[0, 0] = 0.0
-    assert not check_tensor(got=wrong + noise.flip(1), **common).ok
+    assert not judge(got=wrong + noise.flip(1), **common).ok
 
 
 def _vacuous_grad(dtype):
@@ -164,8 +166,8 @@ def _vacuous_grad(dtype):
 
 def test_a_piece_whose_bounds_would_pass_zero_is_not_judged_and_is_named():
     common, run = _vacuous_grad(torch.bfloat16)
-    zero = check_tensor(got=torch.zeros_like(common["ref64"]), **common)
-    chk = check_tensor(got=run, **common)
+    zero = judge(got=torch.zeros_like(common["ref64"]), **common)
+    chk = judge(got=run, **common)
     assert zero.ok and chk.ok and chk.ratio == 0 and chk.vacuous >= 1
     assert chk.norm_ratio > 1 or chk.max_abs > chk.allowed  # what the bounds would have said
     # a zero tensor is what the bounds pass (the definition), the run is what they would have failed
@@ -178,8 +180,8 @@ def test_a_piece_whose_bounds_would_pass_zero_is_not_judged_and_is_named():
 
 def test_merged_ranks_name_the_first_withheld_piece_and_keep_the_worst_would_be_ratio():
     common, run = _vacuous_grad(torch.bfloat16)
-    first = check_tensor(got=torch.zeros_like(common["ref64"]), **common)
-    worst = check_tensor(got=run, **{**common, "step": 1, "rank": 1})
+    first = judge(got=torch.zeros_like(common["ref64"]), **common)
+    worst = judge(got=run, **{**common, "step": 1, "rank": 1})
     ranks = [RankResult(rank=0), RankResult(rank=1)]
     record(ranks[0], first)
     record(ranks[1], worst)
@@ -193,12 +195,12 @@ def test_merged_ranks_name_the_first_withheld_piece_and_keep_the_worst_would_be_
 def test_a_vacuous_piece_still_fails_where_the_run_is_not_finite():
     common, run = _vacuous_grad(torch.bfloat16)
     run[3, 1] = float("nan")
-    assert not check_tensor(got=run, **common).ok
+    assert not judge(got=run, **common).ok
 
 
 def test_float32_judges_the_pieces_bfloat16_withholds():
     common, run = _vacuous_grad(torch.float32)
-    chk = check_tensor(got=run, **common)
+    chk = judge(got=run, **common)
     assert not chk.ok and not chk.vacuous
 
 
@@ -226,35 +228,35 @@ def test_a_small_bf16_piece_has_the_ensembles_norm_wise_bound():
     # a norm or bias grad of 16-32 elements had the max-abs bound alone, 16x the perturbed
     # reference's worst element: vacuous in every default bfloat16 config (docs/tolerance.md)
     common, correct = _small_grad(torch.bfloat16)
-    chk = check_tensor(got=correct, **common)
+    chk = judge(got=correct, **common)
     assert chk.ok and not chk.vacuous and chk.norm_ratio > 0 and chk.dof >= 2
     assert chk.allowed >= float(common["ref64"].abs().max())  # its max-abs bound alone passes zero
-    assert not check_tensor(got=torch.zeros_like(correct), **common).ok
+    assert not judge(got=torch.zeros_like(correct), **common).ok
     # a replicated norm grad summed over one of two ranks only: about half of it
-    assert not check_tensor(got=common["ref64"] * 0.5, **common).ok
+    assert not judge(got=common["ref64"] * 0.5, **common).ok
     # float32 (no members) keeps the max-abs bound alone there
     common32, correct32 = _small_grad(torch.float32)
-    assert check_tensor(got=correct32, **common32).norm_ratio == 0
+    assert judge(got=correct32, **common32).norm_ratio == 0
 
 
 def test_members_that_err_along_one_direction_count_one_degree_of_freedom():
     gen = torch.Generator().manual_seed(5)
     v = torch.randn(32, generator=gen, dtype=torch.float64)
-    assert tolerance.member_dof([v, -3 * v, 0.5 * v]) == pytest.approx(1.0)
+    assert member_dof([v, -3 * v, 0.5 * v]) == pytest.approx(1.0)
     e1, e2 = torch.zeros(32, dtype=torch.float64), torch.zeros(32, dtype=torch.float64)
     e1[0], e2[1] = 1.0, 1.0
-    assert tolerance.member_dof([e1, e2]) == float("inf")  # orthogonal: no evidence of fewer
+    assert member_dof([e1, e2]) == float("inf")  # orthogonal: no evidence of fewer
     # the least over pairs: one aligned pair is enough
-    assert tolerance.member_dof([v, 2 * v, torch.randn(32, generator=gen, dtype=torch.float64)]) == pytest.approx(1.0)
+    assert member_dof([v, 2 * v, torch.randn(32, generator=gen, dtype=torch.float64)]) == pytest.approx(1.0)
     aligned, run = _small_grad(torch.bfloat16, aligned=True)
     spread, _ = _small_grad(torch.bfloat16)
-    assert check_tensor(got=run, **aligned).dof < 1.01 < check_tensor(got=run, **spread).dof
+    assert judge(got=run, **aligned).dof < 1.01 < judge(got=run, **spread).dof
 
 
 def test_an_exactly_zero_piece_is_judged():
     zero = torch.zeros(8, 8, dtype=torch.float64)
     noisy = torch.full((8, 8), 1e-3, dtype=torch.float64)
-    chk = check_tensor(kind="grad", name="pos_emb.weight", step=0, rank=0, got=noisy, ref64=zero, ref_lp=noisy,
+    chk = judge(kind="grad", name="pos_emb.weight", step=0, rank=0, got=noisy, ref64=zero, ref_lp=noisy,
                        ref_alt=noisy, dtype=torch.bfloat16, dof=12, ref_samples=[noisy])
     assert not chk.vacuous
 
@@ -304,17 +306,18 @@ def test_float32_forward_takes_the_sharper_of_its_two_reference_ensemble_and_nor
     scaled = correct * (1 + 3e-7)
     common = dict(name="output", step=0, rank=0, ref64=ref64, ref_lp=ref_lp, ref_alt=alt, dtype=torch.float32,
                   dof=256)
-    assert tolerance.FLOAT32_ENSEMBLE_KINDS == frozenset({"forward", "lse"})
+    assert precision.FLOAT32.alt_member_kinds == frozenset({"forward", "lse"})
     # without the ensemble, the two-reference bound passes the piece
-    monkeypatch.setattr(tolerance, "FLOAT32_ENSEMBLE_KINDS", frozenset())
-    assert check_tensor(kind="forward", got=scaled, **common).ok
-    monkeypatch.setattr(tolerance, "FLOAT32_ENSEMBLE_KINDS", frozenset({"forward", "lse"}))
-    assert check_tensor(kind="forward", got=correct, **common).ok
-    assert not check_tensor(kind="forward", got=scaled, **common).ok
-    assert check_tensor(kind="grad", got=scaled, **common).ok
+    monkeypatch.setitem(precision.PRECISIONS, torch.float32,
+                        dataclasses.replace(precision.FLOAT32, alt_member_kinds=frozenset()))
+    assert judge(kind="forward", got=scaled, **common).ok
+    monkeypatch.setitem(precision.PRECISIONS, torch.float32, precision.FLOAT32)
+    assert judge(kind="forward", got=correct, **common).ok
+    assert not judge(kind="forward", got=scaled, **common).ok
+    assert judge(kind="grad", got=scaled, **common).ok
     # few tokens: the two-reference bound is the sharper one and stays
     few = dict(common, dof=8)
-    assert check_tensor(kind="forward", got=scaled, **few).ok
+    assert judge(kind="forward", got=scaled, **few).ok
 
 
 def _terms(tokens: int, width_in: int, width_out: int, gen: torch.Generator, *, shared: float = 0.0,
@@ -371,8 +374,8 @@ def test_a_one_unit_grad_over_shared_inputs_counts_its_directions_not_its_tokens
     got = member(2.8)
     common = dict(kind="grad", name="fc1.weight", step=0, rank=0, ref64=ref64, dtype=torch.bfloat16, dof=690)
     refs = dict(ref_lp=member(1.0), ref_samples=[member(1.0)])
-    assert not check_tensor(got=got, **refs, **common).ok  # F(132) = 2.07: the old model's false alarm
-    assert check_tensor(got=got, grad_dof=dof, **refs, **common).ok
+    assert not judge(got=got, **refs, **common).ok  # F(132) = 2.07: the old model's false alarm
+    assert judge(got=got, grad_dof=dof, **refs, **common).ok
 
 
 def test_a_weight_grad_whose_tokens_weigh_alike_gets_a_tighter_bound_than_a_quarter_of_them():
@@ -384,9 +387,9 @@ def test_a_weight_grad_whose_tokens_weigh_alike_gets_a_tighter_bound_than_a_quar
     common = dict(kind="grad", name="fc1.weight", step=0, rank=0, ref64=ref64, dtype=torch.bfloat16, dof=24)
     refs = dict(ref_lp=_bf16_like(ref64, gen, 0.01), ref_samples=[_bf16_like(ref64, gen, 0.01)])
     scaled = _bf16_like(ref64, gen, 0.01) * 1.05
-    assert check_tensor(got=scaled, **refs, **common).ok
-    assert not check_tensor(got=scaled, grad_dof=dof, **refs, **common).ok
-    assert check_tensor(got=_bf16_like(ref64, gen, 0.01), grad_dof=dof, **refs, **common).ok
+    assert judge(got=scaled, **refs, **common).ok
+    assert not judge(got=scaled, grad_dof=dof, **refs, **common).ok
+    assert judge(got=_bf16_like(ref64, gen, 0.01), grad_dof=dof, **refs, **common).ok
 
 
 def test_bias_grad_dof_counts_elements_that_weigh_alike():
@@ -457,7 +460,7 @@ def test_a_plain_weight_grad_leaves_alt_out_and_a_cancelling_or_noisy_one_keeps_
 
     def judged(cancellation: float, members, alt_rel: float):
         alt = _bf16_like(ref64, gen, alt_rel)
-        return alt, check_tensor(kind="grad", name="fc1.weight", step=0, rank=0, got=scaled, ref64=ref64,
+        return alt, judge(kind="grad", name="fc1.weight", step=0, rank=0, got=scaled, ref64=ref64,
                                  ref_lp=members[0], ref_alt=alt, dtype=torch.bfloat16, dof=512,
                                  ref_samples=[members[1]],
                                  grad_noise=PieceNoise(dof=512, share=0.01, cancellation=cancellation))
@@ -481,9 +484,9 @@ def test_the_max_abs_bound_counts_the_members_where_alt_errs_little():
     common = dict(kind="grad", name="k_proj.weight", step=0, rank=0, ref64=zero, ref_lp=zero,
                   ref_alt=torch.tensor([[2.9e-6, -7e-7, 4.5e-6, -1.1e-5]], dtype=torch.float64), dtype=torch.bfloat16,
                   dof=1, got=torch.tensor([[-1.44e-4, 3.5e-5, -2.44e-4, 5.84e-4]], dtype=torch.float64))
-    assert not check_tensor(**common).ok
+    assert not judge(**common).ok
     member = torch.tensor([[2.1e-5, -5.1e-6, 3.6e-5, -8.6e-5]], dtype=torch.float64)
-    assert check_tensor(ref_samples=[member], **common).ok
+    assert judge(ref_samples=[member], **common).ok
 
 
 def test_a_weight_grads_degrees_of_freedom_are_the_fewer_of_its_two_error_terms():
@@ -498,7 +501,7 @@ def test_a_weight_grads_degrees_of_freedom_are_the_fewer_of_its_two_error_terms(
     a = (g.square() @ g.square().T) * (x @ x.T).square()  # tr C_g^2 by token pairs
     b = (g @ g.T).square() * (x.square() @ x.square().T)  # tr C_x^2
     trace = float((g.square().sum(1) * x.square().sum(1)).sum())
-    assert tolerance.weight_grad_dof(x, g) == pytest.approx(min(trace**2 / float(a.sum()), trace**2 / float(b.sum())))
+    assert weight_grad_dof(x, g) == pytest.approx(min(trace**2 / float(a.sum()), trace**2 / float(b.sum())))
 
 
 def test_a_narrow_weight_piece_keeps_alt_however_plain_its_sum():
@@ -511,7 +514,7 @@ def test_a_narrow_weight_piece_keeps_alt_however_plain_its_sum():
         ref64 = torch.randn(150, width, generator=gen, dtype=torch.float64)
         members = [_bf16_like(ref64, gen, u) for _ in range(2)]
         alt = _bf16_like(ref64, gen, 9 * u)
-        chk = check_tensor(kind="grad", name="fc2.weight", step=0, rank=0, got=members[0], ref64=ref64,
+        chk = judge(kind="grad", name="fc2.weight", step=0, rank=0, got=members[0], ref64=ref64,
                            ref_lp=members[0], ref_alt=alt, dtype=torch.bfloat16, dof=300, ref_samples=[members[1]],
                            grad_noise=PieceNoise(dof=300, share=0.01, cancellation=1.0))
         third = float((alt - ref64).norm()) / tolerance.ALT_OVERESTIMATE

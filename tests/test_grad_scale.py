@@ -7,7 +7,9 @@ import math
 import mpmath
 import pytest
 import torch
+from judging import judge
 
+from sp_harness.compare.dof import weight_grad_dof
 from sp_harness.compare.grad_scale import (
     SCALAR_ROUNDINGS,
     T_QUANTILE,
@@ -21,7 +23,6 @@ from sp_harness.compare.grad_scale import (
     weight_share,
     weight_shares,
 )
-from sp_harness.compare.tolerance import check_tensor, weight_grad_dof
 
 
 def _terms(tokens: int, width_in: int, width_out: int, gen: torch.Generator, *,
@@ -155,10 +156,10 @@ def test_check_tensor_records_a_linear_grads_scale_when_the_reference_sent_its_s
     common = dict(kind="grad", name="fc1.weight", step=0, rank=0, ref64=grad, dtype=torch.bfloat16, dof=24,
                   ref_lp=grad + errs[1], ref_samples=[grad + errs[2]])
     scaled = (grad + errs[0]) * 1.03
-    assert check_tensor(got=scaled, grad_dof=noise.dof, **common).ok  # the norm-wise bound alone passes it
-    recorded = check_tensor(got=scaled, grad_noise=noise, **common)
+    assert judge(got=scaled, grad_dof=noise.dof, **common).ok  # the norm-wise bound alone passes it
+    recorded = judge(got=scaled, grad_noise=noise, **common)
     assert recorded.ok and recorded.scale_ratio > 1 > recorded.norm_ratio  # recorded, not judged
-    fine = check_tensor(got=grad + errs[0], grad_noise=noise, **common)
+    fine = judge(got=grad + errs[0], grad_noise=noise, **common)
     assert fine.ok and 0 < fine.scale_ratio < 1
 
 

@@ -106,14 +106,14 @@ def test_check_tensor_judges_a_forward_pieces_scale_where_it_has_an_ensemble():
     """A bfloat16 forward piece 3% off along its output fails on its scale alone (norm-wise it is
     inside); a float32 one, judged without an ensemble, is not judged this way (its correct runs
     carry coherent errors shared across tokens that the model does not have)."""
-    from sp_harness.compare.tolerance import check_tensor
+    from judging import judge
 
     gen = torch.Generator().manual_seed(5)
     y = _logits(48, 64, gen)
     errs = _errors(y, "elementwise", gen, 3, rel=0.02)
     kwargs = dict(kind="forward", name="output", step=0, rank=0, ref64=y, ref_lp=y + errs[1], dof=48)
-    chk = check_tensor(got=y + errs[0] + 0.03 * y, dtype=torch.bfloat16, ref_samples=[y + errs[2]], **kwargs)
+    chk = judge(got=y + errs[0] + 0.03 * y, dtype=torch.bfloat16, ref_samples=[y + errs[2]], **kwargs)
     assert not chk.ok and chk.norm_ratio <= 1 < chk.scale_ratio and abs(chk.scale - 0.03) < 0.01, chk.describe()
-    assert check_tensor(got=y + errs[0], dtype=torch.bfloat16, ref_samples=[y + errs[2]], **kwargs).ok
-    float32 = check_tensor(got=y + errs[0] + 0.03 * y, dtype=torch.float32, ref_alt=y + errs[2], **kwargs)
+    assert judge(got=y + errs[0], dtype=torch.bfloat16, ref_samples=[y + errs[2]], **kwargs).ok
+    float32 = judge(got=y + errs[0] + 0.03 * y, dtype=torch.float32, ref_alt=y + errs[2], **kwargs)
     assert float32.scale_ratio == 0

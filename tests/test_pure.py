@@ -2,11 +2,12 @@
 
 import pytest
 import torch
+from judging import judge
 
-from sp_harness.compare.tolerance import FACTOR, FLOOR_ULPS, check_tensor
+from sp_harness.compare.tolerance import FACTOR, FLOOR_ULPS
 from sp_harness.config import shards
-from sp_harness.config.case import get_case, register
 from sp_harness.config.check_config import CheckConfig
+from sp_harness.config.registry import get_case, register
 
 
 @pytest.mark.parametrize("n,parts,want", [(10, 3, (4, 4, 2)), (32, 3, (11, 11, 10)), (5, 4, (2, 2, 1, 0)),
@@ -60,9 +61,9 @@ def test_repro_names_values_that_differ_from_the_case_default_only():
         assert "--steps 3" in repro and "--lr 0.01" in repro, repro
         assert "--steps" not in tuned.resolve(CheckConfig(case="tuned-mlp")).repro()
     finally:
-        from sp_harness.config import case as case_module
+        from sp_harness.config import registry
 
-        case_module._REGISTRY.pop("tuned-mlp")
+        registry._REGISTRY.pop("tuned-mlp")
 
 
 def test_a_case_default_overrides_every_engine_default():
@@ -88,11 +89,11 @@ def test_tolerance_passes_rounding_and_fails_a_real_error():
     ref64 = _ref()
     ref32 = ref64.to(torch.float32)
     got = ref64.to(torch.float32) * (1 + 2 * torch.finfo(torch.float32).eps)
-    ok = check_tensor(kind="grad", name="w", step=0, rank=0, got=got, ref64=ref64, ref_lp=ref32, dtype=torch.float32)
+    ok = judge(kind="grad", name="w", step=0, rank=0, got=got, ref64=ref64, ref_lp=ref32, dtype=torch.float32)
     assert ok.ok, ok
     bad = got.clone()
     bad[17] *= 2
-    chk = check_tensor(kind="grad", name="w", step=0, rank=1, got=bad, ref64=ref64, ref_lp=ref32, dtype=torch.float32,
+    chk = judge(kind="grad", name="w", step=0, rank=1, got=bad, ref64=ref64, ref_lp=ref32, dtype=torch.float32,
                        offset=(3,))
     assert not chk.ok and chk.worst_index == (20,) and chk.ratio > 1e4
     assert "rank 1" in chk.describe() and "w[20]" in chk.describe()
@@ -100,21 +101,21 @@ def test_tolerance_passes_rounding_and_fails_a_real_error():
 
 def test_float64_allowed_error_is_near_machine_precision():
     ref64 = _ref()
-    chk = check_tensor(kind="param", name="w", step=0, rank=0, got=ref64.clone(), ref64=ref64,
+    chk = judge(kind="param", name="w", step=0, rank=0, got=ref64.clone(), ref64=ref64,
                        ref_lp=ref64.to(torch.float32), dtype=torch.float64)
     # allowed = FACTOR * (f32 error scaled to f64 ulps) + FLOOR_ULPS ulps of the scale
     scale = float(ref64.abs().max())
     assert chk.allowed <= (FACTOR + FLOOR_ULPS) * 2.3e-16 * scale * 2
     shifted = ref64 + 1e-9 * scale
-    assert not check_tensor(kind="param", name="w", step=0, rank=0, got=shifted, ref64=ref64,
+    assert not judge(kind="param", name="w", step=0, rank=0, got=shifted, ref64=ref64,
                             ref_lp=ref64.to(torch.float32), dtype=torch.float64).ok
 
 
 def test_missing_grad_and_shape_mismatch_fail():
     ref64 = _ref()
-    assert not check_tensor(kind="grad", name="w", step=0, rank=0, got=None, ref64=ref64,
+    assert not judge(kind="grad", name="w", step=0, rank=0, got=None, ref64=ref64,
                             ref_lp=ref64.float(), dtype=torch.float64).ok
-    chk = check_tensor(kind="grad", name="w", step=0, rank=0, got=ref64[:50], ref64=ref64,
+    chk = judge(kind="grad", name="w", step=0, rank=0, got=ref64[:50], ref64=ref64,
                        ref_lp=ref64.float(), dtype=torch.float64)
     assert not chk.ok and "shape" in chk.note
 
@@ -123,5 +124,5 @@ def test_nan_is_never_within_tolerance():
     ref64 = _ref()
     got = ref64.clone()
     got[3] = float("nan")
-    assert not check_tensor(kind="forward", name="out", step=0, rank=0, got=got, ref64=ref64,
+    assert not judge(kind="forward", name="out", step=0, rank=0, got=got, ref64=ref64,
                             ref_lp=ref64.float(), dtype=torch.float64).ok

@@ -41,7 +41,7 @@ def test_scaled_mutant_fails_at_1e6_passes_at_0(scaled, shape):
 
 
 def test_scaled_mutants_are_not_in_the_battery():
-    from sp_harness.config.case import all_cases
+    from sp_harness.config.registry import all_cases
     from sp_harness.suites.battery import mutant_names
 
     names = set(mutant_names())
@@ -157,7 +157,7 @@ def test_a_bf16_norm_grad_half_off_is_caught_by_its_small_piece_norm_bound(sp_po
     """bfloat16, a replicated LayerNorm weight's grad (32 elements) x 1.5 on every rank: every
     element inside its max-abs bound (16x the perturbed reference's worst element, which passed a
     zero tensor there: the grad was not judged), the error norm past the ensemble's norm-wise
-    bound at the piece's own few degrees of freedom (tolerance.member_dof); d = 0 passes."""
+    bound at the piece's own few degrees of freedom (dof.member_dof); d = 0 passes."""
     res = _bf16_scaled(sp_pool, "norm-grad", 0.5)
     assert res.verdict == "FAIL", res.reason
     first = res.failures[0]

@@ -3,14 +3,14 @@ its bound, the reorder adversary, the norm-wise criterion's gates."""
 
 import pytest
 import torch
+from judging import judge
 
+from sp_harness.compare.tensor_check import check_bounded
 from sp_harness.compare.tolerance import (
     FACTOR,
     MISMATCH,
     NORM_MIN_DOF,
     SMALL_PIECE_QUANTILE,
-    check_bounded,
-    check_tensor,
     max_abs_factor,
 )
 from sp_harness.step.adversary import ReorderAdversary, order_error, round_tf32, sum_order_error
@@ -142,9 +142,9 @@ def test_norm_wise_bound_needs_enough_tokens_behind_the_tensor():
     ref64 = torch.randn(32, 32, generator=gen, dtype=torch.float64)
     ref_lp = ref64 * (1 + 1e-7 * torch.randn(32, 32, generator=gen, dtype=torch.float64))
     got = ref64 * (1 + 4e-6)  # systematic: every element 4e-6 high, within the max-abs bound
-    few = check_tensor(kind="grad", name="w", step=0, rank=0, got=got, ref64=ref64, ref_lp=ref_lp,
+    few = judge(kind="grad", name="w", step=0, rank=0, got=got, ref64=ref64, ref_lp=ref_lp,
                        dtype=torch.float32, dof=NORM_MIN_DOF - 1)
-    many = check_tensor(kind="grad", name="w", step=0, rank=0, got=got, ref64=ref64, ref_lp=ref_lp,
+    many = judge(kind="grad", name="w", step=0, rank=0, got=got, ref64=ref64, ref_lp=ref_lp,
                         dtype=torch.float32, dof=NORM_MIN_DOF)
     assert few.ok and few.norm_ratio == 0
     assert not many.ok and many.norm_ratio > 1 and many.max_abs <= many.allowed
@@ -300,10 +300,10 @@ def test_one_element_grad_is_judged_by_its_single_sample_quantile():
     want = torch.tensor([-0.00544652], dtype=torch.float64)
     lp = (want + 1.3e-9).float()
 
-    def judge(err):
-        return check_tensor(kind="grad", name="fc1.bias", step=1, rank=0, got=(want + err).float(), ref64=want,
-                            ref_lp=lp, ref_alt=want - 1.3e-9, dtype=torch.float32, dof=146)
+    def judge_err(err):
+        return judge(kind="grad", name="fc1.bias", step=1, rank=0, got=(want + err).float(), ref64=want,
+                     ref_lp=lp, ref_alt=want - 1.3e-9, dtype=torch.float32, dof=146)
 
-    assert judge(5.83e-8).ok
-    assert judge(5.83e-8).ratio < 0.2
-    assert not judge(5.4e-6).ok
+    assert judge_err(5.83e-8).ok
+    assert judge_err(5.83e-8).ratio < 0.2
+    assert not judge_err(5.4e-6).ok

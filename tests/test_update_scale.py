@@ -6,7 +6,7 @@ and pieces that stagnate or are too small carry no verdict."""
 import pytest
 import torch
 
-from sp_harness.compare.tolerance import check_bounded
+from sp_harness.compare.tensor_check import check_bounded
 from sp_harness.compare.update_scale import scale_bound, update_scales
 from sp_harness.step.optim_ref import (
     ADAMW_BETAS,

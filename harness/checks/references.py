@@ -32,29 +32,29 @@ import torch.distributed as dist
 from torch import nn
 
 from sp_harness.capture.trace import Recorder, Trace
-from sp_harness.compare.grad_scale import PieceNoise, bias_share, norm_weight_share, sums_to_zero, weight_share
-from sp_harness.compare.tolerance import (
+from sp_harness.compare.dof import (
     GRAD_DOF_SHARE,
     TokenSide,
     bias_grad_dof,
     element_participation,
-    lp_dtype,
     token_dof,
     token_side,
     weight_grad_dof,
 )
+from sp_harness.compare.grad_scale import PieceNoise, bias_share, norm_weight_share, sums_to_zero, weight_share
 from sp_harness.config.case import Batch, Case
 from sp_harness.config.check_config import CheckConfig
-from sp_harness.step.adversary import ReorderAdversary, walks
+from sp_harness.step.adversary import ReorderAdversary
 from sp_harness.step.build import cast_floating
+from sp_harness.step.precision import precision_of
 from sp_harness.step.reference import LinearTerms, RefStep, reference_pass
 from sp_harness.step.rounding import RoundedResults, RoundingNoise, perturb_
 
 KINDS = ("r64", "lp", "alt")
 """The three references every check has (sp_harness.compare.tolerance)."""
 SAMPLES = ("rounded",)
-"""More references in the run's precision for a run below float32 (kinds_for): with `lp`, the
-ensemble whose largest error norm bounds the sharded run's forward outputs, LSEs, grads and
+"""The ensemble's members this module computes, where the run's Precision has them (kinds_for):
+with `lp`, the ensemble whose largest error norm bounds the sharded run's forward outputs, LSEs, grads and
 input grads (sp_harness.compare.tolerance.ensemble_factor, ENSEMBLE_KINDS). 'rounded' is the model at the next finer
 precision with every op's result rounded to the run dtype (sp_harness.step.rounding.
 RoundedResults) under the sharded side's legal orders (every reduction split over at most
@@ -70,9 +70,10 @@ the ensemble's member is a float32 pass under two dispatch modes (1.24x a float6
 
 
 def kinds_for(dtype: torch.dtype) -> tuple[str, ...]:
-    """The references a run in `dtype` computes: the ensemble's members for a run below float32
-    only (float32 keeps the two-reference bound: docs/sensitivity.md says what is left there)."""
-    return KINDS + SAMPLES if torch.finfo(dtype).bits < 32 else KINDS
+    """The references a run in `dtype` computes: the three, and its Precision's members."""
+    members = precision_of(dtype).members
+    assert set(members) <= set(SAMPLES), f"a member this module cannot compute: {members}"
+    return KINDS + members
 
 
 def owner(which: str, world_size: int, kinds: tuple[str, ...] = KINDS) -> int:
@@ -107,16 +108,12 @@ def platform_noise(config: CheckConfig) -> contextlib.AbstractContextManager:
     is what a less accurate legal kernel would make, not what this CPU's happens to;
     TF32 under `--adversary reorder-tf32` (a platform setting: both sides). None below float32:
     there the accumulator is float32, and its order error, 1e-4 of the run-dtype rounding of
-    every result it would be added to, is not worth a matmul per matmul."""
-    if torch.finfo(config.torch_dtype).bits < 32:
+    every result it would be added to, is not worth a matmul per matmul (Precision.order_noise)."""
+    precision = precision_of(config.torch_dtype)
+    if not precision.order_noise:
         return contextlib.nullcontext()
     return ReorderAdversary(config.seed + 1, reorder=False, order_noise=True, tf32=config.adversary == "reorder-tf32",
-                            walk=walks(config.torch_dtype))
-
-
-def finer(dtype: torch.dtype) -> torch.dtype:
-    """The precision the 'rounded' sample computes in before rounding each result to `dtype`."""
-    return torch.float32 if torch.finfo(dtype).bits < 32 else torch.float64
+                            walk=precision.walk)
 
 
 @contextlib.contextmanager
@@ -155,7 +152,7 @@ class RefResult:
     grads: dict[str, torch.Tensor | None]
     grad_noise: dict[tuple[int, str], PieceNoise] = field(default_factory=dict)
     """The float64 reference's, in a run with an ensemble: each (rank, param name) LinearPiece's
-    degrees of freedom (sp_harness.compare.tolerance.weight_grad_dof, bias_grad_dof) and its
+    degrees of freedom (sp_harness.compare.dof.weight_grad_dof, bias_grad_dof) and its
     noise's share along its grad (sp_harness.compare.grad_scale)."""
 
 
@@ -198,7 +195,7 @@ def piece_noise(terms: LinearTerms, pieces: Iterable[LinearPiece],
             variances = element_sq[module][rows]
             g_rows = out_grads[module][:, rows]
             share = 1.0 if sums_to_zero(g_rows, grad[rows]) else bias_share(variances, grad[rows], g_rows)
-            # the fewer of elementwise and whole-vector errors' counts (tolerance.bias_grad_dof):
+            # the fewer of elementwise and whole-vector errors' counts (dof.bias_grad_dof):
             # element participation alone reached err / noise 2.19 at 459 degrees of freedom on a
             # correct fc1 bias (ratio 0.82; ulysses-gpt --seed 5854, `default` kernels); the token
             # side is the one the weight piece of the same rows uses
@@ -283,10 +280,12 @@ class References:
             step = reference_pass(model, case, batch, torch.float64, backward=backward, terms=terms)
         elif which == "lp":
             with self.platform:
-                step = reference_pass(model, case, batch, lp_dtype(self.dtype), backward=backward)
+                step = reference_pass(model, case, batch, precision_of(self.dtype).reference, backward=backward)
         elif which in SAMPLES:
+            member_dtype = precision_of(self.dtype).member_dtype
+            assert member_dtype is not None, f"{self.dtype} has no ensemble members"
             with sample_mode(self.config, which):
-                step = reference_pass(model, case, batch, finer(self.dtype), backward=backward)
+                step = reference_pass(model, case, batch, member_dtype, backward=backward)
         else:
             step = reference_pass(model, case, batch, torch.float64, noise=self.alt_noise, backward=backward)
         grads = {n: p.grad for n, p in model.named_parameters()}
@@ -309,17 +308,16 @@ def make_references(reference: nn.Module, build_copy, config: CheckConfig, devic
     case's factory, loaded with the reference's state), never deep copies: a framework's module
     may hold what cannot be copied (process groups)."""
     dtype = config.torch_dtype
+    precision = precision_of(dtype)
     alt_gen = torch.Generator().manual_seed(config.seed + 104729)
-    accumulator = torch.float32 if dtype in (torch.bfloat16, torch.float16) else dtype
-    # a run of float32 or less cannot hold what would overflow a float32 |A| @ |B|
-    magnitude = torch.float32 if torch.finfo(dtype).bits <= 32 else None
     matmul_input_rel = matmul_input_precision(config, device)
-    noise = RoundingNoise(torch.finfo(dtype).eps, alt_gen, torch.finfo(accumulator).eps, matmul_input_rel, magnitude,
-                          walk=walks(dtype))
-    return References(r64=reference, lp=cast_floating(build_copy(), lp_dtype(dtype)), alt=build_copy(),
+    noise = RoundingNoise(torch.finfo(dtype).eps, alt_gen, torch.finfo(precision.accumulator).eps, matmul_input_rel,
+                          precision.magnitude, walk=precision.walk)
+    return References(r64=reference, lp=cast_floating(build_copy(), precision.reference), alt=build_copy(),
                       alt_noise=noise, alt_gen=alt_gen, dtype=dtype, platform=platform_noise(config),
                       config=config,
-                      rounded=cast_floating(build_copy(), finer(dtype)) if "rounded" in kinds_for(dtype) else None,
+                      rounded=(cast_floating(build_copy(), precision.member_dtype)
+                               if precision.member_dtype is not None else None),
                       forward_only=bool(config.forward_only))
 
 

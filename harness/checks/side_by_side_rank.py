@@ -30,20 +30,19 @@ from sp_harness.checks.references import (
     LinearPiece,
     RefResult,
     Shared,
-    kinds_for,
     make_references,
 )
 from sp_harness.checks.refproc import Remote, reference_process
 from sp_harness.compare.divergence import first_divergence
-from sp_harness.compare.tolerance import FACTOR, TensorCheck, check_bounded, check_tensor, lp_dtype
-from sp_harness.compare.update_scale import DTYPES as SCALE_DTYPES
+from sp_harness.compare.tensor_check import TensorCheck, check_bounded
+from sp_harness.compare.tolerance import FACTOR, RefPieces, check_tensor
 from sp_harness.compare.update_scale import ScaleBound, scale_bound, update_scales
 from sp_harness.compare.update_scale import sample as scale_sample
 from sp_harness.config.case import as_batch
 from sp_harness.config.check_config import CheckConfig
 from sp_harness.judge.verdict import RankResult, record
 from sp_harness.launch import announce
-from sp_harness.step.adversary import ReorderAdversary, walks
+from sp_harness.step.adversary import ReorderAdversary
 from sp_harness.step.anchor import gather_full
 from sp_harness.step.build import build, reference_copy
 from sp_harness.step.context import reference_context
@@ -56,6 +55,7 @@ from sp_harness.step.params import (
     replica_drift,
     wrapper_prefix,
 )
+from sp_harness.step.precision import PRECISIONS, precision_of
 from sp_harness.step.reference import RefStep
 
 
@@ -74,7 +74,7 @@ def _loss_allowance(ref64: RefStep, ref_lp: RefStep, ref_alt: RefStep, dtype: to
     loss error can be small by luck (a float32 loss under TF32 came within 0.91x of its bound)."""
     if ref64.out_grad is None or not ref64.out.is_floating_point():
         return 0.0
-    lp = lp_dtype(dtype)
+    lp = precision_of(dtype).reference
     out_err = (ref_lp.out.to(torch.float64) - ref64.out).abs() * (torch.finfo(dtype).eps / torch.finfo(lp).eps)
     out_err = torch.maximum(out_err, (ref_alt.out - ref64.out).abs())
     return FACTOR * float((ref64.out_grad * out_err).norm())
@@ -88,6 +88,7 @@ class _SideBySide:
         parts) instead of the rank's reference process (sp_harness.checks.refproc)."""
         self.config = config
         self.dtype = config.torch_dtype
+        self.precision = precision_of(self.dtype)
         if not inline_references:
             reference_process()  # a first job's reference process imports torch while this rank builds
         # a throwaway counter around the sharded factory: its collectives are announced (desync
@@ -126,10 +127,10 @@ class _SideBySide:
 
     def judge(self, kind, name, step, got, want64, want_lp, offset=(), want_alt=None, extra=0.0, dof=0, samples=(),
               grad_noise=None):
-        record(self.result, check_tensor(kind=kind, name=name, step=step, rank=self.ctx.rank, got=got, ref64=want64,
-                                         ref_lp=want_lp, dtype=self.dtype, offset=offset, ref_alt=want_alt,
-                                         extra_allowed=extra, dof=dof, ref_samples=samples, grad_noise=grad_noise,
-                                         summed_over=self.built.config.world_size))
+        refs = RefPieces(r64=want64, lp=want_lp, alt=want_alt, members=tuple(samples))
+        record(self.result, check_tensor(kind=kind, name=name, step=step, rank=self.ctx.rank, got=got, refs=refs,
+                                         precision=self.precision, offset=offset, extra_allowed=extra, dof=dof,
+                                         grad_noise=grad_noise, summed_over=self.built.config.world_size))
 
     def check_init(self) -> None:
         """The sharded factory must start from the reference's weights, cast to the run dtype."""
@@ -244,7 +245,7 @@ class _SideBySide:
         """Every rank's pieces of the weight (2-D) and bias (1-D) params that are a block of the
         reference's rows x columns, for the float64 reference to derive their grads' degrees of
         freedom (runs with an ensemble only: nothing else reads them). A collective."""
-        if "rounded" not in kinds_for(self.dtype) or self.forward_only:
+        if not self.precision.members or self.forward_only:
             return ()
         mine = []
         for p in self.params:
@@ -354,7 +355,7 @@ def _adversary(config: CheckConfig):
     if config.adversary == "off":
         return contextlib.nullcontext()
     return ReorderAdversary(config.seed, reorder=True, tf32=config.adversary == "reorder-tf32",
-                            walk=walks(config.torch_dtype))
+                            walk=precision_of(config.torch_dtype).walk)
 
 
 def _expected_step(p: LocalParam, opt: torch.optim.Optimizer, config: CheckConfig,
@@ -368,7 +369,8 @@ def _expected_step(p: LocalParam, opt: torch.optim.Optimizer, config: CheckConfi
     raw = raw_state_of(opt, p.param, to_full)  # a DTensor's state gathered once, for both
     ref = reference_step(optimizer=config.optimizer, lr=config.lr, param=value, grad=grad,
                          state=float64_state(raw), dtype=dtype)
-    if grad is not None and value.dtype in SCALE_DTYPES:
+    judged = PRECISIONS.get(value.dtype)
+    if grad is not None and judged is not None and judged.update_scale:
         ref.before = scale_sample(value).to(torch.float64)
         ref.member = member_step(optimizer=config.optimizer, lr=config.lr, param=scale_sample(value),
                                  grad=scale_sample(grad),

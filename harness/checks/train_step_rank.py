@@ -30,9 +30,11 @@ import torch.distributed as dist
 
 from sp_harness.checks.references import KINDS, RefResult
 from sp_harness.checks.side_by_side_rank import _expected_step, _loss_allowance, _SideBySide, drive
-from sp_harness.compare.tolerance import check_bounded, eps, lp_dtype
-from sp_harness.config.case import Batch, RankContext
+from sp_harness.compare.tensor_check import check_bounded
+from sp_harness.compare.tolerance import eps
+from sp_harness.config.case import Batch
 from sp_harness.config.check_config import CheckConfig
+from sp_harness.config.rank_context import RankContext
 from sp_harness.config.step_protocol import TrainStep, grad_reader
 from sp_harness.judge.verdict import RankResult, record
 from sp_harness.step.inputs import batch_to, target_layout
@@ -76,8 +78,7 @@ class _TrainStepRun(_SideBySide):
         self.loss_spec = self.case.train_loss
         self.step_opt = train.optimizer
         self.read_grad = grad_reader(train)
-        # the norm's accumulator: what frameworks sum squares in (float32 below float64)
-        self.norm_dtype = lp_dtype(self.dtype) if self.dtype != torch.float64 else torch.float64
+        self.norm_dtype = self.precision.step_dtype
         self.shadow: ShadowOptimizer | None = None
         if self.step_opt is None:
             assert config.optimizer is not None and config.lr is not None, "the check resolves optimizer and lr"
@@ -241,7 +242,7 @@ class _TrainStepRun(_SideBySide):
         loss = torch.as_tensor(reported, dtype=torch.float64).detach().reshape(())
         self.result.losses.append(float(loss))
         # K micro-batch sums added in the run dtype: K more roundings of the loss
-        summed = len(mbs) * eps(lp_dtype(self.dtype)) * abs(float(r64.loss))
+        summed = len(mbs) * eps(self.precision.reference) * abs(float(r64.loss))
         self.judge("loss", "reported loss", step, loss, r64.loss, r_lp.loss, (), r_alt.loss,
                    extra=_loss_allowance(r64, r_lp, r_alt, self.dtype) + summed)
         failures = len(self.result.failures)

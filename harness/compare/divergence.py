@@ -8,8 +8,9 @@ from dataclasses import dataclass
 import torch
 
 from sp_harness.capture.trace import Recorder, Trace
-from sp_harness.compare.tolerance import check_tensor
+from sp_harness.compare.tolerance import RefPieces, check_tensor
 from sp_harness.config import shards as sh
+from sp_harness.step.precision import precision_of
 
 
 @dataclass(kw_only=True)
@@ -74,7 +75,7 @@ def first_divergence(*, step: int, rank: int, sharded: Recorder | Trace, ref64: 
                      skipped: frozenset[str] = frozenset()) -> Divergence:
     """`seq_index`: the global positions this rank's sequence pieces hold, for a permuted
     (load-balanced) layout; None for contiguous shards. `failed_kind`: the kind of the step's
-    first failure (sp_harness.compare.tolerance.KIND_ORDER); `skipped`: the modules the trace
+    first failure (sp_harness.compare.tensor_check.KIND_ORDER); `skipped`: the modules the trace
     left out (they hold TP-sharded params: their outputs are pieces or partial sums)."""
     unaligned: dict[str, list[str]] = {"forward": [], "backward": []}
     for phase in ("forward", "backward"):
@@ -91,9 +92,9 @@ def first_divergence(*, step: int, rank: int, sharded: Recorder | Trace, ref64: 
                 unaligned[phase].append(f"'{name}' ({phase} {tuple(got.shape)} is neither the reference's "
                                         f"{tuple(want.shape)} nor this rank's sequence slice of it)")
                 continue
-            chk = check_tensor(kind=phase, name=name, step=step, rank=rank, got=got, ref64=cut(want),
-                               ref_lp=cut(want_lp), dtype=dtype,
-                               ref_alt=None if want_alt is None else cut(want_alt))
+            refs = RefPieces(r64=cut(want), lp=cut(want_lp), alt=None if want_alt is None else cut(want_alt))
+            chk = check_tensor(kind=phase, name=name, step=step, rank=rank, got=got, refs=refs,
+                               precision=precision_of(dtype))
             if not chk.ok:
                 return Divergence(step=step, rank=rank, phase=phase, module=name, ratio=chk.ratio, order=order)
     if failed_kind in FORWARD_KINDS or failed_kind == "input_grad":

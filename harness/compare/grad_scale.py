@@ -14,7 +14,7 @@ a scaled grad has beta = d while the noise contributes a standard error of only
 
 where `share` = G^T C G / (tr C |G|^2) is the fraction of the noise's variance that lies along G,
 from the same per-token model that gives the piece's degrees of freedom
-(sp_harness.compare.tolerance.weight_grad_dof: C = sum_t diag(g_t^2) (x) x_t x_t^T + g_t g_t^T
+(sp_harness.compare.dof.weight_grad_dof: C = sum_t diag(g_t^2) (x) x_t x_t^T + g_t g_t^T
 (x) diag(x_t^2)), and |E - beta G|^2 is the piece's own residual, whose expectation is
 (1 - share) tr C under the model: the run's own noise scales its own standard error, so a
 sharded run that rounds more than the references gets a wider band, not a false alarm.
@@ -79,7 +79,7 @@ class PieceNoise:
     terms (a share of 1: no scale, as for a key projection's, `sums_to_zero`)."""
 
     dof: float
-    """Degrees of freedom of the piece's rounding error norm (tolerance.weight_grad_dof)."""
+    """Degrees of freedom of the piece's rounding error norm (dof.weight_grad_dof)."""
     share: float
     """The fraction of that error's variance along the exact grad G: G^T C G / (tr C |G|^2)."""
     cancellation: float = float("inf")

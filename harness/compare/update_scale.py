@@ -60,10 +60,6 @@ MAX_ELEMENTS = 1 << 16
 (`sample`): a coherent scale moves every element, and at 65536 elements the standard error is
 already a few 1e-5 (the training-size sensitivity, 0.0025, is set by the member's band), while
 the statistic over every element of a realistic model cost a check a tenth of its time."""
-DTYPES = (torch.bfloat16,)
-"""Parameter dtypes judged this way; float32 and float64 keep the elementwise bound alone,
-which already sees 1e-6 relative (docs/sensitivity.md). float16 is not a run dtype yet: its
-AdamW needs loss scaling (v underflows for grads below about 1e-2)."""
 
 
 @dataclass(kw_only=True, frozen=True)

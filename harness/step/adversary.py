@@ -27,6 +27,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from sp_harness.step.noise_pool import NoisePool
+from sp_harness.step.precision import accumulator
 
 aten = torch.ops.aten
 
@@ -55,23 +56,6 @@ and a float32 usp-gpt campaign draw (3 ranks, 137 tokens, `--seed 870`, `avx2`) 
 collapsed fc2 weight grad at 2.8x; at 16 it PASSes at 0.74."""
 
 
-SEQUENTIAL_ORDER_DTYPES: frozenset[torch.dtype] = frozenset({torch.float32})
-"""Run dtypes whose matmuls carry the sequential-order error (order_error with walk=False)
-instead of the worst-order walk: float32. The model is the better estimate of a sequential
-kernel (tests/test_tolerance_parts.py: 1.3-1.5x a float32 naive loop's error where the walk is
-27x) and makes float32 2-10x sharper (docs/sensitivity.md). float64 cannot take it: its
-run-precision reference is a float32 proxy, which on `default` kernels accumulates in double
-(a ring-gpt draw at 1.17x)."""
-
-
-def walks(dtype: torch.dtype) -> bool:
-    """Whether a run in `dtype` uses the worst-order walk as its matmuls' order error
-    (order_error's `walk`): every dtype not in SEQUENTIAL_ORDER_DTYPES. Below float32 the choice
-    is immaterial: the accumulator (float32) is finer than the run, and the order error is 1e-4
-    of the run's rounding."""
-    return dtype not in SEQUENTIAL_ORDER_DTYPES
-
-
 def order_error(a: torch.Tensor, b: torch.Tensor, op, gen: torch.Generator, u: float, pool=None,
                 magnitude_dtype: torch.dtype | None = None, into: torch.Tensor | None = None,
                 scale_out: list | None = None, walk: bool = True) -> torch.Tensor:
@@ -92,7 +76,7 @@ def order_error(a: torch.Tensor, b: torch.Tensor, op, gen: torch.Generator, u: f
     sqrt(2K), 32x at 512 tokens, which set float32's sensitivity at the training size
     (docs/tolerance.md, "Order error").
 
-    `walk` (the default; `walks` says for which runs): that earlier magnitude instead,
+    `walk` (the default; Precision.walk says for which runs): that earlier magnitude instead,
     u sqrt(K) |a| @ |b|. sp_harness.step.rounding.RoundingNoise also needs it where the matmul's
     inputs are coarser than its accumulator (its |a| @ |b| feeds the row-sum error, and the
     accumulator's u, which the walk overstates, is far below the inputs' rounding). u is the accumulator's: bfloat16 and float16 products
@@ -196,7 +180,7 @@ class ReorderAdversary(TorchDispatchMode):
         matmul's reduce-scatter, a DP grad all-reduce). The ensemble references
         (sp_harness.checks.references.SAMPLES) run so, with the job's world size.
         `partial_dtype`: the dtype the parts are rounded to, where the model computes finer
-        than the run dtype (default: the op's). `walk`: the order error's magnitude (`walks`)."""
+        than the run dtype (default: the op's). `walk`: the order error's magnitude (Precision.walk)."""
         super().__init__()
         self.seed, self.reorder, self.tf32 = seed, reorder, tf32
         self.partials, self.partial_dtype = partials, partial_dtype
@@ -252,7 +236,7 @@ class ReorderAdversary(TorchDispatchMode):
         dtype = a.dtype
         if self.tf32 and dtype == torch.float32:
             a, b = round_tf32(a), round_tf32(b)
-        acc_dtype = torch.float32 if dtype in (torch.bfloat16, torch.float16) else dtype
+        acc_dtype = accumulator(dtype)
         sizes = self._cuts(a.shape[-1])
         a_parts = a.split(sizes, dim=-1)
         b_parts = b.split(sizes, dim=-2)
@@ -290,7 +274,7 @@ class ReorderAdversary(TorchDispatchMode):
             keepdim = args[2] if len(args) > 2 else kwargs.get("keepdim", False)
             x = args[0]
             sizes = self._cuts(x.shape[dim])
-            acc_dtype = torch.float32 if x.dtype in (torch.bfloat16, torch.float16) else x.dtype
+            acc_dtype = accumulator(x.dtype)
             if len(sizes) > 1:
                 self.num_rewritten += 1
                 parts = [p.to(acc_dtype).sum(dim, keepdim=keepdim) for p in x.split(sizes, dim=dim)]

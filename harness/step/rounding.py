@@ -54,7 +54,7 @@ class RoundingNoise(TorchDispatchMode):
                  walk: bool = True):
         super().__init__()
         self.walk = walk
-        """The worst-order walk as the matmuls' order error (sp_harness.step.adversary.walks);
+        """The worst-order walk as the matmuls' order error (sp_harness.step.precision.Precision.walk);
         without it, the sequential model on matmuls and one-dim sums."""
         self.magnitude_dtype = magnitude_dtype
         """The dtype of order_error's |A| @ |B| (see there): float32 when the run's is at most that."""
