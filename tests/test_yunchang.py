@@ -15,7 +15,7 @@ skip_unless_installed("yunchang", "yunchang is not installed (pip install -e '.[
 import torch  # noqa: E402
 
 from sp_harness.cases.frameworks import flash_attn_standin as fa  # noqa: E402
-from sp_harness.cases.frameworks.yunchang import extract_positions  # noqa: E402
+from sp_harness.cases.frameworks.yunchang_layout import extract_positions  # noqa: E402
 from sp_harness.config.check_config import CheckConfig  # noqa: E402
 from sp_harness.judge.verdict import FAIL, PASS, UNSUPPORTED  # noqa: E402
 

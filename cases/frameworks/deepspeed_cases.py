@@ -8,14 +8,9 @@ training-step check, with two of its ZeRO-Offload bugs put back into its optimiz
 loss divided by the accumulation steps twice."""
 
 from sp_harness.cases.frameworks import installed
+from sp_harness.cases.frameworks.deepspeed_hf import hf_ulysses_case
 from sp_harness.cases.frameworks.deepspeed_step import DeepSpeedStepConfig, ds_step_case, ds_step_shard
-from sp_harness.cases.frameworks.deepspeed_ulysses import (
-    detached,
-    hf_ulysses_case,
-    sdpa_attention,
-    ulysses_case,
-    ulysses_shard,
-)
+from sp_harness.cases.frameworks.deepspeed_ulysses import detached, sdpa_attention, ulysses_case, ulysses_shard
 from sp_harness.config.case import Example, mutant, register
 
 ISOLATION = "deepspeed"

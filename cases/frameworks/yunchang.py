@@ -1,22 +1,24 @@
 """Stage: step. yunchang (USP: Ulysses x ring sequence parallelism) as a
 system under test: its `LongContextAttention` at a Ulysses degree x ring degree, inside the
-reference GPT, verified against the same GPT with plain attention on one device.
+reference GPT, verified against the same GPT with plain attention on one device. This module is
+the user's side: the Case factory `usp_case` (its validation, its expected verdict) and the
+sharded factory `yunchang_shard`; the pieces it assembles live beside it.
 
     from sp_harness.cases.frameworks.yunchang import usp_case
     USP_2X2 = usp_case("yc-usp-2x2", ulysses_degree=2, ring_degree=2, ring_impl_type="zigzag")
 
 - The reference is the project's GPT (`sp_harness.reference.gpt`) whose attention core is a
   submodule (`blocks.N.attn.core`: plain softmax attention on (B, S, heads, d), float64); the
-  projections, norms, MLPs, embeddings and head are the reference's own, by the same names.
+  projections, norms, MLPs, embeddings and head are the reference's own, by the same names
+  (`yunchang_model`).
 - The sharded twin is the same model (the reference's weights, every param replicated) with
   each core replaced by yunchang's `LongContextAttention(ring_impl_type=..., attn_type=FA)` on
   the process groups yunchang's own `set_seq_parallel_pg(ulysses_degree, ring_degree, rank,
   world_size, use_ulysses_low)` makes (its process-global `PROCESS_GROUP`; cached per process
   and degrees, reinstalled for each job). The sequence is placed by yunchang's own
-  `EXTRACT_FUNC_DICT[ring_impl_type]` (zigzag: 2 x ring_degree chunks, ring rank r holding
-  chunks r and 2R-1-r, cut among its Ulysses group; strip; basic: contiguous): the case's
-  `Layout.seq_order` mirrors it, and each rank checks that its own tokens are exactly what
-  yunchang's extract function gives it.
+  `EXTRACT_FUNC_DICT[ring_impl_type]` (`yunchang_layout`): the case's `Layout.seq_order` mirrors
+  it, and each rank checks that its own tokens are exactly what yunchang's extract function
+  gives it.
 - Grads: yunchang ships no grad sync (it is an attention layer). Every param is replicated over
   the SP group and each rank's loss covers its own tokens over the global count, so each grad is
   SUMMED over the SP group, as two all-reduces over yunchang's own groups (ULYSSES_PG, then
@@ -25,11 +27,11 @@ reference GPT, verified against the same GPT with plain attention on one device.
   accepts and discards) is recorded by a pass-through around `ring_attn_fn` and judged against
   the reference's (check kind `lse`): (B, heads of my Ulysses rank, my Ulysses group's tokens).
 - CPU: yunchang's pure-torch attention types have no backward and no CPU path; its default FA
-  path runs over `flash_attn_standin` (flash-attn 2.8's two kernels), installed by `cpu_shims`
-  alone, only where the ranks run on the CPU. `usp_case(kernel=...)` picks what computes each
-  block: 'exact' (torch ops, the default) or 'torch-flash' (torch's flash-attention kernels:
-  FlashAttention-2 where a GPU is visible, the block handed to it and back, else aten's CPU
-  flash kernel); `yc-usp-torch-flash` is `yc-usp` on the latter.
+  path runs over `flash_attn_standin` (flash-attn 2.8's two kernels), installed by
+  `yunchang_shims.cpu_shims` alone, only where the ranks run on the CPU. `usp_case(kernel=...)`
+  picks what computes each block: 'exact' (torch ops, the default) or 'torch-flash' (torch's
+  flash-attention kernels: FlashAttention-2 where a GPU is visible, the block handed to it and
+  back, else aten's CPU flash kernel); `yc-usp-torch-flash` is `yc-usp` on the latter.
 - yunchang's ring merge (`update_out_and_lse`) casts each block's output to float32 and its
   backward accumulates dq/dk/dv in float32: at float64 the attention cores are a float32 island
   (declared: `precision_islands`).
@@ -37,31 +39,27 @@ reference GPT, verified against the same GPT with plain attention on one device.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-import sys
 from collections.abc import Callable, Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from sp_harness import Case, Layout, Sharded, Unsupported
-from sp_harness.cases.common import (
-    GPT_DEFAULTS,
-    as_gpt,
-    attention_of,
-    build_reference_gpt,
-    gpt_fields,
-    known,
-    sum_replicated_grads,
+from sp_harness.cases.common import GPT_DEFAULTS, as_gpt, gpt_fields, known, sum_replicated_grads
+from sp_harness.cases.frameworks.yunchang_layout import (
+    default_ring_degree,
+    degrees,
+    extract_positions,
+    grid_coords,
+    seq_order,
+    yunchang_groups,
 )
+from sp_harness.cases.frameworks.yunchang_model import CoreAttention, YunchangCore, build_reference
+from sp_harness.cases.frameworks.yunchang_shims import cpu_shims
 from sp_harness.config.check_config import CheckConfig
-from sp_harness.reference.gpt import Attention, attention
-
-if TYPE_CHECKING:  # imported where its cases run (Case.setup): yunchang may not be installed
-    from yunchang import LongContextAttention
 
 YUNCHANG_VERSION = "0.6.4"
 """The release this module is tested with (the `yunchang` extra pins it)."""
@@ -74,195 +72,6 @@ MAX_LAYERS = 64
 """Blocks whose attention core is declared a float32 island (more than any config here uses)."""
 SYNC_GROUPS = ("ulysses", "ring")
 """The groups the correct grad sync sums over (both: the SP group)."""
-
-_SHIMMED = False
-
-
-def cpu_shims(device: torch.device | None = None) -> None:
-    """The CPU shim, the only one; a no-op for ranks on a GPU (`device`: the rank's; None: the
-    CPU, unless CUDA is available), idempotent.
-
-    yunchang's default attention type (`AttnType.FA`) calls flash-attn's `_flash_attn_forward` /
-    `_flash_attn_backward` for each ring block (`yunchang.kernels.attention.flash_attn_forward`
-    / `flash_attn_backward`), which exist only as CUDA kernels; its torch types
-    (`TORCH_FLASH`, `TORCH_EFFICIENT`, ...) have no backward at all (`pytorch_attn_backward`
-    raises). Here those two names, `flash_attn` (for its `__version__`) and `HAS_FLASH_ATTN` in
-    `yunchang.kernels.attention` point at `flash_attn_standin`: the same interface computing
-    exact attention in torch. Nothing else of yunchang is touched: its ring loop, p2p, LSE merge,
-    float32 accumulators and all-to-alls run as shipped."""
-    global _SHIMMED
-    on_gpu = device.type == "cuda" if device is not None else torch.cuda.is_available()
-    if _SHIMMED or on_gpu:
-        return
-    from yunchang.kernels import attention as kernels
-
-    from sp_harness.cases.frameworks import flash_attn_standin
-
-    kernels.flash_attn = flash_attn_standin
-    kernels._flash_attn_forward = flash_attn_standin._flash_attn_forward
-    kernels._flash_attn_backward = flash_attn_standin._flash_attn_backward
-    kernels.HAS_FLASH_ATTN = True
-    _SHIMMED = True
-
-
-# --- where yunchang puts each token -------------------------------------------------------------
-
-def grid_coords(t: int, ulysses: int, ring: int, use_ulysses_low: bool) -> tuple[int, int]:
-    """SP rank t -> (ring rank r, Ulysses rank u) in yunchang's `set_seq_parallel_pg` layout:
-    ulysses-low: Ulysses groups are runs of `ulysses` consecutive ranks; else the ring groups are."""
-    return divmod(t, ulysses) if use_ulysses_low else (t % ring, t // ring)
-
-
-def extract_positions(impl: str, seq_len: int, ulysses: int, ring: int, use_ulysses_low: bool) -> list[torch.Tensor]:
-    """Per SP rank, the global positions yunchang's `EXTRACT_FUNC_DICT[impl]` gives it (what
-    `*_extract_local(value, rank, world_size, rd, ud)` keeps of value = arange(seq_len))."""
-    sp = ulysses * ring
-    pos = torch.arange(seq_len)
-    if impl == "zigzag":  # zigzag_extract_local: ring rank r's chunks r and 2R-1-r, cut among its Ulysses group
-        chunks = pos.chunk(2 * ring)
-        out = []
-        for t in range(sp):
-            r, u = grid_coords(t, ulysses, ring, use_ulysses_low)
-            out.append(torch.cat([chunks[r], chunks[2 * ring - 1 - r]]).chunk(ulysses)[u])
-        return out
-    if impl == "strip":  # stripe_extract_local: stripes of the ring degree, then chunked by SP rank
-        striped = pos.reshape(seq_len // ring, ring).t().reshape(-1)
-        return list(striped.chunk(sp))
-    return list(pos.chunk(sp))  # basic_extract_local: contiguous by SP rank
-
-
-def seq_order(impl: str, ulysses: int, ring: int, use_ulysses_low: bool) -> Callable[[int, tuple[int, ...]], torch.Tensor]:
-    """`Layout.seq_order` for yunchang's placement `impl`."""
-
-    def order(seq_len: int, seq_shards: tuple[int, ...]) -> torch.Tensor:
-        return torch.cat(extract_positions(impl, seq_len, ulysses, ring, use_ulysses_low))
-
-    return order
-
-
-# --- yunchang's process groups -----------------------------------------------------------------
-
-_PGS: dict[tuple, tuple[Any, Any]] = {}
-
-
-def yunchang_groups(ctx, ulysses: int, ring: int, use_ulysses_low: bool) -> tuple[tuple[int, ...], tuple[int, ...]]:
-    """yunchang's own `set_seq_parallel_pg` for this world and these degrees (a collective every
-    rank runs alike: once per process and key), its groups installed in yunchang's global
-    `PROCESS_GROUP` for this job; returns (Ulysses ranks, ring ranks) of this rank, checked to lie
-    in the harness's SP group."""
-    from yunchang.globals import PROCESS_GROUP, set_seq_parallel_pg
-
-    key = (ctx.world_size, ulysses, ring, use_ulysses_low)
-    if key not in _PGS:
-        set_seq_parallel_pg(ulysses, ring, ctx.rank, ctx.world_size, use_ulysses_low=use_ulysses_low)
-        _PGS[key] = (PROCESS_GROUP.ULYSSES_PG, PROCESS_GROUP.RING_PG)
-    PROCESS_GROUP.ULYSSES_PG, PROCESS_GROUP.RING_PG = _PGS[key]
-    uly = tuple(dist.get_process_group_ranks(PROCESS_GROUP.ULYSSES_PG))
-    rng = tuple(dist.get_process_group_ranks(PROCESS_GROUP.RING_PG))
-    if not set(uly) | set(rng) <= set(ctx.tp_ranks):
-        raise RuntimeError(f"yunchang's groups (ulysses {uly}, ring {rng}) leave the SP group {ctx.tp_ranks}")
-    ctx._group_names.setdefault(uly, "ulysses")  # names for the collective accounting
-    ctx._group_names.setdefault(rng, "ring")
-    return uly, rng
-
-
-# --- the model ---------------------------------------------------------------------------------
-
-class CoreAttention(nn.Module):
-    """reference.gpt.Attention with its softmax core as a submodule `core`: the projections are
-    the reference's own modules (same names, same params). (B, S, H) -> (B, S, H); the core maps
-    q (B, S, a, d), k and v (B, S, a_kv, d) -> (B, S, a, d), yunchang's layout."""
-
-    def __init__(self, attn: Attention, core: nn.Module):
-        super().__init__()
-        self.q_proj, self.k_proj, self.v_proj, self.out_proj = attn.q_proj, attn.k_proj, attn.v_proj, attn.out_proj
-        self.num_heads, self.num_kv_heads, self.head_dim = attn.num_heads, attn.num_kv_heads, attn.head_dim
-        self.causal = attn.causal
-        self.core = core
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        b, s, _ = x.shape
-        d = self.head_dim
-        q = self.q_proj(x).view(b, s, self.num_heads, d)  # (B, S, a, d)
-        k = self.k_proj(x).view(b, s, self.num_kv_heads, d)  # (B, S, a_kv, d)
-        v = self.v_proj(x).view(b, s, self.num_kv_heads, d)
-        y = self.core(q, k, v)  # (B, S, a, d)
-        return self.out_proj(y.reshape(b, s, self.num_heads * d))
-
-
-class PlainCore(nn.Module):
-    """The reference's attention core: exact softmax attention, its LSE kept for the harness."""
-
-    def __init__(self, causal: bool):
-        super().__init__()
-        self.causal = causal
-
-    def forward(self, q, k, v):
-        y, self.lse = attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), causal=self.causal,
-                                return_lse=True)  # (B, a, S, d), (B, a, S)
-        return y.transpose(1, 2)
-
-
-@contextlib.contextmanager
-def _swapped(module_name: str, attr: str, value: Any):
-    module = sys.modules[module_name]
-    old = getattr(module, attr)
-    setattr(module, attr, value)
-    try:
-        yield
-    finally:
-        setattr(module, attr, old)
-
-
-class YunchangCore(nn.Module):
-    """The sharded core: yunchang's `LongContextAttention` (`self.usp`) on this rank's tokens.
-    `ring_attn_fn` is wrapped to pass `return_attn_probs=True` (the layer unpacks the tuple and
-    returns the same output) and keep the LSE it returns; `swaps` (a mutant's: name -> value)
-    replace names in the ring implementation's module for the duration of the forward call only
-    (set and restored around it), so no other job in the process sees them."""
-
-    def __init__(self, usp: LongContextAttention, causal: bool, lse_index: tuple[torch.Tensor, torch.Tensor],
-                 swaps: Mapping[str, Any] | None = None):
-        super().__init__()
-        self.usp, self.causal, self.lse_index, self.lse = usp, causal, lse_index, None
-        ring_fn = usp.ring_attn_fn
-        ring_module = ring_fn.__module__
-
-        def recording(*args, **kwargs):
-            kwargs["return_attn_probs"] = True
-            with contextlib.ExitStack() as stack:
-                for attr, value in (swaps or {}).items():
-                    stack.enter_context(_swapped(ring_module, attr, value))
-                out = ring_fn(*args, **kwargs)
-            self.lse = out[1].detach()  # (B, heads here, my Ulysses group's tokens)
-            return out
-
-        usp.ring_attn_fn = recording
-
-    def forward(self, q, k, v):
-        return self.usp(q, k, v, causal=self.causal)
-
-
-def build_reference(config: CheckConfig) -> nn.Module:
-    """The reference GPT, each attention's core a `PlainCore` submodule."""
-    model = as_gpt(build_reference_gpt(config))
-    for block in model.blocks:
-        attn = attention_of(block)
-        block.attn = CoreAttention(attn, PlainCore(attn.causal))
-    return model
-
-
-# --- the case ----------------------------------------------------------------------------------
-
-def default_ring_degree(sp: int) -> int:
-    """2 where it divides sp (world 2: a pure ring; 4: 2 x 2), else 1 (pure Ulysses)."""
-    return 2 if sp % 2 == 0 else 1
-
-
-def degrees(config: CheckConfig) -> tuple[int, int]:
-    """(ulysses_degree, ring_degree) of a resolved config."""
-    ring = config.ring_degree or default_ring_degree(config.tp)
-    return config.tp // ring, ring
 
 
 def yunchang_shard(*, ring_impl_type: str = "zigzag", use_ulysses_low: bool = True, extract: str | None = None,
@@ -442,32 +251,5 @@ def usp_case(name: str, *, ulysses_degree: int | None = None, ring_degree: int |
         fixed_ring_degree=ring_degree, fixed_ulysses_degree=ulysses_degree, tags=tags, **fields)
 
 
-def overwriting_merge(out, lse, block_out, block_lse, slice_=None):
-    """A ring merge that keeps the latest block and drops the running (out, lse): what yunchang's
-    `ring_flash_attn_forward` does on its SPARSE_SAGE path (`out, lse = block_out, block_lse`,
-    feifeibear/long-context-attention#176). Same shapes and dtypes as `update_out_and_lse`."""
-    new_out = block_out.to(torch.float32)
-    new_lse = block_lse.transpose(-2, -1).unsqueeze(dim=-1)
-    if out is None or slice_ is None:
-        return new_out, new_lse
-    out[slice_], lse[slice_] = new_out, new_lse
-    return out, lse
-
-
-def diagonal_mask_on_every_block(impl_type, stage: str = "fwd-bwd", attn_processor=None):
-    """A `select_flash_attn_impl` whose kernels apply the causal mask to every block, received
-    k/v blocks included (where yunchang passes causal=False: they lie wholly before or after the
-    queries): the ring-block masking error of zhuzilin/ring-flash-attention#54."""
-    from yunchang.kernels import select_flash_attn_impl
-
-    fn = select_flash_attn_impl(impl_type, stage, attn_processor)
-
-    def masked(*args, **kwargs):
-        kwargs["causal"] = True
-        return fn(*args, **kwargs)
-
-    return masked
-
-
-__all__ = ["YUNCHANG_VERSION", "diagonal_mask_on_every_block", "RING_IMPLS", "cpu_shims", "extract_positions", "overwriting_merge", "refuse_gloo_ring_of_one", "seq_order",
-           "usp_case", "yunchang_groups", "yunchang_shard"]
+__all__ = ["CAUSAL_ONLY", "MAX_LAYERS", "RING_IMPLS", "SYNC_GROUPS", "YUNCHANG_VERSION", "YunchangCase",
+           "expect_float32_alias", "refuse_gloo_ring_of_one", "usp_case", "yunchang_shard"]

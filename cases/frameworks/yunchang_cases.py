@@ -1,13 +1,11 @@
 """Stage: config and step. yunchang's built-in cases (registered where yunchang
 is installed): its LongContextAttention (USP) with the zigzag ring at the run's Ulysses x ring
-degrees, and the bugs USP users have shipped, expressed through yunchang's own code paths."""
+degrees, and the bugs USP users have shipped, expressed through yunchang's own code paths (the
+two replacement functions the mutants hand to yunchang are here, beside them)."""
 
-from sp_harness.cases.frameworks.yunchang import (
-    diagonal_mask_on_every_block,
-    overwriting_merge,
-    usp_case,
-    yunchang_shard,
-)
+import torch
+
+from sp_harness.cases.frameworks.yunchang import usp_case, yunchang_shard
 from sp_harness.config.case import Example, mutant, register
 
 ISOLATION = "yunchang"
@@ -32,6 +30,34 @@ YC_USP_TORCH_FLASH = register(usp_case(
                       note="yunchang ring 2 (zigzag) on torch's flash kernels"),
               Example(fields=(("world_size", 4), ("dtype", "bfloat16")),
                       note="yunchang ulysses 2 x ring 2 (zigzag) on torch's flash kernels"))))
+
+
+def overwriting_merge(out, lse, block_out, block_lse, slice_=None):
+    """A ring merge that keeps the latest block and drops the running (out, lse): what yunchang's
+    `ring_flash_attn_forward` does on its SPARSE_SAGE path (`out, lse = block_out, block_lse`,
+    feifeibear/long-context-attention#176). Same shapes and dtypes as `update_out_and_lse`."""
+    new_out = block_out.to(torch.float32)
+    new_lse = block_lse.transpose(-2, -1).unsqueeze(dim=-1)
+    if out is None or slice_ is None:
+        return new_out, new_lse
+    out[slice_], lse[slice_] = new_out, new_lse
+    return out, lse
+
+
+def diagonal_mask_on_every_block(impl_type, stage: str = "fwd-bwd", attn_processor=None):
+    """A `select_flash_attn_impl` whose kernels apply the causal mask to every block, received
+    k/v blocks included (where yunchang passes causal=False: they lie wholly before or after the
+    queries): the ring-block masking error of zhuzilin/ring-flash-attention#54."""
+    from yunchang.kernels import select_flash_attn_impl
+
+    fn = select_flash_attn_impl(impl_type, stage, attn_processor)
+
+    def masked(*args, **kwargs):
+        kwargs["causal"] = True
+        return fn(*args, **kwargs)
+
+    return masked
+
 
 mutant(YC_USP, name="mutant-yc-zigzag-contiguous-shards",
        summary="zigzag ring fed contiguous shards (basic_extract_local)",
