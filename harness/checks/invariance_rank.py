@@ -29,7 +29,6 @@ from sp_harness.config.step_protocol import MicroBatch
 from sp_harness.step.anchor import gather_full
 from sp_harness.step.inputs import batch_generator
 from sp_harness.step.params import zero_declared_grads
-from sp_harness.step.precision import precision_of
 from sp_harness.step.train_batches import micro_batch
 
 
@@ -88,7 +87,7 @@ class _Invariance(_TrainStepRun):
     def variant(self, micro: list[MicroBatch], refs: dict[str, RefResult], tokens: int) -> Variant:
         reported = self.train.accumulate(micro)
         r64, r_lp, r_alt = (refs[w].step for w in KINDS)
-        summed = len(micro) * eps(precision_of(self.dtype).reference) * abs(float(r64.loss))
+        summed = len(micro) * eps(self.precision.reference) * abs(float(r64.loss))
         out = Variant(loss=float(torch.as_tensor(reported, dtype=torch.float64)),
                       loss_bound=_loss_allowance(r64, r_lp, r_alt, self.dtype) + summed)
         grads = {w: refs[w].grads for w in refs}
@@ -104,10 +103,10 @@ class _Invariance(_TrainStepRun):
             assert g64 is not None and glp is not None, f"the references computed no grad of {ref} (backward ran)"
             got, w64, wlp, _ = p.full_or_piece(g, g64, glp, self.ctx)
             samples = [p.piece_of(grads[w][ref], self.ctx) for w in SAMPLES if w in grads]
-            refs = RefPieces(r64=w64, lp=wlp, alt=p.piece_of(grads["alt"][ref], self.ctx),
-                             members=tuple(t for t in samples if t is not None))
-            chk = check_tensor(kind="grad", name=ref, step=0, rank=self.ctx.rank, got=got, refs=refs,
-                               precision=precision_of(self.dtype), dof=tokens, summed_over=self.config.world_size)
+            pieces = RefPieces(r64=w64, lp=wlp, alt=p.piece_of(grads["alt"][ref], self.ctx),
+                               members=tuple(t for t in samples if t is not None))
+            chk = check_tensor(kind="grad", name=ref, step=0, rank=self.ctx.rank, got=got, refs=pieces,
+                               precision=self.precision, dof=tokens, summed_over=self.config.world_size)
             i = names.index(ref)
             bound[i] = max(float(bound[i]), chk.allowed)
         if dist.get_world_size() > 1:
