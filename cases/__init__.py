@@ -1,5 +1,5 @@
 """Systems under test, registered lazily: importing this package imports no case. `BUILTIN`
-names the module that registers each built-in case; the registry (sp_harness.config.case)
+names the module that registers each built-in case; the registry (sp_harness.config.registry)
 imports a case's module on the first lookup of its name, and every module on `all_cases()`.
 The built-in cases of a framework are listed only where it is installed (`FRAMEWORK_CASES`).
 A module listed here must register exactly the names listed for it (tests/test_registry.py).

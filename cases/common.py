@@ -14,8 +14,9 @@ from torch import nn
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 from torch.nn import functional as F
 
-from sp_harness.config.case import Batch, Layout, RankContext, Training, Unsupported
+from sp_harness.config.case import Batch, Layout, Training, Unsupported
 from sp_harness.config.check_config import CheckConfig
+from sp_harness.config.rank_context import RankContext
 from sp_harness.config.shards import chunk_sizes
 from sp_harness.reference.gpt import GPT, Attention, GPTConfig, build_gpt, token_loss_sum
 from sp_harness.step.data import MarkovChain

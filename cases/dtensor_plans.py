@@ -28,8 +28,10 @@ from sp_harness.cases.common import (
     require_heads,
     require_plain_attention,
 )
-from sp_harness.config.case import Case, Example, Layout, RankContext, Sharded, Unsupported, register
+from sp_harness.config.case import Case, Example, Layout, Sharded, Unsupported
 from sp_harness.config.check_config import CheckConfig
+from sp_harness.config.rank_context import RankContext
+from sp_harness.config.registry import register
 from sp_harness.config.shards import chunk_sizes
 from sp_harness.reference.toy_mlp import ToyModel
 

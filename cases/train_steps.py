@@ -24,7 +24,8 @@ import torch.distributed as dist
 from torch import nn
 
 from sp_harness.cases.common import all_reduce_coalesced
-from sp_harness.config.case import RankContext, Sharded
+from sp_harness.config.case import Sharded
+from sp_harness.config.rank_context import RankContext
 from sp_harness.config.step_protocol import MicroBatch
 from sp_harness.reference.gpt import token_loss_sum
 from sp_harness.step.optim_ref import make_optimizer

@@ -4,20 +4,10 @@ The flow, bottom to top, is `sp_harness.stages.STAGES`: each stage is a folder o
 The public API for users' own cases is re-exported here.
 """
 
-from sp_harness.config.case import (
-    Batch,
-    Case,
-    Example,
-    Layout,
-    ParamSpec,
-    RankContext,
-    Sharded,
-    Training,
-    Unsupported,
-    mutant,
-    register,
-)
+from sp_harness.config.case import Batch, Case, Example, Layout, ParamSpec, Sharded, Training, Unsupported
 from sp_harness.config.check_config import CheckConfig
+from sp_harness.config.rank_context import RankContext
+from sp_harness.config.registry import mutant, register
 
 
 def check(config: CheckConfig, runner=None):

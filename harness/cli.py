@@ -35,7 +35,7 @@ def config_from_args(args) -> CheckConfig:
 
 
 def cmd_list(args) -> int:
-    from sp_harness.config.case import all_cases
+    from sp_harness.config.registry import all_cases
 
     cases = all_cases()
     width = max(len(n) for n in cases)
@@ -57,7 +57,7 @@ def _check_names(args) -> list[str]:
 
 def cmd_check(args) -> int:
     from sp_harness.checks import get_check, run_check
-    from sp_harness.config.case import get_case
+    from sp_harness.config.registry import get_case
     from sp_harness.report.text import check_writable, dump_json, format_outcomes
 
     config = config_from_args(args)

@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from sp_harness import Case, Layout, Sharded
-from sp_harness.config.case import mutant
+from sp_harness.config.registry import mutant
 
 WIDTH, VOCAB = 8, 12
 

@@ -13,8 +13,9 @@ import re
 import pytest
 import torch
 
-from sp_harness.config.case import Layout, RankContext
+from sp_harness.config.case import Layout
 from sp_harness.config.check_config import CheckConfig
+from sp_harness.config.rank_context import RankContext
 from sp_harness.judge.verdict import FAIL, PASS
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent

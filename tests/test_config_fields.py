@@ -14,11 +14,12 @@ import pytest
 from hypothesis import given, settings
 
 from sp_harness.cli import build_parser, config_from_args
-from sp_harness.config.case import Case, get_case
+from sp_harness.config.case import Case
 from sp_harness.config.check_config import ENGINE_DEFAULTS, KNOBS, CheckConfig, RunFields
 from sp_harness.config.converge_options import ConvergeOptions, repro_line
 from sp_harness.config.flags import add_flags, check_values, docstrings, from_args, knob, repro_args, specs
 from sp_harness.config.gpt_knobs import GPTKnobs
+from sp_harness.config.registry import get_case
 from sp_harness.config.strategies import knob_values
 
 

@@ -173,7 +173,7 @@ def test_two_runs_at_once_into_one_out_leave_two_intact_reports(tmp_path):
 
 
 def test_converge_takes_the_cases_own_defaults_where_not_told():
-    from sp_harness.config.case import get_case
+    from sp_harness.config.registry import get_case
     from sp_harness.train.lockstep_runs import base_config, config_sources
 
     mine = base_config(ConvergeOptions(case=MY_MLP, steps=7))

@@ -66,7 +66,7 @@ def test_ulysses_sp_attention_hf_on_a_tiny_llama_passes(sp_check):
 def test_the_built_in_cases_reach_their_nightly_verdict(sp_check, case):
     # the registered cases `sp-harness nightly` runs by name (their first example), beside this
     # file's examples/ twins of them
-    from sp_harness.config.case import get_case
+    from sp_harness.config.registry import get_case
     from sp_harness.judge.expect import expected_verdict
 
     config = get_case(case).examples[0].config(case)

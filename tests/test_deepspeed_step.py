@@ -72,7 +72,7 @@ def test_deepspeeds_limits_are_unsupported_before_any_rank_runs(sp_check):
     assert res.verdict == UNSUPPORTED and "torch.float64" in res.reason, res.reason
     from sp_harness import Unsupported
     from sp_harness.cases.frameworks.deepspeed_step import ds_step_case
-    from sp_harness.config.case import get_case
+    from sp_harness.config.registry import get_case
 
     # ZeRO-3's default reduce_scatter averages over SP too; a param above the persistence threshold
     # is partitioned between forwards

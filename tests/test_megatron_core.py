@@ -79,7 +79,7 @@ def test_converge_fails_megatron_norm_flag_dropped_naming_the_norm(sp_pool, tmp_
 
 def test_the_built_in_tp_case_reaches_its_nightly_verdict(sp_check):
     # mcore-gpt-tp, the built-in SP case's baseline and twin, run by name as `sp-harness nightly` runs it
-    from sp_harness.config.case import get_case
+    from sp_harness.config.registry import get_case
     from sp_harness.judge.expect import expected_verdict
 
     config = get_case("mcore-gpt-tp").examples[0].config("mcore-gpt-tp")

@@ -127,7 +127,8 @@ def _cfg(**kw):
 
 
 def test_validate_rejects_with_numbers():
-    from sp_harness.config.case import Unsupported, get_case
+    from sp_harness.config.case import Unsupported
+    from sp_harness.config.registry import get_case
 
     sp = get_case("megatron-gpt-sp")
     with pytest.raises(Unsupported, match=r"tp\(5\) > num_heads\(4\)"):

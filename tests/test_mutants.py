@@ -23,7 +23,7 @@ def test_catalogue_is_large_enough():
 
 
 def test_every_mutant_declares_a_pinned_killer():
-    from sp_harness.config.case import get_case
+    from sp_harness.config.registry import get_case
     from sp_harness.suites.battery import BATTERY
 
     entries = {e.name for e in BATTERY}
@@ -35,7 +35,7 @@ def test_every_mutant_declares_a_pinned_killer():
 
 @pytest.mark.parametrize("mutant", mutant_names())
 def test_mutant_is_killed_by_its_pinned_check(battery, tier, mutant):
-    from sp_harness.config.case import get_case
+    from sp_harness.config.registry import get_case
 
     pinned = tuple(get_case(mutant).killed_by)
     outcome = battery.kill(mutant, only=pinned[1] if tier == "fast" else None)

@@ -12,7 +12,7 @@ PROBE = """
 import json, sys
 import sp_harness.cases as cases
 imported = sorted(m for m in sys.modules if m.startswith("sp_harness.cases."))
-from sp_harness.config.case import _REGISTRY, all_cases, get_case
+from sp_harness.config.registry import _REGISTRY, all_cases, get_case
 get_case("ring-gpt")
 after_lookup = sorted(_REGISTRY)
 everything = sorted(all_cases())

@@ -21,8 +21,8 @@ from sp_harness.cases.ring.placement import (
     zigzag_order,
 )
 from sp_harness.cases.ring.strategies import ring_configs
-from sp_harness.config.case import RankContext
 from sp_harness.config.check_config import CheckConfig
+from sp_harness.config.rank_context import RankContext
 from sp_harness.config.shards import chunk_sizes
 from sp_harness.config.strategies import adversaries
 from sp_harness.judge.expect import expected_verdict

@@ -16,8 +16,9 @@ import pytest
 
 from sp_harness.cases.frameworks import FRAMEWORK_CASES, installed
 from sp_harness.checks import all_checks
-from sp_harness.config.case import Case, all_cases
+from sp_harness.config.case import Case
 from sp_harness.config.check_config import CheckConfig
+from sp_harness.config.registry import all_cases
 from sp_harness.suites.battery import BATTERY, mutant_names
 
 FRAMEWORK_TESTS = {"megatron.core": "test_megatron_core.py", "yunchang": "test_yunchang.py",

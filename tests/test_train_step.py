@@ -14,8 +14,8 @@ from hypothesis import given, note
 from hypothesis import strategies as st
 
 from sp_harness.checks import train_step
-from sp_harness.config.case import get_case
 from sp_harness.config.check_config import CheckConfig
+from sp_harness.config.registry import get_case
 from sp_harness.config.strategies import train_step_configs
 from sp_harness.judge.verdict import format_result
 from sp_harness.step.context import reference_context

@@ -8,8 +8,9 @@ from hypothesis import strategies as st
 
 from sp_harness.cases.ulysses.mappings import kv_heads, query_heads
 from sp_harness.cases.ulysses.strategies import ulysses_configs
-from sp_harness.config.case import Unsupported, get_case
+from sp_harness.config.case import Unsupported
 from sp_harness.config.check_config import CheckConfig
+from sp_harness.config.registry import get_case
 from sp_harness.config.shards import chunk_sizes
 from sp_harness.judge.expect import expected_verdict
 from sp_harness.judge.verdict import format_result

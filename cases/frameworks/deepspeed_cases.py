@@ -11,7 +11,8 @@ from sp_harness.cases.frameworks import installed
 from sp_harness.cases.frameworks.deepspeed_hf import hf_ulysses_case
 from sp_harness.cases.frameworks.deepspeed_step import DeepSpeedStepConfig, ds_step_case, ds_step_shard
 from sp_harness.cases.frameworks.deepspeed_ulysses import detached, sdpa_attention, ulysses_case, ulysses_shard
-from sp_harness.config.case import Example, mutant, register
+from sp_harness.config.case import Example
+from sp_harness.config.registry import mutant, register
 
 ISOLATION = "deepspeed"
 """DeepSpeed's comm backend, its sequence-parallel groups and its `groups.mpu` are process-wide:

@@ -69,7 +69,7 @@ from sp_harness import Case, Sharded, Unsupported
 from sp_harness.cases.common import known
 from sp_harness.cases.frameworks.deepspeed_runtime import DEEPSPEED_VERSION
 from sp_harness.cases.frameworks.deepspeed_ulysses import sdpa_attention, ulysses_case, ulysses_shard
-from sp_harness.config.case import RankContext
+from sp_harness.config.rank_context import RankContext
 from sp_harness.config.step_protocol import MicroBatch, TrainLoss
 from sp_harness.reference.gpt import token_loss_sum
 from sp_harness.step.optim_ref import make_optimizer

@@ -10,7 +10,8 @@ from sp_harness.cases.frameworks.megatron_step import (
     megatron_step_shard,
     megatron_train_case,
 )
-from sp_harness.config.case import Example, mutant, register
+from sp_harness.config.case import Example
+from sp_harness.config.registry import mutant, register
 
 CONFIG = dict(num_layers=2, hidden_size=32, num_attention_heads=4, sequence_parallel=True)
 ISOLATION = "megatron-core"

@@ -49,7 +49,7 @@ from torch.overrides import TorchFunctionMode
 
 from sp_harness import Case, Sharded, Unsupported
 from sp_harness.cases.frameworks.megatron_core import megatron_case, megatron_shard
-from sp_harness.config.case import RankContext
+from sp_harness.config.rank_context import RankContext
 from sp_harness.config.step_protocol import MicroBatch, TrainLoss
 from sp_harness.step.optim_ref import ADAMW_BETAS, ADAMW_EPS, SGD_MOMENTUM, WEIGHT_DECAY
 

@@ -6,7 +6,8 @@ own slots."""
 
 from sp_harness.cases.frameworks.torchtitan import torchtitan_case, torchtitan_shard
 from sp_harness.cases.frameworks.torchtitan_step import TitanStepConfig, titan_step_shard, titan_train_case
-from sp_harness.config.case import Example, mutant, register
+from sp_harness.config.case import Example
+from sp_harness.config.registry import mutant, register
 
 SHAPES = dict(dim=32, n_layers=2, n_heads=4, vocab_size=64)
 ISOLATION = "torchtitan"

@@ -59,7 +59,7 @@ from torch import nn
 
 from sp_harness import Case, Sharded, Unsupported
 from sp_harness.cases.frameworks.torchtitan import torchtitan_case, torchtitan_shard
-from sp_harness.config.case import RankContext
+from sp_harness.config.rank_context import RankContext
 from sp_harness.config.step_protocol import MicroBatch, TrainLoss
 from sp_harness.step.optim_ref import ADAMW_BETAS, ADAMW_EPS, SGD_MOMENTUM, WEIGHT_DECAY
 

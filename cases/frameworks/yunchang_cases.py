@@ -6,7 +6,8 @@ two replacement functions the mutants hand to yunchang are here, beside them).""
 import torch
 
 from sp_harness.cases.frameworks.yunchang import usp_case, yunchang_shard
-from sp_harness.config.case import Example, mutant, register
+from sp_harness.config.case import Example
+from sp_harness.config.registry import mutant, register
 
 ISOLATION = "yunchang"
 """yunchang's PROCESS_GROUP and the CPU shim are process-wide: its cases share processes only

@@ -30,8 +30,10 @@ from sp_harness.cases.common import (
 from sp_harness.cases.megatron.impl import CORRECT, Impl
 from sp_harness.cases.megatron.model import build_sharded
 from sp_harness.cases.train_steps import marked_sequence_parallel, with_train_step
-from sp_harness.config.case import Case, Example, Layout, RankContext, Sharded, Unsupported, register
+from sp_harness.config.case import Case, Example, Layout, Sharded, Unsupported
 from sp_harness.config.check_config import CheckConfig
+from sp_harness.config.rank_context import RankContext
+from sp_harness.config.registry import register
 from sp_harness.config.step_protocol import TrainLoss
 
 DEFAULTS = dict(GPT_DEFAULTS)

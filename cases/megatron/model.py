@@ -29,7 +29,8 @@ from torch import nn
 from sp_harness.cases.common import as_gpt, known
 from sp_harness.cases.megatron.impl import Impl
 from sp_harness.cases.megatron.layers import Parallel, ParallelAttention, ParallelMLP, make_norm
-from sp_harness.config.case import Layout, ParamSpec, RankContext, Sharded
+from sp_harness.config.case import Layout, ParamSpec, Sharded
+from sp_harness.config.rank_context import RankContext
 from sp_harness.config.shards import chunk_sizes, shard
 
 

@@ -12,7 +12,9 @@ import torch.distributed as dist
 from sp_harness.cases.megatron.cases import SP
 from sp_harness.cases.megatron.impl import CORRECT
 from sp_harness.cases.megatron.model import build_sharded
-from sp_harness.config.case import RankContext, Sharded, mutant
+from sp_harness.config.case import Sharded
+from sp_harness.config.rank_context import RankContext
+from sp_harness.config.registry import mutant
 
 
 def _shard_counting_replicas(ref, ctx: RankContext) -> Sharded:

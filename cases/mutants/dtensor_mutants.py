@@ -11,7 +11,9 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, 
 
 from sp_harness.cases.common import known
 from sp_harness.cases.dtensor_plans import DTENSOR_GPT, SEED_MLP, gpt_plan
-from sp_harness.config.case import Layout, RankContext, Sharded, mutant
+from sp_harness.config.case import Layout, Sharded
+from sp_harness.config.rank_context import RankContext
+from sp_harness.config.registry import mutant
 
 
 def _gpt_shard(plan_edit=None, before=None):

@@ -29,7 +29,9 @@ from sp_harness.cases.megatron.cases import SP
 from sp_harness.cases.megatron.impl import CORRECT
 from sp_harness.cases.megatron.layers import Parallel
 from sp_harness.cases.megatron.model import ParallelBlock, ParallelGPT, copy_pieces, param_specs
-from sp_harness.config.case import Layout, RankContext, Sharded, mutant
+from sp_harness.config.case import Layout, Sharded
+from sp_harness.config.rank_context import RankContext
+from sp_harness.config.registry import mutant
 from sp_harness.config.shards import chunk_sizes
 
 # forward: all-gather on seq; backward: keep this rank's piece (the grad is replicated over TP

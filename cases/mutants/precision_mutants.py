@@ -21,7 +21,9 @@ from sp_harness.cases.ring.cases import RING, ring_shard
 from sp_harness.cases.ulysses.cases import ULYSSES, ulysses_shard
 from sp_harness.cases.ulysses.model import CORRECT as ULYSSES_CORRECT
 from sp_harness.cases.usp.cases import USP, usp_shard
-from sp_harness.config.case import RankContext, Sharded, mutant
+from sp_harness.config.case import Sharded
+from sp_harness.config.rank_context import RankContext
+from sp_harness.config.registry import mutant
 
 SOURCES = "huggingface/transformers#25681; huggingface/transformers PR #29285; nkalyanv99/UNI-D2 PR #6"
 """The positions-in-low-precision class: transformers#25681 (LlamaRotaryEmbedding built its

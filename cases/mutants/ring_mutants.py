@@ -16,7 +16,7 @@ from sp_harness.cases.ring.attention import CORRECT, Partial
 from sp_harness.cases.ring.cases import RING, ring_shard
 from sp_harness.cases.ring.mappings import Ring, exchange
 from sp_harness.cases.ring.placement import block_mask, contiguous_order
-from sp_harness.config.case import mutant
+from sp_harness.config.registry import mutant
 
 TAGS = ("ring",)
 

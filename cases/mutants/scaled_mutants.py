@@ -39,7 +39,9 @@ import torch
 from sp_harness.cases.megatron.cases import SP
 from sp_harness.cases.megatron.impl import CORRECT
 from sp_harness.cases.megatron.model import build_sharded
-from sp_harness.config.case import Case, RankContext, Sharded, mutant
+from sp_harness.config.case import Case, Sharded
+from sp_harness.config.rank_context import RankContext
+from sp_harness.config.registry import mutant
 
 ENV = "SP_HARNESS_SCALE_D"
 DEFAULT_D = 1e-3

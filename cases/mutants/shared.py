@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from sp_harness.config.case import RankContext
+from sp_harness.config.rank_context import RankContext
 from sp_harness.reference.gpt import token_loss_sum
 
 

@@ -13,7 +13,8 @@ from sp_harness.cases.megatron.cases import SP, megatron_shard
 from sp_harness.cases.megatron.impl import CORRECT
 from sp_harness.cases.ring.cases import RING, ring_shard
 from sp_harness.cases.train_steps import StepBugs, every_param, marked_sequence_parallel, with_train_step
-from sp_harness.config.case import Case, mutant
+from sp_harness.config.case import Case
+from sp_harness.config.registry import mutant
 
 
 def _megatron(name: str, bugs: StepBugs, *, killed_by: tuple[str, ...], **described: str) -> Case:

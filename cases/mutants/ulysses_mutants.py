@@ -16,7 +16,8 @@ from sp_harness.cases.mutants.shared import loss_mean_per_rank
 from sp_harness.cases.ulysses import mappings
 from sp_harness.cases.ulysses.cases import ULYSSES, ulysses_shard
 from sp_harness.cases.ulysses.model import CORRECT
-from sp_harness.config.case import RankContext, mutant
+from sp_harness.config.rank_context import RankContext
+from sp_harness.config.registry import mutant
 from sp_harness.reference.gpt import token_loss_sum
 
 

@@ -17,7 +17,9 @@ from sp_harness.cases.usp.cases import USP, default_ring_degree, usp_shard
 from sp_harness.cases.usp.groups import Grid, make_grid
 from sp_harness.cases.usp.model import CORRECT, build_sharded
 from sp_harness.cases.usp.placement import usp_order
-from sp_harness.config.case import RankContext, Sharded, Unsupported, mutant
+from sp_harness.config.case import Sharded, Unsupported
+from sp_harness.config.rank_context import RankContext
+from sp_harness.config.registry import mutant
 
 TAGS = ("usp",)
 

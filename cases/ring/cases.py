@@ -36,8 +36,10 @@ from sp_harness.cases.ring.attention import CORRECT, Impl, to_ring
 from sp_harness.cases.ring.mappings import Ring
 from sp_harness.cases.ring.placement import rank_positions
 from sp_harness.cases.train_steps import every_param, with_train_step
-from sp_harness.config.case import Case, Example, Layout, RankContext, Sharded, register
+from sp_harness.config.case import Case, Example, Layout, Sharded
 from sp_harness.config.check_config import CheckConfig
+from sp_harness.config.rank_context import RankContext
+from sp_harness.config.registry import register
 from sp_harness.config.step_protocol import TrainLoss
 
 DEFAULTS = dict(GPT_DEFAULTS, load_balancer="zigzag", causal=True)

@@ -50,8 +50,10 @@ from sp_harness.cases.common import (
     sum_replicated_grads,
     with_defaults,
 )
-from sp_harness.config.case import Case, Example, Layout, RankContext, Sharded, register
+from sp_harness.config.case import Case, Example, Layout, Sharded
 from sp_harness.config.check_config import CheckConfig
+from sp_harness.config.rank_context import RankContext
+from sp_harness.config.registry import register
 from sp_harness.reference.gpt import GPT, Attention
 
 DEFAULTS = dict(GPT_DEFAULTS, load_balancer="zigzag", causal=True)

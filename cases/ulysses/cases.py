@@ -22,8 +22,10 @@ from torch import nn
 
 from sp_harness.cases.common import GPT_DEFAULTS, as_gpt, gpt_fields, require_bsh, require_heads
 from sp_harness.cases.ulysses.model import CORRECT, Impl, build_sharded
-from sp_harness.config.case import Case, Example, RankContext, Sharded, Unsupported, register
+from sp_harness.config.case import Case, Example, Sharded, Unsupported
 from sp_harness.config.check_config import CheckConfig
+from sp_harness.config.rank_context import RankContext
+from sp_harness.config.registry import register
 
 DEFAULTS = dict(GPT_DEFAULTS, num_kv_heads=2)
 """A small GPT: 4 query heads sharing 2 k/v heads (GQA by default, so the default battery's

@@ -36,7 +36,8 @@ from torch import nn
 
 from sp_harness.cases.common import attention_of, sum_replicated_grads
 from sp_harness.cases.ulysses import mappings
-from sp_harness.config.case import Layout, RankContext, Sharded
+from sp_harness.config.case import Layout, Sharded
+from sp_harness.config.rank_context import RankContext
 from sp_harness.reference.gpt import GPT, Attention, attention
 
 

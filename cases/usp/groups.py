@@ -18,7 +18,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from sp_harness.config.case import RankContext
+from sp_harness.config.rank_context import RankContext
 
 
 @dataclass(kw_only=True, frozen=True)

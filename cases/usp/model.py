@@ -35,7 +35,8 @@ from sp_harness.cases.ulysses import mappings
 from sp_harness.cases.ulysses.model import kv_index
 from sp_harness.cases.usp.groups import Grid, group_positions
 from sp_harness.cases.usp.placement import usp_order
-from sp_harness.config.case import Layout, RankContext, Sharded
+from sp_harness.config.case import Layout, Sharded
+from sp_harness.config.rank_context import RankContext
 from sp_harness.reference.gpt import GPT, Attention
 
 

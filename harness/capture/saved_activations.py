@@ -132,7 +132,7 @@ def find_layer(model: nn.Module) -> nn.Module:
 
 def memory_config(config: CheckConfig) -> CheckConfig:
     """The config the memory check measures: the case's defaults, ffn = 4h unless given, LayerNorm."""
-    from sp_harness.config.case import get_case
+    from sp_harness.config.registry import get_case
 
     cfg = get_case(config.case).resolve(config)
     if config.ffn is None:
@@ -144,7 +144,7 @@ def memory_config(config: CheckConfig) -> CheckConfig:
 def measure_reference_layer(config: CheckConfig) -> LayerMemory:
     """No parallelism, in-process: the first layer of the case's reference fed [b, s, h] in the run
     dtype."""
-    from sp_harness.config.case import get_case
+    from sp_harness.config.registry import get_case
     from sp_harness.step.build import cast_floating, new_reference
 
     cfg = memory_config(config)

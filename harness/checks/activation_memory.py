@@ -65,8 +65,9 @@ import torch
 
 from sp_harness.capture.saved_activations import LayerMemory, activation_rank, memory_config
 from sp_harness.checks.base import Outcome
-from sp_harness.config.case import Case, get_case
+from sp_harness.config.case import Case
 from sp_harness.config.check_config import CheckConfig
+from sp_harness.config.registry import get_case
 from sp_harness.config.shards import chunk_sizes
 from sp_harness.launch.runner import Runner
 

@@ -16,8 +16,9 @@ from dataclasses import dataclass
 from sp_harness.capture.work import RankWork, attention_work_rank
 from sp_harness.checks.base import Outcome, not_applicable
 from sp_harness.config import shards as sh
-from sp_harness.config.case import Case, get_case
+from sp_harness.config.case import Case
 from sp_harness.config.check_config import CheckConfig
+from sp_harness.config.registry import get_case
 from sp_harness.launch.runner import Runner
 
 SLACK = 0.05

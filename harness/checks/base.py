@@ -48,7 +48,7 @@ def not_applicable(check: str, why: str, repro: str = "") -> Outcome:
 
 def run_check(check: "Check", config: CheckConfig, runner: Runner) -> Outcome:
     """The one way a check runs: n/a where it does not apply to the case and config, else its run."""
-    from sp_harness.config.case import get_case
+    from sp_harness.config.registry import get_case
 
     why = check.applies(get_case(config.case), config)
     if why is not None:

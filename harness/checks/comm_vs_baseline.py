@@ -9,8 +9,9 @@ from __future__ import annotations
 from sp_harness.checks.base import Outcome, not_applicable
 from sp_harness.checks.side_by_side import check
 from sp_harness.compare.comm_volume import PaperComparison, paper_check
-from sp_harness.config.case import Case, get_case
+from sp_harness.config.case import Case
 from sp_harness.config.check_config import CheckConfig
+from sp_harness.config.registry import get_case
 from sp_harness.config.shards import chunk_sizes, is_even
 from sp_harness.judge.verdict import PASS
 from sp_harness.launch.runner import Runner

@@ -10,8 +10,9 @@ from dataclasses import dataclass, field
 from sp_harness.checks.base import Outcome
 from sp_harness.checks.invariance_rank import InvariancePayload, InvarianceResult, Variant, run_rank
 from sp_harness.checks.train_step import require_train_step
-from sp_harness.config.case import Case, Unsupported, get_case
+from sp_harness.config.case import Case, Unsupported
 from sp_harness.config.check_config import CheckConfig
+from sp_harness.config.registry import get_case
 from sp_harness.launch.failure import RankFailure
 from sp_harness.launch.runner import Runner
 

@@ -27,8 +27,9 @@ import torch
 
 from sp_harness.capture.trace import Trace
 from sp_harness.checks.references import LinearPiece, RefResult, make_references
-from sp_harness.config.case import Batch, get_case
+from sp_harness.config.case import Batch
 from sp_harness.config.check_config import CheckConfig
+from sp_harness.config.registry import get_case
 from sp_harness.launch import companion
 from sp_harness.step.inputs import batch_to
 

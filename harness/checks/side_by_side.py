@@ -11,8 +11,9 @@ from collections.abc import Callable
 
 from sp_harness.checks.base import Outcome
 from sp_harness.checks.side_by_side_rank import run_rank
-from sp_harness.config.case import Case, Unsupported, get_case
+from sp_harness.config.case import Case, Unsupported
 from sp_harness.config.check_config import CheckConfig
+from sp_harness.config.registry import get_case
 from sp_harness.judge.verdict import FAIL, UNSUPPORTED, CheckResult, RankResult, format_result, merge
 from sp_harness.launch.failure import RankFailure
 from sp_harness.launch.runner import Runner, default_manager

@@ -38,7 +38,7 @@ def require_train_step(case: Case, config: CheckConfig) -> None:
 
 
 def train_step_cases() -> list[str]:
-    from sp_harness.config.case import all_cases
+    from sp_harness.config.registry import all_cases
 
     return sorted(n for n, c in all_cases().items() if c.train_loss is not None and "mutant" not in c.tags)
 

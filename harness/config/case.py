@@ -1,4 +1,4 @@
-"""Stage: config. The public case API and the case registry.
+"""Stage: config. The public case API: what a case declares and how the engine reads it.
 
 A case is a system under test: how to build the single-device reference, how to make one
 step's global input, and how to turn a copy of the reference into the sharded model on one rank.
@@ -13,25 +13,16 @@ that goes wrong, wrong numbers, a hang or a crash in the parallel code, is FAIL.
 from __future__ import annotations
 
 import dataclasses
-import importlib
-from collections.abc import Callable, Hashable, Mapping, Sequence
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
-from sp_harness.config.check_config import (
-    CASE_DEFAULTS,
-    ENGINE_DEFAULTS,
-    KNOBS,
-    RESOLVE,
-    CheckConfig,
-    default_timeout_s,
-)
+from sp_harness.config.check_config import ENGINE_DEFAULTS, KNOBS, CheckConfig, default_timeout_s
 from sp_harness.config.gpt_knobs import GPTKnobs
-from sp_harness.config.loading import load_case_file
+from sp_harness.config.rank_context import RankContext
 from sp_harness.config.resources import require_memory
 from sp_harness.config.step_protocol import TrainLoss, TrainStep
 
@@ -122,96 +113,6 @@ class ParamSpec:
         if self.replicated is not None:
             return self.replicated
         return self.dim is None and self.index is None
-
-
-_NEW_GROUPS: dict[tuple, dict[tuple[int, ...], Any]] = {}
-"""Groups made by `RankContext.new_groups` in this process, by (world size, partition)."""
-_ONCE: dict[Hashable, Any] = {}
-"""Results of `RankContext.once` in this process, by key."""
-
-
-@dataclass
-class RankContext:
-    """What a sharded factory knows about the rank it runs on. Built by the engine."""
-
-    config: CheckConfig
-    rank: int
-    world_size: int
-    dp_rank: int
-    tp_rank: int
-    tp_group: dist.ProcessGroup
-    dp_group: dist.ProcessGroup
-    tp_ranks: tuple[int, ...]
-    dp_ranks: tuple[int, ...]
-    seq_shards: tuple[int, ...]
-    """Tokens per TP rank for this config (explicit or torch.chunk's)."""
-    device: torch.device
-    _mesh: Any = None
-    groups: dict[str, dist.ProcessGroup] = field(default_factory=dict)
-    """Named process groups: "tp", also named "sp" and "cp" (the group the sequence is sharded
-    over), "dp", "world", and each one made by `new_groups`."""
-    _group_names: dict[tuple[int, ...], str] = field(default_factory=dict)
-
-    def new_groups(self, name: str, partition: Sequence[Sequence[int]]) -> dist.ProcessGroup:
-        """This rank's group of `partition` (every rank's tuple of ranks, covering each rank once),
-        recorded as `groups[name]`. Every rank must call it with the same partition: each creates
-        every group of it, in order (`new_group` is a collective of the whole world). Created once
-        per rank process: a warm pool's later jobs get the same groups back."""
-        blocks = tuple(tuple(int(r) for r in block) for block in partition)
-        flat = sorted(r for block in blocks for r in block)
-        if flat != list(range(self.world_size)) or any(not block for block in blocks):
-            raise ValueError(f"new_groups({name!r}): {[list(b) for b in blocks]} is not a partition of the ranks "
-                             f"0..{self.world_size - 1} (each rank in exactly one non-empty group)")
-        key = (self.world_size, blocks)
-        if key not in _NEW_GROUPS:
-            made = [dist.group.WORLD if len(b) == self.world_size else dist.new_group(list(b)) for b in blocks]
-            _NEW_GROUPS[key] = dict(zip(blocks, made, strict=True))
-        ranks = next(b for b in blocks if self.rank in b)
-        self.groups[name] = _NEW_GROUPS[key][ranks]
-        self._group_names.setdefault(ranks, name)
-        return self.groups[name]
-
-    def once(self, key: Hashable, fn: Callable[[], Any]) -> Any:
-        """`fn()`, run once per rank process for `key` and cached: a framework's global state
-        (megatron's `initialize_model_parallel`) that must not be set up twice on a warm pool.
-        The key names what the result depends on (the mesh, say)."""
-        if key not in _ONCE:
-            _ONCE[key] = fn()
-        return _ONCE[key]
-
-    @property
-    def tp(self) -> int:
-        return len(self.tp_ranks)
-
-    @property
-    def dp(self) -> int:
-        return len(self.dp_ranks)
-
-    @property
-    def device_mesh(self):
-        """A DTensor DeviceMesh: 1-D ("tp",) when dp == 1, else 2-D ("dp", "tp")."""
-        if self._mesh is None:
-            from torch.distributed.device_mesh import init_device_mesh
-
-            if self.dp == 1:
-                self._mesh = init_device_mesh(self.device.type, (self.tp,), mesh_dim_names=("tp",))
-            else:
-                self._mesh = init_device_mesh(
-                    self.device.type, (self.dp, self.tp), mesh_dim_names=("dp", "tp")
-                )
-        return self._mesh
-
-    def group_label(self, ranks: tuple[int, ...]) -> str:
-        """Human name of a process group by its ranks, for collective accounting."""
-        if ranks == self.tp_ranks:
-            return "tp"
-        if ranks == self.dp_ranks:
-            return "dp"
-        if ranks in self._group_names:
-            return self._group_names[ranks]
-        if len(ranks) == self.world_size:
-            return "world"
-        return "ranks" + "-".join(map(str, ranks))
 
 
 @dataclass
@@ -450,81 +351,3 @@ def isolation_key(case: Case) -> str:
     if mode == "shared":
         return SHARED_PROCESSES
     return "case:" + case.name if mode == "own" else "group:" + mode
-
-
-def mutant(base: Case, *, name: str, summary: str, bug: str, source: str, tags: tuple[str, ...] = (),
-           killed_by: tuple[str, ...] = (), **changes: Any) -> Case:
-    """The one way to define a mutant: `base` (its correct twin) with `changes` (Case fields, usually
-    `shard`), the bug it models and its public source. Registered under `name` where its twin is
-    registered (a built-in case); a mutant in a user's case file is found by `path:NAME`, like
-    its twin, and stays out of the registry (the battery's catalogue, the nightly examples).
-    `killed_by`: its pin (`Case.killed_by`), which a registered mutant must declare."""
-    if not name.startswith("mutant-"):
-        raise ValueError(f"mutant names start with 'mutant-', got {name!r}")
-    if not bug or not source:
-        raise ValueError(f"mutant {name} needs the bug it models and its public source")
-    all_tags = tuple(dict.fromkeys(base.tags + ("mutant",) + tags))
-    if "shard" in changes and "train_loss" not in changes:
-        # a new sharded factory does not carry the twin's training step: a mutant that keeps one
-        # passes the twin's train_loss with it
-        changes["train_loss"] = None
-    made = dataclasses.replace(
-        base, name=name, description=f"MUTANT {base.name}: {summary}", models_bug=bug, source=source,
-        twin=base.name, tags=all_tags, expect=None, examples=(), killed_by=killed_by, **changes)
-    return register(made) if _REGISTRY.get(base.name) is base else made
-
-
-_REGISTRY: dict[str, Case] = {}
-
-
-def register(case: Case) -> Case:
-    if case.name in _REGISTRY and _REGISTRY[case.name] is not case:
-        raise ValueError(f"case {case.name!r} is registered twice")
-    _REGISTRY[case.name] = case
-    return case
-
-
-def _load_builtin(name: str | None = None) -> None:
-    """Imports the module registering built-in case `name` (None: every built-in case's), by the
-    table in sp_harness.cases, read by name: the engine names no case module."""
-    table: dict[str, str] = importlib.import_module("sp_harness.cases").builtin_modules()
-    modules = dict.fromkeys(table.values()) if name is None else [table[name]] if name in table else []
-    for module in modules:
-        importlib.import_module(module)
-    missing = sorted(n for n in table if (name is None or n == name) and n not in _REGISTRY)
-    if missing:
-        raise LookupError(f"sp_harness.cases lists {missing} in {sorted({table[n] for n in missing})}, "
-                          f"which registered no such case")
-
-
-def all_cases() -> dict[str, Case]:
-    _load_builtin()
-    return dict(_REGISTRY)
-
-
-def get_case(name: str) -> Case:
-    """A registered case by name, or `path/to/file.py:NAME` for a case in a user's file."""
-    if ":" in name and name.split(":", 1)[0].endswith(".py"):
-        path, attr = name.split(":", 1)
-        module = load_case_file(path)
-        case = getattr(module, attr, None)
-        if not isinstance(case, Case):
-            found = sorted(k for k, v in vars(module).items() if isinstance(v, Case))
-            raise ValueError(f"{path} has no Case named {attr!r}; Cases there: {found}")
-        # keep the user's name (path:NAME) so ranks can load it the same way
-        return case if case.name == name else _rename(case, name)
-    if name not in _REGISTRY:
-        _load_builtin(name)
-    if name not in _REGISTRY:
-        raise ValueError(f"unknown case {name!r}; known cases: {', '.join(sorted(all_cases()))}")
-    return _REGISTRY[name]
-
-
-def _rename(case: Case, name: str) -> Case:
-    import dataclasses
-
-    return dataclasses.replace(case, name=name)
-
-
-RESOLVE[:] = [lambda config: get_case(config.case).resolve(config)]  # for CheckConfig.repro (no import back)
-CASE_DEFAULTS[:] = [lambda name: {**ENGINE_DEFAULTS, **get_case(name).defaults}]  # for CheckConfig.short

@@ -227,9 +227,9 @@ SHORT_OTHERS = ("batch", "lr", "num_kv_heads", "causal", "load_balancer", "ring_
 """The knobs `CheckConfig.short` names only where they differ from the case's default."""
 CASE_DEFAULTS: list = []
 """The registry's defaults lookup (case name -> the values a None field resolves to), put here by
-sp_harness.config.case as `RESOLVE` is."""
+sp_harness.config.registry as `RESOLVE` is."""
 RESOLVE: list = []
-"""The registry's resolver (config -> its case's `resolve(config)`), put here by sp_harness.config.case
+"""The registry's resolver (config -> its case's `resolve(config)`), put here by sp_harness.config.registry
 when it loads: the registry imports this module, so this module does not import it back."""
 
 

@@ -43,7 +43,7 @@ class ConvergeOptions(RunFields):
     """The batch stream (and, for the GPT cases, the Markov chain)."""
 
     def baseline_case(self) -> str:
-        from sp_harness.config.case import get_case
+        from sp_harness.config.registry import get_case
 
         return get_case(self.case).baseline if self.baseline is None else self.baseline
 

@@ -8,8 +8,9 @@ PASS. If PyTorch changes, the property tests say so.
 
 from __future__ import annotations
 
-from sp_harness.config.case import Unsupported, get_case
+from sp_harness.config.case import Unsupported
 from sp_harness.config.check_config import CheckConfig
+from sp_harness.config.registry import get_case
 
 
 def expected_verdict(config: CheckConfig) -> str:

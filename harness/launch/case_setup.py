@@ -16,7 +16,7 @@ def setup_once(case_name: str) -> bool:
     if case_name in _SET_UP:
         return False
     # imported here, not at the top: the launch stage needs the case API only when a case is set up
-    from sp_harness.config.case import get_case
+    from sp_harness.config.registry import get_case
 
     setup = get_case(case_name).setup
     _SET_UP.add(case_name)

@@ -185,7 +185,7 @@ def _main(fd: int, parent_pid: int | None = None) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     import torch
 
-    from sp_harness.config.case import all_cases
+    from sp_harness.config.registry import all_cases
 
     # the costs this process exists to pay early: torch's import, _dynamo's (a module's first
     # construction imports it), the built-in cases' (a user's case file imports them too)

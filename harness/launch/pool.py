@@ -41,7 +41,8 @@ from multiprocessing.connection import Listener
 from multiprocessing.connection import wait as wait_conns
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from sp_harness.config.case import SHARED_PROCESSES, get_case, isolation_key
+from sp_harness.config.case import SHARED_PROCESSES, isolation_key
+from sp_harness.config.registry import get_case
 from sp_harness.launch import zygote
 from sp_harness.launch.activity import stopped
 from sp_harness.launch.case_setup import SETUP_TIMEOUT_S

@@ -83,7 +83,7 @@ def warm_up(_: object = None) -> int:
 
     torch.nn.Linear(1, 1)
 
-    from sp_harness.config.case import all_cases
+    from sp_harness.config.registry import all_cases
     from sp_harness.launch import companion
 
     # a check's reference process, importing meanwhile; waited for, so that its start-up is the

@@ -353,7 +353,7 @@ def _preload() -> None:
 
     import sp_harness.launch.companion  # noqa: F401
     import sp_harness.launch.worker  # noqa: F401
-    from sp_harness.config.case import all_cases
+    from sp_harness.config.registry import all_cases
 
     all_cases()
 

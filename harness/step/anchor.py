@@ -21,7 +21,8 @@ import torch
 import torch.distributed as dist
 
 from sp_harness.config import shards as sh
-from sp_harness.config.case import ParamSpec, RankContext
+from sp_harness.config.case import ParamSpec
+from sp_harness.config.rank_context import RankContext
 
 if TYPE_CHECKING:
     from torch.distributed.tensor import DTensor

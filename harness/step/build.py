@@ -17,8 +17,10 @@ from typing import cast
 import torch
 from torch import nn
 
-from sp_harness.config.case import Case, RankContext, Sharded, get_case
+from sp_harness.config.case import Case, Sharded
 from sp_harness.config.check_config import CheckConfig
+from sp_harness.config.rank_context import RankContext
+from sp_harness.config.registry import get_case
 from sp_harness.step.context import make_context, rank_device, reference_context
 from sp_harness.step.params import LocalParam, map_params
 

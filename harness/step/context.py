@@ -12,8 +12,8 @@ import torch
 import torch.distributed as dist
 
 from sp_harness.config import shards as sh
-from sp_harness.config.case import RankContext
 from sp_harness.config.check_config import CheckConfig
+from sp_harness.config.rank_context import RankContext
 
 _GROUPS: dict[tuple[int, int], Any] = {}
 _MESHES: dict[tuple[int, int, str], Any] = {}

@@ -12,7 +12,8 @@ import torch.distributed as dist
 from torch import nn
 
 from sp_harness.config import shards as sh
-from sp_harness.config.case import Batch, Case, Layout, RankContext, Sharded
+from sp_harness.config.case import Batch, Case, Layout, Sharded
+from sp_harness.config.rank_context import RankContext
 from sp_harness.step.context import is_dtensor
 
 BATCH_SEED_OFFSET = 7919

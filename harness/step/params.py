@@ -16,7 +16,8 @@ import torch.distributed as dist
 from torch import nn
 
 from sp_harness.config import shards as sh
-from sp_harness.config.case import ParamSpec, RankContext, Sharded
+from sp_harness.config.case import ParamSpec, Sharded
+from sp_harness.config.rank_context import RankContext
 from sp_harness.step.context import is_dtensor
 
 if TYPE_CHECKING:

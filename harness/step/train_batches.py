@@ -16,8 +16,9 @@ import dataclasses
 
 import torch
 
-from sp_harness.config.case import Batch, Case, Layout, RankContext, as_batch
+from sp_harness.config.case import Batch, Case, Layout, as_batch
 from sp_harness.config.check_config import CheckConfig
+from sp_harness.config.rank_context import RankContext
 from sp_harness.config.step_protocol import MicroBatch
 from sp_harness.step.inputs import RankBatch, cut
 

@@ -23,8 +23,8 @@ from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING
 
 from sp_harness.checks import Outcome, get_check, run_check
-from sp_harness.config.case import all_cases, get_case
 from sp_harness.config.check_config import CheckConfig
+from sp_harness.config.registry import all_cases, get_case
 
 if TYPE_CHECKING:
     from sp_harness.launch.runner import Runner

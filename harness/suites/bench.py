@@ -43,8 +43,8 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 
-from sp_harness.config.case import all_cases, get_case
 from sp_harness.config.check_config import CheckConfig
+from sp_harness.config.registry import all_cases, get_case
 from sp_harness.suites.bench_bare import timed_bare
 from sp_harness.suites.bench_plugin import format_plugin, plugin_row
 from sp_harness.suites.bench_targets import SUBJECT, format_targets, targets, worst_memory_ratio

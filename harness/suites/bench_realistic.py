@@ -24,8 +24,9 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from sp_harness.config.case import Unsupported, all_cases, get_case
+from sp_harness.config.case import Unsupported
 from sp_harness.config.check_config import CheckConfig
+from sp_harness.config.registry import all_cases, get_case
 from sp_harness.suites.bench_targets import BIG, SUBJECT
 
 if TYPE_CHECKING:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from sp_harness.config.case import get_case
+from sp_harness.config.registry import get_case
 
 SUBJECT = "megatron-gpt-sp"
 """The case the targets' figures are about (scaling, memory, communication, the realistic sizes);

@@ -25,9 +25,9 @@ from typing import TYPE_CHECKING
 
 import torch.distributed as dist
 
-from sp_harness.config.case import get_case
 from sp_harness.config.converge_options import ConvergeOptions, repro_line
 from sp_harness.config.flags import add_flags, from_args
+from sp_harness.config.registry import get_case
 from sp_harness.train.lockstep_runs import base_config, config_sources, plain_config, run_lockstep
 from sp_harness.train.spec import loss_floor, training_of
 

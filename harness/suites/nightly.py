@@ -28,7 +28,7 @@ GOLDEN_DIR = Path(__file__).resolve().parent.parent.parent / "reports" / "golden
 
 def nightly_examples() -> list[tuple[CheckConfig, str]]:
     """(config, why) for every example every correct case declares (`Case.examples`)."""
-    from sp_harness.config.case import all_cases
+    from sp_harness.config.registry import all_cases
 
     return [(ex.config(name), ex.note) for name, case in sorted(all_cases().items())
             if "mutant" not in case.tags for ex in case.examples]

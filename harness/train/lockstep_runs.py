@@ -12,9 +12,9 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from sp_harness.config.case import get_case
 from sp_harness.config.check_config import CheckConfig
 from sp_harness.config.converge_options import ConvergeOptions
+from sp_harness.config.registry import get_case
 from sp_harness.judge.gate import GateResult, evaluate
 from sp_harness.record.records import StepRecord
 from sp_harness.train.driver import TrainOutcome, train

@@ -17,7 +17,8 @@ from typing import cast
 import torch
 import torch.distributed as dist
 
-from sp_harness.config.case import Batch, get_case
+from sp_harness.config.case import Batch
+from sp_harness.config.registry import get_case
 from sp_harness.config.step_protocol import TrainStep
 from sp_harness.step.build import Built, build, cast_floating, new_reference
 from sp_harness.step.context import rank_device, reference_context

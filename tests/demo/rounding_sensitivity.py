@@ -27,7 +27,8 @@ import torch
 
 from sp_harness.cli import add_config_args, config_from_args
 from sp_harness.compare.tolerance import eps
-from sp_harness.config.case import as_batch, get_case
+from sp_harness.config.case import as_batch
+from sp_harness.config.registry import get_case
 from sp_harness.step.inputs import batch_generator, call
 
 parser = argparse.ArgumentParser()

@@ -28,7 +28,7 @@ def _strip(x):
 
 
 def configs():
-    from sp_harness.config.case import all_cases, get_case
+    from sp_harness.config.registry import all_cases, get_case
     from sp_harness.suites.battery import BATTERY
 
     by_name = {e.name: e for e in BATTERY}
