@@ -139,7 +139,7 @@ class _Terminated(KeyboardInterrupt):
 
 
 def _on_signal(signum, frame):
-    from sp_harness.launch.pool import interrupt_pending
+    from sp_harness.launch.replies import interrupt_pending
 
     exc = _Terminated() if signum == signal.SIGTERM else KeyboardInterrupt()
     interrupt_pending(exc)  # raised again by the rank wait loop, should this one be swallowed
@@ -174,7 +174,7 @@ def _run(args) -> int:
         # a second Ctrl-C must not cut the cleanup short (and print its traceback)
         signal.signal(signal.SIGINT, signal.SIG_IGN)
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
-        from sp_harness.launch.pool import interrupt_pending
+        from sp_harness.launch.replies import interrupt_pending
 
         interrupt_pending(None)
         default_manager().close()

@@ -25,7 +25,7 @@ import pytest
 from sp_harness.config import profiles  # noqa: F401  (registers, never loads, the hypothesis profiles)
 
 if TYPE_CHECKING:
-    from sp_harness.launch.pool import PoolManager  # imports torch: only where a fixture needs it
+    from sp_harness.launch.manager import PoolManager  # imports torch: only where a fixture needs it
 
 POOL_KEY: pytest.StashKey[PoolManager] = pytest.StashKey()
 OPTIONS = {
@@ -67,7 +67,7 @@ def pytest_configure(config: pytest.Config) -> None:
 def _pool_options(config: pytest.Config):
     import torch
 
-    from sp_harness.launch.pool import PoolOptions
+    from sp_harness.launch.wire import PoolOptions
 
     if os.environ.get("SP_HARNESS_BACKEND", "") != "gloo" and torch.cuda.is_available():
         count = torch.cuda.device_count()
@@ -82,7 +82,7 @@ def _pool_options(config: pytest.Config):
 
 @pytest.fixture(scope="session")
 def sp_pool(request: pytest.FixtureRequest):
-    from sp_harness.launch.pool import PoolManager
+    from sp_harness.launch.manager import PoolManager
 
     config = request.config
     if POOL_KEY not in config.stash:

@@ -404,7 +404,7 @@ def test_a_jobs_timeout_does_not_count_the_ranks_start(tmp_path):
     # seconds on a loaded runner), under the start budget; the job's own timeout only has to cover
     # seed-mlp's three small steps
     from sp_harness.checks.side_by_side import check
-    from sp_harness.launch.pool import PoolManager
+    from sp_harness.launch.manager import PoolManager
 
     manager = PoolManager()
     try:

@@ -12,7 +12,7 @@ import pytest
 
 from sp_harness import CheckConfig
 from sp_harness.checks.side_by_side import check
-from sp_harness.launch.pool import PoolManager
+from sp_harness.launch.manager import PoolManager
 
 CASES = os.path.join(os.path.dirname(__file__), "isolation_cases.py")
 

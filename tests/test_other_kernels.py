@@ -11,7 +11,8 @@ import torch
 from sp_harness.checks.side_by_side import check
 from sp_harness.config.check_config import CheckConfig
 from sp_harness.judge.verdict import FAIL, PASS
-from sp_harness.launch.pool import PoolManager, PoolOptions
+from sp_harness.launch.manager import PoolManager
+from sp_harness.launch.wire import PoolOptions
 
 NATIVE = torch.backends.cpu.get_cpu_capability().lower()
 # the fast tier runs `default` (no SIMD: the family furthest from any native one); on an AVX-512

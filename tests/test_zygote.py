@@ -13,9 +13,11 @@ import time
 
 import pytest
 
-from sp_harness.launch import zygote
+from sp_harness.launch import zygote, zygote_registry
 from sp_harness.launch.failure import RankFailure
-from sp_harness.launch.pool import PoolManager, PoolOptions, RankPool
+from sp_harness.launch.manager import PoolManager
+from sp_harness.launch.pool import RankPool
+from sp_harness.launch.wire import PoolOptions
 from sp_harness.launch.worker import health_check
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the fork server is Linux's")
@@ -70,9 +72,9 @@ def _wait_gone(pids, timeout_s: float = 10.0) -> list[int]:
 @pytest.mark.parametrize("forkserver", ["1", "0"], ids=["forked", "subprocess"])
 def test_a_pool_job_runs_on_either_start_path(forkserver, monkeypatch):
     if forkserver == "0":
-        monkeypatch.setenv(zygote.ENV_VAR, "0")
+        monkeypatch.setenv(zygote_registry.ENV_VAR, "0")
     else:  # the default: on Linux, forked
-        monkeypatch.delenv(zygote.ENV_VAR, raising=False)
+        monkeypatch.delenv(zygote_registry.ENV_VAR, raising=False)
     pool = RankPool(2)
     try:
         assert pool.run(health_check, None, timeout_s=120, label="path") == [2, 2]
@@ -135,7 +137,7 @@ def test_exits_and_signals_are_reported_as_for_a_subprocess():
 
 
 def test_an_uncaught_exception_exits_1_with_its_traceback_in_the_log(tmp_path):
-    forks = zygote.for_env(dict(os.environ), 120)
+    forks = zygote_registry.for_env(dict(os.environ), 120)
     assert forks is not None
     log = tmp_path / "rank.log"
     proc = forks.spawn("not a spec", log_path=str(log), env=dict(os.environ), cwd=str(tmp_path))
@@ -160,7 +162,7 @@ def test_the_zygote_is_single_threaded_when_it_forks():
     pool = RankPool(1)
     try:
         pool.run(health_check, None, timeout_s=120, label="threads")
-        pids = [z.proc.pid for z in zygote._REGISTRY.values()]
+        pids = [z.proc.pid for z in zygote_registry._REGISTRY.values()]
         assert pids
         for pid in pids:
             with open(f"/proc/{pid}/status") as f:
@@ -173,7 +175,7 @@ def test_the_preload_dispatches_no_op(tmp_path):
     # the profiler records every dispatched op; a zygote's import must record none
     script = textwrap.dedent("""
         from torch.autograd.profiler import profile
-        from sp_harness.launch.zygote import _preload
+        from sp_harness.launch.zygote_server import _preload
         with profile() as prof:
             _preload()
         print(sorted({e.name for e in prof.function_events}))
@@ -189,20 +191,21 @@ def test_a_dead_zygote_ends_its_ranks_and_the_pool_restarts():
     try:
         pool.run(health_check, None, timeout_s=120, label="victim")
         ranks = [p.pid for p in pool._procs]
-        (victim,) = [z for z in zygote._REGISTRY.values() if any(p in z._children for p in ranks)]
+        (victim,) = [z for z in zygote_registry._REGISTRY.values() if any(p in z._children for p in ranks)]
         os.kill(victim.proc.pid, signal.SIGKILL)
         assert not _wait_gone(ranks)
         assert all(p.wait(timeout=10) == -signal.SIGKILL for p in pool._procs) and not pool.alive
         assert pool.run(health_check, None, timeout_s=120, label="victim") == [2, 2]  # a new zygote
-        assert victim not in zygote._REGISTRY.values()
+        assert victim not in zygote_registry._REGISTRY.values()
     finally:
         pool.close()
 
 
 DRIVER = """
     import os, sys, threading, time
-    from sp_harness.launch import zygote
-    from sp_harness.launch.pool import PoolManager, PoolOptions
+    from sp_harness.launch import zygote_registry
+    from sp_harness.launch.manager import PoolManager
+    from sp_harness.launch.wire import PoolOptions
     from sp_harness.launch.worker import health_check
 
     manager = PoolManager(PoolOptions(env=(("SP_TEST_ZYGOTE", "driver"),)))
@@ -213,10 +216,10 @@ DRIVER = """
         worker.start()
         worker.join()
         time.sleep(0.5)
-        assert manager.get(2).alive and all(z.alive for z in zygote._REGISTRY.values())
+        assert manager.get(2).alive and all(z.alive for z in zygote_registry._REGISTRY.values())
     else:
         manager.run(2, health_check, None, timeout_s=120, label="driver")
-    (z,) = zygote._REGISTRY.values()
+    (z,) = zygote_registry._REGISTRY.values()
     ranks = [p.pid for p in manager.get(2)._procs]
     companions = [int(c) for r in ranks for c in open(f"/proc/{r}/task/{r}/children").read().split()]
     print(z.proc.pid, *ranks, *companions, flush=True)

@@ -6,8 +6,9 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Protocol, TypeVar
 
-from sp_harness.launch.pool import PoolManager, PoolOptions
+from sp_harness.launch.manager import PoolManager
 from sp_harness.launch.torchrun import TorchrunWorld, torchrun_backend, under_torchrun
+from sp_harness.launch.wire import PoolOptions
 
 P = TypeVar("P")
 R = TypeVar("R")

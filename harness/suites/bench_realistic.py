@@ -121,7 +121,7 @@ def cost_row(config: CheckConfig, runner: Runner) -> CostRow:
 def memory_row(config: CheckConfig) -> MemoryRow:
     """Fresh pools, so each peak is that job's alone."""
     from sp_harness.checks.side_by_side import check
-    from sp_harness.launch.pool import PoolManager
+    from sp_harness.launch.manager import PoolManager
     from sp_harness.suites.bench_bare import bare_rank
 
     def fresh(job) -> tuple[float, float]:
@@ -174,7 +174,7 @@ def _cost_rows(manager, world_sizes: tuple[int, ...], gpt_sizes: tuple[tuple[int
 
 def profile_subject(*, quick: bool, size: tuple[int, int] | None = None, manager=None) -> dict:
     """(i): one profiled check of the subject at 2 ranks (the first GPT size; quick: a small one)."""
-    from sp_harness.launch.pool import PoolManager
+    from sp_harness.launch.manager import PoolManager
     from sp_harness.suites.bench_profile import run_profile
 
     hidden, seq_len = size or ((128, 64) if quick else GPT_SIZES[0])
@@ -192,7 +192,7 @@ def profile_subject(*, quick: bool, size: tuple[int, int] | None = None, manager
 def run_realistic(*, quick: bool, suite: bool, log=print, world_sizes: tuple[int, ...] | None = None,
                   gpt_sizes: tuple[tuple[int, int], ...] | None = None) -> dict:
     """The realistic-size figures; `world_sizes` and `gpt_sizes` override the defaults (tests)."""
-    from sp_harness.launch.pool import PoolManager
+    from sp_harness.launch.manager import PoolManager
     world_sizes = world_sizes or ((2,) if quick else (2, 4))
     gpt_sizes = gpt_sizes or (GPT_SIZES[:1] if quick else GPT_SIZES)
     manager = PoolManager(max_pools=1)

@@ -7,7 +7,7 @@ import sys
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, TextIO
 
-from sp_harness.launch.pool import RankFailure
+from sp_harness.launch.failure import RankFailure
 from sp_harness.train.rank import StepResult, train_end, train_start, train_steps
 from sp_harness.train.spec import TrainSpec
 

@@ -24,7 +24,7 @@ from hypothesis import strategies as st
 from sp_harness.checks.side_by_side import check
 from sp_harness.config.strategies import gpt_configs, mlp_configs, realistic_gpt_configs, training_sized_configs
 from sp_harness.judge.expect import expected_verdict
-from sp_harness.launch.pool import interrupt_pending
+from sp_harness.launch.replies import interrupt_pending
 from sp_harness.launch.runner import default_manager
 
 parser = argparse.ArgumentParser()

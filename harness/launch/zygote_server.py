@@ -1,0 +1,144 @@
+"""Stage: launch. The fork server ("zygote") process: it imports torch and the rank's modules once,
+then forks a rank per request from the driver and reports how each one ends.
+
+Before it forks, the zygote must not run a torch op or start a thread. torch fixes its CPU kernel
+family (ATEN_CPU_CAPABILITY) at the first dispatched op, and a parallel op starts OpenMP's thread
+pool, which a forked child cannot use; a fork copies only the forking thread, so a lock another
+thread held stays locked in the child. (numpy's OpenBLAS starts threads at import, and stops them
+in its own pthread_atfork handler: the zygote is single-threaded at each fork.) The built-in
+cases are imported too: their import dispatches no op, starts no thread and makes no folder, and
+it saves each rank and companion their own import.
+
+The protocol, over the socket the driver passed it (sp_harness.launch.zygote is the other end):
+once, the zygote sends ("ready", pid) or ("failed", traceback); then for each ("spawn", request,
+(spec_json, log_path, env, cwd)) the driver sends, it answers ("spawned", request, pid) or
+("spawn_failed", request, traceback), and for each child that ends, ("exited", pid, wait status):
+the driver is not a rank's parent, so the zygote reaps them. The zygote dies with the driver
+(PR_SET_PDEATHSIG where the driver started it from its main thread, and EOF on its pipe); when
+the pipe closes it kills the process groups of the ranks it forked. A forked child returns from
+the serve loop and becomes a rank (sp_harness.launch.zygote_child).
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+import select
+import signal
+import sys
+import traceback
+from multiprocessing.connection import Connection
+
+from sp_harness.launch.zygote_child import become_rank, set_pdeathsig
+
+
+def _preload() -> None:
+    """What every rank (and companion) would otherwise import itself; no op is run (module docstring)."""
+    import torch  # noqa: F401
+    import torch._dynamo  # noqa: F401  (a module's first construction imports it: seconds)
+    import torch.distributed  # noqa: F401
+    import torch.distributed.tensor.parallel  # noqa: F401  (DTensor, sympy)
+
+    import sp_harness.launch.companion  # noqa: F401
+    import sp_harness.launch.worker  # noqa: F401
+    from sp_harness.config.registry import all_cases
+
+    all_cases()
+
+
+def _serve(conn: Connection) -> tuple | None:
+    """The zygote's loop: fork a rank per request, report each child's exit. Returns None when the
+    driver is gone; in a forked child, returns its request (the caller becomes the rank)."""
+    me = os.getpid()
+    wake_r, wake_w = os.pipe()
+    os.set_blocking(wake_r, False)
+    os.set_blocking(wake_w, False)
+    # SIGCHLD wakes the select: a rank's exit is reported as it happens, not at the next request
+    signal.set_wakeup_fd(wake_w, warn_on_full_buffer=False)
+    signal.signal(signal.SIGCHLD, lambda signum, frame: None)
+    children: set[int] = set()
+    pipe = conn.fileno()
+    try:
+        while True:
+            readable, _, _ = select.select([pipe, wake_r], [], [])
+            if wake_r in readable:
+                while True:
+                    try:
+                        if not os.read(wake_r, 512):
+                            break
+                    except BlockingIOError:
+                        break
+            _reap(conn, children)
+            if pipe not in readable:
+                continue
+            try:
+                _, request, args = conn.recv()
+            except (EOFError, OSError):
+                return None
+            sys.stdout.flush()
+            sys.stderr.flush()
+            try:
+                pid = os.fork()
+            except OSError:
+                conn.send(("spawn_failed", request, traceback.format_exc()))
+                continue
+            if pid == 0:
+                # the rank: none of the zygote's pipes or signal handling comes along
+                signal.set_wakeup_fd(-1)
+                signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+                signal.signal(signal.SIGINT, signal.default_int_handler)
+                os.close(wake_r)
+                os.close(wake_w)
+                conn.close()
+                return (*args, me)
+            children.add(pid)
+            conn.send(("spawned", request, pid))
+    except OSError:  # the driver's end closed while we wrote to it
+        return None
+    finally:
+        if os.getpid() == me:
+            for pid in children:
+                for kill in (os.killpg, os.kill):  # a rank not yet in its own session: killpg misses it
+                    try:
+                        kill(pid, signal.SIGKILL)
+                    except OSError:
+                        pass
+
+
+def _reap(conn: Connection, children: set[int]) -> None:
+    while children:
+        try:
+            pid, status = os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:
+            return
+        if pid == 0:
+            return
+        children.discard(pid)
+        conn.send(("exited", pid, status))
+
+
+def _main(fd: int, driver_pid: int, deathsig: bool) -> tuple | None:
+    if deathsig:
+        set_pdeathsig()
+        if os.getppid() != driver_pid:
+            return None  # the driver died before the death signal was armed
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the driver's to handle
+    conn = Connection(fd)
+    try:
+        _preload()
+    except BaseException:
+        conn.send(("failed", traceback.format_exc()))
+        return None
+    # the imports' objects leave the collector's reach: a collection in a rank would write to each
+    # of them (its gc links) and so copy the zygote's pages into every rank
+    gc.freeze()
+    conn.send(("ready", os.getpid()))
+    return _serve(conn)
+
+
+if __name__ == "__main__":
+    _request = _main(int(sys.argv[1]), int(sys.argv[2]), sys.argv[3] == "1")
+    if _request is None:
+        sys.stdout.flush()
+        os._exit(0)  # nothing to finalize: its temp dir is the driver's to remove
+    become_rank(*_request)
