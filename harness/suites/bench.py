@@ -231,7 +231,7 @@ def _world_size_cells(manager, ws: int, *, speed: bool, seq_lens: tuple[int, ...
 
 def _converge_cell(steps: int | None) -> dict:
     """(e) the default convergence job, as `sp-harness converge` runs it (fresh pool included)."""
-    from sp_harness.launch.pool import PoolManager
+    from sp_harness.launch.manager import PoolManager
     from sp_harness.suites.converge import ConvergeOptions, converge
 
     opts = ConvergeOptions() if steps is None else ConvergeOptions(steps=steps)
@@ -248,7 +248,7 @@ def _converge_cell(steps: int | None) -> dict:
 
 def run_bench(*, quick: bool = False, spawn_reps: int = 1, reps: int | None = None, converge_steps: int | None = None,
               log=print) -> dict:
-    from sp_harness.launch.pool import PoolManager
+    from sp_harness.launch.manager import PoolManager
 
     t_bench = time.perf_counter()
     reps = reps or (2 if quick else 3)
