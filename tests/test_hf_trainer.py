@@ -17,7 +17,8 @@ skip_unless_installed("accelerate", "accelerate is not installed (pip install -e
 
 from sp_harness.cases import builtin_modules  # noqa: E402
 from sp_harness.config.check_config import CheckConfig  # noqa: E402
-from sp_harness.judge.verdict import FAIL, PASS, UNSUPPORTED, format_result  # noqa: E402
+from sp_harness.judge.verdict import FAIL, PASS, UNSUPPORTED  # noqa: E402
+from sp_harness.report.result_text import format_result  # noqa: E402
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 EXAMPLE = os.path.join(ROOT, "examples", "hf_trainer_step.py")

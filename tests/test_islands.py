@@ -12,7 +12,7 @@ from torch import nn
 from sp_harness.capture.islands import Island, IslandObserver, summary
 from sp_harness.config.case import Case
 from sp_harness.config.check_config import CheckConfig
-from sp_harness.judge.verdict import format_result
+from sp_harness.report.result_text import format_result
 from sp_harness.step.noise_pool import NoisePool
 from sp_harness.step.rounding import RoundingNoise
 

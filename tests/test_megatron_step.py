@@ -15,7 +15,8 @@ from installed import skip_unless_installed
 skip_unless_installed("megatron.core", "megatron-core is not installed (pip install -e '.[megatron]')")
 
 from sp_harness.config.check_config import CheckConfig  # noqa: E402
-from sp_harness.judge.verdict import FAIL, PASS, UNSUPPORTED, format_result  # noqa: E402
+from sp_harness.judge.verdict import FAIL, PASS, UNSUPPORTED  # noqa: E402
+from sp_harness.report.result_text import format_result  # noqa: E402
 
 EXAMPLE = os.path.join(pathlib.Path(__file__).resolve().parent.parent, "examples", "megatron_train_step.py")
 TIMEOUT_S = 180.0

@@ -11,9 +11,9 @@ from __future__ import annotations
 import pytest
 
 from sp_harness.capture.comm import CommRow
-from sp_harness.capture.saved_activations import measure_reference_layer, memory_config
 from sp_harness.checks import get_check, run_check
 from sp_harness.checks.activation_memory import activation_gate, activation_report, adjusted_bytes, paper_bytes
+from sp_harness.checks.activation_memory_rank import measure_reference_layer, memory_config
 from sp_harness.compare.comm_volume import paper_check
 from sp_harness.config.check_config import CheckConfig
 from sp_harness.judge.verdict import PASS

@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 from sp_harness.config.strategies import adversaries, gpt_configs, mlp_configs, training_sized_configs
 from sp_harness.judge.expect import expected_verdict
-from sp_harness.judge.verdict import format_result
+from sp_harness.report.result_text import format_result
 
 
 def _judge(sp_check, config):

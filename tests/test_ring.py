@@ -26,8 +26,8 @@ from sp_harness.config.rank_context import RankContext
 from sp_harness.config.shards import chunk_sizes
 from sp_harness.config.strategies import adversaries
 from sp_harness.judge.expect import expected_verdict
-from sp_harness.judge.verdict import format_result
 from sp_harness.reference.gpt import attention
+from sp_harness.report.result_text import format_result
 
 # ------------------------------------------------------------------ placement and balance
 

@@ -10,7 +10,7 @@ import torch
 
 from sp_harness.checks import train_step
 from sp_harness.config.check_config import CheckConfig
-from sp_harness.judge.verdict import format_result
+from sp_harness.report.result_text import format_result
 from sp_harness.step.optim_ref import make_optimizer
 from sp_harness.step.shadow import ShadowOptimizer
 

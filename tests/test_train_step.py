@@ -17,7 +17,7 @@ from sp_harness.checks import train_step
 from sp_harness.config.check_config import CheckConfig
 from sp_harness.config.registry import get_case
 from sp_harness.config.strategies import train_step_configs
-from sp_harness.judge.verdict import format_result
+from sp_harness.report.result_text import format_result
 from sp_harness.step.context import reference_context
 from sp_harness.step.train_batches import micro_batches
 

@@ -17,7 +17,7 @@ from sp_harness.config.check_config import CheckConfig
 from sp_harness.config.registry import get_case
 from sp_harness.config.shards import chunk_sizes
 from sp_harness.judge.expect import expected_verdict
-from sp_harness.judge.verdict import format_result
+from sp_harness.report.result_text import format_result
 
 CASE = "usp-gpt"
 TIMEOUT = 180.0  # a shared 2-core machine: no wall-clock claim, only room to finish

@@ -1,17 +1,12 @@
 """Stage: checks. Activation memory of one transformer layer, against Korthikanti et al.
 
-What is measured: per rank, the bytes autograd saves for backward while ONE transformer layer
-(`blocks[0]` of the model) runs its forward, recorded with `torch.autograd.graph.saved_tensors_hooks`
-(entered by a forward pre-hook on the layer, left by its forward hook). Each storage is counted
-once (keyed by `untyped_storage().data_ptr()`, sized by `untyped_storage().nbytes()`, so a saved
-view keeps its whole storage alive and is charged for it), and storages that belong to a
-parameter are left out: they are weights, not activations. Every saved tensor is also labelled
-with the innermost submodule that saved it, which gives the norm-region share on its own.
-
-The measurement (sp_harness.capture.saved_activations): per rank, the storages autograd saves for backward
-while one layer runs forward, parameters left out; no parallelism in-process on
-`reference.gpt.Block`, TP and TP+SP in a real rank job on the case's sharded model and its TP
-baseline (`Case.baseline`).
+What is measured (sp_harness.capture.saved_activations says how): per rank, the bytes autograd
+saves for backward while ONE transformer layer (`blocks[0]` of the model) runs its forward, each
+storage counted once, parameters left out (weights, not activations), each saved tensor labelled
+with the innermost submodule that saved it (which gives the norm-region share on its own).
+Where (sp_harness.checks.activation_memory_rank): no parallelism in-process on the reference's
+layer, TP and TP+SP in a real rank job on the case's sharded model and its TP baseline
+(`Case.baseline`).
 
 The paper's per-layer formulas (arXiv 2205.05198, section 4; bytes, 16-bit activations, 1-byte
 dropout masks, ffn = 4h, s = sequence, b = micro-batch, h = hidden, a = heads, t = TP degree):
@@ -63,7 +58,8 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from sp_harness.capture.saved_activations import LayerMemory, activation_rank, memory_config
+from sp_harness.capture.saved_activations import LayerMemory
+from sp_harness.checks.activation_memory_rank import activation_rank, memory_config
 from sp_harness.checks.base import Outcome
 from sp_harness.config.case import Case
 from sp_harness.config.check_config import CheckConfig

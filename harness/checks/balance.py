@@ -3,17 +3,18 @@ causal attention (`load_balancer='zigzag'`) give every rank about the same atten
 
 A wrong placement is numerically correct (any permutation gives the same outputs), so no tensor
 check can see it (pytorch/pytorch PR #189902). This check runs one forward of the case's sharded
-model on real ranks and reads the work each rank's attention reports (sp_harness.capture.work:
-unmasked (query, key) pairs scored, with fully masked blocks skipped), then compares the CP
-ranks of each DP replica. It applies to cases tagged 'context-parallel'; a case whose attention
-reports no work is n/a, never a guess.
+model on real ranks (its rank job: sp_harness.checks.balance_rank) and reads the work each rank's
+attention reports (sp_harness.capture.work: unmasked (query, key) pairs scored, with fully
+masked blocks skipped), then compares the CP ranks of each DP replica. It applies to cases
+tagged 'context-parallel'; a case whose attention reports no work is n/a, never a guess.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from sp_harness.capture.work import RankWork, attention_work_rank
+from sp_harness.capture.work import RankWork
+from sp_harness.checks.balance_rank import attention_work_rank
 from sp_harness.checks.base import Outcome, not_applicable
 from sp_harness.config import shards as sh
 from sp_harness.config.case import Case

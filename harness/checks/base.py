@@ -46,6 +46,11 @@ def not_applicable(check: str, why: str, repro: str = "") -> Outcome:
     return Outcome(check=check, status="n/a", detail=why, repro=repro)
 
 
+def status_line(outcome: Outcome) -> str:
+    """An outcome in one line: the render of a check whose figures report/ renders itself."""
+    return f"{outcome.check} {outcome.status.upper()}" + (f": {outcome.detail}" if outcome.detail else "")
+
+
 def run_check(check: "Check", config: CheckConfig, runner: Runner) -> Outcome:
     """The one way a check runs: n/a where it does not apply to the case and config, else its run."""
     from sp_harness.config.registry import get_case
@@ -73,4 +78,10 @@ class Check(Protocol):
         PoolManager or the torchrun world); never raises on a fail."""
 
     def render(self, outcome: Outcome) -> str:
-        """The human text of an outcome (one rendering per check)."""
+        """The human text of an outcome whose figures are this check's own type (or None).
+
+        One rendering per figures type: a type the checks share lives in report/ and is rendered
+        there before a check is asked (`CheckResult`, the figures of the side-by-side and
+        training-step checks: sp_harness.report.result_text, applied by
+        sp_harness.report.text.format_outcomes), since checks/ sits below report/ and may not
+        import its text; such a check's render is its `status_line`."""

@@ -9,12 +9,12 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 
-from sp_harness.checks.base import Outcome
+from sp_harness.checks.base import Outcome, status_line
 from sp_harness.checks.side_by_side_rank import run_rank
 from sp_harness.config.case import Case, Unsupported
 from sp_harness.config.check_config import CheckConfig
 from sp_harness.config.registry import get_case
-from sp_harness.judge.verdict import FAIL, UNSUPPORTED, CheckResult, RankResult, format_result, merge
+from sp_harness.judge.verdict import FAIL, UNSUPPORTED, CheckResult, RankResult, merge
 from sp_harness.launch.failure import RankFailure
 from sp_harness.launch.runner import Runner, default_manager
 
@@ -87,9 +87,8 @@ class SideBySide:
         return outcome_of(check(config, runner), self.name)
 
     def render(self, outcome: Outcome) -> str:
-        if outcome.figures is None:
-            return f"UNSUPPORTED: {outcome.detail}"
-        return format_result(outcome.figures)
+        # its figures are a CheckResult, whose table report/ renders (Check.render)
+        return status_line(outcome)
 
 
 CHECK = SideBySide()

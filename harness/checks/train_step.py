@@ -6,12 +6,12 @@ sp_harness.checks.train_step_rank. It runs where the config asks for it (`train_
 
 from __future__ import annotations
 
-from sp_harness.checks.base import Outcome
+from sp_harness.checks.base import Outcome, status_line
 from sp_harness.checks.side_by_side import KIND_LABEL, outcome_of, run_job
 from sp_harness.checks.train_step_rank import run_rank
 from sp_harness.config.case import Case, Unsupported, as_batch
 from sp_harness.config.check_config import CheckConfig
-from sp_harness.judge.verdict import CheckResult, format_result
+from sp_harness.judge.verdict import CheckResult
 from sp_harness.launch.runner import Runner
 from sp_harness.step.inputs import batch_generator
 
@@ -67,9 +67,8 @@ class TrainStepCheck:
         return outcome
 
     def render(self, outcome: Outcome) -> str:
-        if outcome.figures is None:
-            return f"UNSUPPORTED: {outcome.detail}"
-        return format_result(outcome.figures)
+        # its figures are a CheckResult, whose table report/ renders (Check.render)
+        return status_line(outcome)
 
 
 CHECK = TrainStepCheck()

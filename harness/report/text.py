@@ -10,7 +10,8 @@ from collections.abc import Sequence
 from typing import Any
 
 from sp_harness.checks import Outcome, get_check
-from sp_harness.judge.verdict import CheckResult, format_comm, format_result
+from sp_harness.judge.verdict import CheckResult
+from sp_harness.report.result_text import format_comm, format_result
 
 SCHEMA_VERSION = 1
 """Of the `--json` document: bumped whenever a field changes meaning or goes away."""

@@ -158,8 +158,8 @@ def _speed_cells(manager, ws: int, reps: int, out: dict) -> None:
 
 def _memory_rows(manager, ws: int, mutants: tuple[str, ...]) -> list[dict]:
     """(d) one layer's activation bytes at `ws` (and, at ws 1, without parallelism)."""
-    from sp_harness.capture.saved_activations import measure_reference_layer, memory_config
     from sp_harness.checks.activation_memory import activation_gate, activation_report, adjusted_bytes, paper_bytes
+    from sp_harness.checks.activation_memory_rank import measure_reference_layer, memory_config
 
     mcfg = memory_config(CheckConfig(case=SUBJECT, world_size=ws, **MEMORY))
     assert (mcfg.seq_len is not None and mcfg.batch is not None and mcfg.hidden is not None

@@ -37,7 +37,7 @@ def nightly_examples() -> list[tuple[CheckConfig, str]]:
 def run_checks(runner: Runner) -> list[dict]:
     from sp_harness.checks import side_by_side, train_step
     from sp_harness.judge.expect import expected_verdict
-    from sp_harness.judge.verdict import format_result
+    from sp_harness.report.result_text import format_result
 
     rows = []
     for config, why in nightly_examples():

@@ -7,7 +7,7 @@ from hypothesis import given, note, settings
 from hypothesis import strategies as st
 
 from sp_harness.config.strategies import gpt_configs
-from sp_harness.judge.verdict import format_result
+from sp_harness.report.result_text import format_result
 
 
 @settings(max_examples=40, database=None, deadline=None)
