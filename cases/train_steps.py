@@ -36,8 +36,8 @@ CLIP_EPS = 1e-6
 
 @dataclass(kw_only=True, frozen=True)
 class StepBugs:
-    """Each field set is one shipped training-step bug (cases/mutants/train_mutants.py names its
-    source); all unset is the correct step."""
+    """Each field set is one shipped training-step bug (the train_mutants.py beside each
+    family's cases names its source); all unset is the correct step."""
 
     mean_of_means: bool = False
     """Each micro-batch normalised by its own valid tokens, the K means averaged."""

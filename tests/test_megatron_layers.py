@@ -146,8 +146,9 @@ def test_validate_rejects_with_numbers():
 
 
 def test_each_mutant_swaps_one_piece():
+    from sp_harness.cases.megatron import collective_mutants as megatron_collective_mutants
+    from sp_harness.cases.megatron import mutants as megatron_mutants
     from sp_harness.cases.megatron.impl import CORRECT
-    from sp_harness.cases.mutants import megatron_collective_mutants, megatron_mutants
     from sp_harness.config.case import Case
 
     mutants = [v for mm in (megatron_mutants, megatron_collective_mutants) for v in vars(mm).values()

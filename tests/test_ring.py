@@ -8,7 +8,7 @@ import torch
 from hypothesis import given, note
 from hypothesis import strategies as st
 
-from sp_harness.cases.mutants import ring_mutants
+from sp_harness.cases.ring import mutants as ring_mutants
 from sp_harness.cases.ring.attention import CORRECT, ring_attention
 from sp_harness.cases.ring.cases import RING
 from sp_harness.cases.ring.mappings import Ring

@@ -7,7 +7,7 @@ import os
 
 import pytest
 
-from sp_harness.cases.mutants.scaled_mutants import CASES, ENV, EVERY_RANK, set_scale
+from sp_harness.cases.megatron.scaled_mutants import CASES, ENV, EVERY_RANK, set_scale
 from sp_harness.config.check_config import CheckConfig
 from sp_harness.suites.sensitivity import caught_by
 

@@ -160,7 +160,7 @@ def test_usp_configs_get_their_expected_verdict(sp_check, sp_max_world_size, dat
 
 
 def test_ring_low_groups_mutant_is_killed_where_u_and_r_are_both_above_1(sp_check):
-    from sp_harness.cases.mutants.usp_mutants import RING_LOW_GROUPS
+    from sp_harness.cases.usp.mutants import RING_LOW_GROUPS
 
     res = sp_check(_resolved(world_size=4, steps=1).replace(case=RING_LOW_GROUPS.name))
     assert res.verdict == "FAIL" and res.first_check == "forward", format_result(res)

@@ -2,7 +2,7 @@
 
 Stage: step. The model in `model.py` calls every collective, the row-parallel bias
 rule, the position ids, the grad sync and the loss through an `Impl`, so a broken variant
-(a mutant in cases/mutants/megatron_mutants.py) is one field swapped:
+(a mutant in cases/megatron/mutants.py) is one field swapped:
 
     BROKEN = dataclasses.replace(CORRECT, gather_from_sp=my_broken_gather)
 

@@ -15,7 +15,7 @@ so 4 all-to-alls per layer forward and 4 in backward. Each rank's loss covers on
 so every parameter grad is a partial sum: `sync_grads` all-reduces them (SUM) over the SP group,
 then averages over DP.
 
-`Impl` gathers the pieces; a mutant (cases/mutants/ulysses_mutants.py) swaps one:
+`Impl` gathers the pieces; a mutant (cases/ulysses/mutants.py) swaps one:
 
     seq_to_heads(x, heads_for, seq_sizes, group), heads_to_seq(y, heads_for, seq_sizes, A, group)
     kv_heads(q_heads, num_heads, num_kv_heads) -> heads_for of k/v

@@ -16,7 +16,7 @@ the members' positions, member by member, as the all-to-all lays them out), neve
 own shard. Per layer: 4 all-to-alls forward and 4 backward over the Ulysses group (none when
 U = 1), R-1 ring sends forward and R-1 backward (sp_harness.cases.ring.attention).
 
-`Impl` gathers what a mutant (cases/mutants/usp_mutants.py) may swap.
+`Impl` gathers what a mutant (cases/usp/mutants.py) may swap.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Stage: suites. Sensitivity, measured: the smallest error each check sees.
 
-For each dtype and each bug shape of the scaled mutants (cases/mutants/scaled_mutants.py: one
+For each dtype and each bug shape of the scaled mutants (cases/megatron/scaled_mutants.py: one
 rank's logits, one parameter's grad on one rank, one parameter's optimizer update on one rank,
 each off by a relative d; on request a replicated norm weight's grad on every rank), bisect in
 log10 space, between d = 1e-16 and d = 1, the smallest d at which the default side-by-side check
@@ -94,7 +94,7 @@ def caught_by(res) -> str:
 def measure(dtype: DType, shape: str, runner: Runner, *, iterations: int = ITERATIONS, lo: float = LO, hi: float = HI,
             progress=None, size: str = "default") -> Sensitivity:
     """Bisect the minimum detectable d for one dtype and bug shape."""
-    from sp_harness.cases.mutants.scaled_mutants import CASES, set_scale
+    from sp_harness.cases.megatron.scaled_mutants import CASES, set_scale
     from sp_harness.checks.side_by_side import check
     from sp_harness.judge.verdict import FAIL
 

@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from sp_harness.cases.common import sum_replicated_grads
-from sp_harness.cases.mutants.shared import loss_mean_per_rank
+from sp_harness.cases.common_mutants import loss_mean_per_rank
 from sp_harness.cases.ulysses import mappings
 from sp_harness.cases.ulysses.cases import ULYSSES, ulysses_shard
 from sp_harness.cases.ulysses.model import CORRECT

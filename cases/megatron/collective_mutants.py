@@ -1,6 +1,6 @@
 """Broken collectives of the Megatron-style GPT: wrong group, wrong dim, wrong order, sizes that
 assume even shards, a backward that splits instead of reducing. Each is `CORRECT` with one
-`Impl` piece swapped (sp_harness.cases.mutants.megatron_mutants.megatron_mutant)."""
+`Impl` piece swapped (sp_harness.cases.megatron.mutants.megatron_mutant)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 
 from sp_harness.cases.megatron import mappings as mp
-from sp_harness.cases.mutants.megatron_mutants import megatron_mutant
+from sp_harness.cases.megatron.mutants import megatron_mutant
 
 
 def _seq_collectives(name: str, gather, reduce_scatter, how: str) -> dict[str, Any]:

@@ -12,9 +12,9 @@ import dataclasses
 import torch
 from torch.nn import functional as F
 
+from sp_harness.cases.common_mutants import loss_mean_per_rank
 from sp_harness.cases.megatron.cases import SP, TP, megatron_shard
 from sp_harness.cases.megatron.impl import CORRECT, SP_KINDS, sync_grads
-from sp_harness.cases.mutants.shared import loss_mean_per_rank
 from sp_harness.config.registry import mutant
 
 TAGS = ("mutant", "megatron")

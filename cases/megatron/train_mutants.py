@@ -1,4 +1,5 @@
-"""Training-step mutants: the built-in steps (cases/train_steps.py) with one shipped bug each.
+"""Training-step mutants of Megatron-style SP: its built-in step (cases/train_steps.py) with one
+shipped bug each.
 
 Stage: config and step. Each changes only the case's own training step, so every side-by-side entry
 of the battery (which runs the engine's step) passes it: only the training-step check can kill
@@ -11,8 +12,7 @@ from __future__ import annotations
 
 from sp_harness.cases.megatron.cases import SP, megatron_shard
 from sp_harness.cases.megatron.impl import CORRECT
-from sp_harness.cases.ring.cases import RING, ring_shard
-from sp_harness.cases.train_steps import StepBugs, every_param, marked_sequence_parallel, with_train_step
+from sp_harness.cases.train_steps import StepBugs, marked_sequence_parallel, with_train_step
 from sp_harness.config.case import Case
 from sp_harness.config.registry import mutant
 
@@ -20,12 +20,6 @@ from sp_harness.config.registry import mutant
 def _megatron(name: str, bugs: StepBugs, *, killed_by: tuple[str, ...], **described: str) -> Case:
     shard = with_train_step(megatron_shard(CORRECT, sequence_parallel=True), marked_sequence_parallel, bugs)
     return mutant(SP, name=name, shard=shard, train_loss=SP.train_loss, tags=("train-step",), killed_by=killed_by,
-                  **described)
-
-
-def _ring(name: str, bugs: StepBugs, *, killed_by: tuple[str, ...], **described: str) -> Case:
-    shard = with_train_step(ring_shard(), every_param, bugs)
-    return mutant(RING, name=name, shard=shard, train_loss=RING.train_loss, tags=("train-step",), killed_by=killed_by,
                   **described)
 
 
@@ -47,14 +41,6 @@ DROP_MIDDLE = _megatron(
     source="microsoft/DeepSpeed ZeRO-1/2 with CPU optimizer offload and GA >= 3, 0.15.2 to 0.18.x; fixed in "
            "PR #7967 (v0.19.0)",
     killed_by=("grads before clipping", "train-step"),
-)
-CP_LOCAL_COUNT = _ring(
-    "mutant-train-cp-local-count", StepBugs(local_count="seq"),
-    summary="each context-parallel rank normalises by its own valid-token count",
-    bug="each CP rank divides its loss by its own valid tokens and the grads are then averaged over CP: with "
-        "one valid token a grad is x1/2 at CP 2, x1/4 at CP 4. Caught at the reported loss",
-    source="NVIDIA/Megatron-LM issue #7452 finding 9 (PR #7513)",
-    killed_by=("reported loss", "train-step"),
 )
 DP_LOCAL_COUNT = _megatron(
     "mutant-train-dp-local-count", StepBugs(local_count="dp"),
@@ -80,30 +66,6 @@ NORM_AVG_SHARDS = _megatron(
         "per rank and shards once): the norm, and every clip coefficient, is wrong. Caught at the grad norm",
     source="NVIDIA/Megatron-LM #5916 (expert grad norm 11.51 vs 12.28); microsoft/DeepSpeed #8478 (7.24 vs 10.95)",
     killed_by=("grad norm", "train-step"),
-)
-LOSS_TIMES_SP = _ring(
-    "mutant-train-loss-times-sp", StepBugs(loss_times_sp=True),
-    summary="the loss and every grad come out multiplied by the sequence-parallel degree",
-    bug="each sequence-parallel rank's loss is scaled as if it held the whole sequence: the reported loss and "
-        "the grads are x sp_size. Caught at the reported loss",
-    source="huggingface/transformers native sequence parallelism through accelerate, #46855 (2026)",
-    killed_by=("reported loss", "train-step"),
-)
-SP_GRADS_UNSYNCED = _ring(
-    "mutant-train-sp-grads-unsynced", StepBugs(skip_sp_sync_with_dp=True),
-    summary="with DP and SP combined, the grads are never summed over the SP group",
-    bug="when data and sequence parallelism combine, only the DP all-reduce runs: every SP rank trains on the "
-        "grads of its own slice of the sequence. Caught at the grads before clipping",
-    source="ByteDance-Seed/VeOmni #1086",
-    killed_by=("grads before clipping", "train-step"),
-)
-GA_TIMES_SP = _ring(
-    "mutant-train-ga-times-sp", StepBugs(ga_times_sp=True),
-    summary="the gradient-accumulation divisor is multiplied by the SP degree",
-    bug="the accumulation count is multiplied by the sequence-parallel degree, so every grad is / sp_size "
-        "while the logged loss looks right. Caught at the grads before clipping",
-    source="volcengine/verl Ulysses SFT trainer, #3332",
-    killed_by=("grads before clipping", "train-step"),
 )
 LOGGED_LOSS_PER_RANK = _megatron(
     "mutant-train-logged-loss-per-rank", StepBugs(logged_loss_per_rank=True),
