@@ -22,6 +22,28 @@ def test_a_rank_that_died_comes_before_the_others_secondary_errors():
     assert failure.summary_line() == 'rank 1 at File "/u/case.py", line 3 in shard'
 
 
+GLOO_ABORT = ("terminate called after throwing an instance of 'gloo::EnforceNotMet'\n"
+              "  what():  [enforce fail at /__w/pytorch/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:456] "
+              "op.preamble.length <= op.nbytes. 512 vs 256. Received data size doesn't match expected size.")
+
+
+def test_a_rank_gloo_aborted_is_named_with_gloos_own_message_in_the_one_line():
+    # what a mismatched all-to-all leaves in the rank's output (a real run's log tail): its text,
+    # not only the frame, reaches the one-line reason the text report and the battery show
+    died = process_ended(1, -6, stack='  File "/t/distributed_c10d.py", line 5140 in all_to_all_single\n',
+                         log_tail="some earlier line\n" + GLOO_ABORT)
+    assert died.abort_message == ("gloo::EnforceNotMet: op.preamble.length <= op.nbytes. 512 vs 256. "
+                                  "Received data size doesn't match expected size.")
+    line = RankFailure("job", [died]).one_line()
+    assert line.startswith("job: rank 1 killed by SIGABRT: rank 1: gloo::EnforceNotMet: op.preamble.length")
+    assert line.endswith('(at File "/t/distributed_c10d.py", line 5140 in all_to_all_single)')
+    # c10's fatal check, and an exit whose output holds one
+    check = process_ended(0, 1, log_tail="[rank0]:[F1128 ProcessGroupGloo.cpp:1537] Check failed: a == b (24 vs. 12).")
+    assert RankFailure("job", [check]).summary_line() == "rank 0: Check failed: a == b (24 vs. 12)."
+    # nothing of the kind printed: the frame alone, as before
+    assert process_ended(1, -6, log_tail="plain output").abort_message == ""
+
+
 def test_a_nonzero_exit_is_exited_not_signal():
     err = process_ended(2, 3, log_tail="some output\nlast words")
     assert (err.kind, err.exit_code, err.signal_name) == ("exited", 3, "")

@@ -8,6 +8,7 @@ else.
 
 from __future__ import annotations
 
+import re
 import signal
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -67,6 +68,27 @@ class RankError:
         """A hung rank whose innermost frames are inside a collective: waiting for a culprit."""
         return self.kind == "timeout" and any("torch/distributed" in f or "c10d" in f
                                               for f in stack_frames(self.traceback)[:4])
+
+    @property
+    def abort_message(self) -> str:
+        """For a rank that died in C++ (a signal or an exit): the exception its runtime printed on
+        the way out, from its output's last lines (gloo's `enforce fail`, c10's `Check failed`),
+        as `type: message`; '' if it printed none. The one line that says why, where the
+        faulthandler stack says only where."""
+        rows = [r.strip() for r in self.log_tail.splitlines() if r.strip()]
+        for i in range(len(rows) - 1, -1, -1):
+            row = rows[i]
+            if "what():" in row:
+                text = row.split("what():", 1)[1].strip()
+            elif "Check failed:" in row:
+                text = "Check failed: " + row.split("Check failed:", 1)[1].strip()
+            else:
+                continue
+            text = re.sub(r"^\[enforce fail at [^\]]*\]\s*", "", text)
+            thrown = next((m.group(1) for r in reversed(rows[:i + 1]) if (m := re.search(r"instance of '([^']+)'", r))),
+                          "")
+            return f"{thrown}: {text}" if thrown else text
+        return ""
 
     @property
     def innermost_frame(self) -> str:
@@ -211,10 +233,15 @@ class RankFailure(Exception):
         if first.kind == "desync":
             frame = first.innermost_frame
             return f"rank {first.rank} at {frame}" if frame else first.headline()
+        if first.kind == "signal" and first.abort_message:
+            frame = first.innermost_frame
+            return f"rank {first.rank}: {first.abort_message}" + (f" (at {frame})" if frame else "")
         if first.kind in ("timeout", "signal"):
             rank = self.culprits[0] if first.kind == "timeout" else first.rank
             frame = next(e for e in self.errors if e.rank == rank).innermost_frame
             return f"rank {rank} at {frame}" if frame else first.detail or "no stack available"
+        if first.kind == "exited" and first.abort_message:
+            return f"rank {first.rank}: {first.abort_message}"
         if first.kind == "exited":
             rows = first.log_tail.strip().splitlines()
             return f"rank {first.rank}: " + (rows[-1] if rows else first.detail or f"exit code {first.exit_code}")
