@@ -295,6 +295,23 @@ def test_unaligned_modules_are_named_with_why():
     assert d.phase == "none"
 
 
+def test_a_forward_divergence_names_the_uncompared_modules_before_it_and_what_could_cause_it():
+    x = torch.ones(4, 3, dtype=torch.float64)
+    ref = Trace(forward={"norm": x, "mlp": x}, backward={})
+    # 'emb' holds TP-sharded params (not compared) and runs first; 'mlp' and its 'fc' after 'norm'
+    got = Trace(forward={"norm": x + 1, "mlp": x}, backward={}, order=["emb", "norm", "mlp", "mlp.fc"])
+    d = first_divergence(step=0, rank=0, sharded=got, ref64=ref, ref_lp=ref, ref_alt=ref, dtype=torch.float64,
+                         seq_len=4, seq_shards=(4,), tp_rank=0, failed_kind="forward", skipped=frozenset({"emb"}))
+    assert (d.module, d.phase, d.upstream, d.ran_after) == ("norm", "forward", ("emb",), ("mlp", "mlp.fc"))
+    assert "where the error may enter instead: emb" in d.describe()
+    # an op upstream, in the module itself (through a wrapper's prefix), or in a module the trace
+    # never saw may be the cause; one later in the forward, in backward or in the loss cannot
+    assert d.could_cause("emb", backward=False) and d.could_cause("module.norm", backward=False)
+    assert d.could_cause("Model", backward=False)
+    assert not d.could_cause("mlp.fc", backward=False) and not d.could_cause("module.mlp", backward=False)
+    assert not d.could_cause("norm", backward=True) and not d.could_cause("loss", backward=False)
+
+
 def test_float32_forward_takes_the_sharper_of_its_two_reference_ensemble_and_norm_bound_grads_do_not(monkeypatch):
     # 256 tokens of float32 error at 1e-7: the run-precision and perturbed references are the
     # ensemble for a forward piece (F about 1.9 and a half-ulp floor), so a 3e-7 scaling of the

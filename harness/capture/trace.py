@@ -12,8 +12,11 @@ qualified name, no TP-sharded parameter of its own (a column- or row-parallel li
 piece or a partial sum, and its input grad is partial until the next collective), and the
 sharded tensor is either the reference's whole tensor or its slice of
 the sequence (a dim whose reference size is seq_len and whose local size is this rank's shard).
-Column-parallel pieces and DTensors are skipped. Hooks only keep references to tensors the
-step computes anyway, so a passing step costs a dict insert per module.
+A DTensor output or input grad is recorded as its local piece where no placement is Partial
+(a Replicate one is the whole tensor, a Shard on the sequence dim this rank's slice, which line
+up as a plain tensor's would); a Partial one is a partial sum and is skipped, as are
+column-parallel pieces (they line up with nothing and are named as such). Hooks only keep
+references to tensors the step computes anyway, so a passing step costs a dict insert per module.
 """
 
 from __future__ import annotations
@@ -22,6 +25,19 @@ from dataclasses import dataclass, field
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
+
+
+def comparable(t) -> torch.Tensor | None:
+    """`t` as the trace keeps it: a plain floating tensor itself, a DTensor's local piece where
+    none of its placements is Partial (no collective: the piece this rank holds), else None."""
+    if not isinstance(t, torch.Tensor) or not t.is_floating_point():
+        return None
+    if type(t) is torch.Tensor:
+        return t.detach()
+    if isinstance(t, DTensor) and not any(p.is_partial() for p in t.placements):
+        return t.to_local().detach()
+    return None
 
 
 @dataclass(kw_only=True)
@@ -31,6 +47,9 @@ class Trace:
 
     forward: dict[str, torch.Tensor] = field(default_factory=dict)
     backward: dict[str, torch.Tensor] = field(default_factory=dict)
+    order: list[str] = field(default_factory=list)
+    """Every module's name in the order its forward started, the skipped ones included: what
+    ran before a diverging module, to name what could not be compared upstream of it."""
 
 
 class Recorder:
@@ -42,18 +61,31 @@ class Recorder:
         reference has: stripped, and the wrapper itself left out, so the modules line up."""
         self.forward: dict[str, torch.Tensor] = {}
         self.backward: dict[str, torch.Tensor] = {}
+        self.order: list[str] = []
+        self._started: set[str] = set()
         self._handles = []
         for name, module in model.named_modules():
-            if not name or name in skip or not name.startswith(prefix) or name == prefix.rstrip("."):
+            if not name or not name.startswith(prefix) or name == prefix.rstrip("."):
                 continue
+            traced = name not in skip
             name = name[len(prefix):]
-            self._handles.append(module.register_forward_hook(self._on_forward(name)))
-            self._handles.append(module.register_forward_pre_hook(self._on_input(name)))
+            self._handles.append(module.register_forward_pre_hook(self._on_start(name)))
+            if traced:
+                self._handles.append(module.register_forward_hook(self._on_forward(name)))
+                self._handles.append(module.register_forward_pre_hook(self._on_input(name)))
+
+    def _on_start(self, name):
+        def hook(module, args):
+            if name not in self._started:
+                self._started.add(name)
+                self.order.append(name)
+        return hook
 
     def _on_forward(self, name):
         def hook(module, args, output):
-            if isinstance(output, torch.Tensor) and type(output) is torch.Tensor and output.is_floating_point():
-                self.forward.setdefault(name, output.detach())
+            local = comparable(output)
+            if local is not None:
+                self.forward.setdefault(name, local)
         return hook
 
     def _on_input(self, name):
@@ -62,21 +94,26 @@ class Recorder:
         # and the trace must never make a correct model fail
         def hook(module, args):
             x = args[0] if args else None
-            if isinstance(x, torch.Tensor) and type(x) is torch.Tensor and x.requires_grad:
+            if comparable(x) is not None and x.requires_grad:
                 x.register_hook(self._grad_hook(name))
         return hook
 
     def _grad_hook(self, name):
         def hook(grad):
-            self.backward.setdefault(name, grad.detach())  # returns None: the grad is unchanged
+            local = comparable(grad)
+            if local is not None:
+                self.backward.setdefault(name, local)
+            # returns None: the grad is unchanged
         return hook
 
     def clear(self) -> None:
         self.forward.clear()
         self.backward.clear()
+        self.order.clear()
+        self._started.clear()
 
     def snapshot(self) -> Trace:
-        return Trace(forward=dict(self.forward), backward=dict(self.backward))
+        return Trace(forward=dict(self.forward), backward=dict(self.backward), order=list(self.order))
 
     def remove(self) -> None:
         for h in self._handles:

@@ -109,12 +109,11 @@ class _SideBySide:
         self.loop = ShardedLoop(self.built, phase=self._phase)
         self.opt = self.loop.opt
         self.full: dict[str, torch.Tensor] = {}
-        traced = not any(p.dtensor for p in self.params)  # DTensor outputs do not line up with plain ones
         # modules holding a TP-sharded param return pieces or partial sums: not comparable
         local_pieces = frozenset(p.local_name.rpartition(".")[0] for p in self.params if not p.replicated_tp)
         prefix = wrapper_prefix(self.params)
         self.pieces = frozenset(n[len(prefix):] for n in local_pieces)
-        self.recorder = Recorder(self.sharded.module, local_pieces, prefix) if traced else None
+        self.recorder = Recorder(self.sharded.module, local_pieces, prefix)
         self.compute_s = 0.0
 
     def _phase(self, name: str) -> None:

@@ -30,6 +30,12 @@ class Divergence:
     """Position in its phase's execution order (for picking the earliest across ranks)."""
     note: str = ""
     """For 'unaligned': the modules that could not be compared, and why."""
+    upstream: tuple[str, ...] = ()
+    """For 'forward': the modules that ran before this one and could not be compared (they hold
+    TP-sharded params, or their output lines up with nothing): the error may enter in one of them."""
+    ran_after: tuple[str, ...] = ()
+    """For 'forward': the modules whose forward started after this one's ended: an op in one of
+    them (or in backward, or in the loss outside the model) cannot have caused it."""
 
     def sort_key(self):
         return (self.step, PHASES.index(self.phase), self.order, self.rank)
@@ -42,8 +48,23 @@ class Divergence:
             return (f"every traced module's output and input grad is within its bound at step {self.step} "
                     f"(rank {self.rank}): the error enters after backward, in the grad sync or the param grads")
         what = "output" if self.phase == "forward" else "input grad"
+        before = ""
+        if self.upstream:
+            more = f" and {len(self.upstream) - MAX_NAMED} more" if len(self.upstream) > MAX_NAMED else ""
+            before = (f"; before it, not compared (TP-sharded params or no line-up), where the error may enter "
+                      f"instead: {', '.join(self.upstream[:MAX_NAMED])}{more}")
         return (f"first diverging module: {self.module} ({what}, {self.phase}, step {self.step}, rank {self.rank}, "
-                f"{self.ratio:.3g}x its bound)")
+                f"{self.ratio:.3g}x its bound){before}")
+
+    def could_cause(self, module: str, backward: bool) -> bool:
+        """Whether an op in `module` (in backward: `backward`) can have caused this divergence: not
+        for a forward divergence where the op ran in backward, in a module that started after
+        it, or in the loss outside the model. `module` may carry a wrapper's prefix ('module.')."""
+        if self.phase != "forward" or not self.module:
+            return True
+        if backward or module == "loss":
+            return False
+        return not any(module == m or module.endswith("." + m) for m in self.ran_after)
 
 
 PHASES = ("forward", "backward", "unaligned", "none")
@@ -69,6 +90,22 @@ def _line_up(got: torch.Tensor, ref: torch.Tensor, seq_len: int, seq_shards, tp_
     return None
 
 
+def _forward_divergence(step: int, rank: int, name: str, ratio: float, order: int, started: list[str],
+                        not_compared: frozenset[str] | set[str]) -> Divergence:
+    """A forward divergence at module `name`, placed among `started` (every module, in the order
+    its forward started: its own submodules right after it)."""
+    if name not in started:
+        return Divergence(step=step, rank=rank, phase="forward", module=name, ratio=ratio, order=order)
+    at = started.index(name)
+    end = at + 1
+    while end < len(started) and started[end].startswith(name + "."):
+        end += 1
+    upstream = tuple(m for m in started[:at] if m in not_compared and not name.startswith(m + ".")
+                     and not any(m.startswith(s + ".") for s in not_compared))
+    return Divergence(step=step, rank=rank, phase="forward", module=name, ratio=ratio, order=order,
+                      upstream=upstream, ran_after=tuple(started[end:]))
+
+
 def first_divergence(*, step: int, rank: int, sharded: Recorder | Trace, ref64: Recorder | Trace,
                      ref_lp: Recorder | Trace, ref_alt: Recorder | Trace, dtype: torch.dtype, seq_len: int, seq_shards, tp_rank: int,
                      seq_index: torch.Tensor | None = None, failed_kind: str = "grad",
@@ -78,6 +115,7 @@ def first_divergence(*, step: int, rank: int, sharded: Recorder | Trace, ref64: 
     first failure (sp_harness.compare.tensor_check.KIND_ORDER); `skipped`: the modules the trace
     left out (they hold TP-sharded params: their outputs are pieces or partial sums)."""
     unaligned: dict[str, list[str]] = {"forward": [], "backward": []}
+    unaligned_names: list[str] = []
     for phase in ("forward", "backward"):
         got_side = getattr(sharded, phase)
         for order, (name, got) in enumerate(got_side.items()):
@@ -86,17 +124,22 @@ def first_divergence(*, step: int, rank: int, sharded: Recorder | Trace, ref64: 
             want_alt = getattr(ref_alt, phase).get(name)
             if want is None or want_lp is None:
                 unaligned[phase].append(f"'{name}' (no module of that name in the reference)")
+                unaligned_names.append(name)
                 continue
             cut = _line_up(got, want, seq_len, seq_shards, tp_rank, seq_index)
             if cut is None:
                 unaligned[phase].append(f"'{name}' ({phase} {tuple(got.shape)} is neither the reference's "
                                         f"{tuple(want.shape)} nor this rank's sequence slice of it)")
+                unaligned_names.append(name)
                 continue
             refs = RefPieces(r64=cut(want), lp=cut(want_lp), alt=None if want_alt is None else cut(want_alt))
             chk = check_tensor(kind=phase, name=name, step=step, rank=rank, got=got, refs=refs,
                                precision=precision_of(dtype))
             if not chk.ok:
-                return Divergence(step=step, rank=rank, phase=phase, module=name, ratio=chk.ratio, order=order)
+                if phase == "backward":
+                    return Divergence(step=step, rank=rank, phase=phase, module=name, ratio=chk.ratio, order=order)
+                return _forward_divergence(step, rank, name, chk.ratio, order, sharded.order,
+                                           skipped | set(unaligned_names))
     if failed_kind in FORWARD_KINDS or failed_kind == "input_grad":
         phase = "forward" if failed_kind in FORWARD_KINDS else "backward"
         why = unaligned[phase] + [f"'{n}' (holds TP-sharded params: its {phase} is a piece or a partial sum)"

@@ -51,10 +51,15 @@ def format_result(res: CheckResult, *, verbose: bool = False) -> str:
         lines.append("loss per step: " + " ".join(f"{x:.6f}" for x in res.losses))
     if res.verdict == FAIL:
         lines.append(f"FAIL: first failure: {res.first_failure}")
-        # right after it: a reader sees the low-precision ops as candidate causes: every op found
-        # below the run dtype, and a declared island only where localisation placed the failure
-        # in or around its module (the references model a declared one, so elsewhere it is noise)
-        candidates = [i for i in res.islands if i.op != DECLARED or _encloses(i.module, res.divergence)]
+        # right after it: a reader sees the low-precision ops as candidate causes: an op found
+        # below the run dtype where it could have caused the first divergence (not after a
+        # forward one: a later module, backward, the loss), and a declared island only where
+        # localisation placed the failure in or around its module (the references model a
+        # declared one, so elsewhere it is noise)
+        div = res.divergence
+        candidates = [i for i in res.islands
+                      if (_encloses(i.module, div) if i.op == DECLARED
+                          else div is None or div.could_cause(i.module, backward=i.where == "backward"))]
         if candidates:
             lines.append(summary(candidates, str(cfg.dtype), "candidate cause, precision islands"))
         if res.divergence is not None:
