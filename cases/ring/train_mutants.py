@@ -1,11 +1,8 @@
 """Training-step mutants of ring attention: its built-in step (cases/train_steps.py) with one
 shipped bug each.
 
-Stage: config and step. Each changes only the case's own training step, so every side-by-side entry
-of the battery (which runs the engine's step) passes it: only the training-step check can kill
-it, at the stage its docstring names. The batches that make each visible (uneven valid tokens
-across ranks and micro-batches, an empty micro-batch and an empty rank, K = 3) are the check's
-own (sp_harness.step.train_batches).
+Stage: config and step. As with Megatron-style SP's (sp_harness.cases.megatron.train_mutants),
+only the training-step check can kill them, at the stage each one's docstring names.
 """
 
 from __future__ import annotations
