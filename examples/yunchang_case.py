@@ -8,7 +8,7 @@
 """
 
 from sp_harness import mutant
-from sp_harness.cases.frameworks.yunchang import usp_case, yunchang_shard
+from sp_harness.cases.frameworks.yunchang import ulysses_case, usp_case, yunchang_shard
 
 # ulysses 2 x ring 2 over 4 ranks, yunchang's zigzag ring, tokens placed by its EXTRACT_FUNC_DICT
 USP_2X2 = usp_case("yc-usp-2x2", ulysses_degree=2, ring_degree=2, ring_impl_type="zigzag")
@@ -23,3 +23,8 @@ CONTIGUOUS_INTO_ZIGZAG = mutant(
     RING_ZIGZAG, name="mutant-yc-zigzag-contiguous", summary="zigzag ring fed contiguous shards",
     bug="input sharded by basic_extract_local under the zigzag ring", source="feifeibear/long-context-attention#53",
     shard=yunchang_shard(ring_impl_type="zigzag", extract="basic"))
+
+# yunchang's torch math attention (AttnType.TORCH_MATH; forward only: yunchang gives it no backward)
+USP_TORCH_MATH = usp_case("yc-usp-torch-math", attn_type="torch_math")
+ULYSSES_TORCH_MATH = ulysses_case("yc-ulysses-torch-math", attn_type="torch_math")  # UNSUPPORTED on CPU
+FA3 = usp_case("yc-usp-fa3", attn_type="fa3")  # UNSUPPORTED on CPU: flash-attn 3's Hopper kernels

@@ -193,3 +193,76 @@ def test_contiguous_shards_into_the_zigzag_ring_fail_at_forward(sp_check):
 def test_what_yunchang_cannot_run_is_unsupported_with_its_limit(sp_check, fields, words):
     res = sp_check(_builtin(**fields))
     assert res.verdict == UNSUPPORTED and words in res.reason, res.reason
+
+
+ULYSSES_EXAMPLE = os.path.join(pathlib.Path(__file__).resolve().parent.parent, "examples", "yunchang_ulysses.py")
+
+
+@pytest.mark.parametrize("case,world_size,dtype", [
+    ("yc-ulysses", 2, "float32"),  # no ring: no float32 accumulator to alias
+    (f"{ULYSSES_EXAMPLE}:ULYSSES", 2, "bfloat16"),  # the user's own model
+    pytest.param(f"{ULYSSES_EXAMPLE}:ULYSSES", 2, "float32", marks=pytest.mark.exhaustive(
+        "the fast tier runs the example in bfloat16 and yc-ulysses in float32")),
+    pytest.param("yc-ulysses", 4, "float64", marks=pytest.mark.exhaustive("the fast tier runs yc-ulysses on 2 ranks")),
+    pytest.param("yc-ulysses", 4, "bfloat16", marks=pytest.mark.exhaustive("the fast tier runs yc-ulysses on 2 ranks")),
+])
+def test_ulysses_attention_passes(sp_check, case, world_size, dtype):
+    res = sp_check(CheckConfig(case=case, timeout_s=TIMEOUT_S, world_size=world_size, dtype=dtype))
+    assert res.verdict == PASS, res.reason + res.error
+    assert {"forward", "lse", "loss", "grad", "param"} <= set(res.worst)
+
+
+def test_attn_types_are_yunchangs():
+    from yunchang.kernels import AttnType
+
+    from sp_harness.cases.frameworks.yunchang import ATTN_TYPES, ulysses_case, usp_case
+
+    assert sorted(ATTN_TYPES) == sorted(t.value for t in AttnType)
+    for factory in (usp_case, ulysses_case):
+        with pytest.raises(ValueError, match="'flash9'"):
+            factory("x", attn_type="flash9")
+
+
+@pytest.mark.parametrize("name,fields,words", [
+    ("FA3", dict(world_size=2), "flash-attn 3's Hopper CUDA kernels"),
+    ("USP_TORCH_MATH", dict(world_size=2), "has no backward"),
+    ("ULYSSES_TORCH_MATH", dict(world_size=2, forward_only=True), "_scaled_dot_product_flash_attention"),
+])
+def test_attn_types_that_cannot_run_here_are_unsupported(sp_check, name, fields, words):
+    if torch.cuda.is_available() and name != "USP_TORCH_MATH":
+        pytest.skip("decided by the ranks' device where a GPU is visible")
+    res = sp_check(_example(name, **fields))
+    assert res.verdict == UNSUPPORTED and words in res.reason, res.reason
+
+
+@pytest.mark.exhaustive("the fast tier runs USP_TORCH_MATH's UNSUPPORTED with a backward")
+@pytest.mark.parametrize("ring_degree,verdict", [(1, PASS), (2, FAIL)])
+def test_torch_math_merges_a_ring_by_zero_lses(sp_check, ring_degree, verdict):
+    # finding: yunchang's math path returns an LSE of zeros, so a ring of 2 averages its blocks
+    # (forward FAIL, pinned by the case's expect); one block per query (ring 1) is right
+    res = sp_check(_example("USP_TORCH_MATH", world_size=2, ring_degree=ring_degree, forward_only=True))
+    assert res.verdict == verdict, res.reason + res.error
+    if verdict == FAIL:
+        assert res.first_check == "forward"
+
+
+def test_a_users_model_under_long_context_attention_declares_its_float32_islands():
+    # yunchang's ring merges in float32: at float64 a user's model must name its attention cores
+    # as float32 islands, or the run is UNSUPPORTED before any rank starts, naming them
+    import importlib.util
+
+    from sp_harness import Unsupported
+    from sp_harness.cases.frameworks.yunchang import usp_case
+
+    spec = importlib.util.spec_from_file_location("yc_ulysses_example", ULYSSES_EXAMPLE)
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    bare = usp_case("yc-user-usp", model=example.TinyLM)
+    cfg = CheckConfig(case="yc-user-usp", world_size=2, dp=1, dtype="float64", ring_degree=2, seq_len=12, hidden=32,
+                      ffn=64, num_heads=4, num_layers=2, vocab=64, causal=True)  # resolved, as the engine's
+    with pytest.raises(Unsupported, match="'blocks.0.attn', 'blocks.1.attn'"):
+        bare.validate(cfg)
+    declared = usp_case("yc-user-usp", model=example.TinyLM,
+                        precision_islands={"blocks.0.attn": "float32", "blocks.1.attn": "float32"})
+    declared.validate(cfg)
+    bare.validate(cfg.replace(dtype="bfloat16"))

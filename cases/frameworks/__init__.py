@@ -23,7 +23,8 @@ FRAMEWORK_CASES: dict[str, tuple[str, tuple[str, ...]]] = {
         "mutant-mcore-step-clip-norm-tp-rank0")),
     "yunchang": ("sp_harness.cases.frameworks.yunchang_cases", (
         "yc-usp", "yc-usp-torch-flash", "mutant-yc-zigzag-contiguous-shards", "mutant-yc-ring-merge-overwrites",
-        "mutant-yc-grad-sync-ulysses-only", "mutant-yc-causal-mask-on-received-blocks")),
+        "mutant-yc-grad-sync-ulysses-only", "mutant-yc-causal-mask-on-received-blocks", "yc-ulysses",
+        "mutant-yc-ulysses-a2a-default-indices", "mutant-yc-ring-backward-stale-kv")),
     "torchtitan": ("sp_harness.cases.frameworks.torchtitan_cases", (
         "titan-llama3-sp", "mutant-titan-embedding-partial-as-replicate", "mutant-titan-norm-sp-dropped",
         "mutant-titan-fsdp-grads-summed-over-dp", "titan-llama3-sp-step", "mutant-titan-step-per-micro-batch-mean",

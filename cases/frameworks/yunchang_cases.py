@@ -1,11 +1,12 @@
 """Stage: config and step. yunchang's built-in cases (registered where yunchang
 is installed): its LongContextAttention (USP) with the zigzag ring at the run's Ulysses x ring
-degrees, and the bugs USP users have shipped, expressed through yunchang's own code paths (the
-two replacement functions the mutants hand to yunchang are here, beside them)."""
+degrees, its UlyssesAttention over the SP group, and the bugs their users have shipped, expressed
+through yunchang's own code paths (the replacements the mutants hand to yunchang are here,
+beside them)."""
 
 import torch
 
-from sp_harness.cases.frameworks.yunchang import usp_case, yunchang_shard
+from sp_harness.cases.frameworks.yunchang import ulysses_case, usp_case, yunchang_shard
 from sp_harness.config.case import Example
 from sp_harness.config.registry import mutant, register
 
@@ -31,6 +32,13 @@ YC_USP_TORCH_FLASH = register(usp_case(
                       note="yunchang ring 2 (zigzag) on torch's flash kernels"),
               Example(fields=(("world_size", 4), ("dtype", "bfloat16")),
                       note="yunchang ulysses 2 x ring 2 (zigzag) on torch's flash kernels"))))
+
+YC_ULYSSES = register(ulysses_case(
+    "yc-ulysses", isolation=ISOLATION,
+    # no ring, so no float32 accumulator to alias: float32 passes too
+    examples=(Example(fields=(("world_size", 2), ("dtype", "float32")), note="yunchang UlyssesAttention over 2 ranks"),
+              Example(fields=(("world_size", 4), ("dtype", "bfloat16")),
+                      note="yunchang UlyssesAttention over 4 ranks, one head each"))))
 
 
 def overwriting_merge(out, lse, block_out, block_lse, slice_=None):
@@ -88,3 +96,61 @@ mutant(YC_USP, name="mutant-yc-causal-mask-on-received-blocks",
        shard=yunchang_shard(ring_impl_type="zigzag",
                             forward_swaps={"select_flash_attn_impl": diagonal_mask_on_every_block}),
        killed_by=("forward", "even"))
+
+
+class AllToAllDefaultIndices:
+    """yunchang's `SeqAllToAll4D` with every call's scatter / gather indices dropped, so each
+    all-to-all runs with `all_to_all_4D`'s defaults (scatter 2, gather 1), the output's too:
+    `_SeqAllToAll4D.forward` called `all_to_all_4D(input, group=group)` before
+    feifeibear/long-context-attention#4. The output then has the right number of elements and
+    the wrong layout: (B, S x P, heads / P^2, d) read back as (B, S / P, heads, d)."""
+
+    @staticmethod
+    def apply(group, tensor, scatter_idx, gather_idx, use_sync=False):
+        from yunchang.comm.all_to_all import SeqAllToAll4D
+
+        return SeqAllToAll4D.apply(group, tensor, 2, 1, use_sync)
+
+
+class StaleKVBackward:
+    """A `select_flash_attn_impl` for the ring's backward whose block backward always gets this
+    rank's own k/v (the step-0 ones, kept from the causal diagonal call), never the k/v received
+    around the ring: huggingface/diffusers#14265 (a ring backward whose every hop recomputed
+    against the K/V saved at iteration 0). The forward is untouched; dq, dk, dv are wrong."""
+
+    def __init__(self):
+        self.local: tuple | None = None
+
+    def __call__(self, impl_type, stage: str = "fwd-bwd", attn_processor=None):
+        from yunchang.kernels import select_flash_attn_impl
+
+        fn = select_flash_attn_impl(impl_type, stage, attn_processor)
+        if stage != "bwd-only":
+            return fn
+
+        def backward(dout, q, k, v, *rest, **kwargs):
+            if rest[7]:  # causal: the diagonal block, step 0 of the ring
+                self.local = (k, v)
+            elif self.local is not None:
+                k, v = self.local[0][:, :k.shape[1]], self.local[1][:, :v.shape[1]]
+            return fn(dout, q, k, v, *rest, **kwargs)
+
+        return backward
+
+
+mutant(YC_ULYSSES, name="mutant-yc-ulysses-a2a-default-indices",
+       summary="UlyssesAttention's all-to-alls all run with the default scatter 2 / gather 1",
+       bug="SeqAllToAll4D drops its scatter/gather indices, so the output all-to-all scatters heads again "
+           "instead of gathering them: same element count, scrambled (seq, head) layout",
+       source="feifeibear/long-context-attention#4 (fix a bug in all-to-all args)",
+       shard=yunchang_shard(layer="ulysses", sync_groups=("ulysses",),
+                            forward_swaps={"SeqAllToAll4D": AllToAllDefaultIndices}),
+       killed_by=("forward", "even"))
+
+mutant(YC_USP, name="mutant-yc-ring-backward-stale-kv",
+       summary="the ring backward recomputes every hop against this rank's own k/v",
+       bug="the zigzag ring's backward block kernels get the step-0 (local) k/v on every ring step instead of "
+           "the k/v received from the previous rank: forward and LSE right, dq/dk/dv wrong",
+       source="huggingface/diffusers#14265 (ring attention backward uses stale iteration-0 KV)",
+       shard=yunchang_shard(ring_impl_type="zigzag", backward_swaps={"select_flash_attn_impl": StaleKVBackward()}),
+       killed_by=("grad", "even"))
