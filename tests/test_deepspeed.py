@@ -86,3 +86,65 @@ def test_the_bench_runs_the_hf_case_bare_after_its_check(sp_check, sp_pool):
     config = config.replace(steps=1)
     assert sp_check(config).verdict == PASS
     assert len(timed_bare(config, sp_pool, 1)) == 1
+
+
+OWN_MODULE = os.path.join(pathlib.Path(__file__).resolve().parent.parent, "examples", "deepspeed_own_module.py")
+HF_QWEN2 = os.path.join(pathlib.Path(__file__).resolve().parent.parent, "examples", "deepspeed_hf_qwen2.py")
+
+
+def test_the_users_own_module_with_distributed_attention_passes(sp_check):
+    # examples/deepspeed_own_module.py: the user's model, DistributedAttention placed by `attention(...)`
+    res = sp_check(CheckConfig(case=f"{OWN_MODULE}:OWN", world_size=2, dtype="float32", timeout_s=TIMEOUT_S))
+    assert res.verdict == PASS, res.reason + res.error
+    assert {"forward", "loss", "grad", "param"} <= set(res.worst)
+
+
+def test_zero_stage_2_passes_and_stage_3_is_unsupported_before_any_rank(sp_check):
+    # SP 2: ZeRO-2 partitions over the sequence-data-parallel group (both ranks); DP 2 x SP 2: full tier
+    res = sp_check(CheckConfig(case="ds-ulysses-zero2", world_size=2, timeout_s=TIMEOUT_S))
+    assert res.verdict == PASS, res.reason + res.error
+    from types import SimpleNamespace
+
+    from sp_harness import Unsupported
+    from sp_harness.cases.frameworks.deepspeed_ulysses import ulysses_case
+
+    zero3 = ulysses_case("x", ds_config={"zero_optimization": {"stage": 3}})
+    cfg = SimpleNamespace(world_size=2, dp=1, num_heads=4, num_kv_heads=None, hidden=32, ring_degree=None,
+                          load_balancer=None, seq_shards=None, seq_len=12, dtype="float32")
+    with pytest.raises(Unsupported, match="ZeRO-3"):
+        zero3.validate(cfg)
+
+
+def test_hf_qwen2_passes_in_float64_with_the_sums_written_out(sp_check):
+    skip_unless_installed("transformers", "transformers is not installed (the deepspeed extra installs it)")
+    res = sp_check(CheckConfig(case="ds-ulysses-hf-qwen2", world_size=2, dtype="float64", timeout_s=TIMEOUT_S))
+    assert res.verdict == PASS, res.reason + res.error
+    res = sp_check(CheckConfig(case=f"{HF_QWEN2}:QWEN2", world_size=2, dtype="float64", timeout_s=TIMEOUT_S))
+    assert res.verdict == UNSUPPORTED and "torch.float64" in res.reason, res.reason
+
+
+def test_bad_engine_arguments_are_value_errors_naming_the_value():
+    from sp_harness.cases.frameworks.deepspeed_hf import hf_ulysses_case
+    from sp_harness.cases.frameworks.deepspeed_module import ulysses_module_case
+
+    with pytest.raises(ValueError, match="grad_sync='engine'"):
+        ulysses_module_case("x", lambda cfg, attention: None, grad_sync="all-reduce",
+                            ds_config={"zero_optimization": {"stage": 2}})
+    with pytest.raises(ValueError, match="'nope' is not a transformers model type"):
+        hf_ulysses_case("x", model_type="nope")
+
+
+@pytest.mark.exhaustive("the fast tier runs OWN at float32 SP 2 and ds-ulysses-zero2 at SP 2")
+@pytest.mark.parametrize("example, fields", [
+    ("ds-ulysses-zero2", dict(world_size=4, dp=2, dtype="float32")),
+    (f"{OWN_MODULE}:OWN", dict(world_size=4, dp=2, dtype="bfloat16")),
+    (f"{OWN_MODULE}:OWN_ZERO2", dict(world_size=4, dp=2, dtype="float32")),
+    (f"{OWN_MODULE}:OWN_F64", dict(world_size=2, dtype="float64")),
+    (f"{HF_QWEN2}:QWEN2", dict(world_size=2, dtype="float32")),
+    (f"{HF_QWEN2}:QWEN2", dict(world_size=4, dp=2, dtype="bfloat16")),
+    (f"{HF_QWEN2}:QWEN2_ZERO2", dict(world_size=4, dp=2, dtype="float32")),
+    (f"{HF_QWEN2}:QWEN2_F64", dict(world_size=2, dtype="float64")),
+], ids=["zero2-dp2", "own-bf16-dp2", "own-zero2", "own-f64", "qwen2-f32", "qwen2-bf16-dp2", "qwen2-zero2", "qwen2-f64"])
+def test_the_examples_pass_in_every_dtype_deepspeed_allows(sp_check, example, fields):
+    res = sp_check(CheckConfig(case=example, timeout_s=TIMEOUT_S, **fields))
+    assert res.verdict == PASS, res.reason + res.error

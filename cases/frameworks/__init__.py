@@ -35,7 +35,8 @@ FRAMEWORK_CASES: dict[str, tuple[str, tuple[str, ...]]] = {
         "mutant-ds-ulysses-engine-without-sp-group", "ds-ulysses-step", "ds-ulysses-step-zero1", "ds-ulysses-step-zero2",
         "ds-ulysses-step-zero3", "ds-ulysses-step-offload", "ds-ulysses-step-offload-multi-backward",
         "mutant-ds-step-offload-drops-middle", "mutant-ds-step-offload-multi-backward-keeps-last",
-        "mutant-ds-step-loss-scaled-by-gas-twice")),
+        "mutant-ds-step-loss-scaled-by-gas-twice", "ds-ulysses-uneven-heads", "ds-ulysses-zero2", "ds-ulysses-hf-qwen2",
+        "mutant-ds-ulysses-uneven-heads-without-mpu", "mutant-ds-ulysses-hf-local-position-ids")),
     "accelerate": ("sp_harness.cases.frameworks.hf_trainer_cases", (
         "hf-trainer-llama", "hf-trainer-qwen2", "hf-trainer-llama-user-loss",
         "mutant-hf-trainer-mean-of-micro-batch-means", "mutant-hf-trainer-4470-training-step")),

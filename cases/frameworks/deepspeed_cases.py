@@ -51,6 +51,26 @@ mutant(DS_ULYSSES, name="mutant-ds-ulysses-scatter-gather-swapped",
        source="deepspeedai/DeepSpeed#4359",
        shard=ulysses_shard(local_attention=sdpa_attention, scatter_idx=1, gather_idx=2), killed_by=("forward", "even"))
 
+DS_ULYSSES_UNEVEN_HEADS = register(ulysses_case(
+    "ds-ulysses-uneven-heads", grad_sync="all-reduce", isolation=ISOLATION, defaults=dict(num_heads=3, hidden=24),
+    examples=(Example(fields=(("world_size", 2),), note="3 heads over SP 2 (2/1): DeepSpeed's uneven-heads all-to-all"),)))
+"""float64, 3 heads: every SP degree but 3 takes DeepSpeed's uneven-heads all-to-all (the engine's sums written out)."""
+
+DS_ULYSSES_ZERO2 = register(ulysses_case(
+    "ds-ulysses-zero2", ds_config={"zero_optimization": {"stage": 2}}, isolation=ISOLATION,
+    examples=(Example(fields=(("world_size", 4), ("dp", 2)),
+                      note="ZeRO-2's grad hooks and partitions over DP 2 x SP 2, grads read back whole"),)))
+"""The engine at ZeRO stage 2: its reduce over the sequence-data-parallel group, read by safe_get_full_grad."""
+
+mutant(DS_ULYSSES_UNEVEN_HEADS, name="mutant-ds-ulysses-uneven-heads-without-mpu",
+       summary="DistributedAttention on the SP group with no DeepSpeed mpu installed: uneven heads read SP rank 0",
+       bug="uneven_heads_all2all takes its rank from deepspeed.utils.groups' mpu, not the group it is handed: without "
+           "an mpu every rank reads rank 0's head count, so the all-to-all's splits disagree (gloo aborts; wrong "
+           "heads where sizes happen to match)",
+       source="deepspeedai/DeepSpeed#6392 (uneven-heads all-to-all: local_heads = splits[groups._get_sequence_parallel_rank()])",
+       shard=ulysses_shard(local_attention=sdpa_attention, grad_sync="all-reduce", mpu=False),
+       killed_by=("crash", "even"))
+
 mutant(DS_ULYSSES, name="mutant-ds-ulysses-engine-without-sp-group",
        summary="deepspeed.initialize without the sequence-parallel mpu",
        bug="grads averaged over every rank instead of summed over SP and averaged over DP (1/sp too small)",
@@ -63,6 +83,20 @@ if installed("transformers"):
         examples=(Example(fields=(("world_size", 2),), note="UlyssesSPAttentionHF (sdpa) on a tiny HF Llama, SP 2"),
                   Example(fields=(("world_size", 4), ("dtype", "bfloat16")), note="SP 4: one head per rank, bfloat16"))))
     """DeepSpeed's Arctic (ALST) Ulysses for HF transformers: registered over transformers' sdpa."""
+
+    DS_ULYSSES_HF_QWEN2 = register(hf_ulysses_case(
+        "ds-ulysses-hf-qwen2", dict(num_key_value_heads=2), model_type="qwen2", grad_sync="all-reduce",
+        isolation=ISOLATION,
+        examples=(Example(fields=(("world_size", 2),), note="UlyssesSPAttentionHF on a tiny HF Qwen2 (GQA 4/2), float64"),)))
+    """An HF Qwen2 in float64 (q/k/v biases, GQA), the engine's sums written out."""
+
+    mutant(DS_ULYSSES_HF, name="mutant-ds-ulysses-hf-local-position-ids",
+           summary="each rank hands the HF model position_ids 0..S/sp-1 of its own shard",
+           bug="RoPE rotates every shard as if it began the sequence, and UlyssesSPAttentionHF all-gathers the local "
+               "ids into what looks like sp packed documents: wrong attention from rank 1's tokens on",
+           source="huggingface/trl#6812 (Ulysses batches without global position_ids); deepspeedai/DeepSpeed "
+                  "ulysses_sp.py's position_ids assert names the failure",
+           shard=hf_ulysses_case("local-position-ids", position_ids="local").shard, killed_by=("forward", "even"))
 
 
 # --- DeepSpeed's engine training step (the training-step check: sp-harness check --train-step) ---

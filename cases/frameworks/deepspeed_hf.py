@@ -1,11 +1,12 @@
 """Stage: step. DeepSpeed's `UlyssesSPAttentionHF` (Arctic Long Sequence Training,
 `deepspeed.runtime.sequence_parallel.ulysses_sp`) as a system under test: registered with
 transformers by its own `register_with_transformers` over a core attention (`sdpa`), on an HF
-`LlamaForCausalLM` (tiny by default), sequence-sharded over the run's SP group and checked
-against the same model unsharded; grads by DeepSpeed's engine.
+causal LM (Llama, Qwen2, Mistral: `MODEL_TYPES`; tiny by default), sequence-sharded over the
+run's SP group and checked against the same model unsharded; grads by DeepSpeed's engine (ZeRO
+0/1/2) or, for float64, which the engine refuses, its sums written out.
 
     from sp_harness.cases.frameworks.deepspeed_hf import hf_ulysses_case
-    HF_LLAMA = hf_ulysses_case("my-ds-ulysses-hf-llama", dict(num_key_value_heads=2))
+    HF_QWEN2 = hf_ulysses_case("my-ds-hf-qwen2", dict(num_key_value_heads=2), model_type="qwen2")
 
 The reference is built in the reference process, where `register_with_transformers` never runs.
 Each job puts transformers' own attention function back and releases DeepSpeed's SP groups
@@ -30,6 +31,7 @@ from sp_harness.cases.frameworks.deepspeed_runtime import (
     init_distributed,
     launcher_env,
 )
+from sp_harness.cases.frameworks.deepspeed_ulysses import ZERO3_UNSUPPORTED, check_engine_args, grad_sync_of, zero_stage
 from sp_harness.reference.gpt import token_loss_sum
 
 TINY_LLAMA = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
@@ -71,35 +73,61 @@ def _register_ulysses_hf(model: nn.Module, *, core: str, sp: int, batch: int, se
         micro_batch_size=batch, seq_length=seq_len, seq_length_is_variable=False)
 
 
+MODEL_TYPES = ("llama", "qwen2", "mistral")
+"""HF model types checked here (transformers 5.23.0): decoder-only causal LMs whose attention
+calls transformers' `ALL_ATTENTION_FUNCTIONS[config._attn_implementation]` with q/k/v
+(B, heads, S, d) and `position_ids`, which is what `UlyssesSPAttentionHF` replaces. Another
+model type of that shape is taken by `hf_ulysses_case(..., model_type=...)` too."""
+
+
 def _hf_setup() -> None:
-    """Per process: DeepSpeed's setup plus transformers' Llama import."""
+    """Per process: DeepSpeed's setup plus transformers' causal-LM auto classes."""
     deepspeed_setup()
-    import transformers.models.llama.modeling_llama  # noqa: F401
+    import transformers.models.auto.modeling_auto  # noqa: F401
 
 
-def hf_ulysses_case(name: str, llama_config: Mapping[str, Any] | None = None, *, core_attn: str = "sdpa",
-                    **case_fields: Any) -> Case:
+def _hf_model_config(model_type: str, kwargs: Mapping[str, Any], core_attn: str):
+    """transformers' own config class for `model_type`, or a ValueError naming the valid ones."""
+    from transformers import AutoConfig
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    if model_type not in CONFIG_MAPPING:
+        raise ValueError(f"model_type {model_type!r} is not a transformers model type (e.g. {', '.join(MODEL_TYPES)})")
+    return AutoConfig.for_model(model_type, **kwargs, attn_implementation=core_attn)
+
+
+def hf_ulysses_case(name: str, model_config: Mapping[str, Any] | None = None, *, model_type: str = "llama",
+                    core_attn: str = "sdpa", grad_sync: str = "engine", ds_config: Mapping[str, Any] | None = None,
+                    position_ids: str = "global", **case_fields: Any) -> Case:
     """A `Case` checking DeepSpeed's `UlyssesSPAttentionHF` (registered with transformers by its
-    `register_with_transformers`, `core_attn` its core attention) on an HF `LlamaForCausalLM`
-    built from `llama_config` (LlamaConfig keywords over `TINY_LLAMA`; its shapes become the
-    case's defaults, which --hidden, --num-heads, ... override), sequence-sharded
-    over the run's SP group, against the same model unsharded. Grads: DeepSpeed's engine with the
-    mpu `register_with_transformers` returns (float32 / bfloat16, as `ulysses_case`). The loss is
-    the harness's token cross entropy on the logits (HF's own shifted loss is not used: the
-    targets are already the next tokens)."""
-    kwargs = {**TINY_LLAMA, **(llama_config or {})}
+    `register_with_transformers`, `core_attn` its core attention) on an HF causal LM of
+    `model_type` ("llama", "qwen2", "mistral": `MODEL_TYPES`) built by
+    `AutoModelForCausalLM.from_config` from `model_config` (that model type's config keywords over
+    `TINY_LLAMA`'s shapes; its shapes become the case's defaults, which --hidden, --num-heads, ...
+    override), sequence-sharded over the run's SP group, against the same model unsharded.
+    Grads: DeepSpeed's engine with the mpu `register_with_transformers` returns (float32 /
+    bfloat16; `ds_config` as `ulysses_case`'s: ZeRO 0/1/2), or `grad_sync="all-reduce"` (the
+    engine's sums written out, float64 too). The loss is the harness's token cross entropy on the
+    logits (HF's own shifted loss is not used: the targets are already the next tokens).
+    `position_ids`: what each rank hands the model, "global" (its tokens' positions in the whole
+    sequence, as UlyssesSPDataLoaderAdapter shards them) or "local" (0..s/sp-1: a mutant's knob)."""
+    kwargs = {**TINY_LLAMA, **(model_config or {})}
+    check_engine_args(name, grad_sync, ds_config)
+    if position_ids not in ("global", "local"):
+        raise ValueError(f"{name!r}: position_ids must be 'global' or 'local', got {position_ids!r}")
+    _hf_model_config(model_type, {}, core_attn)  # a bad model type is an error where the case is made
     case_fields.setdefault("setup", _hf_setup)
 
-    def llama(cfg, dtype):
-        from transformers import LlamaConfig, LlamaForCausalLM
+    def causal_lm(cfg, dtype):
+        from transformers import AutoModelForCausalLM
 
         shapes = dict(vocab_size=cfg.vocab, hidden_size=cfg.hidden, intermediate_size=cfg.ffn,
                       num_hidden_layers=cfg.num_layers, num_attention_heads=cfg.num_heads,
                       num_key_value_heads=cfg.num_kv_heads or cfg.num_heads,
                       max_position_embeddings=max(64, cfg.seq_len))
         torch.manual_seed(cfg.seed)
-        config = LlamaConfig(**{**kwargs, **shapes}, attn_implementation=core_attn)
-        return CausalLMLogits(LlamaForCausalLM(config).to(dtype))
+        config = _hf_model_config(model_type, {**kwargs, **shapes}, core_attn)
+        return CausalLMLogits(AutoModelForCausalLM.from_config(config).to(dtype))
 
     def validate(cfg) -> None:
         sp = cfg.world_size // cfg.dp
@@ -112,13 +140,16 @@ def hf_ulysses_case(name: str, llama_config: Mapping[str, Any] | None = None, *,
                               f"num_key_value_heads ({a_kv}) divisible by sp or sp by it")
         if cfg.layout not in (None, "bsh") or cfg.ring_degree not in (None, 1) or \
                 cfg.load_balancer not in (None, "none") or cfg.causal is False:
-            raise Unsupported("UlyssesSPAttentionHF on an HF Llama: [b, s, h] inputs, causal, pure Ulysses, contiguous")
-        if cfg.dtype == "float64":
+            raise Unsupported(f"UlyssesSPAttentionHF on an HF {model_type}: [b, s, h] inputs, causal, pure Ulysses, "
+                              f"contiguous")
+        if grad_sync == "engine" and cfg.dtype == "float64":
             raise Unsupported("DeepSpeed's engine reduces grads only in its accelerator's supported_dtypes "
-                              "(float32, bfloat16, float16): 'attempting to reduce an unsupported grad type: torch.float64'")
+                              "(float32, bfloat16, float16): 'attempting to reduce an unsupported grad type: "
+                              "torch.float64'; a float64 check needs grad_sync='all-reduce'")
+        if zero_stage(ds_config) == 3:
+            raise Unsupported(ZERO3_UNSUPPORTED)
 
     def shard(reference: nn.Module, ctx: RankContext) -> Sharded:
-        import deepspeed
         from deepspeed.utils import groups
 
         cfg = ctx.config
@@ -130,12 +161,16 @@ def hf_ulysses_case(name: str, llama_config: Mapping[str, Any] | None = None, *,
         if mpu is not None and tuple(dist.get_process_group_ranks(mpu.get_sequence_parallel_group())) != ctx.tp_ranks:
             raise RuntimeError(f"DeepSpeed's SP group {dist.get_process_group_ranks(mpu.get_sequence_parallel_group())} "
                                f"is not the harness's {ctx.tp_ranks}")
-        config = {"train_micro_batch_size_per_gpu": cfg.batch, "gradient_accumulation_steps": 1,
-                  "zero_optimization": {"stage": 0}}
-        engine, *_ = deepspeed.initialize(model=reference, config=config, mpu=mpu)
+        sync = grad_sync_of(reference, ctx, grad_sync=grad_sync, mpu=mpu, ds_config=ds_config)
         io = Layout(seq_dim=1, batch_dim=0)
         return Sharded(module=reference, input_layout=io, output_layout=io, input_layouts={"position_ids": io},
-                       replicated=("*",), sync_grads=engine.allreduce_gradients)
+                       replicated=("*",), sync_grads=sync, prepare_inputs=prepare)
+
+    def prepare(pieces: dict[str, Any], ctx: RankContext) -> dict[str, Any]:
+        if position_ids == "local":
+            pos = pieces["position_ids"]
+            return {**pieces, "position_ids": pos - pos[:, :1]}
+        return pieces
 
     def make_batch(cfg, step, gen) -> Batch:
         made = with_positions(*gpt_batch(cfg, step, gen))
@@ -145,12 +180,14 @@ def hf_ulysses_case(name: str, llama_config: Mapping[str, Any] | None = None, *,
     shapes = dict(vocab=kwargs["vocab_size"], hidden=kwargs["hidden_size"], ffn=kwargs["intermediate_size"],
                   num_layers=kwargs["num_hidden_layers"], num_heads=kwargs["num_attention_heads"],
                   num_kv_heads=kwargs["num_key_value_heads"])
-    defaults = {**GPT_DEFAULTS, **shapes, "dtype": "float32", **case_fields.pop("defaults", {})}
-    return Case(name=name, description=f"DeepSpeed {DEEPSPEED_VERSION} UlyssesSPAttentionHF ({core_attn}) on an HF Llama",
-                build_reference=lambda cfg: llama(cfg, torch.float64), make_batch=make_batch, shard=shard,
+    defaults = {**GPT_DEFAULTS, **shapes, "dtype": "float32" if grad_sync == "engine" else "float64",
+                **case_fields.pop("defaults", {})}
+    return Case(name=name, description=f"DeepSpeed {DEEPSPEED_VERSION} UlyssesSPAttentionHF ({core_attn}) on an HF "
+                                       f"{model_type}, grads by {grad_sync}",
+                build_reference=lambda cfg: causal_lm(cfg, torch.float64), make_batch=make_batch, shard=shard,
                 loss_sum=token_loss_sum, tokens=gpt_tokens, input_layout=Layout(seq_dim=1, batch_dim=0),
                 validate=validate, defaults=defaults,
                 tags=("deepspeed", "ulysses", "transformers", "framework", *case_fields.pop("tags", ())), **case_fields)
 
 
-__all__ = ["TINY_LLAMA", "CausalLMLogits", "hf_ulysses_case"]
+__all__ = ["MODEL_TYPES", "TINY_LLAMA", "CausalLMLogits", "hf_ulysses_case"]

@@ -3,7 +3,8 @@ DeepSpeed's layout (`LocalAttention`, what `DistributedAttention` wraps), the re
 attention through it on every head and the whole sequence (`UserAttention`: DistributedAttention
 at SP=1, without DeepSpeed), and the sharded GPT: the reference's modules with DeepSpeed's
 `DistributedAttention` in each block (`DeepSpeedUlyssesAttention`, `UlyssesGPT`), every
-activation outside attention holding this rank's `seq_len / sp` tokens."""
+activation outside attention holding this rank's `seq_len / sp` tokens. A user's own model
+places DistributedAttention through `SequenceParallelAttention` (`ulysses_module_case`)."""
 
 from __future__ import annotations
 
@@ -90,4 +91,40 @@ class UlyssesGPT(nn.Module):
         return self.lm_head(self.norm_f(x))  # (B, s_r, V)
 
 
-__all__ = ["DeepSpeedUlyssesAttention", "LocalAttention", "LocalAttentionFn", "UlyssesGPT", "UserAttention"]
+
+
+class SequenceParallelAttention(nn.Module):
+    """Where a user's own model puts DeepSpeed's `DistributedAttention`: made by the `attention`
+    argument of a `ulysses_module_case` factory around the user's local attention module, called
+    as DistributedAttention is, `(query, key, value, batch_dim_idx, **kwargs)`.
+
+    In the reference it calls `local_attn(query, key, value, **kwargs)` on every head and the
+    whole sequence (DistributedAttention at SP 1, without DeepSpeed). On a rank, `distribute`
+    hands the same local module to `DistributedAttention(local_attn, sp_group, scatter_idx,
+    gather_idx, num_kv_heads=...)`, which then runs the call: all-to-all sequence -> heads, the
+    local attention, all-to-all back. The local module keeps its name (`local_attn`, as in
+    DistributedAttention), so a param of it has the same name on both sides."""
+
+    def __init__(self, local_attention: nn.Module, *, scatter_idx: int = 2, gather_idx: int = 1,
+                 num_kv_heads: int | None = None):
+        super().__init__()
+        self.local_attn = local_attention
+        self.scatter_idx, self.gather_idx, self.num_kv_heads = scatter_idx, gather_idx, num_kv_heads
+        object.__setattr__(self, "dist_attn", None)  # not a submodule: local_attn's params keep one name
+
+    def distribute(self, group) -> None:
+        from deepspeed.sequence.layer import DistributedAttention
+
+        object.__setattr__(self, "dist_attn", DistributedAttention(
+            self.local_attn, group, scatter_idx=self.scatter_idx, gather_idx=self.gather_idx,
+            num_kv_heads=self.num_kv_heads))
+
+    def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, batch_dim_idx: int,
+                **kwargs) -> torch.Tensor:
+        if self.dist_attn is None:
+            return self.local_attn(query, key, value, **kwargs)
+        return self.dist_attn(query, key, value, batch_dim_idx, None, **kwargs)
+
+
+__all__ = ["DeepSpeedUlyssesAttention", "LocalAttention", "LocalAttentionFn", "SequenceParallelAttention", "UlyssesGPT",
+           "UserAttention"]
