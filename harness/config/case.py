@@ -101,8 +101,14 @@ class ParamSpec:
     sizes: tuple[int, ...] | None = None
     """Per-TP-rank sizes along `dim`; None means torch.chunk's split."""
     index: Callable[[torch.Tensor], torch.Tensor] | None = None
-    """For layouts a plain split cannot express (fused or permuted weights): a function from the
-    full reference tensor to this rank's local piece. Overrides dim/sizes."""
+    """For layouts a plain split cannot express (fused, permuted or strided weights): a function
+    from the full reference tensor to a VIEW of it holding this rank's local elements. Overrides
+    dim/sizes. The view has the local param's shape, or another shape with the local param's
+    number of elements in the local param's (row-major) order: a strided split whose reference dim
+    0 is `s` equal blocks, each chunked over TP (a fused [gate; up] weight), is
+    `lambda full: full.view(s, D // s, *rest)[:, r * c:(r + 1) * c]`. The engine reshapes it to the
+    local shape where it compares, and writes the local param through it where it assembles the
+    reference (`view.copy_(local.reshape(view.shape))`): a copy instead of a view is an error."""
     replicated: bool | None = None
     """Whether this local param must stay bit-identical across the TP group; None: replicated
     exactly when it is neither split (`dim`) nor indexed (`index`). Set True for an indexed

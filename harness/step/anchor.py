@@ -62,7 +62,11 @@ def gather_full(params: Sequence[LocalParam], shapes: dict[str, torch.Size],
         spec = p.spec
         if spec.index is not None:
             target = spec.index(value_of[name])
-            target.copy_(local)
+            if target.numel() != local.numel():
+                raise RuntimeError(f"ParamSpec.index of {name} gives {tuple(target.shape)} for the local param's "
+                                   f"{tuple(local.shape)}: a view with the local param's number of elements")
+            # a view of another shape (a strided split's blocks) holds the local elements in order
+            target.copy_(local.reshape(target.shape))
             spec.index(owner_of[name]).add_(1)
         elif spec.dim is None:
             if ctx.tp_rank == 0:
@@ -78,5 +82,5 @@ def gather_full(params: Sequence[LocalParam], shapes: dict[str, torch.Size],
     if bad:
         raise RuntimeError(
             f"the sharded params do not cover each reference element exactly once: {bad} "
-            "(a ParamSpec.index must return a view of the reference tensor; sizes must sum to its dim)")
+            "(a ParamSpec.index must return a view of the reference tensor, not a copy; sizes must sum to its dim)")
     return value_of

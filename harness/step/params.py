@@ -24,10 +24,14 @@ if TYPE_CHECKING:
     from torch.distributed.tensor import DTensor
 
 
-def param_piece(ref: torch.Tensor, spec: ParamSpec, ctx: RankContext) -> tuple[torch.Tensor, tuple[int, ...]]:
-    """This rank's piece of a reference tensor under `spec`, and the piece's offset."""
+def param_piece(ref: torch.Tensor, spec: ParamSpec, ctx: RankContext,
+                shape: torch.Size | None = None) -> tuple[torch.Tensor, tuple[int, ...]]:
+    """This rank's piece of a reference tensor under `spec`, and the piece's offset. `shape`: the
+    local param's; an index view of another shape (a strided split's blocks) is reshaped to it,
+    element order kept (a copy where the view's strides do not merge: pieces are read, not written)."""
     if spec.index is not None:
-        return spec.index(ref), ()
+        piece = spec.index(ref)
+        return (piece if shape is None or piece.shape == shape else piece.reshape(shape)), ()
     if spec.dim is None:
         return ref, ()
     sizes = spec.sizes or sh.chunk_sizes(ref.shape[spec.dim], ctx.tp)
@@ -44,6 +48,8 @@ class LocalParam:
         self.param = param
         self.dtensor = is_dtensor(param)
         self.spec = spec
+        self.shape = None if is_dtensor(param) else param.shape
+        """The local shape every piece of a reference tensor is judged in (None for DTensors)."""
         self.sharded_dp = False
         """A DTensor param sharded over a non-TP mesh dim (FSDP's Shard on "dp"): its local pieces
         are not replicas across DP."""
@@ -83,18 +89,18 @@ class LocalParam:
         """This rank's piece of a reference tensor (the whole tensor for DTensor params)."""
         if ref is None or self.dtensor:
             return ref
-        return param_piece(ref, self.spec, ctx)[0]
+        return param_piece(ref, self.spec, ctx, self.shape)[0]
 
     def offset(self, ref: torch.Tensor, ctx: RankContext) -> tuple[int, ...]:
-        return () if self.dtensor else param_piece(ref, self.spec, ctx)[1]
+        return () if self.dtensor else param_piece(ref, self.spec, ctx, self.shape)[1]
 
     def full_or_piece(self, t: torch.Tensor | None, ref64: torch.Tensor, ref_lp: torch.Tensor, ctx: RankContext):
         """(value to judge, matching ref64 piece, ref_lp piece, offset)."""
         if self.dtensor:
             value = None if t is None else cast("DTensor", t).full_tensor()
             return value, ref64, ref_lp, ()
-        piece64, offset = param_piece(ref64, self.spec, ctx)
-        piece_lp, _ = param_piece(ref_lp, self.spec, ctx)
+        piece64, offset = param_piece(ref64, self.spec, ctx, self.shape)
+        piece_lp, _ = param_piece(ref_lp, self.spec, ctx, self.shape)
         return t, piece64, piece_lp, offset
 
 
