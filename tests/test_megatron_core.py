@@ -14,13 +14,16 @@ skip_unless_installed("megatron.core", "megatron-core is not installed (pip inst
 from sp_harness.config.check_config import CheckConfig  # noqa: E402
 from sp_harness.judge.verdict import FAIL, PASS, UNSUPPORTED  # noqa: E402
 
-EXAMPLE = os.path.join(pathlib.Path(__file__).resolve().parent.parent, "examples", "megatron_core_case.py")
+EXAMPLES = pathlib.Path(__file__).resolve().parent.parent / "examples"
+EXAMPLE = os.path.join(EXAMPLES, "megatron_core_case.py")
+LLAMA_EXAMPLE = os.path.join(EXAMPLES, "megatron_llama_case.py")
+MOE_EXAMPLE = os.path.join(EXAMPLES, "megatron_moe_case.py")
 TIMEOUT_S = 120.0
 """Generous for a loaded runner; megatron-core's import is the case's setup, outside it."""
 
 
-def _config(name: str, **fields) -> CheckConfig:
-    return CheckConfig(case=f"{EXAMPLE}:{name}", timeout_s=TIMEOUT_S, **fields)
+def _config(name: str, example: str = EXAMPLE, **fields) -> CheckConfig:
+    return CheckConfig(case=f"{example}:{name}", timeout_s=TIMEOUT_S, **fields)
 
 
 @pytest.mark.parametrize("name,world_size", [("GPT_SP_TP2", 2), pytest.param(
@@ -85,3 +88,80 @@ def test_the_built_in_tp_case_reaches_its_nightly_verdict(sp_check):
     config = get_case("mcore-gpt-tp").examples[0].config("mcore-gpt-tp")
     res = sp_check(config)
     assert res.verdict == expected_verdict(config) == PASS, res.reason + res.error
+
+
+# ------------------------------------------------------------------ the user's model: Llama-style, MoE
+
+FULL = "the fast tier runs the Llama example in bfloat16 and mcore-moe-sp as its mutant's twin"
+
+
+@pytest.mark.parametrize("example,name,dtype", [
+    (LLAMA_EXAMPLE, "LLAMA", "bfloat16"),
+    pytest.param(MOE_EXAMPLE, "MOE", "bfloat16", marks=pytest.mark.exhaustive(
+        "the fast tier runs mcore-moe-sp, the same MoE model, as the twin of its mutant")),
+    pytest.param(LLAMA_EXAMPLE, "LLAMA", "float32", marks=pytest.mark.exhaustive(FULL)),
+    pytest.param(LLAMA_EXAMPLE, "LLAMA", "float64", marks=pytest.mark.exhaustive(FULL)),
+    pytest.param(LLAMA_EXAMPLE, "LLAMA_QK_NORM", "float32", marks=pytest.mark.exhaustive(FULL)),
+    pytest.param(MOE_EXAMPLE, "MOE", "float32", marks=pytest.mark.exhaustive(FULL)),
+    pytest.param(MOE_EXAMPLE, "MOE", "float64", marks=pytest.mark.exhaustive(FULL))])
+def test_a_llama_style_and_an_moe_model_pass(sp_check, example, name, dtype):
+    # SwiGLU's fc1 is TP-split with partition_stride 2 (a ParamSpec.index view of the blocks), RoPE
+    # and tied embeddings reach both GPTModels, GQA and the experts come from the TransformerConfig
+    res = sp_check(_config(name, example, world_size=2, dtype=dtype))
+    assert res.verdict == PASS, res.reason + res.error
+    assert {"forward", "loss", "grad", "param"} <= set(res.worst)
+
+
+@pytest.mark.exhaustive("the fast tier runs the Llama example at TP 2")
+def test_the_llama_style_model_passes_at_dp2_tp2(sp_check):
+    res = sp_check(_config("LLAMA", LLAMA_EXAMPLE, world_size=4, dp=2, dtype="float32"))
+    assert res.verdict == PASS, res.reason + res.error
+
+
+@pytest.mark.parametrize("changes,words", [
+    (dict(moe_grouped_gemm=True), "TransformerEngine"),
+    (dict(expert_model_parallel_size=2), "expert parallelism"),
+    (dict(add_bias_linear=True), "expert_tensor_parallel_size 1"),
+    (dict(expert_tensor_parallel_size=1), "expert_tensor_parallel_size 1"),
+    (dict(moe_token_dispatcher_type="flex"), "DeepEP"),
+    (dict(num_query_groups=3), r"num_query_groups \(3\)"),
+    (dict(moe_aux_loss_coeff=0.01, dp=2), "each DP replica's tokens")])
+def test_what_megatron_cannot_run_here_is_unsupported_from_the_config(changes, words):
+    # decided by validate, before any rank starts (no megatron import)
+    from sp_harness.cases.frameworks.megatron_core import megatron_case
+    from sp_harness.config.case import Unsupported
+
+    moe = dict(num_layers=2, hidden_size=32, num_attention_heads=4, add_bias_linear=False, num_moe_experts=4,
+               sequence_parallel=True)
+    changes = dict(changes)
+    dp = changes.pop("dp", 1)
+    case = megatron_case("mcore-moe-variant", {**moe, **changes}, tp=2)
+    with pytest.raises(Unsupported, match=words):
+        case.validate(case.resolve(CheckConfig(case=case.name, world_size=2 * dp, dp=dp)))
+
+
+def test_gpt_model_arguments_the_run_owns_are_refused_naming_the_valid_ones():
+    from sp_harness.cases.frameworks.megatron_core import megatron_case
+
+    with pytest.raises(ValueError, match="vocab_size.*rotary_base"):
+        megatron_case("bad", dict(num_layers=2), gpt_kwargs=dict(vocab_size=10))
+    with pytest.raises(ValueError, match="'mrope'"):
+        megatron_case("bad", dict(num_layers=2), gpt_kwargs=dict(position_embedding_type="mrope"))
+
+
+def test_the_strided_index_is_megatrons_own_split():
+    # megatron's _initialize_affine_weight_cpu: chunks of size D / (stride * tp), rank r takes
+    # weight_list[r::tp]; the index is a view of the reference with those elements in that order
+    import torch
+
+    from sp_harness.cases.frameworks.megatron_core import strided_index
+
+    full = torch.arange(8 * 3).reshape(8, 3)
+    for dim in (0, 1):
+        ref = full if dim == 0 else full.t()
+        for r in range(2):
+            chunks = torch.split(ref, ref.shape[dim] // 4, dim=dim)
+            want = torch.cat(chunks[r::2], dim=dim)
+            view = strided_index(dim, 2, 2, r)(ref)
+            assert view.numel() == want.numel() and view._base is not None
+            assert torch.equal(view.reshape(want.shape), want)

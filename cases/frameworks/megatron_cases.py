@@ -3,7 +3,15 @@ megatron-core is installed): its GPTModel with sequence parallelism at the run's
 model trained by megatron's own training step (schedule, finalize_model_grads, optimizer), and
 the bugs SP users have shipped, expressed through megatron's own knobs."""
 
-from sp_harness.cases.frameworks.megatron_core import drop_sequence_parallel_flag, megatron_case, megatron_shard
+import torch.nn.functional as F
+
+from sp_harness.cases.frameworks.megatron_core import (
+    drop_sequence_parallel_flag,
+    megatron_case,
+    megatron_shard,
+    partition_stride_one,
+    router_counts_over_dp_group,
+)
 from sp_harness.cases.frameworks.megatron_step import (
     MegatronStepConfig,
     drop_tensor_parallel_flag,
@@ -49,6 +57,54 @@ mutant(MCORE_GPT_SP, name="mutant-mcore-ddp-sync-only",
            "sequence-parallel params' grads over TP",
        source="deepspeedai/DeepSpeed#4548",
        shard=megatron_shard(CONFIG, grad_sync="ddp"), killed_by=("grad", "even"))
+
+LLAMA = dict(num_layers=2, hidden_size=32, num_attention_heads=4, num_query_groups=2, ffn_hidden_size=64,
+             gated_linear_unit=True, activation_func=F.silu, normalization="RMSNorm", add_bias_linear=False,
+             sequence_parallel=True)
+"""A Llama-style block: SwiGLU (a fused [gate; up] fc1 split with partition_stride 2), RMSNorm, GQA,
+no biases; with `LLAMA_GPT`'s RoPE and tied embeddings."""
+LLAMA_GPT = dict(position_embedding_type="rope", share_embeddings_and_output_weights=True)
+
+MCORE_LLAMA_SP = register(megatron_case(
+    "mcore-llama-sp", LLAMA, gpt_kwargs=LLAMA_GPT, isolation=ISOLATION,
+    examples=(Example(fields=(("world_size", 2), ("dtype", "float32")),
+                      note="megatron-core Llama-style (SwiGLU, RMSNorm, RoPE, GQA, tied embeddings), TP 2 + SP"),)))
+
+mutant(MCORE_LLAMA_SP, name="mutant-mcore-llama-final-norm-flag-dropped",
+       summary="the Llama model's final_layernorm.weight lost its sequence_parallel flag",
+       bug="final_layernorm's grad under TP + SP not summed over TP: each TP rank keeps the grad of its own "
+           "sequence shard, and the replicas' main_grads differ before the optimizer step",
+       source="NVIDIA/Megatron-LM#1446",
+       shard=megatron_shard(LLAMA, gpt_kwargs=LLAMA_GPT,
+                            edit_model=drop_sequence_parallel_flag("decoder.final_layernorm.weight")),
+       killed_by=("grad", "even"))
+
+mutant(MCORE_LLAMA_SP, name="mutant-mcore-llama-swiglu-contiguous-split",
+       summary="a SwiGLU fc1 split into contiguous TP chunks (partition_stride 1), not [gate; up] chunk by chunk",
+       bug="the fused [gate; up] fc1 weight TP-split as one matrix: TP rank 0 holds gate rows only and its local "
+           "chunk(2) pairs gate with gate, rank 1 up with up (SwiGLU wrong at TP > 1)",
+       source="NVIDIA/Megatron-LM#360",
+       shard=megatron_shard(LLAMA, gpt_kwargs=LLAMA_GPT,
+                            edit_params=partition_stride_one("decoder.layers.0.mlp.linear_fc1.weight")),
+       killed_by=("forward", "even"))
+
+MOE = dict(num_layers=2, hidden_size=32, num_attention_heads=4, ffn_hidden_size=64, add_bias_linear=False,
+           gated_linear_unit=True, activation_func=F.silu, num_moe_experts=4, moe_router_topk=2,
+           moe_aux_loss_coeff=0.01, sequence_parallel=True)
+"""A mixture of experts: top-2 routing over 4 SwiGLU experts (megatron's SequentialMLP, TP-sharded,
+expert parallel 1) with the load-balancing loss."""
+
+MCORE_MOE_SP = register(megatron_case(
+    "mcore-moe-sp", MOE, isolation=ISOLATION,
+    examples=(Example(fields=(("world_size", 2), ("dtype", "float32")),
+                      note="megatron-core MoE (top-2 of 4 SwiGLU experts, load-balancing loss), TP 2 + SP"),)))
+
+mutant(MCORE_MOE_SP, name="mutant-mcore-moe-router-counts-over-dp",
+       summary="the MoE router reduces its per-expert token counts over the DP group, not TP x CP",
+       bug="the router's token counts all-reduced over the wrong group: under SP each TP rank routes its own "
+           "sequence shard, and the load-balancing loss counts one shard's tokens as the batch's",
+       source="NVIDIA/Megatron-LM#7452 finding 10",
+       shard=megatron_shard(MOE, edit_model=router_counts_over_dp_group()), killed_by=("grad", "even"))
 
 TRAIN_STEP = (("train_step", True), ("micro_batches", 3), ("clip_grad_norm", 0.01), ("dtype", "float32"))
 """The training-step check's config the step cases are shown on: K = 3 uneven micro-batches,

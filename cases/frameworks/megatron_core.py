@@ -15,7 +15,12 @@
   grads finished by megatron's `finalize_model_grads` (the DP all-reduce, and the sum over TP of
   the grads of every param flagged `sequence_parallel`: the layer norms and the row-parallel
   biases). Params are mapped from megatron's own attributes (`tensor_model_parallel`,
-  `partition_dim`, `partition_stride`); weights come from the reference's state.
+  `partition_dim`, `partition_stride`: a SwiGLU's fused [gate; up] fc1 through `strided_index`);
+  weights come from the reference's state.
+- The user's model: any `TransformerConfig` the local spec runs on CPU (SwiGLU, RMSNorm, GQA, MoE
+  with SequentialMLP experts), `GPTModel`'s own keywords (`gpt_kwargs`: RoPE, tied embeddings) and
+  a layer spec of theirs (`layer_spec`), all given to both models; what megatron cannot run here
+  (grouped-GEMM experts, expert parallelism, ...) is UNSUPPORTED from the config.
 - The output is the vocab-parallel logits (`parallel_output=True`), judged piecewise; the loss is
   megatron's `vocab_parallel_cross_entropy`, which computes in float32 whatever the run dtype.
 - CPU shims live in `cpu_shims` alone, applied only where CUDA is absent.
@@ -59,6 +64,9 @@ def cpu_shims() -> None:
        refuses `sequence_parallel`; it becomes the same `torch.nn.LayerNorm` / `RMSNorm` with each
        param flagged `sequence_parallel` as megatron's `FusedLayerNorm` flags its own (the flag
        that `finalize_model_grads` sums TP grads by).
+    5. The MoE router's gating linear: without TransformerEngine `moe_utils` never binds
+       `te_general_gemm` (its import fallback forgets it), so the router's `is not None` test raises
+       NameError; bound to None, megatron takes its own `torch.mm` branch in the router dtype.
     """
     global _SHIMMED
     if _SHIMMED or torch.cuda.is_available():
@@ -106,6 +114,11 @@ def cpu_shims() -> None:
         return norm
 
     torch_norm.WrappedTorchNorm.__new__ = sp_capable_norm
+
+    from megatron.core.transformer.moe import moe_utils
+
+    if not hasattr(moe_utils, "te_general_gemm"):
+        moe_utils.te_general_gemm = None  # the name its non-TE branch tests
     _SHIMMED = True
 
 
@@ -113,7 +126,9 @@ def _one_rank_groups(group: dist.ProcessGroup):
     """Every group a TP=1 GPTModel asks for, each `group` (one rank)."""
     from megatron.core.process_groups_config import ProcessGroupCollection
 
-    names = ("tp", "cp", "pp", "mp", "embd", "pos_embd", "dp", "dp_cp", "tp_cp")
+    # the expert groups too (MoE's router, dispatcher and experts ask for them)
+    names = ("tp", "cp", "pp", "mp", "embd", "pos_embd", "dp", "dp_cp", "tp_cp", "ep", "expt_tp", "tp_ep", "tp_ep_pp",
+             "tp_dp_cp", "expt_dp")
     return ProcessGroupCollection(**{n: group for n in names})
 
 
@@ -155,13 +170,56 @@ def _transformer_config(kwargs: Mapping[str, Any], cfg, *, tp: int, sequence_par
                                 "perform_initialization": initialize})
 
 
-def _gpt(tconfig, cfg, pg_collection, *, parallel_output: bool):
-    from megatron.core.models.gpt import GPTModel
+GPT_KWARGS = ("position_embedding_type", "rotary_percent", "rotary_base", "rope_scaling", "rope_scaling_factor",
+              "share_embeddings_and_output_weights", "seq_len_interpolation_factor")
+"""The `GPTModel` keywords a case may set (`gpt_kwargs`): the rest are the run's (sizes, the
+parallel output, process groups, pipeline stages)."""
+POSITION_EMBEDDINGS = ("learned_absolute", "rope", "none")
+"""The position embeddings a case verifies: megatron's "mrope" takes 3-D multimodal position ids
+the batch does not have, "yarn" needs MLA's config class."""
+
+
+def _check_gpt_kwargs(name: str, gpt_kwargs: Mapping[str, Any]) -> None:
+    unknown = sorted(set(gpt_kwargs) - set(GPT_KWARGS))
+    if unknown:
+        raise ValueError(f"megatron_case({name!r}): gpt_kwargs {unknown} are not GPTModel keywords a case sets; "
+                         f"valid: {list(GPT_KWARGS)} (sizes and groups come from the run)")
+    kind = gpt_kwargs.get("position_embedding_type", "learned_absolute")
+    if kind not in POSITION_EMBEDDINGS:
+        raise ValueError(f"megatron_case({name!r}): position_embedding_type {kind!r}; valid: {list(POSITION_EMBEDDINGS)}")
+
+
+def _layer_spec(tconfig, layer_spec):
+    """The user's layer spec (a `ModuleSpec`, or a function of the `TransformerConfig` returning
+    one), else megatron's local spec for the config (its norm, experts and qk norm)."""
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
-    spec = get_gpt_layer_local_spec(normalization=tconfig.normalization)
-    return GPTModel(config=tconfig, transformer_layer_spec=spec, vocab_size=cfg.vocab,
-                    max_sequence_length=cfg.seq_len, parallel_output=parallel_output, pg_collection=pg_collection)
+    if layer_spec is None:
+        return get_gpt_layer_local_spec(num_experts=tconfig.num_moe_experts, normalization=tconfig.normalization,
+                                        qk_layernorm=tconfig.qk_layernorm)
+    return layer_spec(tconfig) if callable(layer_spec) else layer_spec
+
+
+def _gpt(tconfig, cfg, pg_collection, *, parallel_output: bool, gpt_kwargs: Mapping[str, Any], layer_spec):
+    from megatron.core.models.gpt import GPTModel
+
+    return GPTModel(config=tconfig, transformer_layer_spec=_layer_spec(tconfig, layer_spec), vocab_size=cfg.vocab,
+                    max_sequence_length=cfg.seq_len, parallel_output=parallel_output, pg_collection=pg_collection,
+                    **gpt_kwargs)
+
+
+def strided_index(dim: int, stride: int, tp: int, tp_rank: int) -> Callable[[torch.Tensor], torch.Tensor]:
+    """megatron's strided TP split (`partition_stride`, a gated MLP's fused [gate; up] fc1) as a
+    `ParamSpec.index`: the reference's `dim` is `stride` equal blocks, each chunked over TP, and
+    rank r holds chunk r of every block in block order (`_initialize_affine_weight_cpu`'s
+    `weight_list[rank::world_size]`). The view has the blocks as a dim of their own."""
+
+    def index(full: torch.Tensor) -> torch.Tensor:
+        blocks = full.unflatten(dim, (stride, full.shape[dim] // stride))
+        chunk = blocks.shape[dim + 1] // tp
+        return blocks.narrow(dim + 1, tp_rank * chunk, chunk)
+
+    return index
 
 
 GradSync = Literal["finalize_model_grads", "ddp"]
@@ -173,7 +231,9 @@ training loop around megatron's DDP calls when it misses the SP step)."""
 
 def megatron_shard(kwargs: Mapping[str, Any], *, edit_model: Callable[[nn.Module], None] | None = None,
                    vocab_parallel_loss: bool = True, grad_sync: GradSync = "finalize_model_grads",
-                   ddp_config: Callable[[Any], Mapping[str, Any]] | None = None):
+                   ddp_config: Callable[[Any], Mapping[str, Any]] | None = None,
+                   gpt_kwargs: Mapping[str, Any] | None = None, layer_spec: Any = None,
+                   edit_params: Callable[[nn.Module], None] | None = None):
     """The sharded factory of a `megatron_case`. `edit_model(gpt)` runs on this rank's megatron
     model before it is wrapped in megatron's DDP: a user's own change to it (a mutant's). The
     shapes in `kwargs` are overridden by the run's config (a `megatron_case`'s defaults).
@@ -181,7 +241,11 @@ def megatron_shard(kwargs: Mapping[str, Any], *, edit_model: Callable[[nn.Module
     (a float32 island); False: logits gathered over TP by megatron (`parallel_output=False`) and
     the case's own loss in the run dtype. `grad_sync`: see `GradSync`. `ddp_config(run config)`:
     keywords of megatron's `DistributedDataParallelConfig` (None: its defaults), a function of the
-    run (a bfloat16 run's training loop reduces grads in float32)."""
+    run (a bfloat16 run's training loop reduces grads in float32). `gpt_kwargs`, `layer_spec`: as
+    `megatron_case`'s. `edit_params(gpt)` runs before the params are mapped and loaded: a change
+    to the param attributes megatron's checkpoint loading reads (`partition_dim`,
+    `partition_stride`), a mutant's."""
+    gpt_kwargs = dict(gpt_kwargs or {})
     if grad_sync not in ("finalize_model_grads", "ddp"):
         raise ValueError(f"grad_sync {grad_sync!r}: 'finalize_model_grads' or 'ddp'")
 
@@ -198,17 +262,23 @@ def megatron_shard(kwargs: Mapping[str, Any], *, edit_model: Callable[[nn.Module
         _parallel_state(ctx.tp, ctx.tp_ranks)
         tconfig = _transformer_config(kwargs, cfg, tp=ctx.tp, sequence_parallel=kwargs.get("sequence_parallel", False),
                                       dtype=cfg.torch_dtype, initialize=True)
-        gpt = _gpt(tconfig, cfg, None, parallel_output=vocab_parallel_loss)  # None: megatron's parallel_state groups
+        gpt = _gpt(tconfig, cfg, None, parallel_output=vocab_parallel_loss,  # None: megatron's parallel_state groups
+                   gpt_kwargs=gpt_kwargs, layer_spec=layer_spec)
         # its torch norms and position embedding are made in the default dtype, not params_dtype
         # (megatron casts half models with Float16Module); the run dtype for every floating tensor
         gpt._apply(lambda t: t.to(cfg.torch_dtype) if t.is_floating_point() else t)
+        if edit_params is not None:
+            edit_params(gpt)
         full = reference.state_dict()
         specs: dict[str, ParamSpec] = {}
         with torch.no_grad():
             for name, p in gpt.named_parameters():
-                if getattr(p, "tensor_model_parallel", False):
-                    if getattr(p, "partition_stride", 1) != 1:
-                        raise Unsupported(f"{name}: partition_stride {p.partition_stride} (strided TP split)")
+                stride = getattr(p, "partition_stride", 1)
+                if getattr(p, "tensor_model_parallel", False) and stride != 1:
+                    index = strided_index(p.partition_dim, stride, ctx.tp, ctx.tp_rank)
+                    specs["module." + name] = ParamSpec(ref_name=name, index=index)
+                    p.copy_(index(full[name]).reshape(p.shape))
+                elif getattr(p, "tensor_model_parallel", False):
                     dim = p.partition_dim
                     specs["module." + name] = ParamSpec(ref_name=name, dim=dim)
                     p.copy_(full[name].chunk(ctx.tp, dim=dim)[ctx.tp_rank])
@@ -241,6 +311,34 @@ def megatron_shard(kwargs: Mapping[str, Any], *, edit_model: Callable[[nn.Module
     return shard
 
 
+def _moe_supported(kwargs: Mapping[str, Any], tp: int, dp: int) -> None:
+    """The MoE configs this integration verifies on CPU: megatron's local spec (SequentialMLP
+    experts, one local MLP per expert) at expert parallel 1, experts TP-sharded as the dense MLP
+    is; decided from the config, before any rank starts."""
+    if not kwargs.get("num_moe_experts"):
+        return
+    if kwargs.get("expert_model_parallel_size", 1) != 1:
+        raise Unsupported("expert parallelism > 1: megatron's groups are set up at expert parallel 1 here "
+                          "(experts sharded over TP, SequentialMLP)")
+    if kwargs.get("moe_grouped_gemm"):
+        raise Unsupported("moe_grouped_gemm: megatron's grouped experts need TransformerEngine or the grouped_gemm "
+                          "CUDA package, not on CPU")
+    if kwargs.get("moe_token_dispatcher_type") == "flex":
+        raise Unsupported("moe_token_dispatcher_type 'flex': DeepEP / HybridEP CUDA kernels, not on CPU")
+    coeff = kwargs.get("moe_aux_loss_coeff", 0.0)
+    if dp > 1 and any(c for c in (coeff if isinstance(coeff, (list, tuple)) else [coeff])):
+        raise Unsupported(f"moe_aux_loss_coeff {coeff} at DP {dp}: megatron's load-balancing loss is a function of "
+                          "each DP replica's tokens (counts reduced over TP x CP only), a different loss from the "
+                          "TP=1 reference's over the global batch")
+    etp = kwargs.get("expert_tensor_parallel_size")
+    if etp is not None and etp != tp:
+        raise Unsupported(f"expert_tensor_parallel_size {etp}: megatron's groups are set up with the experts "
+                          f"sharded over the TP group here (expert TP = TP = {tp})")
+    if kwargs.get("add_bias_linear", True) and tp != 1:
+        raise Unsupported(f"MoE with add_bias_linear at expert TP {tp}: megatron supports expert biases only at "
+                          "expert_tensor_parallel_size 1 (TransformerConfig asserts it); set add_bias_linear=False")
+
+
 def _import_megatron() -> None:
     """The case's per-process setup: megatron-core's modules imported before any job's clock."""
     import megatron.core.models.gpt  # noqa: F401
@@ -250,14 +348,19 @@ def _import_megatron() -> None:
 def megatron_case(name: str, transformer_config_kwargs: Mapping[str, Any], *, tp: int | None = None,
                   seq_len: int = 16, vocab: int = 64, batch: int = 2,
                   edit_model: Callable[[nn.Module], None] | None = None, vocab_parallel_loss: bool = True,
-                  **case_fields: Any) -> Case:
+                  gpt_kwargs: Mapping[str, Any] | None = None, layer_spec: Any = None, **case_fields: Any) -> Case:
     """A `Case` checking megatron-core's GPTModel built from `transformer_config_kwargs` (a
     `TransformerConfig`'s keywords: num_layers, hidden_size, num_attention_heads, ffn_hidden_size,
     sequence_parallel, normalization, ...) at TP `tp` (None: whatever TP the run has) against the
     same model at TP=1. The shapes become the case's defaults (`--hidden`, `--seq-len`, `--vocab`
-    override them). `edit_model`, `vocab_parallel_loss`: as `megatron_shard`'s. `case_fields`:
-    any other `Case` field (defaults, tags, ...)."""
+    override them). `gpt_kwargs`: `GPTModel`'s own keywords (`GPT_KWARGS`: RoPE, tied embeddings,
+    ...), given to both models. `layer_spec`: a `ModuleSpec`, or a function of the
+    `TransformerConfig` returning one (None: megatron's local spec for the config, experts
+    included), used by both models. `edit_model`, `vocab_parallel_loss`: as `megatron_shard`'s.
+    `case_fields`: any other `Case` field (defaults, tags, ...)."""
     kwargs = dict(transformer_config_kwargs)
+    gpt_kwargs = dict(gpt_kwargs or {})
+    _check_gpt_kwargs(name, gpt_kwargs)
     # megatron-core's import (tens of seconds on a busy core) is setup, not the job's time
     case_fields.setdefault("setup", _import_megatron)
     for key in ("tensor_model_parallel_size", "params_dtype"):
@@ -275,6 +378,11 @@ def megatron_case(name: str, transformer_config_kwargs: Mapping[str, Any], *, tp
                         ("ffn_hidden_size", cfg.ffn)):
             if n % run_tp:
                 raise Unsupported(f"megatron-core needs {what} ({n}) divisible by TP ({run_tp})")
+        groups = kwargs.get("num_query_groups")
+        if groups is not None and (cfg.num_heads % groups or groups % run_tp):
+            raise Unsupported(f"megatron-core needs num_query_groups ({groups}) dividing num_attention_heads "
+                              f"({cfg.num_heads}) and divisible by TP ({run_tp})")
+        _moe_supported(kwargs, run_tp, cfg.dp)
         wet = {d: kwargs[d] for d in _DROPOUTS if kwargs.get(d)}
         if wet:
             raise Unsupported(f"dropout {wet}: each rank draws its own masks, which no reference reproduces; set 0")
@@ -284,7 +392,8 @@ def megatron_case(name: str, transformer_config_kwargs: Mapping[str, Any], *, tp
         _global_memory_buffer()
         torch.manual_seed(cfg.seed)
         tconfig = _transformer_config(kwargs, cfg, tp=1, sequence_parallel=False, dtype=torch.float64, initialize=True)
-        return _gpt(tconfig, cfg, _one_rank_groups(ctx.tp_group), parallel_output=True)
+        return _gpt(tconfig, cfg, _one_rank_groups(ctx.tp_group), parallel_output=True, gpt_kwargs=gpt_kwargs,
+                    layer_spec=layer_spec)
 
     def make_batch(cfg, step, gen):
         rows = cfg.dp * cfg.batch
@@ -294,8 +403,11 @@ def megatron_case(name: str, transformer_config_kwargs: Mapping[str, Any], *, tp
         return Batch(inputs={"input_ids": tokens, "position_ids": positions, "attention_mask": None}, target=labels)
 
     defaults = {**shapes, "seq_len": seq_len, "vocab": vocab, "batch": batch, **case_fields.pop("defaults", {})}
-    return Case(name=name, description=f"megatron-core {MEGATRON_CORE_VERSION} GPTModel, {kwargs}",
-                build_reference=build_reference, make_batch=make_batch, memory_floor=gpt_memory_floor, shard=megatron_shard(kwargs, edit_model=edit_model, vocab_parallel_loss=vocab_parallel_loss),
+    return Case(name=name, description=f"megatron-core {MEGATRON_CORE_VERSION} GPTModel, {kwargs}"
+                + (f", {gpt_kwargs}" if gpt_kwargs else ""),
+                build_reference=build_reference, make_batch=make_batch, memory_floor=gpt_memory_floor, shard=megatron_shard(
+                    kwargs, edit_model=edit_model, vocab_parallel_loss=vocab_parallel_loss, gpt_kwargs=gpt_kwargs,
+                    layer_spec=layer_spec),
                 loss_sum=_loss_sum(vocab_parallel_loss),
                 tokens=lambda tgt: tgt.numel(), input_layout=Layout(seq_dim=1, batch_dim=0), validate=validate,
                 defaults=defaults, tags=("megatron-core", "framework", *case_fields.pop("tags", ())), **case_fields)
@@ -327,4 +439,36 @@ def drop_sequence_parallel_flag(param_name: str) -> Callable[[nn.Module], None]:
     return edit
 
 
-__all__ = ["MEGATRON_CORE_VERSION", "GradSync", "cpu_shims", "drop_sequence_parallel_flag", "megatron_case", "megatron_shard"]
+def router_counts_over_dp_group() -> Callable[[nn.Module], None]:
+    """An `edit_model` that hands every MoE router megatron's data-parallel group where it reduces
+    its per-expert token counts over the TP x CP group (the sequence-parallel shards of the same
+    tokens): the load-balancing loss then counts one shard's tokens as the whole batch's, and its
+    grads are wrong (the token count reduced over the wrong group, Megatron-LM #7452's router
+    finding)."""
+
+    def edit(gpt: nn.Module) -> None:
+        from megatron.core import parallel_state as ps
+        from megatron.core.transformer.moe.router import Router
+
+        for module in gpt.modules():
+            if isinstance(module, Router):
+                module.tp_cp_group = ps.get_data_parallel_group()
+
+    return edit
+
+
+def partition_stride_one(param_name: str) -> Callable[[nn.Module], None]:
+    """An `edit_params` that marks one param's TP split contiguous (`partition_stride` 1), as
+    megatron's MLP does for a gated fc1 under `use_kitchen`: a fused [gate; up] weight is then
+    loaded as contiguous TP chunks and each rank's local `chunk(2)` pairs gate rows with gate rows
+    (Megatron-LM #360's SwiGLU at TP > 1)."""
+
+    def edit(gpt: nn.Module) -> None:
+        dict(gpt.named_parameters())[param_name].partition_stride = 1  # type: ignore[attr-defined]  # megatron's own attribute
+
+    return edit
+
+
+__all__ = ["GPT_KWARGS", "MEGATRON_CORE_VERSION", "POSITION_EMBEDDINGS", "GradSync", "cpu_shims",
+           "drop_sequence_parallel_flag", "megatron_case", "megatron_shard", "partition_stride_one",
+           "router_counts_over_dp_group", "strided_index"]

@@ -234,11 +234,13 @@ class MegatronTrainStep:
 
 
 def megatron_step_shard(kwargs: Mapping[str, Any], step: MegatronStepConfig = MegatronStepConfig(), *,
-                        edit_model: Callable[[nn.Module], None] | None = None):
+                        edit_model: Callable[[nn.Module], None] | None = None,
+                        gpt_kwargs: Mapping[str, Any] | None = None, layer_spec: Any = None):
     """The sharded factory of a `megatron_train_case`: `megatron_shard`'s model and DDP (configured
     as `step` says) with megatron's own training step attached."""
     kwargs = {**kwargs, "calculate_per_token_loss": step.calculate_per_token_loss}
-    shard = megatron_shard(kwargs, edit_model=edit_model, ddp_config=_ddp_config(step))
+    shard = megatron_shard(kwargs, edit_model=edit_model, ddp_config=_ddp_config(step), gpt_kwargs=gpt_kwargs,
+                           layer_spec=layer_spec)
 
     def sharded_with_step(reference: nn.Module, ctx: RankContext) -> Sharded:
         sharded = shard(reference, ctx)
@@ -249,13 +251,16 @@ def megatron_step_shard(kwargs: Mapping[str, Any], step: MegatronStepConfig = Me
 
 def megatron_train_case(name: str, transformer_config_kwargs: Mapping[str, Any], *,
                         step: MegatronStepConfig = MegatronStepConfig(), tp: int | None = None,
-                        edit_model: Callable[[nn.Module], None] | None = None, **case_fields: Any) -> Case:
+                        edit_model: Callable[[nn.Module], None] | None = None,
+                        gpt_kwargs: Mapping[str, Any] | None = None, layer_spec: Any = None,
+                        **case_fields: Any) -> Case:
     """A `megatron_case` (same model, reference and side-by-side checks) whose training step is
     megatron's own, set up as `step` says; it declares the token-mean loss ignoring -100 and runs
-    in float32 unless told. `case_fields`: as `megatron_case`'s."""
+    in float32 unless told. `gpt_kwargs`, `layer_spec`, `case_fields`: as `megatron_case`'s."""
     # megatron's optimizer is float32 (or bfloat16 with float32 master weights): float64 is UNSUPPORTED
     case_fields["defaults"] = {"dtype": "float32", **case_fields.get("defaults", {})}
-    base = megatron_case(name, transformer_config_kwargs, tp=tp, edit_model=edit_model, **case_fields)
+    base = megatron_case(name, transformer_config_kwargs, tp=tp, edit_model=edit_model, gpt_kwargs=gpt_kwargs,
+                         layer_spec=layer_spec, **case_fields)
 
     def validate(cfg) -> None:
         base.validate(cfg)
@@ -269,7 +274,8 @@ def megatron_train_case(name: str, transformer_config_kwargs: Mapping[str, Any],
     return dataclasses.replace(
         base, validate=validate, train_loss=TrainLoss(ignore_index=IGNORE_INDEX),
         tokens=lambda tgt: int((tgt != IGNORE_INDEX).sum()),
-        shard=megatron_step_shard(transformer_config_kwargs, step, edit_model=edit_model),
+        shard=megatron_step_shard(transformer_config_kwargs, step, edit_model=edit_model, gpt_kwargs=gpt_kwargs,
+                                  layer_spec=layer_spec),
         description=f"{base.description}, megatron's own training step ({step})")
 
 
