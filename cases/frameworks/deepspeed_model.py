@@ -105,6 +105,9 @@ class SequenceParallelAttention(nn.Module):
     local attention, all-to-all back. The local module keeps its name (`local_attn`, as in
     DistributedAttention), so a param of it has the same name on both sides."""
 
+    dist_attn: nn.Module | None
+    """DeepSpeed's DistributedAttention once `distribute` ran (a plain attribute, not a submodule)."""
+
     def __init__(self, local_attention: nn.Module, *, scatter_idx: int = 2, gather_idx: int = 1,
                  num_kv_heads: int | None = None):
         super().__init__()

@@ -100,13 +100,14 @@ class _Swaps:
     """Names of one module replaced between `enter` and `exit` (idempotent both ways)."""
 
     def __init__(self, module_name: str, swaps: Mapping[str, Any]):
-        self.module_name, self.swaps, self.stack = module_name, dict(swaps), None
+        self.module_name, self.swaps = module_name, dict(swaps)
+        self.stack: contextlib.ExitStack | None = None
 
     def enter(self) -> None:
         self.exit()
-        self.stack = contextlib.ExitStack()
+        stack = self.stack = contextlib.ExitStack()
         for attr, value in self.swaps.items():
-            self.stack.enter_context(_swapped(self.module_name, attr, value))
+            stack.enter_context(_swapped(self.module_name, attr, value))
 
     def exit(self) -> None:
         if self.stack is not None:
@@ -188,10 +189,8 @@ class YunchangCore(nn.Module):
                 out = (_EnterOnBackward.apply(bwd, out[0]), *out[1:])
             return out
 
-        if ring:
-            usp.ring_attn_fn = recording
-        else:
-            usp.attn_fn = recording
+        # a plain attribute on yunchang's module (typed by torch as a Tensor or Module)
+        setattr(usp, "ring_attn_fn" if ring else "attn_fn", recording)
 
     def forward(self, q, k, v, *args, **kwargs):
         if self.record_lse:
