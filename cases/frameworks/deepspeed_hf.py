@@ -31,7 +31,7 @@ from sp_harness.cases.frameworks.deepspeed_runtime import (
     init_distributed,
     launcher_env,
 )
-from sp_harness.cases.frameworks.deepspeed_ulysses import ZERO3_UNSUPPORTED, check_engine_args, grad_sync_of, zero_stage
+from sp_harness.cases.frameworks.deepspeed_ulysses import check_engine_args, engine_limits, grad_sync_of
 from sp_harness.reference.gpt import token_loss_sum
 
 TINY_LLAMA = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
@@ -142,12 +142,7 @@ def hf_ulysses_case(name: str, model_config: Mapping[str, Any] | None = None, *,
                 cfg.load_balancer not in (None, "none") or cfg.causal is False:
             raise Unsupported(f"UlyssesSPAttentionHF on an HF {model_type}: [b, s, h] inputs, causal, pure Ulysses, "
                               f"contiguous")
-        if grad_sync == "engine" and cfg.dtype == "float64":
-            raise Unsupported("DeepSpeed's engine reduces grads only in its accelerator's supported_dtypes "
-                              "(float32, bfloat16, float16): 'attempting to reduce an unsupported grad type: "
-                              "torch.float64'; a float64 check needs grad_sync='all-reduce'")
-        if zero_stage(ds_config) == 3:
-            raise Unsupported(ZERO3_UNSUPPORTED)
+        engine_limits(cfg, grad_sync=grad_sync, ds_config=ds_config)
 
     def shard(reference: nn.Module, ctx: RankContext) -> Sharded:
         from deepspeed.utils import groups

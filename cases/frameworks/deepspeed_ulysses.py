@@ -243,11 +243,16 @@ def ulysses_limits(cfg, *, grad_sync: str, ds_config: Mapping[str, Any] | None =
     if a_kv % sp and a_kv < sp:
         raise Unsupported(f"DeepSpeed: 'Number of key-value heads ({a_kv}) must be at least the sequence "
                           f"parallel size ({sp})' (deepspeed.sequence.layer._resolve_kv_heads)")
+    engine_limits(cfg, grad_sync=grad_sync, ds_config=ds_config)
+
+
+def engine_limits(cfg, *, grad_sync: str, ds_config: Mapping[str, Any] | None) -> None:
+    """What DeepSpeed's engine cannot run in the side-by-side check, as `Unsupported`: float64
+    through its reduction, ZeRO-3 (`ZERO3_UNSUPPORTED`)."""
     if grad_sync == "engine" and cfg.dtype == "float64":
         raise Unsupported("DeepSpeed's engine reduces grads only in its accelerator's supported_dtypes "
                           "(float32, bfloat16, float16): 'attempting to reduce an unsupported grad type: "
                           "torch.float64'; a float64 check needs grad_sync='all-reduce'")
-
     if zero_stage(ds_config) == 3:
         raise Unsupported(ZERO3_UNSUPPORTED)
 
@@ -292,5 +297,5 @@ def ulysses_case(name: str, *, local_attention: LocalAttentionFn = sdpa_attentio
                 tags=("deepspeed", "ulysses", "framework", *case_fields.pop("tags", ())), **case_fields)
 
 
-__all__ = ["ZERO3_UNSUPPORTED", "check_engine_args", "detached", "grad_sync_of", "sdpa_attention", "ulysses_case",
+__all__ = ["ZERO3_UNSUPPORTED", "check_engine_args", "engine_limits", "detached", "grad_sync_of", "sdpa_attention", "ulysses_case",
            "ulysses_limits", "ulysses_shard", "zero_stage"]
