@@ -28,7 +28,7 @@ allocate small tensors on "cuda" (the token counter, the loss scale of one, the 
 overflow flag, the norm's result) and dispatch on `Tensor.type()`'s CUDA names (fp32 params vs
 16-bit ones with fp32 master copies; clipping asserts 'torch.cuda.FloatTensor' grads). While
 megatron's step runs, a TorchFunctionMode makes device="cuda" the CPU and `Tensor.type()` answer
-the CUDA name of the same dtype; with `cpu_shims`' `torch.cuda.current_device` that is all
+the CUDA name of the same dtype; with `megatron_runtime.cpu_shims`' `torch.cuda.current_device` that is all
 (no `Tensor.cuda()` call is reached on this path). No number changes: the same dtype and values
 on the other device, and each type check decides by the dtype the name carries.
 """

@@ -1,0 +1,129 @@
+"""Stage: step. megatron-core's process state for a rank, and its CPU shims: what a megatron-core
+case sets up before building a model (sp_harness.cases.frameworks.megatron_core). `cpu_shims` is
+the only place the integration changes what megatron does, and only what CUDA would do; each
+shim says why the math is unchanged (docs/frameworks/megatron-core.md, "CPU shims").
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+_SHIMMED = False
+
+
+def cpu_shims() -> None:
+    """The CPU shims, all of them; a no-op where CUDA is available, idempotent. Each replaces a
+    call that would raise on a CPU-only torch with the same computation on the CPU, so what
+    megatron computes is unchanged:
+
+    1. `torch.cuda.current_device()` returns "cpu": megatron allocates its global memory buffer
+       (the scratch of the SP all-gather) and its DDP grad buffers on that device.
+    2. The default causal mask: `fused_softmax` builds `torch.triu(ones(sq, sq), 1)` on "cuda"
+       when the attention gets no mask; the same mask, built on the CPU.
+    3. The RNG tracker: megatron forks a named CUDA RNG state around the embedding's dropout under
+       SP. A tracker with the same add/fork semantics over the CPU generator stands in; no random
+       number is drawn inside a fork, because the case requires dropout 0 (`validate`).
+    4. The LayerNorm: without apex or TransformerEngine the local spec's `WrappedTorchNorm`
+       refuses `sequence_parallel`; it becomes the same `torch.nn.LayerNorm` / `RMSNorm` with each
+       param flagged `sequence_parallel` as megatron's `FusedLayerNorm` flags its own (the flag
+       that `finalize_model_grads` sums TP grads by).
+    5. The MoE router's gating linear: without TransformerEngine `moe_utils` never binds
+       `te_general_gemm` (its import fallback forgets it), so the router's `is not None` test raises
+       NameError; bound to None, megatron takes its own `torch.mm` branch in the router dtype.
+    """
+    global _SHIMMED
+    if _SHIMMED or torch.cuda.is_available():
+        return
+    from megatron.core.fusions import fused_softmax
+    from megatron.core.tensor_parallel import random as mrandom
+    from megatron.core.transformer import torch_norm
+
+    # megatron places tensors on torch.cuda.current_device(); on CPU the shim answers a device name
+    torch.cuda.current_device = lambda: "cpu"  # type: ignore[assignment,return-value]  # a str where torch says int
+    # made in bool directly: a float ones() would show as a float32 island in a float64 run
+    fused_softmax.get_default_causal_mask = lambda sq: torch.ones(sq, sq, dtype=torch.bool).triu(diagonal=1)
+
+    class CPURNGStatesTracker(mrandom.CudaRNGStatesTracker):
+        def add(self, name, seed):
+            if seed in self.seeds_ or name in self.states_:
+                raise Exception(f"rng state {name} / seed {seed} already exists")
+            self._is_initialized = True
+            self.seeds_.add(seed)
+            self.states_[name] = torch.Generator().manual_seed(seed).get_state()
+
+        @contextlib.contextmanager
+        def fork(self, name=mrandom._MODEL_PARALLEL_RNG_TRACKER_NAME):
+            if name not in self.states_:
+                raise Exception(f"rng state {name} is not added")
+            outer = torch.get_rng_state()
+            torch.set_rng_state(self.states_[name])
+            try:
+                yield
+            finally:
+                self.states_[name] = torch.get_rng_state()
+                torch.set_rng_state(outer)
+
+    mrandom.initialize_rng_tracker(force_reset=True)
+    mrandom._CUDA_RNG_STATE_TRACKER = CPURNGStatesTracker()
+    mrandom._CUDA_RNG_STATE_TRACKER.add(mrandom._MODEL_PARALLEL_RNG_TRACKER_NAME, 2718)
+
+    def sp_capable_norm(cls, config, hidden_size, eps=1e-5, **_unused):
+        norm_cls = {"LayerNorm": nn.LayerNorm, "RMSNorm": nn.RMSNorm}.get(config.normalization)
+        if norm_cls is None:
+            raise ValueError(f"normalization {config.normalization!r}: LayerNorm or RMSNorm on CPU")
+        norm = norm_cls(hidden_size, eps=eps)
+        for p in norm.parameters():
+            p.sequence_parallel = config.sequence_parallel
+        return norm
+
+    torch_norm.WrappedTorchNorm.__new__ = sp_capable_norm
+
+    from megatron.core.transformer.moe import moe_utils
+
+    if not hasattr(moe_utils, "te_general_gemm"):
+        moe_utils.te_general_gemm = None  # the name its non-TE branch tests
+    _SHIMMED = True
+
+
+def one_rank_groups(group: dist.ProcessGroup):
+    """Every group a TP=1 GPTModel asks for, each `group` (one rank)."""
+    from megatron.core.process_groups_config import ProcessGroupCollection
+
+    # the expert groups too (MoE's router, dispatcher and experts ask for them)
+    names = ("tp", "cp", "pp", "mp", "embd", "pos_embd", "dp", "dp_cp", "tp_cp", "ep", "expt_tp", "tp_ep", "tp_ep_pp",
+             "tp_dp_cp", "expt_dp")
+    return ProcessGroupCollection(**{n: group for n in names})
+
+
+def parallel_state(tp: int, tp_ranks: tuple[int, ...]) -> None:
+    """megatron's global groups for TP `tp` (made once per rank process and mesh; a warm pool's
+    job on another mesh rebuilds them: `new_group` is a collective every rank runs alike)."""
+    from megatron.core import parallel_state as ps
+
+    if ps.model_parallel_is_initialized():
+        if ps.get_tensor_model_parallel_world_size() == tp and ps.get_data_parallel_world_size() * tp == \
+                dist.get_world_size():
+            return
+        ps.destroy_model_parallel()
+    ps.destroy_global_memory_buffer()  # a TP=1 reference built in this process made one; megatron makes its own
+    ps.initialize_model_parallel(tensor_model_parallel_size=tp, create_gloo_process_groups=False)
+    theirs = tuple(dist.get_process_group_ranks(ps.get_tensor_model_parallel_group()))
+    if theirs != tp_ranks:
+        raise RuntimeError(f"megatron's TP group {theirs} is not the harness's {tp_ranks}")
+
+
+def global_memory_buffer() -> None:
+    """megatron's process-wide scratch buffer (attention's baddbmm output, the SP all-gather):
+    made by `initialize_model_parallel`, and needed by a TP=1 model built without it."""
+    from megatron.core import parallel_state as ps
+
+    if ps._GLOBAL_MEMORY_BUFFER is None:
+        ps._set_global_memory_buffer()
+
+
+
+__all__ = ["cpu_shims", "global_memory_buffer", "one_rank_groups", "parallel_state"]
