@@ -372,7 +372,8 @@ def test_temporary_files_of_the_ranks_are_removed_with_their_pool(tmp_path):
     assert not list(tmp_path.iterdir()), f"left behind: {list(tmp_path.iterdir())}"
 
 
-@pytest.mark.parametrize("times", [1, 3])
+@pytest.mark.parametrize("times", [1, pytest.param(3, marks=pytest.mark.exhaustive(
+    "the fast tier presses Ctrl-C once; SIGTERM and Ctrl-C while ranks start have their own tests"))])
 def test_ctrl_c_leaves_no_rank_behind(times, tmp_path):
     import signal
 

@@ -20,8 +20,9 @@ def _torchrun(tmp_path, *argv: str, guard_s: float = 300) -> subprocess.Complete
                           timeout=guard_s)
 
 
-def test_a_passing_check_under_torchrun_exits_0_every_time(tmp_path):
-    for _ in range(3):
+def test_a_passing_check_under_torchrun_exits_0_every_time(tmp_path, tier):
+    # an exit-time abort ('terminate called') came one run in a few: the full tier repeats it
+    for _ in range(3 if tier == "full" else 1):
         run = _torchrun(tmp_path, "check", "--case", "seed-mlp", "--world-size", "2")
         assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-3000:]
         assert "PASS" in run.stdout
