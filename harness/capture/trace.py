@@ -28,16 +28,20 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 
-def comparable(t) -> torch.Tensor | None:
-    """`t` as the trace keeps it: a plain floating tensor itself, a DTensor's local piece where
-    none of its placements is Partial (no collective: the piece this rank holds), else None."""
+def traceable(t) -> bool:
+    """Whether the trace keeps `t`: a plain floating tensor, or a floating DTensor none of whose
+    placements is Partial."""
     if not isinstance(t, torch.Tensor) or not t.is_floating_point():
+        return False
+    return type(t) is torch.Tensor or (isinstance(t, DTensor) and not any(p.is_partial() for p in t.placements))
+
+
+def comparable(t) -> torch.Tensor | None:
+    """`t` as the trace keeps it (`traceable`): a plain tensor itself, a DTensor's local piece (no
+    collective: the piece this rank holds), else None."""
+    if not traceable(t):
         return None
-    if type(t) is torch.Tensor:
-        return t.detach()
-    if isinstance(t, DTensor) and not any(p.is_partial() for p in t.placements):
-        return t.to_local().detach()
-    return None
+    return t.to_local().detach() if isinstance(t, DTensor) else t.detach()
 
 
 @dataclass(kw_only=True)
@@ -94,7 +98,7 @@ class Recorder:
         # and the trace must never make a correct model fail
         def hook(module, args):
             x = args[0] if args else None
-            if comparable(x) is not None and x.requires_grad:
+            if traceable(x) and x.requires_grad:
                 x.register_hook(self._grad_hook(name))
         return hook
 

@@ -92,7 +92,8 @@ class LocalParam:
         return param_piece(ref, self.spec, ctx, self.shape)[0]
 
     def offset(self, ref: torch.Tensor, ctx: RankContext) -> tuple[int, ...]:
-        return () if self.dtensor else param_piece(ref, self.spec, ctx, self.shape)[1]
+        # the offset alone: no reshape of an index view into the local shape
+        return () if self.dtensor else param_piece(ref, self.spec, ctx)[1]
 
     def full_or_piece(self, t: torch.Tensor | None, ref64: torch.Tensor, ref_lp: torch.Tensor, ctx: RankContext):
         """(value to judge, matching ref64 piece, ref_lp piece, offset)."""
