@@ -37,7 +37,7 @@ import importlib.util
 import sys
 import types
 from collections.abc import Callable, Mapping
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 import torch.distributed as dist
@@ -46,6 +46,7 @@ from torch import nn
 
 from sp_harness import Batch, Case, Layout, RankContext, Sharded, Unsupported
 from sp_harness.cases.frameworks.common import require_tp
+from sp_harness.cases.frameworks.torchtitan_spmd import spmd_limits, spmd_types_shard
 
 if TYPE_CHECKING:  # imported where its cases run (Case.setup): torchtitan may not be installed
     from torchtitan.protocols.module import Module as TitanModule
@@ -238,15 +239,24 @@ def _run_shapes(shapes: Mapping[str, Any], cfg) -> dict:
             "n_kv_heads": cfg.num_kv_heads, "vocab_size": cfg.vocab, "max_seq_len": max(cfg.seq_len, 2)}
 
 
+SpmdBackend = Literal["partial_dtensor", "spmd_types"]
+
+
 def torchtitan_case(name: str, model_kwargs: Mapping[str, Any], *, tp: int | None = None,
                     enable_sp: bool = True, attn_backend: str = "sdpa", seq_len: int = 16, batch: int = 2,
-                    edit_sharding: Callable[[Any], None] | None = None, **case_fields: Any) -> Case:
+                    edit_sharding: Callable[[Any], None] | None = None,
+                    spmd_backend: SpmdBackend = "partial_dtensor", **case_fields: Any) -> Case:
     """A `Case` checking torchtitan's llama3 of `model_kwargs` (dim, n_layers, n_heads,
     n_kv_heads, vocab_size, hidden_dim or multiple_of/ffn_dim_multiplier, rope_theta, fuse_qkv,
     norm_eps) under torchtitan's TP (+ SP where `enable_sp`) sharding config at TP `tp` (None:
     whatever TP the run has) against the same model unsharded. The shapes become the case's
     defaults (`--hidden`, `--num-heads`, `--vocab`, ... override them). `edit_sharding`: as
-    `llama3_config`'s. `case_fields`: any other `Case` field (defaults, tags, ...)."""
+    `llama3_config`'s. `spmd_backend`: torchtitan's `parallelism.spmd_backend`, "partial_dtensor"
+    (DTensor on TP) or "spmd_types" (plain local tensors with spmd types: torchtitan_spmd).
+    `case_fields`: any other `Case` field (defaults, tags, ...)."""
+    if spmd_backend not in ("partial_dtensor", "spmd_types"):
+        raise ValueError(f"torchtitan_case({name!r}): spmd_backend {spmd_backend!r}; known: partial_dtensor, "
+                         "spmd_types (full_dtensor: not wired)")
     unknown = sorted(set(model_kwargs) - set(_SHAPE_KEYS))
     if unknown:
         raise ValueError(f"torchtitan_case({name!r}): unknown model kwargs {unknown}; known: {list(_SHAPE_KEYS)}")
@@ -278,6 +288,8 @@ def torchtitan_case(name: str, model_kwargs: Mapping[str, Any], *, tp: int | Non
                               f"TP degree ({run_tp}) (ParallelDims.seq_len_divisor)")
         if cfg.hidden % cfg.num_heads:
             raise Unsupported(f"dim ({cfg.hidden}) is not a multiple of n_heads ({cfg.num_heads})")
+        if spmd_backend == "spmd_types" and (why := spmd_limits(cfg, dp=cfg.dp)) is not None:
+            raise Unsupported(why)
 
     def build_reference(cfg):
         torch.manual_seed(cfg.seed)
@@ -291,11 +303,18 @@ def torchtitan_case(name: str, model_kwargs: Mapping[str, Any], *, tp: int | Non
         return Batch(inputs={"tokens": tokens}, target=labels)
 
     defaults.update(case_fields.pop("defaults", {}))
+    if spmd_backend == "spmd_types":
+        shard = spmd_types_shard(
+            lambda ctx: _build(llama3_config(_run_shapes(shapes, ctx.config), enable_sp=enable_sp,
+                                             attn_backend=attn_backend, edit_sharding=edit_sharding),
+                               ctx.config.torch_dtype),
+            lambda ctx: ctx.config.vocab)
+    else:
+        shard = torchtitan_shard(shapes, enable_sp=enable_sp, attn_backend=attn_backend, edit_sharding=edit_sharding)
     return Case(name=name, description=f"torchtitan {TORCHTITAN_VERSION} llama3, {dict(model_kwargs)}, "
-                                       f"{'TP + SP' if enable_sp else 'TP'} sharding config",
+                                       f"{'TP + SP' if enable_sp else 'TP'} sharding config, {spmd_backend} backend",
                 build_reference=build_reference, make_batch=make_batch,
-                shard=torchtitan_shard(shapes, enable_sp=enable_sp, attn_backend=attn_backend,
-                                       edit_sharding=edit_sharding),
+                shard=shard,
                 loss_sum=lambda out, tgt: F.cross_entropy(out.reshape(-1, out.shape[-1]), tgt.reshape(-1),
                                                           reduction="sum"),
                 tokens=lambda tgt: tgt.numel(), input_layout=Layout(seq_dim=1, batch_dim=0), validate=validate,
