@@ -33,18 +33,27 @@ from collections.abc import Callable, Mapping
 from typing import Any, Literal
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from sp_harness import Batch, Case, Layout, ParamSpec, Sharded, Unsupported
 from sp_harness.cases.common import gpt_memory_floor
 from sp_harness.cases.frameworks.common import require_tp
+from sp_harness.cases.frameworks.megatron_loss import (
+    ShardedLoss,
+    SmoothingStats,
+    check_loss,
+    make_inputs,
+    per_token_losses,
+    reference_language_model_loss,
+    reference_loss_sum,
+)
 from sp_harness.cases.frameworks.megatron_runtime import (
     cpu_shims,
     global_memory_buffer,
     one_rank_groups,
     parallel_state,
 )
+from sp_harness.cases.frameworks.token_loss import TokenLoss, valid_tokens
 
 MEGATRON_CORE_VERSION = "0.16.1"
 """The release this module is tested with (the `megatron` extra pins it)."""
@@ -125,7 +134,8 @@ def megatron_shard(kwargs: Mapping[str, Any], *, edit_model: Callable[[nn.Module
                    vocab_parallel_loss: bool = True, grad_sync: GradSync = "finalize_model_grads",
                    ddp_config: Callable[[Any], Mapping[str, Any]] | None = None,
                    gpt_kwargs: Mapping[str, Any] | None = None, layer_spec: Any = None,
-                   edit_params: Callable[[nn.Module], None] | None = None):
+                   edit_params: Callable[[nn.Module], None] | None = None, loss: TokenLoss = TokenLoss(),
+                   model_loss: bool = False, smoothing: SmoothingStats = "megatron"):
     """The sharded factory of a `megatron_case`. `edit_model(gpt)` runs on this rank's megatron
     model before it is wrapped in megatron's DDP: a user's own change to it (a mutant's). The
     shapes in `kwargs` are overridden by the run's config (a `megatron_case`'s defaults).
@@ -136,8 +146,12 @@ def megatron_shard(kwargs: Mapping[str, Any], *, edit_model: Callable[[nn.Module
     run (a bfloat16 run's training loop reduces grads in float32). `gpt_kwargs`, `layer_spec`: as
     `megatron_case`'s. `edit_params(gpt)` runs before the params are mapped and loaded: a change
     to the param attributes megatron's checkpoint loading reads (`partition_dim`,
-    `partition_stride`), a mutant's."""
+    `partition_stride`), a mutant's. `loss`, `model_loss`, `smoothing`: as `megatron_case`'s."""
     gpt_kwargs = dict(gpt_kwargs or {})
+    check_loss("megatron_shard", loss, vocab_parallel_loss=vocab_parallel_loss, model_loss=model_loss,
+               smoothing=smoothing)
+    losses = per_token_losses(loss, vocab_parallel_loss=vocab_parallel_loss, model_loss=model_loss,
+                              smoothing=smoothing)
     if grad_sync not in ("finalize_model_grads", "ddp"):
         raise ValueError(f"grad_sync {grad_sync!r}: 'finalize_model_grads' or 'ddp'")
 
@@ -147,8 +161,6 @@ def megatron_shard(kwargs: Mapping[str, Any], *, edit_model: Callable[[nn.Module
             DistributedDataParallelConfig,
             finalize_model_grads,
         )
-        from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
-
         ctx.once("megatron-core-cpu-shims", cpu_shims)
         cfg = ctx.config
         parallel_state(ctx.tp, ctx.tp_ranks)
@@ -182,22 +194,19 @@ def megatron_shard(kwargs: Mapping[str, Any], *, edit_model: Callable[[nn.Module
         ddp = DistributedDataParallel(tconfig, DistributedDataParallelConfig(**(ddp_config(cfg) if ddp_config else {})),
                                       gpt)
 
-        def local_loss(out, tgt, ctx):  # this replica's mean token loss, whole on every TP rank
-            return vocab_parallel_cross_entropy(out, tgt).sum() / tgt.numel()
-
+        # the whole loss of this replica on every TP rank, reduced by pretrain_gpt's loss function
+        # shape; with calculate_per_token_loss megatron's DDP sums grads over DP and
+        # finalize_model_grads divides them by the token count all-reduced over DP
+        local_loss = ShardedLoss(loss, per_token=bool(kwargs.get("calculate_per_token_loss")), losses=losses)
         io = Layout(seq_dim=1, batch_dim=0, seq_sharded=False)  # megatron scatters the sequence itself
-        out = Layout(seq_dim=1, batch_dim=0, seq_sharded=False, split_dim=-1 if vocab_parallel_loss else None)
-        # with calculate_per_token_loss megatron's DDP sums grads over DP and leaves the division to
-        # finalize_model_grads' num_tokens; the engine's loss is each replica's mean, which counts
-        # as one item per replica (what the schedule passes for a loss function returning (mean, 1)),
-        # so finalize averages over DP. Without num_tokens it would sum: grads DP x too big
-        per_token = bool(kwargs.get("calculate_per_token_loss"))
+        split = -1 if vocab_parallel_loss and not model_loss else None  # model_loss: per-token losses [b, s]
+        out = Layout(seq_dim=1, batch_dim=0, seq_sharded=False, split_dim=split)
 
         def finalize() -> None:
-            finalize_model_grads([ddp], num_tokens=torch.ones((), dtype=torch.int) if per_token else None)
+            finalize_model_grads([ddp], num_tokens=local_loss.num_tokens)
 
         return Sharded(module=ddp, input_layout=io, output_layout=out, params=specs,
-                       local_loss=local_loss if vocab_parallel_loss else None, grad_attr="main_grad",
+                       local_loss=local_loss, grad_attr="main_grad",
                        sync_grads=finalize if grad_sync == "finalize_model_grads" else ddp.finish_grad_sync)
 
     return shard
@@ -240,7 +249,8 @@ def _import_megatron() -> None:
 def megatron_case(name: str, transformer_config_kwargs: Mapping[str, Any], *, tp: int | None = None,
                   seq_len: int = 16, vocab: int = 64, batch: int = 2,
                   edit_model: Callable[[nn.Module], None] | None = None, vocab_parallel_loss: bool = True,
-                  gpt_kwargs: Mapping[str, Any] | None = None, layer_spec: Any = None, **case_fields: Any) -> Case:
+                  gpt_kwargs: Mapping[str, Any] | None = None, layer_spec: Any = None, loss: TokenLoss = TokenLoss(),
+                  model_loss: bool = False, smoothing: SmoothingStats = "megatron", **case_fields: Any) -> Case:
     """A `Case` checking megatron-core's GPTModel built from `transformer_config_kwargs` (a
     `TransformerConfig`'s keywords: num_layers, hidden_size, num_attention_heads, ffn_hidden_size,
     sequence_parallel, normalization, ...) at TP `tp` (None: whatever TP the run has) against the
@@ -249,10 +259,16 @@ def megatron_case(name: str, transformer_config_kwargs: Mapping[str, Any], *, tp
     ...), given to both models. `layer_spec`: a `ModuleSpec`, or a function of the
     `TransformerConfig` returning one (None: megatron's local spec for the config, experts
     included), used by both models. `edit_model`, `vocab_parallel_loss`: as `megatron_shard`'s.
+    `loss`: the user's loss and batch (`TokenLoss`: a loss mask, label smoothing in megatron's
+    convention, trailing padding under an attention mask, a loss function of theirs on gathered
+    logits), reduced as pretrain_gpt.py reduces it and normalised as `calculate_per_token_loss`
+    says (megatron_loss.py). `model_loss`: the GPTModel is called with `labels` and returns its
+    own per-token losses (pretrain_gpt's forward step). `smoothing`: see `SmoothingStats`.
     `case_fields`: any other `Case` field (defaults, tags, ...)."""
     kwargs = dict(transformer_config_kwargs)
     gpt_kwargs = dict(gpt_kwargs or {})
     _check_gpt_kwargs(name, gpt_kwargs)
+    check_loss(name, loss, vocab_parallel_loss=vocab_parallel_loss, model_loss=model_loss, smoothing=smoothing)
     # megatron-core's import (tens of seconds on a busy core) is setup, not the job's time
     case_fields.setdefault("setup", _import_megatron)
     for key in ("tensor_model_parallel_size", "params_dtype"):
@@ -275,6 +291,8 @@ def megatron_case(name: str, transformer_config_kwargs: Mapping[str, Any], *, tp
             raise Unsupported(f"megatron-core needs num_query_groups ({groups}) dividing num_attention_heads "
                               f"({cfg.num_heads}) and divisible by TP ({run_tp})")
         _moe_supported(kwargs, run_tp, cfg.dp)
+        if loss.padding >= cfg.seq_len:
+            raise ValueError(f"TokenLoss.padding {loss.padding} leaves no position of a {cfg.seq_len}-token sequence")
         wet = {d: kwargs[d] for d in _DROPOUTS if kwargs.get(d)}
         if wet:
             raise Unsupported(f"dropout {wet}: each rank draws its own masks, which no reference reproduces; set 0")
@@ -284,40 +302,30 @@ def megatron_case(name: str, transformer_config_kwargs: Mapping[str, Any], *, tp
         global_memory_buffer()
         torch.manual_seed(cfg.seed)
         tconfig = _transformer_config(kwargs, cfg, tp=1, sequence_parallel=False, dtype=torch.float64, initialize=True)
-        return _gpt(tconfig, cfg, one_rank_groups(ctx.tp_group), parallel_output=True, gpt_kwargs=gpt_kwargs,
-                    layer_spec=layer_spec)
+        gpt = _gpt(tconfig, cfg, one_rank_groups(ctx.tp_group), parallel_output=True, gpt_kwargs=gpt_kwargs,
+                   layer_spec=layer_spec)
+        if model_loss:
+            reference_language_model_loss(gpt)
+        return gpt
 
     def make_batch(cfg, step, gen):
         rows = cfg.dp * cfg.batch
         tokens = torch.randint(0, cfg.vocab, (rows, cfg.seq_len), generator=gen)
         labels = torch.randint(0, cfg.vocab, (rows, cfg.seq_len), generator=gen)
         positions = torch.arange(cfg.seq_len).repeat(rows, 1)
-        return Batch(inputs={"input_ids": tokens, "position_ids": positions, "attention_mask": None}, target=labels)
+        extra, target = make_inputs(loss, tokens, labels, gen, model_loss=model_loss)
+        return Batch(inputs={"input_ids": tokens, "position_ids": positions, **extra}, target=target)
 
     defaults = {**shapes, "seq_len": seq_len, "vocab": vocab, "batch": batch, **case_fields.pop("defaults", {})}
     return Case(name=name, description=f"megatron-core {MEGATRON_CORE_VERSION} GPTModel, {kwargs}"
-                + (f", {gpt_kwargs}" if gpt_kwargs else ""),
+                + (f", {gpt_kwargs}" if gpt_kwargs else "") + ("" if loss.is_default else f", {loss}")
+                + (", the GPTModel's own loss (labels)" if model_loss else ""),
                 build_reference=build_reference, make_batch=make_batch, memory_floor=gpt_memory_floor, shard=megatron_shard(
                     kwargs, edit_model=edit_model, vocab_parallel_loss=vocab_parallel_loss, gpt_kwargs=gpt_kwargs,
-                    layer_spec=layer_spec),
-                loss_sum=_loss_sum(vocab_parallel_loss),
-                tokens=lambda tgt: tgt.numel(), input_layout=Layout(seq_dim=1, batch_dim=0), validate=validate,
+                    layer_spec=layer_spec, loss=loss, model_loss=model_loss, smoothing=smoothing),
+                loss_sum=reference_loss_sum(loss, vocab_parallel_loss=vocab_parallel_loss, model_loss=model_loss),
+                tokens=lambda tgt: valid_tokens(loss, tgt), input_layout=Layout(seq_dim=1, batch_dim=0), validate=validate,
                 defaults=defaults, tags=("megatron-core", "framework", *case_fields.pop("tags", ())), **case_fields)
-
-
-def _loss_sum(vocab_parallel_loss: bool):
-    """The references' summed token loss. Where the sharded twin uses megatron's vocab-parallel
-    cross entropy, which computes in float32 whatever the logits' dtype, the references compute it
-    in float32 too, so the island is on both sides and the perturbed reference rounds it at
-    float32's eps (at float32 and below it changes nothing)."""
-
-    def loss_sum(out: torch.Tensor, tgt: torch.Tensor) -> torch.Tensor:
-        logits = out.reshape(-1, out.shape[-1])
-        if vocab_parallel_loss and torch.finfo(logits.dtype).bits > 32:
-            logits = logits.float()
-        return F.cross_entropy(logits, tgt.reshape(-1), reduction="sum")
-
-    return loss_sum
 
 
 def drop_sequence_parallel_flag(param_name: str) -> Callable[[nn.Module], None]:
