@@ -46,6 +46,7 @@ from torch import nn
 
 from sp_harness import Batch, Case, Layout, RankContext, Sharded, Unsupported
 from sp_harness.cases.frameworks.common import require_tp
+from sp_harness.cases.frameworks.torchtitan_models import QWEN3_KEYS, qwen3_config
 from sp_harness.cases.frameworks.torchtitan_spmd import spmd_limits, spmd_types_shard
 
 if TYPE_CHECKING:  # imported where its cases run (Case.setup): torchtitan may not be installed
@@ -113,6 +114,13 @@ def _import_torchtitan() -> None:
     import torchtitan.models.llama3.sharding  # noqa: F401
 
 
+def _import_qwen3() -> None:
+    """As `_import_torchtitan`, for qwen3."""
+    cpu_shims()
+    import torchtitan.models.qwen3  # noqa: F401
+    import torchtitan.models.qwen3.sharding  # noqa: F401
+
+
 def llama3_config(shapes: Mapping[str, Any], *, enable_sp: bool = True, attn_backend: str = "sdpa",
                   edit_sharding: Callable[[Any], None] | None = None):
     """A torchtitan `Llama3Model.Config` of the given shapes, built as torchtitan builds its own
@@ -154,6 +162,17 @@ def llama3_config(shapes: Mapping[str, Any], *, enable_sp: bool = True, attn_bac
     return config
 
 
+ModelName = Literal["llama3", "qwen3"]
+
+
+def model_config(model: ModelName, shapes: Mapping[str, Any], **kwargs: Any):
+    """The torchtitan config of registry model `model` (`llama3_config`, or torchtitan_models'
+    `qwen3_config`) with its own sharding config set; `kwargs`: as `llama3_config`'s."""
+    if model == "qwen3":
+        return qwen3_config(shapes, **kwargs)
+    return llama3_config(shapes, **kwargs)
+
+
 def _parallel_dims(tp_group, tp: int, world_size: int):
     """torchtitan's `ParallelDims` for TP `tp` on the DTensor backend, its one mesh ("tp") built on
     this rank's TP group. `Module.parallelize` resolves every placement on the "tp" axis alone
@@ -167,6 +186,15 @@ def _parallel_dims(tp_group, tp: int, world_size: int):
                                  mesh_dim_names=("tp",))
     dims._single_axis_meshes = {"tp": mesh}
     return dims
+
+
+def retie(model: nn.Module) -> None:
+    """Tied embeddings (qwen3's flavors) tied again after `Module.parallelize`, which gives the
+    embedding and the lm_head a sharded param each: torchtitan's own re-tie, the first line of
+    `Decoder.init_states` (its trainer parallelizes on meta, then runs init_states), without the
+    init that follows (the state here is the reference's, loaded before parallelize)."""
+    if getattr(model, "enable_weight_tying", False):
+        model.tok_embeddings.weight = model.lm_head.weight
 
 
 def _parallelize_with_fsdp(model: TitanModule, ctx: RankContext, *, fsdp_mean: bool = True) -> None:
@@ -183,6 +211,7 @@ def _parallelize_with_fsdp(model: TitanModule, ctx: RankContext, *, fsdp_mean: b
                         spmd_backend="partial_dtensor")
     dims._single_axis_meshes = {"tp": mesh["tp"], "fsdp": mesh["dp"]}
     model.parallelize(dims)
+    retie(model)
     dtype = ctx.config.torch_dtype
     apply_fsdp_to_decoder(model, mesh["dp"], param_dtype=dtype, reduce_dtype=dtype, pp_enabled=False)
     # apply_fsdp_to_decoder turns FSDP's grad division off (`disable_fsdp_gradient_division`):
@@ -204,7 +233,8 @@ def _build(config: Any, dtype: torch.dtype) -> TitanModule:
 
 
 def torchtitan_shard(shapes: Mapping[str, Any], *, enable_sp: bool = True, attn_backend: str = "sdpa",
-                     edit_sharding: Callable[[Any], None] | None = None, fsdp_mean: bool = True):
+                     edit_sharding: Callable[[Any], None] | None = None, fsdp_mean: bool = True,
+                     model: ModelName = "llama3"):
     """The sharded factory of a `torchtitan_case`: this rank's llama3 built from the config
     (with `edit_sharding` applied to its sharding config), loaded with the reference's state
     and parallelized by torchtitan's `Module.parallelize` on this rank's TP group (and, at
@@ -217,18 +247,19 @@ def torchtitan_shard(shapes: Mapping[str, Any], *, enable_sp: bool = True, attn_
 
         cfg = ctx.config
         set_spmd_backend("partial_dtensor")
-        config = llama3_config(_run_shapes(shapes, cfg), enable_sp=enable_sp, attn_backend=attn_backend,
-                               edit_sharding=edit_sharding)
-        model = _build(config, cfg.torch_dtype)
-        model.load_state_dict(reference.state_dict())
+        config = model_config(model, _run_shapes(shapes, cfg), enable_sp=enable_sp, attn_backend=attn_backend,
+                              edit_sharding=edit_sharding)
+        built = _build(config, cfg.torch_dtype)
+        built.load_state_dict(reference.state_dict())
         if ctx.dp == 1:
-            model.parallelize(_parallel_dims(ctx.tp_group, ctx.tp, ctx.tp))
+            built.parallelize(_parallel_dims(ctx.tp_group, ctx.tp, ctx.tp))
+            retie(built)
         else:
-            _parallelize_with_fsdp(model, ctx, fsdp_mean=fsdp_mean)
+            _parallelize_with_fsdp(built, ctx, fsdp_mean=fsdp_mean)
         io = Layout(seq_dim=1, batch_dim=0, seq_sharded=False)  # tokens whole on every TP rank; torchtitan cuts
         # a module the plan leaves alone keeps plain params, whole on every rank (as DTensor's
         # parallelize_module leaves them); every sharded one is a DTensor that maps itself
-        return Sharded(module=model, input_layout=io, output_layout=io, replicated=("*",))
+        return Sharded(module=built, input_layout=io, output_layout=io, replicated=("*",))
 
     return shard
 
@@ -245,7 +276,8 @@ SpmdBackend = Literal["partial_dtensor", "spmd_types"]
 def torchtitan_case(name: str, model_kwargs: Mapping[str, Any], *, tp: int | None = None,
                     enable_sp: bool = True, attn_backend: str = "sdpa", seq_len: int = 16, batch: int = 2,
                     edit_sharding: Callable[[Any], None] | None = None,
-                    spmd_backend: SpmdBackend = "partial_dtensor", **case_fields: Any) -> Case:
+                    spmd_backend: SpmdBackend = "partial_dtensor", model: ModelName = "llama3",
+                    **case_fields: Any) -> Case:
     """A `Case` checking torchtitan's llama3 of `model_kwargs` (dim, n_layers, n_heads,
     n_kv_heads, vocab_size, hidden_dim or multiple_of/ffn_dim_multiplier, rope_theta, fuse_qkv,
     norm_eps) under torchtitan's TP (+ SP where `enable_sp`) sharding config at TP `tp` (None:
@@ -253,16 +285,20 @@ def torchtitan_case(name: str, model_kwargs: Mapping[str, Any], *, tp: int | Non
     defaults (`--hidden`, `--num-heads`, `--vocab`, ... override them). `edit_sharding`: as
     `llama3_config`'s. `spmd_backend`: torchtitan's `parallelism.spmd_backend`, "partial_dtensor"
     (DTensor on TP) or "spmd_types" (plain local tensors with spmd types: torchtitan_spmd).
+    `model`: the registry model, "llama3" or "qwen3" (torchtitan_models: its keys `QWEN3_KEYS`).
     `case_fields`: any other `Case` field (defaults, tags, ...)."""
     if spmd_backend not in ("partial_dtensor", "spmd_types"):
         raise ValueError(f"torchtitan_case({name!r}): spmd_backend {spmd_backend!r}; known: partial_dtensor, "
                          "spmd_types (full_dtensor: not wired)")
-    unknown = sorted(set(model_kwargs) - set(_SHAPE_KEYS))
+    if model not in ("llama3", "qwen3"):
+        raise ValueError(f"torchtitan_case({name!r}): model {model!r}; known: llama3, qwen3")
+    keys = _SHAPE_KEYS if model == "llama3" else QWEN3_KEYS
+    unknown = sorted(set(model_kwargs) - set(keys))
     if unknown:
-        raise ValueError(f"torchtitan_case({name!r}): unknown model kwargs {unknown}; known: {list(_SHAPE_KEYS)}")
+        raise ValueError(f"torchtitan_case({name!r}): unknown {model} kwargs {unknown}; known: {list(keys)}")
     shapes = {"n_layers": 2, "n_heads": 4, "vocab_size": 64, "multiple_of": 16, **model_kwargs}
     shapes.setdefault("dim", 32)
-    case_fields.setdefault("setup", _import_torchtitan)
+    case_fields.setdefault("setup", _import_torchtitan if model == "llama3" else _import_qwen3)
     defaults = dict(hidden=shapes["dim"], num_layers=shapes["n_layers"], num_heads=shapes["n_heads"],
                     num_kv_heads=shapes.get("n_kv_heads"), vocab=shapes["vocab_size"], seq_len=seq_len, batch=batch)
 
@@ -293,7 +329,7 @@ def torchtitan_case(name: str, model_kwargs: Mapping[str, Any], *, tp: int | Non
 
     def build_reference(cfg):
         torch.manual_seed(cfg.seed)
-        return _build(llama3_config(_run_shapes(shapes, cfg), enable_sp=enable_sp, attn_backend=attn_backend),
+        return _build(model_config(model, _run_shapes(shapes, cfg), enable_sp=enable_sp, attn_backend=attn_backend),
                       torch.float64)
 
     def make_batch(cfg, step, gen):
@@ -305,13 +341,14 @@ def torchtitan_case(name: str, model_kwargs: Mapping[str, Any], *, tp: int | Non
     defaults.update(case_fields.pop("defaults", {}))
     if spmd_backend == "spmd_types":
         shard = spmd_types_shard(
-            lambda ctx: _build(llama3_config(_run_shapes(shapes, ctx.config), enable_sp=enable_sp,
-                                             attn_backend=attn_backend, edit_sharding=edit_sharding),
+            lambda ctx: _build(model_config(model, _run_shapes(shapes, ctx.config), enable_sp=enable_sp,
+                                            attn_backend=attn_backend, edit_sharding=edit_sharding),
                                ctx.config.torch_dtype),
             lambda ctx: ctx.config.vocab)
     else:
-        shard = torchtitan_shard(shapes, enable_sp=enable_sp, attn_backend=attn_backend, edit_sharding=edit_sharding)
-    return Case(name=name, description=f"torchtitan {TORCHTITAN_VERSION} llama3, {dict(model_kwargs)}, "
+        shard = torchtitan_shard(shapes, enable_sp=enable_sp, attn_backend=attn_backend, edit_sharding=edit_sharding,
+                                 model=model)
+    return Case(name=name, description=f"torchtitan {TORCHTITAN_VERSION} {model}, {dict(model_kwargs)}, "
                                        f"{'TP + SP' if enable_sp else 'TP'} sharding config, {spmd_backend} backend",
                 build_reference=build_reference, make_batch=make_batch,
                 shard=shard,

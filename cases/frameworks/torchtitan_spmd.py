@@ -141,6 +141,8 @@ def spmd_types_shard(build: Callable[[RankContext], nn.Module], vocab: Callable[
     def shard(reference: nn.Module, ctx: RankContext) -> Sharded:
         from torchtitan.components.loss import cross_entropy_loss
         from torchtitan.distributed.spmd_types import set_current_spmd_mesh
+
+        from sp_harness.cases.frameworks.torchtitan import retie
         from torchtitan.distributed.utils import set_spmd_backend
 
         set_spmd_backend("spmd_types")
@@ -148,6 +150,7 @@ def spmd_types_shard(build: Callable[[RankContext], nn.Module], vocab: Callable[
         model.load_state_dict(reference.state_dict())
         dims = spmd_parallel_dims(ctx.tp, ctx.world_size)
         model.parallelize(dims)
+        retie(model)
         _run_in_train_context(model, dims)
         global_vocab = vocab(ctx)
 
