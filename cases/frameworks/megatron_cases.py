@@ -12,12 +12,14 @@ from sp_harness.cases.frameworks.megatron_core import (
     partition_stride_one,
     router_counts_over_dp_group,
 )
+from sp_harness.cases.frameworks.megatron_module import cross_attention, megatron_module_case
 from sp_harness.cases.frameworks.megatron_step import (
     MegatronStepConfig,
     drop_tensor_parallel_flag,
     megatron_step_shard,
     megatron_train_case,
 )
+from sp_harness.cases.frameworks.token_loss import TokenLoss
 from sp_harness.config.case import Example
 from sp_harness.config.registry import mutant, register
 
@@ -57,6 +59,61 @@ mutant(MCORE_GPT_SP, name="mutant-mcore-ddp-sync-only",
            "sequence-parallel params' grads over TP",
        source="deepspeedai/DeepSpeed#4548",
        shard=megatron_shard(CONFIG, grad_sync="ddp"), killed_by=("grad", "even"))
+
+LOSS = TokenLoss(label_smoothing=0.1, masked_fraction=0.25, padding=2)
+"""A user's loss and batch: a quarter of each sequence's labels out of the loss (loss_mask), 2 pad
+tokens under the attention mask, label smoothing 0.1 in megatron's convention."""
+PER_TOKEN = {**CONFIG, "calculate_per_token_loss": True}
+
+MCORE_GPT_SP_LOSS = register(megatron_case(
+    "mcore-gpt-sp-loss", PER_TOKEN, loss=LOSS, smoothing="global", isolation=ISOLATION,
+    examples=(Example(fields=(("world_size", 2), ("dtype", "float32")),
+                      note="megatron-core TP 2 + SP: loss mask, padding, label smoothing over the whole vocabulary"),
+              Example(fields=(("world_size", 4), ("dp", 2), ("dtype", "float32")),
+                      note="the same at DP 2 x TP 2: finalize_model_grads divides by the global valid-token count"))))
+
+mutant(MCORE_GPT_SP_LOSS, name="mutant-mcore-label-smoothing-local-vocab",
+       summary="megatron's own vocab_parallel_cross_entropy(label_smoothing=0.1): the local vocab shard's statistics",
+       bug="label smoothing at TP > 1 takes the mean log-probability and the vocabulary size from each rank's vocab "
+           "shard, not the whole vocabulary: each TP rank's loss differs and the grads are wrong (megatron-core "
+           "0.16.1's own code, unfixed upstream)",
+       source="NVIDIA/Megatron-LM#7452 finding 1 (#7464, #737)",
+       shard=megatron_shard(PER_TOKEN, loss=LOSS, smoothing="megatron"), killed_by=("forward (loss)", "even"))
+
+LABELS = TokenLoss(masked_fraction=0.25, padding=2)
+MCORE_GPT_SP_LABELS = register(megatron_case(
+    "mcore-gpt-sp-labels", CONFIG, loss=LABELS, model_loss=True, isolation=ISOLATION,
+    examples=(Example(fields=(("world_size", 2), ("dtype", "float32")),
+                      note="megatron-core TP 2 + SP, GPTModel called with labels, pretrain_gpt's loss_mask"),)))
+
+mutant(MCORE_GPT_SP_LABELS, name="mutant-mcore-gathered-logits-labels",
+       summary="GPTModel with parallel_output=False called with labels: its vocab-parallel loss over gathered logits",
+       bug="the output layer gathers the logits over TP (parallel_output=False) and compute_language_model_loss "
+           "still calls the vocab-parallel cross entropy, which treats each rank's whole vocabulary as a shard: "
+           "the loss is the true loss + log(TP) and the target term's grad is lost",
+       source="NVIDIA/Megatron-LM#7452 finding 2",
+       shard=megatron_shard(CONFIG, loss=LABELS, model_loss=True, vocab_parallel_loss=False),
+       killed_by=("forward", "even"))
+
+XATTN = dict(num_layers=1, hidden_size=32, num_attention_heads=4, sequence_parallel=True)
+XATTN_IO = dict(inputs=("hidden_states", "key_value_states"), constants={"attention_mask": None})
+"""megatron's CrossAttention alone, built with an explicit pg_collection: queries from
+`hidden_states`, keys and values from `key_value_states`, both sequence-parallel."""
+
+MCORE_XATTN_SP = register(megatron_module_case(
+    "mcore-xattn-sp", XATTN, build=cross_attention(fixed=True), isolation=ISOLATION, **XATTN_IO,
+    examples=(Example(fields=(("world_size", 4), ("dp", 2), ("dtype", "float32")),
+                      note="megatron-core CrossAttention with an explicit pg_collection, DP 2 x TP 2 + SP, "
+                           "megatron's global TP groups laid across DP"),)))
+
+mutant(MCORE_XATTN_SP, name="mutant-mcore-xattn-global-tp-group",
+       summary="megatron-core 0.16.1's CrossAttention: linear_q / linear_kv built without its pg_collection's tp_group",
+       bug="CrossAttention passes no tp_group to its column-parallel linear_q and linear_kv, so they fall back to "
+           "megatron's global TP group: with an explicit pg_collection on other ranks, their sequence all-gather "
+           "and grad reductions run over the wrong ranks (megatron-core 0.16.1's own code)",
+       source="NVIDIA/Megatron-LM#7452 finding 6",
+       shard=megatron_module_case("mcore-xattn-sp", XATTN, build=cross_attention(fixed=False), **XATTN_IO).shard,
+       killed_by=("forward", "dp2xtp2"))
 
 LLAMA = dict(num_layers=2, hidden_size=32, num_attention_heads=4, num_query_groups=2, ffn_hidden_size=64,
              gated_linear_unit=True, activation_func=F.silu, normalization="RMSNorm", add_bias_linear=False,

@@ -123,6 +123,29 @@ def strided_index(dim: int, stride: int, tp: int, tp_rank: int) -> Callable[[tor
     return index
 
 
+def load_shard(model: nn.Module, reference: nn.Module, ctx, prefix: str = "module.") -> dict[str, ParamSpec]:
+    """Each param of this rank's megatron `model` loaded from the TP=1 reference's and mapped by
+    megatron's own attributes (`tensor_model_parallel`, `partition_dim`, `partition_stride`);
+    `prefix`: the local names' wrapper (megatron's DDP: "module.")."""
+    full = reference.state_dict()
+    specs: dict[str, ParamSpec] = {}
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            stride = getattr(p, "partition_stride", 1)
+            if getattr(p, "tensor_model_parallel", False) and stride != 1:
+                index = strided_index(p.partition_dim, stride, ctx.tp, ctx.tp_rank)
+                specs[prefix + name] = ParamSpec(ref_name=name, index=index)
+                p.copy_(index(full[name]).reshape(p.shape))
+            elif getattr(p, "tensor_model_parallel", False):
+                dim = p.partition_dim
+                specs[prefix + name] = ParamSpec(ref_name=name, dim=dim)
+                p.copy_(full[name].chunk(ctx.tp, dim=dim)[ctx.tp_rank])
+            else:
+                specs[prefix + name] = ParamSpec(ref_name=name)
+                p.copy_(full[name])
+    return specs
+
+
 GradSync = Literal["finalize_model_grads", "ddp"]
 """How the sharded twin finishes its grads after backward: megatron's `finalize_model_grads`
 (what megatron's training loop calls: DP all-reduce, then the TP sum of every param flagged
@@ -173,22 +196,7 @@ def megatron_shard(kwargs: Mapping[str, Any], *, edit_model: Callable[[nn.Module
         gpt._apply(lambda t: t.to(cfg.torch_dtype) if t.is_floating_point() else t)
         if edit_params is not None:
             edit_params(gpt)
-        full = reference.state_dict()
-        specs: dict[str, ParamSpec] = {}
-        with torch.no_grad():
-            for name, p in gpt.named_parameters():
-                stride = getattr(p, "partition_stride", 1)
-                if getattr(p, "tensor_model_parallel", False) and stride != 1:
-                    index = strided_index(p.partition_dim, stride, ctx.tp, ctx.tp_rank)
-                    specs["module." + name] = ParamSpec(ref_name=name, index=index)
-                    p.copy_(index(full[name]).reshape(p.shape))
-                elif getattr(p, "tensor_model_parallel", False):
-                    dim = p.partition_dim
-                    specs["module." + name] = ParamSpec(ref_name=name, dim=dim)
-                    p.copy_(full[name].chunk(ctx.tp, dim=dim)[ctx.tp_rank])
-                else:
-                    specs["module." + name] = ParamSpec(ref_name=name)
-                    p.copy_(full[name])
+        specs = load_shard(gpt, reference, ctx)
         if edit_model is not None:
             edit_model(gpt)
         ddp = DistributedDataParallel(tconfig, DistributedDataParallelConfig(**(ddp_config(cfg) if ddp_config else {})),
@@ -370,5 +378,5 @@ def partition_stride_one(param_name: str) -> Callable[[nn.Module], None]:
 
 
 __all__ = ["GPT_KWARGS", "MEGATRON_CORE_VERSION", "POSITION_EMBEDDINGS", "GradSync",
-           "drop_sequence_parallel_flag", "megatron_case", "megatron_shard", "partition_stride_one",
+           "drop_sequence_parallel_flag", "load_shard", "megatron_case", "megatron_shard", "partition_stride_one",
            "router_counts_over_dp_group", "strided_index"]

@@ -99,21 +99,47 @@ def one_rank_groups(group: dist.ProcessGroup):
     return ProcessGroupCollection(**{n: group for n in names})
 
 
-def parallel_state(tp: int, tp_ranks: tuple[int, ...]) -> None:
-    """megatron's global groups for TP `tp` (made once per rank process and mesh; a warm pool's
-    job on another mesh rebuilds them: `new_group` is a collective every rank runs alike)."""
+ORDER = "tp-cp-ep-dp-pp"
+"""megatron's default rank order: TP groups of consecutive ranks, the harness's layout."""
+TRANSPOSED_ORDER = "dp-tp-cp-ep-pp"
+"""DP varies fastest: at DP > 1 megatron's TP groups are the harness's DP groups (a second TP layout)."""
+
+
+def parallel_state(tp: int, tp_ranks: tuple[int, ...], *, order: str = ORDER) -> None:
+    """megatron's global groups for TP `tp` in rank order `order`, this rank's TP group expected
+    to be `tp_ranks` (made once per rank process and layout; a warm pool's job on another mesh or
+    order rebuilds them: `new_group` is a collective every rank runs alike)."""
     from megatron.core import parallel_state as ps
 
     if ps.model_parallel_is_initialized():
         if ps.get_tensor_model_parallel_world_size() == tp and ps.get_data_parallel_world_size() * tp == \
-                dist.get_world_size():
+                dist.get_world_size() and tuple(dist.get_process_group_ranks(ps.get_tensor_model_parallel_group())) \
+                == tp_ranks:
             return
         ps.destroy_model_parallel()
     ps.destroy_global_memory_buffer()  # a TP=1 reference built in this process made one; megatron makes its own
-    ps.initialize_model_parallel(tensor_model_parallel_size=tp, create_gloo_process_groups=False)
+    ps.initialize_model_parallel(tensor_model_parallel_size=tp, create_gloo_process_groups=False, order=order)
     theirs = tuple(dist.get_process_group_ranks(ps.get_tensor_model_parallel_group()))
     if theirs != tp_ranks:
-        raise RuntimeError(f"megatron's TP group {theirs} is not the harness's {tp_ranks}")
+        raise RuntimeError(f"megatron's TP group {theirs} is not the expected {tp_ranks} (order {order})")
+
+
+@contextlib.contextmanager
+def global_tp_group(group: dist.ProcessGroup):
+    """megatron's global TP (and, where unset, DP) group is `group` while entered: a TP=1
+    reference is built where a TP=1 run's megatron state would be, so a layer that reads the
+    global TP group instead of its `pg_collection` (Megatron-LM #7452 finding 6) still builds at
+    TP 1 and captures the reference's one-rank group, not the sharded twin's."""
+    from megatron.core import parallel_state as ps
+
+    saved = ps._TENSOR_MODEL_PARALLEL_GROUP, ps._DATA_PARALLEL_GROUP
+    ps._TENSOR_MODEL_PARALLEL_GROUP = group
+    if ps._DATA_PARALLEL_GROUP is None:  # megatron's is_initialized() reads it
+        ps._DATA_PARALLEL_GROUP = group
+    try:
+        yield
+    finally:
+        ps._TENSOR_MODEL_PARALLEL_GROUP, ps._DATA_PARALLEL_GROUP = saved
 
 
 def global_memory_buffer() -> None:
@@ -126,4 +152,4 @@ def global_memory_buffer() -> None:
 
 
 
-__all__ = ["cpu_shims", "global_memory_buffer", "one_rank_groups", "parallel_state"]
+__all__ = ["ORDER", "TRANSPOSED_ORDER", "cpu_shims", "global_memory_buffer", "global_tp_group", "one_rank_groups", "parallel_state"]

@@ -1,5 +1,6 @@
 """Stage: compare. Localising a FAIL: the first module, in execution order, whose output or input
-grad left its bound (recorded by sp_harness.capture.trace)."""
+grad left its bound (recorded by sp_harness.capture.trace); a param-grad failure with none is
+placed before or after the grad sync by the grads backward left (sp_harness.compare.presync)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ from dataclasses import dataclass
 import torch
 
 from sp_harness.capture.trace import Recorder, Trace
+from sp_harness.compare.presync import Placement
 from sp_harness.compare.tolerance import RefPieces, check_tensor
 from sp_harness.config import shards as sh
 from sp_harness.step.precision import precision_of
@@ -18,7 +20,9 @@ class Divergence:
     step: int
     rank: int
     phase: str
-    """'forward' (the module's output), 'backward' (its input grad), 'none' (every traced
+    """'forward' (the module's output), 'backward' (its input grad), 'loss' (the first failure is
+    the loss, the model's output and every traced module agree: the error enters in the loss
+    computed from the output), 'none' (every traced
     module agrees and the first failure is a param grad or update: the error is in the param
     grads or their sync), or 'unaligned' (the first failure is in the forward or an input grad,
     yet no module that could be compared diverged: `note` says which modules could not be and
@@ -36,38 +40,57 @@ class Divergence:
     ran_after: tuple[str, ...] = ()
     """For 'forward': the modules whose forward started after this one's ended: an op in one of
     them (or in backward, or in the loss outside the model) cannot have caused it."""
+    cleared: tuple[str, ...] = ()
+    """For 'forward': the compared modules whose output was within its bound before this one's
+    was recorded: an op inside one of them cannot have caused it (it would have shown there)."""
+    presync: str = ""
+    """For 'backward', 'sync' and 'none': what the grads before the sync said (Placement.describe)."""
 
     def sort_key(self):
         return (self.step, PHASES.index(self.phase), self.order, self.rank)
 
     def describe(self) -> str:
+        if self.phase == "loss":
+            return (f"every traced module and the model's output are within their bounds at step {self.step} "
+                    f"(rank {self.rank}): the error enters in the loss computed from the output (Sharded.local_loss)")
         if self.phase == "unaligned":
             return (f"no module could be localised at step {self.step} (rank {self.rank}): every module that lines "
                     f"up with the reference is within its bound, and {self.note}")
+        if self.phase == "sync":
+            return (f"the error enters in the grad sync at step {self.step} (rank {self.rank}), every traced "
+                    f"module's output and input grad within its bound: {self.presync}")
         if self.phase == "none":
             return (f"every traced module's output and input grad is within its bound at step {self.step} "
-                    f"(rank {self.rank}): the error enters after backward, in the grad sync or the param grads")
+                    f"(rank {self.rank}): the error enters in backward's param grads or in the grad sync; "
+                    f"{self.presync or 'the grads before the sync were not kept'}")
+        if self.phase == "backward" and not self.ratio_is_module:
+            return (f"first param with wrong grads before the grad sync: {self.module} (backward, step {self.step}, "
+                    f"rank {self.rank}), every traced module's input grad within its bound: {self.presync}")
         what = "output" if self.phase == "forward" else "input grad"
         before = ""
         if self.upstream:
             more = f" and {len(self.upstream) - MAX_NAMED} more" if len(self.upstream) > MAX_NAMED else ""
             before = (f"; before it, not compared (TP-sharded params or no line-up), where the error may enter "
                       f"instead: {', '.join(self.upstream[:MAX_NAMED])}{more}")
+        after = f"; {self.presync}" if self.presync else ""
         return (f"first diverging module: {self.module} ({what}, {self.phase}, step {self.step}, rank {self.rank}, "
-                f"{self.ratio:.3g}x its bound){before}")
+                f"{self.ratio:.3g}x its bound){before}{after}")
 
     def could_cause(self, module: str, backward: bool) -> bool:
         """Whether an op in `module` (in backward: `backward`) can have caused this divergence: not
         for a forward divergence where the op ran in backward, in a module that started after
         it, or in the loss outside the model. `module` may carry a wrapper's prefix ('module.')."""
+        if self.phase == "sync":
+            return False  # a rounding in any op is within its bound before the sync
         if self.phase != "forward" or not self.module:
             return True
         if backward or module == "loss":
             return False
-        return not any(module == m or module.endswith("." + m) for m in self.ran_after)
+        return not any(module == m or module.endswith("." + m) for m in self.ran_after) and not any(
+            _inside(module, m) for m in self.cleared)
 
 
-PHASES = ("forward", "backward", "unaligned", "none")
+PHASES = ("forward", "backward", "loss", "unaligned", "none")
 FORWARD_KINDS = frozenset({"forward", "lse", "loss"})
 """First-failure kinds whose error must have entered in the forward."""
 MAX_NAMED = 4
@@ -106,6 +129,18 @@ def _forward_divergence(step: int, rank: int, name: str, ratio: float, order: in
                       upstream=upstream, ran_after=tuple(started[end:]))
 
 
+def _after_last_agreeing(candidates: list[tuple[str, str]], started: list[str],
+                         agreed: list[str]) -> list[tuple[str, str]]:
+    """Forward candidates in the order their forward started, those that started after the last
+    compared module that agrees first (an error entering before it would most likely have reached
+    it: gathered logits' loss after the final norm, say)."""
+    at = {name: i for i, name in enumerate(started)}
+    last = max((at[n] for n in agreed if n in at), default=-1)
+    ordered = sorted(candidates, key=lambda c: at.get(c[0], len(started)))
+    return [c for c in ordered if at.get(c[0], len(started)) > last] + \
+        [c for c in ordered if at.get(c[0], len(started)) <= last]
+
+
 def first_divergence(*, step: int, rank: int, sharded: Recorder | Trace, ref64: Recorder | Trace,
                      ref_lp: Recorder | Trace, ref_alt: Recorder | Trace, dtype: torch.dtype, seq_len: int, seq_shards, tp_rank: int,
                      seq_index: torch.Tensor | None = None, failed_kind: str = "grad",
@@ -114,22 +149,24 @@ def first_divergence(*, step: int, rank: int, sharded: Recorder | Trace, ref64: 
     (load-balanced) layout; None for contiguous shards. `failed_kind`: the kind of the step's
     first failure (sp_harness.compare.tensor_check.KIND_ORDER); `skipped`: the modules the trace
     left out (they hold TP-sharded params: their outputs are pieces or partial sums)."""
-    unaligned: dict[str, list[str]] = {"forward": [], "backward": []}
+    unaligned: dict[str, list[tuple[str, str]]] = {"forward": [], "backward": []}
     unaligned_names: list[str] = []
-    for phase in ("forward", "backward"):
+    agreed: list[str] = []
+    # a forward or loss failure entered in the forward: the input grads that diverge follow from it
+    for phase in ("forward",) if failed_kind in FORWARD_KINDS else ("forward", "backward"):
         got_side = getattr(sharded, phase)
         for order, (name, got) in enumerate(got_side.items()):
             want = getattr(ref64, phase).get(name)
             want_lp = getattr(ref_lp, phase).get(name)
             want_alt = getattr(ref_alt, phase).get(name)
             if want is None or want_lp is None:
-                unaligned[phase].append(f"'{name}' (no module of that name in the reference)")
+                unaligned[phase].append((name, f"'{name}' (no module of that name in the reference)"))
                 unaligned_names.append(name)
                 continue
             cut = _line_up(got, want, seq_len, seq_shards, tp_rank, seq_index)
             if cut is None:
-                unaligned[phase].append(f"'{name}' ({phase} {tuple(got.shape)} is neither the reference's "
-                                        f"{tuple(want.shape)} nor this rank's sequence slice of it)")
+                unaligned[phase].append((name, f"'{name}' ({phase} {tuple(got.shape)} is neither the reference's "
+                                               f"{tuple(want.shape)} nor this rank's sequence slice of it)"))
                 unaligned_names.append(name)
                 continue
             refs = RefPieces(r64=cut(want), lp=cut(want_lp), alt=None if want_alt is None else cut(want_alt))
@@ -140,16 +177,24 @@ def first_divergence(*, step: int, rank: int, sharded: Recorder | Trace, ref64: 
                     return Divergence(step=step, rank=rank, phase=phase, module=name, ratio=chk.ratio, order=order)
                 return _forward_divergence(step, rank, name, chk.ratio, order, sharded.order,
                                            skipped | set(unaligned_names))
+            if phase == "forward":
+                agreed.append(name)
+    if failed_kind == "loss":  # KIND_ORDER judges the output first: it agreed
+        return Divergence(step=step, rank=rank, phase="loss", module="", ratio=0.0)
     if failed_kind in FORWARD_KINDS or failed_kind == "input_grad":
         phase = "forward" if failed_kind in FORWARD_KINDS else "backward"
-        why = unaligned[phase] + [f"'{n}' (holds TP-sharded params: its {phase} is a piece or a partial sum)"
-                                  for n in sorted(skipped)]
+        candidates = unaligned[phase] + [(n, f"'{n}' (holds TP-sharded params: its {phase} is a piece or a "
+                                             f"partial sum)") for n in sorted(skipped)]
+        if phase == "forward":
+            candidates = _after_last_agreeing(candidates, sharded.order, agreed)
+        why = [reason for _, reason in candidates]
         if not why:
             note = (f"the model has no submodule to trace: the {failed_kind} failure enters inside the top-level "
                     f"module's own {phase}")
         else:
             more = f" and {len(why) - MAX_NAMED} more" if len(why) > MAX_NAMED else ""
+            own = ", or in the top-level module's own forward" if phase == "forward" else ""
             note = (f"the {failed_kind} failure enters in a module that could not be compared: "
-                    + "; ".join(why[:MAX_NAMED]) + more)
+                    + "; ".join(why[:MAX_NAMED]) + more + own)
         return Divergence(step=step, rank=rank, phase="unaligned", module="", ratio=0.0, note=note)
     return Divergence(step=step, rank=rank, phase="none", module="", ratio=0.0)
