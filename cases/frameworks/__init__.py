@@ -21,7 +21,9 @@ FRAMEWORK_CASES: dict[str, tuple[str, tuple[str, ...]]] = {
         "mcore-gpt-tp", "mcore-gpt-sp", "mutant-mcore-norm-flag-dropped", "mutant-mcore-row-bias-flag-dropped",
         "mutant-mcore-ddp-sync-only", "mcore-gpt-sp-step", "mcore-gpt-sp-step-distopt", "mutant-mcore-step-local-token-mean",
         "mutant-mcore-step-clip-norm-tp-rank0", "mcore-llama-sp", "mutant-mcore-llama-final-norm-flag-dropped",
-        "mutant-mcore-llama-swiglu-contiguous-split", "mcore-moe-sp", "mutant-mcore-moe-router-counts-over-dp")),
+        "mutant-mcore-llama-swiglu-contiguous-split", "mcore-moe-sp", "mutant-mcore-moe-router-counts-over-dp",
+        "mcore-gpt-sp-loss", "mutant-mcore-label-smoothing-local-vocab", "mcore-gpt-sp-labels",
+        "mutant-mcore-gathered-logits-labels", "mcore-xattn-sp", "mutant-mcore-xattn-global-tp-group")),
     "yunchang": ("sp_harness.cases.frameworks.yunchang_cases", (
         "yc-usp", "yc-usp-torch-flash", "mutant-yc-zigzag-contiguous-shards", "mutant-yc-ring-merge-overwrites",
         "mutant-yc-grad-sync-ulysses-only", "mutant-yc-causal-mask-on-received-blocks", "yc-ulysses",
