@@ -3,6 +3,8 @@ megatron-core is installed): its GPTModel with sequence parallelism at the run's
 model trained by megatron's own training step (schedule, finalize_model_grads, optimizer), and
 the bugs SP users have shipped, expressed through megatron's own knobs."""
 
+from typing import Any
+
 import torch.nn.functional as F
 
 from sp_harness.cases.frameworks.megatron_core import (
@@ -96,7 +98,7 @@ mutant(MCORE_GPT_SP_LABELS, name="mutant-mcore-gathered-logits-labels",
        killed_by=("forward", "even"))
 
 XATTN = dict(num_layers=1, hidden_size=32, num_attention_heads=4, sequence_parallel=True)
-XATTN_IO = dict(inputs=("hidden_states", "key_value_states"), constants={"attention_mask": None})
+XATTN_IO: dict[str, Any] = dict(inputs=("hidden_states", "key_value_states"), constants={"attention_mask": None})
 """megatron's CrossAttention alone, built with an explicit pg_collection: queries from
 `hidden_states`, keys and values from `key_value_states`, both sequence-parallel."""
 

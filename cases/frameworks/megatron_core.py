@@ -133,11 +133,11 @@ def load_shard(model: nn.Module, reference: nn.Module, ctx, prefix: str = "modul
         for name, p in model.named_parameters():
             stride = getattr(p, "partition_stride", 1)
             if getattr(p, "tensor_model_parallel", False) and stride != 1:
-                index = strided_index(p.partition_dim, stride, ctx.tp, ctx.tp_rank)
+                index = strided_index(p.partition_dim, stride, ctx.tp, ctx.tp_rank)  # type: ignore[attr-defined]
                 specs[prefix + name] = ParamSpec(ref_name=name, index=index)
                 p.copy_(index(full[name]).reshape(p.shape))
             elif getattr(p, "tensor_model_parallel", False):
-                dim = p.partition_dim
+                dim = p.partition_dim  # type: ignore[attr-defined]  # megatron's own attribute
                 specs[prefix + name] = ParamSpec(ref_name=name, dim=dim)
                 p.copy_(full[name].chunk(ctx.tp, dim=dim)[ctx.tp_rank])
             else:

@@ -164,7 +164,8 @@ def reference_language_model_loss(gpt: torch.nn.Module) -> None:
         return torch.nn.functional.cross_entropy(flat.reshape(-1, flat.shape[-1]), labels.reshape(-1),
                                                  reduction="none").reshape(labels.shape)
 
-    gpt.compute_language_model_loss = compute_language_model_loss  # type: ignore[method-assign]
+    # an instance attribute: torch types a module's attributes as Tensor | Module
+    setattr(gpt, "compute_language_model_loss", compute_language_model_loss)  # noqa: B010
 
 
 def make_inputs(loss: TokenLoss, tokens: Tensor, labels: Tensor, gen: torch.Generator,

@@ -87,7 +87,7 @@ def first_output(module: nn.Module) -> nn.Module:
             return out
         return out[0] if len(out) < 2 or out[1] is None else out[0] + out[1]
 
-    module.forward = first  # type: ignore[method-assign]
+    module.forward = first
     return module
 
 
@@ -180,7 +180,7 @@ def cross_attention(fixed: bool = True) -> ModuleBuilder:
 
         linear = ColumnParallelLinear
         if fixed:
-            linear = functools.partial(ColumnParallelLinear, tp_group=pg_collection.tp)  # type: ignore[assignment]
+            linear = functools.partial(ColumnParallelLinear, tp_group=pg_collection.tp)
         submodules = CrossAttentionSubmodules(linear_q=linear, linear_kv=linear, core_attention=DotProductAttention,
                                               linear_proj=RowParallelLinear)
         return CrossAttention(config, submodules, layer_number=1, pg_collection=pg_collection)
