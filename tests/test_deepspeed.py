@@ -42,6 +42,7 @@ def test_float64_with_the_grad_sum_written_out_passes(sp_check):
     assert res.verdict == PASS, res.reason + res.error
 
 
+@pytest.mark.exhaustive("the fast tier kills mutant-ds-ulysses-detached-a2a (the same shard) in test_mutants")
 def test_all_to_all_without_its_grad_fails_at_grad(sp_check):
     res = sp_check(_config("DETACHED", world_size=2, dtype="float32"))
     assert res.verdict == FAIL and res.first_check == "grad", res.reason + res.error
@@ -147,4 +148,47 @@ def test_bad_engine_arguments_are_value_errors_naming_the_value():
 ], ids=["zero2-dp2", "own-bf16-dp2", "own-zero2", "own-f64", "qwen2-f32", "qwen2-bf16-dp2", "qwen2-zero2", "qwen2-f64"])
 def test_the_examples_pass_in_every_dtype_deepspeed_allows(sp_check, example, fields):
     res = sp_check(CheckConfig(case=example, timeout_s=TIMEOUT_S, **fields))
+    assert res.verdict == PASS, res.reason + res.error
+
+
+TOKEN_LOSS = os.path.join(pathlib.Path(__file__).resolve().parent.parent, "examples", "deepspeed_token_loss.py")
+
+
+def test_your_labels_padding_smoothing_and_loss_function_pass(sp_check):
+    # examples/deepspeed_token_loss.py on one pool of 2: an HF Qwen2 with -100 labels (a quarter of
+    # each sequence, 2 trailing pads) and label smoothing 0.1; an HF Llama with a z-loss of the
+    # user's own. Each SP rank's loss is its shard's sum over the sequence's valid tokens
+    skip_unless_installed("transformers", "transformers is not installed (the deepspeed extra installs it)")
+    for name in ("QWEN2_SFT", "LLAMA_Z_LOSS"):
+        res = sp_check(CheckConfig(case=f"{TOKEN_LOSS}:{name}", world_size=2, dtype="float32", timeout_s=TIMEOUT_S))
+        assert res.verdict == PASS, name + res.reason + res.error
+        assert res.worst["loss"].ratio < 1, name
+
+
+def test_a_token_loss_the_run_cannot_honour_is_refused_before_any_rank():
+    from types import SimpleNamespace
+
+    from sp_harness import Unsupported
+    from sp_harness.cases.frameworks.deepspeed_loss import sp_local_loss
+    from sp_harness.cases.frameworks.deepspeed_ulysses import ulysses_case
+    from sp_harness.cases.frameworks.token_loss import TokenLoss
+
+    case = ulysses_case("x", loss=TokenLoss(padding=2))
+    cfg = SimpleNamespace(world_size=2, dp=1, num_heads=4, num_kv_heads=None, hidden=32, ring_degree=None,
+                          load_balancer=None, seq_shards=None, seq_len=12, dtype="float32", causal=False)
+    with pytest.raises(Unsupported, match="key-padding mask"):
+        case.validate(cfg)
+    with pytest.raises(ValueError, match="TokenLoss.padding 12 leaves no position"):
+        ulysses_case("x", loss=TokenLoss(padding=12)).validate(SimpleNamespace(**{**vars(cfg), "causal": True}))
+    with pytest.raises(ValueError, match="normalise 'rank'"):
+        sp_local_loss(TokenLoss(), "rank")
+
+
+@pytest.mark.exhaustive("the fast tier runs QWEN2_SFT and LLAMA_Z_LOSS at float32 on 2 ranks")
+@pytest.mark.parametrize("name, fields", [
+    ("QWEN2_SFT", dict(world_size=4, dp=2, dtype="bfloat16")),
+    ("QWEN2_SFT_F64", dict(world_size=2, dtype="float64")),
+], ids=["qwen2-sft-bf16-dp2", "qwen2-sft-f64"])
+def test_your_loss_passes_in_every_dtype_deepspeed_allows(sp_check, name, fields):
+    res = sp_check(CheckConfig(case=f"{TOKEN_LOSS}:{name}", timeout_s=TIMEOUT_S, **fields))
     assert res.verdict == PASS, res.reason + res.error

@@ -179,6 +179,7 @@ def test_basic_placement_is_wrong_for_ulysses_high_groups(sp_check):
     assert res.verdict == FAIL and res.first_check == "forward", res.reason + res.error
 
 
+@pytest.mark.exhaustive("the fast tier kills mutant-yc-zigzag-contiguous-shards (the same shard) in test_mutants")
 def test_contiguous_shards_into_the_zigzag_ring_fail_at_forward(sp_check):
     res = sp_check(_example("CONTIGUOUS_INTO_ZIGZAG", world_size=2))
     assert res.verdict == FAIL and res.first_check == "forward", res.reason + res.error
@@ -266,3 +267,18 @@ def test_a_users_model_under_long_context_attention_declares_its_float32_islands
                         precision_islands={"blocks.0.attn": "float32", "blocks.1.attn": "float32"})
     declared.validate(cfg)
     bare.validate(cfg.replace(dtype="bfloat16"))
+
+
+TOKEN_LOSS = os.path.join(pathlib.Path(__file__).resolve().parent.parent, "examples", "yunchang_token_loss.py")
+
+
+@pytest.mark.parametrize("name, world_size, dtype", [
+    ("ULYSSES_SFT", 2, "float32"),
+    pytest.param("USP_SFT", 4, "float64", marks=pytest.mark.exhaustive("the fast tier runs ULYSSES_SFT on 2 ranks")),
+])
+def test_your_labels_padding_and_smoothing_pass(sp_check, name, world_size, dtype):
+    # -100 on a quarter of each sequence and on 2 trailing pads, label smoothing 0.1: each rank's
+    # loss is its tokens' sum over the sequence's valid tokens, the reference's in float64
+    res = sp_check(CheckConfig(case=f"{TOKEN_LOSS}:{name}", world_size=world_size, dtype=dtype))
+    assert res.verdict == PASS, res.reason + res.error
+    assert res.worst["loss"].ratio < 1

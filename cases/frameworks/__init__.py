@@ -27,7 +27,8 @@ FRAMEWORK_CASES: dict[str, tuple[str, tuple[str, ...]]] = {
     "yunchang": ("sp_harness.cases.frameworks.yunchang_cases", (
         "yc-usp", "yc-usp-torch-flash", "mutant-yc-zigzag-contiguous-shards", "mutant-yc-ring-merge-overwrites",
         "mutant-yc-grad-sync-ulysses-only", "mutant-yc-causal-mask-on-received-blocks", "yc-ulysses",
-        "mutant-yc-ulysses-a2a-default-indices", "mutant-yc-ring-backward-stale-kv")),
+        "mutant-yc-ulysses-a2a-default-indices", "mutant-yc-ring-backward-stale-kv",
+        "mutant-yc-groups-across-dp-replicas", "mutant-yc-ring-backward-grad-count")),
     "torchtitan": ("sp_harness.cases.frameworks.torchtitan_cases", (
         "titan-llama3-sp", "mutant-titan-embedding-partial-as-replicate", "mutant-titan-norm-sp-dropped",
         "mutant-titan-fsdp-grads-summed-over-dp", "titan-llama3-sp-step", "mutant-titan-step-per-micro-batch-mean",
@@ -39,7 +40,9 @@ FRAMEWORK_CASES: dict[str, tuple[str, tuple[str, ...]]] = {
         "ds-ulysses-step-zero3", "ds-ulysses-step-offload", "ds-ulysses-step-offload-multi-backward",
         "mutant-ds-step-offload-drops-middle", "mutant-ds-step-offload-multi-backward-keeps-last",
         "mutant-ds-step-loss-scaled-by-gas-twice", "ds-ulysses-uneven-heads", "ds-ulysses-zero2", "ds-ulysses-hf-qwen2",
-        "mutant-ds-ulysses-uneven-heads-without-mpu", "mutant-ds-ulysses-hf-local-position-ids")),
+        "mutant-ds-ulysses-uneven-heads-without-mpu", "mutant-ds-ulysses-hf-local-position-ids",
+        "mutant-ds-ulysses-stale-kv-heads", "ds-ulysses-token-loss", "mutant-ds-ulysses-loss-per-shard-mean",
+        "mutant-ds-ulysses-hf-exchange-detached")),
     "accelerate": ("sp_harness.cases.frameworks.hf_trainer_cases", (
         "hf-trainer-llama", "hf-trainer-qwen2", "hf-trainer-llama-user-loss",
         "mutant-hf-trainer-mean-of-micro-batch-means", "mutant-hf-trainer-4470-training-step")),

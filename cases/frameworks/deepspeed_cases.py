@@ -11,6 +11,7 @@ from sp_harness.cases.frameworks import installed
 from sp_harness.cases.frameworks.deepspeed_hf import hf_ulysses_case
 from sp_harness.cases.frameworks.deepspeed_step import DeepSpeedStepConfig, ds_step_case, ds_step_shard
 from sp_harness.cases.frameworks.deepspeed_ulysses import detached, sdpa_attention, ulysses_case, ulysses_shard
+from sp_harness.cases.frameworks.token_loss import TokenLoss
 from sp_harness.config.case import Example
 from sp_harness.config.registry import mutant, register
 
@@ -77,6 +78,48 @@ mutant(DS_ULYSSES, name="mutant-ds-ulysses-engine-without-sp-group",
        source="deepspeedai/DeepSpeed#5555",
        shard=ulysses_shard(local_attention=sdpa_attention, mpu=False), killed_by=("grad", "even"))
 
+mutant(DS_ULYSSES, name="mutant-ds-ulysses-stale-kv-heads",
+       summary="DistributedAttention splitting a 4-head model against a head count of 3 left by another model",
+       bug="before #8316 the uneven-heads all-to-all split against a process-wide head count that the first model "
+           "to take that path set: a second model with other heads is split against the first one's. Here 4 heads "
+           "over SP 2 against 3: the scatter sends 2 heads to each rank, the gather expects 2 and 1 (gloo aborts "
+           "on the mismatched sizes; #8291 reports the all-to-all silently corrupted)",
+       source="deepspeedai/DeepSpeed#8291 (process-wide _ulysses_num_kv_heads; fixed by #8316, the count carried "
+              "per DistributedAttention, which is how the stale count is handed in here)",
+       shard=ulysses_shard(local_attention=sdpa_attention, num_kv_heads=3), killed_by=("crash", "even"))
+
+USER_LOSS = TokenLoss(label_smoothing=0.1, masked_fraction=0.25, padding=2)
+"""A fine-tuning batch: a quarter of each sequence's labels masked, 2 trailing pads, smoothing 0.1."""
+
+DS_ULYSSES_TOKEN_LOSS = register(ulysses_case(
+    "ds-ulysses-token-loss", loss=USER_LOSS, isolation=ISOLATION,
+    examples=(Example(fields=(("world_size", 2),),
+                      note="your labels (-100 masked, padded) and label smoothing, the token mean over the sequence"),)))
+"""The user's `TokenLoss` through DistributedAttention and the engine: each SP rank's loss sum over
+the sequence's valid tokens (counted over the SP group)."""
+
+mutant(DS_ULYSSES_TOKEN_LOSS, name="mutant-ds-ulysses-loss-per-shard-mean",
+       summary="each SP rank's loss is the token mean of its own shard",
+       bug="every SP rank divides its token-loss sum by its own shard's valid tokens instead of the sequence's: the "
+           "shards' means are summed: the loss is about sp x the token mean and the shards' tokens are weighted "
+           "unequally where their valid counts differ (masked labels, padding in the last shard)",
+       source="huggingface/transformers#41832 (the ALST/Ulysses Trainer integration weights each shard's loss by its "
+              "good tokens over the sequence's: 'special dealing with SFT that has prompt tokens that aren't used "
+              "in loss computation')",
+       shard=ulysses_shard(local_attention=sdpa_attention, loss=USER_LOSS, normalise="shard"),
+       killed_by=("forward (loss)", "even"))
+
+
+def detached_exchange(group, tensor):
+    """DeepSpeed's `_dim_zero_all_to_all` whose output carries no dependence on its input: what
+    a compiled graph held before deepspeedai/DeepSpeed#8491 (Dynamo inlined the autograd
+    function, whose collective filled an `empty_like` buffer, so the traced derivative was zero
+    and the hand-written backward never ran). The forward is exact."""
+    from deepspeed.sequence.layer import _dim_zero_all_to_all
+
+    return _dim_zero_all_to_all(group, tensor.detach())
+
+
 if installed("transformers"):
     DS_ULYSSES_HF = register(hf_ulysses_case(
         "ds-ulysses-hf-llama", isolation=ISOLATION,
@@ -97,6 +140,14 @@ if installed("transformers"):
            source="huggingface/trl#6812 (Ulysses batches without global position_ids); deepspeedai/DeepSpeed "
                   "ulysses_sp.py's position_ids assert names the failure",
            shard=hf_ulysses_case("local-position-ids", position_ids="local").shard, killed_by=("forward", "even"))
+
+    mutant(DS_ULYSSES_HF, name="mutant-ds-ulysses-hf-exchange-detached",
+           summary="UlyssesSPAttentionHF's sequence <-> heads exchange returns a tensor detached from its input",
+           bug="no grad reaches the attention's q/k/v projections (or anything before them through attention) while "
+               "the forward, the loss, o_proj and the MLPs are right: a torch.compile'd Ulysses job whose attention "
+               "stops learning",
+           source="deepspeedai/DeepSpeed#8491 (_DimZeroAllToAll silently fails to send grads under torch.compile)",
+           shard=hf_ulysses_case("exchange-detached", exchange=detached_exchange).shard, killed_by=("grad", "even"))
 
 
 # --- DeepSpeed's engine training step (the training-step check: sp-harness check --train-step) ---

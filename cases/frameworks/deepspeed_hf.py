@@ -16,7 +16,7 @@ process would. DeepSpeed's process state (setup, launcher env, comm backend): `d
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -25,6 +25,7 @@ from torch import nn
 
 from sp_harness import Batch, Case, Layout, RankContext, Sharded, Unsupported
 from sp_harness.cases.common import GPT_DEFAULTS, gpt_batch, gpt_tokens, known, with_positions
+from sp_harness.cases.frameworks.deepspeed_loss import case_loss_fields, loss_limits, sp_local_loss, token_batch
 from sp_harness.cases.frameworks.deepspeed_runtime import (
     DEEPSPEED_VERSION,
     deepspeed_setup,
@@ -32,6 +33,7 @@ from sp_harness.cases.frameworks.deepspeed_runtime import (
     launcher_env,
 )
 from sp_harness.cases.frameworks.deepspeed_ulysses import check_engine_args, engine_limits, grad_sync_of
+from sp_harness.cases.frameworks.token_loss import TokenLoss
 from sp_harness.reference.gpt import token_loss_sum
 
 TINY_LLAMA = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
@@ -53,6 +55,17 @@ class CausalLMLogits(nn.Module):
 
 
 _ORIGINAL_ATTENTION: dict[str, Any] = {}
+_ORIGINAL_EXCHANGE: dict[str, Callable] = {}
+
+
+def _install_exchange(exchange: Callable | None) -> None:
+    """`ulysses_sp._dim_zero_all_to_all` (UlyssesSPAttentionHF's sequence <-> heads exchange) for
+    this job: DeepSpeed's own, or a mutant's replacement; set by every job, as cases share a
+    warm process."""
+    from deepspeed.runtime.sequence_parallel import ulysses_sp
+
+    own = _ORIGINAL_EXCHANGE.setdefault("a2a", ulysses_sp._dim_zero_all_to_all)
+    ulysses_sp._dim_zero_all_to_all = exchange or own
 
 
 def _register_ulysses_hf(model: nn.Module, *, core: str, sp: int, batch: int, seq_len: int):
@@ -98,7 +111,8 @@ def _hf_model_config(model_type: str, kwargs: Mapping[str, Any], core_attn: str)
 
 def hf_ulysses_case(name: str, model_config: Mapping[str, Any] | None = None, *, model_type: str = "llama",
                     core_attn: str = "sdpa", grad_sync: str = "engine", ds_config: Mapping[str, Any] | None = None,
-                    position_ids: str = "global", **case_fields: Any) -> Case:
+                    position_ids: str = "global", loss: TokenLoss | None = None, exchange: Callable | None = None,
+                    **case_fields: Any) -> Case:
     """A `Case` checking DeepSpeed's `UlyssesSPAttentionHF` (registered with transformers by its
     `register_with_transformers`, `core_attn` its core attention) on an HF causal LM of
     `model_type` ("llama", "qwen2", "mistral": `MODEL_TYPES`) built by
@@ -110,7 +124,10 @@ def hf_ulysses_case(name: str, model_config: Mapping[str, Any] | None = None, *,
     engine's sums written out, float64 too). The loss is the harness's token cross entropy on the
     logits (HF's own shifted loss is not used: the targets are already the next tokens).
     `position_ids`: what each rank hands the model, "global" (its tokens' positions in the whole
-    sequence, as UlyssesSPDataLoaderAdapter shards them) or "local" (0..s/sp-1: a mutant's knob)."""
+    sequence, as UlyssesSPDataLoaderAdapter shards them) or "local" (0..s/sp-1: a mutant's knob).
+    `loss`: your labels (-100 on the prompt, loss-masked and pad positions), label smoothing or
+    loss function (`TokenLoss`; deepspeed_loss: no attention mask, as ALST takes position_ids).
+    `exchange`: a replacement for DeepSpeed's `_dim_zero_all_to_all` (a mutant's knob)."""
     kwargs = {**TINY_LLAMA, **(model_config or {})}
     check_engine_args(name, grad_sync, ds_config)
     if position_ids not in ("global", "local"):
@@ -143,6 +160,8 @@ def hf_ulysses_case(name: str, model_config: Mapping[str, Any] | None = None, *,
             raise Unsupported(f"UlyssesSPAttentionHF on an HF {model_type}: [b, s, h] inputs, causal, pure Ulysses, "
                               f"contiguous")
         engine_limits(cfg, grad_sync=grad_sync, ds_config=ds_config)
+        if loss is not None:
+            loss_limits(cfg, loss)
 
     def shard(reference: nn.Module, ctx: RankContext) -> Sharded:
         from deepspeed.utils import groups
@@ -151,6 +170,7 @@ def hf_ulysses_case(name: str, model_config: Mapping[str, Any] | None = None, *,
         launcher_env(ctx)
         groups.mpu = None
         ctx.once("deepspeed-init-distributed", init_distributed)
+        _install_exchange(exchange)
         mpu = _register_ulysses_hf(reference.get_submodule("lm"), core=core_attn, sp=ctx.tp,
                                   batch=known(cfg.batch, "batch"), seq_len=known(cfg.seq_len, "seq_len"))
         if mpu is not None and tuple(dist.get_process_group_ranks(mpu.get_sequence_parallel_group())) != ctx.tp_ranks:
@@ -159,7 +179,8 @@ def hf_ulysses_case(name: str, model_config: Mapping[str, Any] | None = None, *,
         sync = grad_sync_of(reference, ctx, grad_sync=grad_sync, mpu=mpu, ds_config=ds_config)
         io = Layout(seq_dim=1, batch_dim=0)
         return Sharded(module=reference, input_layout=io, output_layout=io, input_layouts={"position_ids": io},
-                       replicated=("*",), sync_grads=sync, prepare_inputs=prepare)
+                       replicated=("*",), sync_grads=sync, prepare_inputs=prepare,
+                       local_loss=None if loss is None else sp_local_loss(loss))
 
     def prepare(pieces: dict[str, Any], ctx: RankContext) -> dict[str, Any]:
         if position_ids == "local":
@@ -168,7 +189,7 @@ def hf_ulysses_case(name: str, model_config: Mapping[str, Any] | None = None, *,
         return pieces
 
     def make_batch(cfg, step, gen) -> Batch:
-        made = with_positions(*gpt_batch(cfg, step, gen))
+        made = with_positions(*(gpt_batch(cfg, step, gen) if loss is None else token_batch(loss, cfg, step, gen)))
         return Batch(inputs={"input_ids": made.inputs["tokens"], "position_ids": made.inputs["positions"]},
                      target=made.target)
 
@@ -177,10 +198,12 @@ def hf_ulysses_case(name: str, model_config: Mapping[str, Any] | None = None, *,
                   num_kv_heads=kwargs["num_key_value_heads"])
     defaults = {**GPT_DEFAULTS, **shapes, "dtype": "float32" if grad_sync == "engine" else "float64",
                 **case_fields.pop("defaults", {})}
+    case_fields = {"loss_sum": token_loss_sum, "tokens": gpt_tokens,
+                   **(case_loss_fields(loss) if loss is not None else {}), **case_fields}
     return Case(name=name, description=f"DeepSpeed {DEEPSPEED_VERSION} UlyssesSPAttentionHF ({core_attn}) on an HF "
                                        f"{model_type}, grads by {grad_sync}",
                 build_reference=lambda cfg: causal_lm(cfg, torch.float64), make_batch=make_batch, shard=shard,
-                loss_sum=token_loss_sum, tokens=gpt_tokens, input_layout=Layout(seq_dim=1, batch_dim=0),
+                input_layout=Layout(seq_dim=1, batch_dim=0),
                 validate=validate, defaults=defaults,
                 tags=("deepspeed", "ulysses", "transformers", "framework", *case_fields.pop("tags", ())), **case_fields)
 

@@ -35,6 +35,7 @@ from torch import nn
 
 from sp_harness import Batch, Case, Layout, ParamSpec, RankContext, Sharded
 from sp_harness.cases.common import GPT_DEFAULTS, gpt_batch, gpt_tokens, with_positions
+from sp_harness.cases.frameworks.deepspeed_loss import case_loss_fields, loss_limits, sp_local_loss, token_batch
 from sp_harness.cases.frameworks.deepspeed_model import SequenceParallelAttention
 from sp_harness.cases.frameworks.deepspeed_runtime import (
     DEEPSPEED_VERSION,
@@ -44,6 +45,7 @@ from sp_harness.cases.frameworks.deepspeed_runtime import (
     sp_groups,
 )
 from sp_harness.cases.frameworks.deepspeed_ulysses import check_engine_args, grad_sync_of, ulysses_limits
+from sp_harness.cases.frameworks.token_loss import TokenLoss
 from sp_harness.reference.gpt import token_loss_sum
 
 ModelFactory = Callable[[Any, Callable[[nn.Module], nn.Module]], nn.Module]
@@ -52,9 +54,12 @@ ModelFactory = Callable[[Any, Callable[[nn.Module], nn.Module]], nn.Module]
 
 def ulysses_module_shard(*, grad_sync: str = "engine", mpu: bool = True, ds_config: Mapping[str, Any] | None = None,
                          input_layouts: Mapping[str, Layout] | None = None,
-                         params: Callable[[nn.Module, RankContext], Mapping[str, ParamSpec]] | None = None):
+                         params: Callable[[nn.Module, RankContext], Mapping[str, ParamSpec]] | None = None,
+                         loss: TokenLoss | None = None, normalise: str = "global"):
     """The sharded factory of a `ulysses_module_case`: every `SequenceParallelAttention` of the
-    reference copy distributed over the rank's SP group, the model's grads synced by `grad_sync_of`."""
+    reference copy distributed over the rank's SP group, the model's grads synced by `grad_sync_of`;
+    `loss`, `normalise`: each rank's share of the user's `TokenLoss` (`sp_local_loss`)."""
+    local_loss = None if loss is None else sp_local_loss(loss, normalise)
 
     def shard(reference: nn.Module, ctx: RankContext) -> Sharded:
         from deepspeed.utils import groups
@@ -73,7 +78,7 @@ def ulysses_module_shard(*, grad_sync: str = "engine", mpu: bool = True, ds_conf
         io = Layout(seq_dim=1, batch_dim=0)
         specs = dict(params(reference, ctx)) if params is not None else {}
         return Sharded(module=reference, input_layout=io, output_layout=io, input_layouts=dict(input_layouts or {}),
-                       params=specs, replicated=("*",), sync_grads=sync)
+                       params=specs, replicated=("*",), sync_grads=sync, local_loss=local_loss)
 
     return shard
 
@@ -85,12 +90,15 @@ def ulysses_module_case(name: str, build_model: ModelFactory, *, scatter_idx: in
                         input_layouts: Mapping[str, Layout] | None = None,
                         params: Callable[[nn.Module, RankContext], Mapping[str, ParamSpec]] | None = None,
                         loss_sum: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = token_loss_sum,
-                        tokens: Callable[[torch.Tensor], int] = gpt_tokens, **case_fields: Any) -> Case:
+                        tokens: Callable[[torch.Tensor], int] = gpt_tokens, loss: TokenLoss | None = None,
+                        **case_fields: Any) -> Case:
     """A `Case` checking DeepSpeed's `DistributedAttention` inside the user's own model (see the
     module docstring for what `build_model` and the batch are). `scatter_idx`, `gather_idx`,
     `num_kv_heads`: DistributedAttention's (the defaults fit batch-first [B, s, a, d]; seq-first
     callers pass gather_idx=0 and batch_dim_idx 1). `grad_sync`, `mpu`, `ds_config`: as
     `ulysses_case`'s (engine with ZeRO 0/1/2 for float32 / bfloat16; "all-reduce" for float64).
+    `loss`: your `TokenLoss` (labels, loss mask, padding, smoothing, loss function: deepspeed_loss),
+    in place of `loss_sum` / `tokens`; the default batch is masked by it.
     `case_fields`: any other `Case` field (defaults, tags, isolation, examples, ...)."""
     if not callable(build_model):
         raise ValueError(f"ulysses_module_case({name!r}): build_model must be a callable (cfg, attention) -> "
@@ -114,7 +122,12 @@ def ulysses_module_case(name: str, build_model: ModelFactory, *, scatter_idx: in
         return model.to(torch.float64)
 
     def default_batch(cfg, step, gen) -> Batch:
-        return with_positions(*gpt_batch(cfg, step, gen))
+        return with_positions(*(gpt_batch(cfg, step, gen) if loss is None else token_batch(loss, cfg, step, gen)))
+
+    def validate(cfg) -> None:
+        ulysses_limits(cfg, grad_sync=grad_sync, ds_config=ds_config)
+        if loss is not None:
+            loss_limits(cfg, loss)
 
     defaults = {**GPT_DEFAULTS, "dtype": "float32" if grad_sync == "engine" else "float64",
                 **case_fields.pop("defaults", {})}
@@ -123,9 +136,9 @@ def ulysses_module_case(name: str, build_model: ModelFactory, *, scatter_idx: in
                                        f"grads by {grad_sync}",
                 build_reference=build_reference, make_batch=make_batch or default_batch,
                 shard=ulysses_module_shard(grad_sync=grad_sync, mpu=mpu, ds_config=ds_config,
-                                           input_layouts=input_layouts, params=params),
-                loss_sum=loss_sum, tokens=tokens, input_layout=Layout(seq_dim=1, batch_dim=0),
-                validate=lambda cfg: ulysses_limits(cfg, grad_sync=grad_sync, ds_config=ds_config),
+                                           input_layouts=input_layouts, params=params, loss=loss),
+                **({"loss_sum": loss_sum, "tokens": tokens} if loss is None else case_loss_fields(loss)),
+                input_layout=Layout(seq_dim=1, batch_dim=0), validate=validate,
                 defaults=defaults, tags=("deepspeed", "ulysses", "framework", *case_fields.pop("tags", ())),
                 **case_fields)
 

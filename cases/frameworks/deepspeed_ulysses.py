@@ -50,6 +50,7 @@ from sp_harness.cases.common import (
     gpt_tokens,
     with_positions,
 )
+from sp_harness.cases.frameworks.deepspeed_loss import case_loss_fields, loss_limits, sp_local_loss, token_batch
 from sp_harness.cases.frameworks.deepspeed_model import (
     DeepSpeedUlyssesAttention,
     LocalAttention,
@@ -64,6 +65,7 @@ from sp_harness.cases.frameworks.deepspeed_runtime import (
     launcher_env,
     sp_groups,
 )
+from sp_harness.cases.frameworks.token_loss import TokenLoss
 from sp_harness.reference.gpt import build_gpt, token_loss_sum
 
 
@@ -164,12 +166,16 @@ def grad_sync_of(model: nn.Module, ctx: RankContext, *, grad_sync: str, mpu: Any
 
 def ulysses_shard(*, local_attention: LocalAttentionFn, scatter_idx: int = 2, gather_idx: int | None = None,
                   batch_dim_idx: int | None = None, grad_sync: str = "engine", mpu: bool = True,
-                  ds_config: Mapping[str, Any] | None = None, num_kv_heads: int | None = None):
+                  ds_config: Mapping[str, Any] | None = None, num_kv_heads: int | None = None,
+                  loss: TokenLoss | None = None, normalise: str = "global"):
     """The sharded factory of a `ulysses_case`. `scatter_idx`, `gather_idx`, `num_kv_heads` are
     DistributedAttention's (None: the layout's sequence dim; the k/v heads read off the key
     tensor); `batch_dim_idx` is what its forward is told (None: the layout's); `mpu`: hand
     DeepSpeed's `parallel_state_sp` to the engine (False: the engine knows no SP group);
-    `ds_config` merges into the engine's config (ZeRO stage 0, 1 or 2: `grad_sync_of`)."""
+    `ds_config` merges into the engine's config (ZeRO stage 0, 1 or 2: `grad_sync_of`). `loss`:
+    the user's `TokenLoss`, each rank's share normalised as `normalise` says (`sp_local_loss`;
+    None: the harness's token mean)."""
+    local_loss = None if loss is None else sp_local_loss(loss, normalise)
 
     def shard(reference: nn.Module, ctx: RankContext) -> Sharded:
         from deepspeed.sequence.layer import DistributedAttention
@@ -197,7 +203,7 @@ def ulysses_shard(*, local_attention: LocalAttentionFn, scatter_idx: int = 2, ga
         sync = grad_sync_of(model, ctx, grad_sync=grad_sync, mpu=ps if mpu else None, ds_config=ds_config)
         io = Layout(seq_dim=1, batch_dim=0)
         return Sharded(module=model, input_layout=io, output_layout=io, input_layouts={"positions": io},
-                       replicated=("*",), sync_grads=sync)
+                       replicated=("*",), sync_grads=sync, local_loss=local_loss)
 
     return shard
 
@@ -260,20 +266,23 @@ def engine_limits(cfg, *, grad_sync: str, ds_config: Mapping[str, Any] | None) -
 def ulysses_case(name: str, *, local_attention: LocalAttentionFn = sdpa_attention, scatter_idx: int = 2,
                  gather_idx: int | None = None, batch_dim_idx: int | None = None, grad_sync: str = "engine",
                  mpu: bool = True, ds_config: Mapping[str, Any] | None = None, num_kv_heads: int | None = None,
-                 **case_fields: Any) -> Case:
+                 loss: TokenLoss | None = None, **case_fields: Any) -> Case:
     """A `Case` checking DeepSpeed's `DistributedAttention` around `local_attention` (see
     `LocalAttentionFn`) in a small GPT, sequence-sharded over the run's SP group (every rank of a
     DP replica), against the same GPT with `local_attention` unsharded. The GPT's shapes are the
     case's defaults (--hidden, --num-heads, --num-kv-heads, --seq-len, ... override them).
     `grad_sync`: "engine" (DeepSpeed's engine, float32/bfloat16) or "all-reduce" (the same sums
     written out; float64 too). `ds_config`: DeepSpeed's config dict, merged into the engine's
-    (ZeRO stage 0, 1 or 2; stage 3 is UNSUPPORTED: `ZERO3_UNSUPPORTED`). Other knobs: as `ulysses_shard`'s. `case_fields`: any other
-    `Case` field (defaults, tags, isolation, examples, ...)."""
+    (ZeRO stage 0, 1 or 2; stage 3 is UNSUPPORTED: `ZERO3_UNSUPPORTED`). `loss`: your labels, loss
+    mask, padding, label smoothing or loss function (`TokenLoss`; deepspeed_loss). Other knobs: as
+    `ulysses_shard`'s. `case_fields`: any other `Case` field (defaults, tags, isolation, examples, ...)."""
     case_fields.setdefault("setup", deepspeed_setup)
     check_engine_args(name, grad_sync, ds_config)
 
     def validate(cfg) -> None:
         ulysses_limits(cfg, grad_sync=grad_sync, ds_config=ds_config)
+        if loss is not None:
+            loss_limits(cfg, loss)
 
     def build_reference(cfg) -> nn.Module:
         model = build_gpt(gpt_config(cfg), seed=cfg.seed)
@@ -282,17 +291,19 @@ def ulysses_case(name: str, *, local_attention: LocalAttentionFn = sdpa_attentio
         return model
 
     def make_batch(cfg, step, gen) -> Batch:
-        return with_positions(*gpt_batch(cfg, step, gen))
+        return with_positions(*(gpt_batch(cfg, step, gen) if loss is None else token_batch(loss, cfg, step, gen)))
 
     defaults = {**GPT_DEFAULTS, "dtype": "float32" if grad_sync == "engine" else "float64",
                 **case_fields.pop("defaults", {})}
+    case_fields = {"loss_sum": token_loss_sum, "tokens": gpt_tokens,
+                   **(case_loss_fields(loss) if loss is not None else {}), **case_fields}
     return Case(name=name, description=f"DeepSpeed {DEEPSPEED_VERSION} DistributedAttention (Ulysses) around "
                                        f"{getattr(local_attention, '__name__', 'a local attention')}, grads by {grad_sync}",
                 build_reference=build_reference, make_batch=make_batch,
                 shard=ulysses_shard(local_attention=local_attention, scatter_idx=scatter_idx, gather_idx=gather_idx,
                                     batch_dim_idx=batch_dim_idx, grad_sync=grad_sync, mpu=mpu, ds_config=ds_config,
-                                    num_kv_heads=num_kv_heads),
-                loss_sum=token_loss_sum, tokens=gpt_tokens, input_layout=Layout(seq_dim=1, batch_dim=0),
+                                    num_kv_heads=num_kv_heads, loss=loss),
+                input_layout=Layout(seq_dim=1, batch_dim=0),
                 validate=validate, defaults=defaults,
                 tags=("deepspeed", "ulysses", "framework", *case_fields.pop("tags", ())), **case_fields)
 

@@ -52,6 +52,16 @@ from torch import nn
 
 from sp_harness import Case, Layout, Sharded, Unsupported
 from sp_harness.cases.common import GPT_DEFAULTS, gpt_fields, known, sum_replicated_grads, with_defaults
+from sp_harness.cases.frameworks.deepspeed_loss import gpt_loss_fields, loss_limits
+from sp_harness.cases.frameworks.token_loss import TokenLoss
+from sp_harness.cases.frameworks.yunchang_attn_types import (
+    CPU_ATTN_TYPES,
+    GPU_ONLY_ATTN_TYPES,
+    NO_BACKWARD_ATTN_TYPES,
+    attn_type_of,
+    refuse_on_cpu_tensors,
+    validate_attn_type,
+)
 from sp_harness.cases.frameworks.yunchang_layout import (
     default_ring_degree,
     degrees,
@@ -83,41 +93,11 @@ SYNC_GROUPS = ("ulysses", "ring")
 """The groups the correct grad sync sums over (both: the SP group)."""
 LAYERS = ("usp", "ulysses")
 """yunchang's layers a case runs: 'usp' (`LongContextAttention`), 'ulysses' (`UlyssesAttention`)."""
-CPU_ATTN_TYPES = ("fa", "torch_math")
-"""`AttnType` values whose kernels run on CPU ranks: FA (flash-attn's kernels, the CPU stand-in
-where no GPU is visible) and TORCH_MATH (torch's math SDPA; yunchang gives it no backward)."""
-GPU_ONLY_ATTN_TYPES = {
-    "torch_flash": "aten's _scaled_dot_product_flash_attention, which has no CPU kernel",
-    "torch_efficient": "aten's _scaled_dot_product_efficient_attention, which has no CPU kernel",
-    "torch_cudnn": "cuDNN's SDPA backend (CUDA only)",
-    "fa3": "flash-attn 3's Hopper CUDA kernels",
-    "flashinfer": "FlashInfer's CUDA kernels",
-    "aiter": "AITER's ROCm kernels",
-    "sage_auto": "SageAttention's CUDA kernels", "sage_fp16": "SageAttention's CUDA kernels",
-    "sage_fp16_triton": "SageAttention's Triton GPU kernels", "sage_fp8": "SageAttention's CUDA kernels",
-    "sage_fp8_sm90": "SageAttention's Hopper CUDA kernels", "sparse_sage": "SpargeAttn's CUDA kernels",
-    "npu": "torch_npu's Ascend NPU kernels",
-}
-"""The other `AttnType` values, each with the kernel it runs: UNSUPPORTED on this harness's CPU ranks."""
-NO_BACKWARD_ATTN_TYPES = ("torch_math",)
-"""yunchang 0.6.4's `pytorch_attn_backward` raises ("Not implemented backward for PyTorch attention
-types"): these run forward only."""
-
-
-def attn_type_of(name: str):
-    """yunchang's `AttnType` member for its value `name` (ValueError naming the valid ones)."""
-    from yunchang.kernels import AttnType
-
-    try:
-        return AttnType(name)
-    except ValueError:
-        raise ValueError(f"attn_type {name!r}: one of {[t.value for t in AttnType]}") from None
-
-
 def yunchang_shard(*, ring_impl_type: str = "zigzag", use_ulysses_low: bool = True, extract: str | None = None,
                    merge: Callable | None = None, forward_swaps: Mapping[str, Any] | None = None,
                    sync_groups: Sequence[str] = SYNC_GROUPS, kernel: str = "exact", layer: str = "usp",
-                   attn_type: str = "fa", backward_swaps: Mapping[str, Any] | None = None):
+                   attn_type: str = "fa", backward_swaps: Mapping[str, Any] | None = None,
+                   set_pg: Callable | None = None):
     """The sharded factory of a `usp_case` or `ulysses_case`: the model handed in (the reference
     factory's, loaded with its weights) with each `ReferenceAttention` core replaced by yunchang's
     `layer` ('usp': `LongContextAttention(ring_impl_type, attn_type)` on yunchang's own groups;
@@ -129,7 +109,8 @@ def yunchang_shard(*, ring_impl_type: str = "zigzag", use_ulysses_low: bool = Tr
     `backward_swaps`: names of the ring implementation's module replaced during the ring's
     backward (a mutant's). `sync_groups`: which of yunchang's groups the replicated grads are
     summed over (both: the SP group). `kernel`: what computes each block on CPU ranks
-    (`flash_attn_standin.KERNELS`)."""
+    (`flash_attn_standin.KERNELS`). `set_pg`: a replacement for yunchang's `set_seq_parallel_pg`
+    (a mutant's; the input then placed by SP rank, unchecked against yunchang's extract)."""
     if layer not in LAYERS:
         raise ValueError(f"yunchang_shard: layer {layer!r}: one of {LAYERS}")
     swaps = {**({"update_out_and_lse": merge} if merge else {}), **(forward_swaps or {})}
@@ -152,7 +133,7 @@ def yunchang_shard(*, ring_impl_type: str = "zigzag", use_ulysses_low: bool = Tr
         else:
             ulysses, ring = degrees(cfg)
             refuse_gloo_ring_of_one(cfg, ring, dist.get_backend())
-            yunchang_groups(ctx, ulysses, ring, use_ulysses_low)
+            yunchang_groups(ctx, ulysses, ring, use_ulysses_low, set_pg)
             from yunchang.globals import PROCESS_GROUP
 
             low = use_ulysses_low
@@ -160,7 +141,7 @@ def yunchang_shard(*, ring_impl_type: str = "zigzag", use_ulysses_low: bool = Tr
         pieces = extract_positions(placement, cfg.seq_len, ulysses, ring, low)
         theirs = EXTRACT_FUNC_DICT[placement](torch.arange(cfg.seq_len).view(1, -1, 1), ctx.tp_rank,
                                               world_size=ctx.tp, rd=ring, ud=ulysses).reshape(-1)
-        if not torch.equal(theirs, pieces[ctx.tp_rank]):
+        if set_pg is None and not torch.equal(theirs, pieces[ctx.tp_rank]):
             raise RuntimeError(f"yunchang's {placement}_extract_local gives SP rank {ctx.tp_rank} positions "
                                f"{theirs.tolist()}, the case's placement {pieces[ctx.tp_rank].tolist()}")
         r, u = grid_coords(ctx.tp_rank, ulysses, ring, low)
@@ -197,24 +178,6 @@ def yunchang_shard(*, ring_impl_type: str = "zigzag", use_ulysses_low: bool = Tr
                        sync_grads=sync_grads)
 
     return shard
-
-
-def refuse_on_cpu_tensors(attn_type: str, device: torch.device | None) -> None:
-    """Unsupported for an attention type whose kernels do not run where the rank's tensors are:
-    decided before any rank starts where no GPU is visible (`validate_attn_type`); ranks on the
-    CPU of a GPU machine (gloo) say so from their device."""
-    if attn_type in GPU_ONLY_ATTN_TYPES and (device is None or device.type == "cpu"):
-        raise Unsupported(f"yunchang attn_type {attn_type!r} runs {GPU_ONLY_ATTN_TYPES[attn_type]}; this run's "
-                          f"ranks hold CPU tensors (attn_types that run on CPU: {', '.join(CPU_ATTN_TYPES)})")
-
-
-def validate_attn_type(cfg: CheckConfig, attn_type: str) -> None:
-    """The attention type's own limits, from the config alone."""
-    if not torch.cuda.is_available():
-        refuse_on_cpu_tensors(attn_type, None)
-    if attn_type in NO_BACKWARD_ATTN_TYPES and not cfg.forward_only:
-        raise Unsupported(f"yunchang attn_type {attn_type!r} has no backward (its pytorch_attn_backward raises "
-                          "'Not implemented backward for PyTorch attention types'): forward-only runs")
 
 
 def refuse_gloo_ring_of_one(cfg: CheckConfig, ring: int, backend: str) -> None:
@@ -304,13 +267,17 @@ def _common_validate(cfg: CheckConfig, name: str, placement: str, ulysses: int, 
     validate_attn_type(cfg, attn_type)
 
 
-def _case_fields(case_fields: dict[str, Any], model: ModelFactory | None, tag: str) -> dict[str, Any]:
-    """The GPT case's fields (tokens and positions in, the token loss), the reference built by
-    `model` (None: the project's GPT, each attention's core a submodule), `case_fields` over them."""
+def _case_fields(case_fields: dict[str, Any], model: ModelFactory | None, tag: str,
+                 loss: TokenLoss | None) -> dict[str, Any]:
+    """The GPT case's fields (tokens and positions in, the token loss or `loss`: deepspeed_loss),
+    the reference built by `model` (None: the project's GPT, each attention's core a submodule),
+    `case_fields` over them."""
     case_fields.setdefault("setup", _import_yunchang)
     defaults = {**GPT_DEFAULTS, "causal": True, **case_fields.pop("defaults", {})}
     tags = ("yunchang", "framework", tag, *case_fields.pop("tags", ()))
     fields = gpt_fields(defaults, positions=True)
+    if loss is not None:
+        fields.update(gpt_loss_fields(loss, defaults))
     if model is None:
         fields["build_reference"] = build_reference
     else:
@@ -346,7 +313,7 @@ def usp_case(name: str, *, ulysses_degree: int | None = None, ring_degree: int |
              merge: Callable | None = None, forward_swaps: Mapping[str, Any] | None = None,
              sync_groups: Sequence[str] = SYNC_GROUPS, kernel: str = "exact", attn_type: str = "fa",
              model: ModelFactory | None = None, backward_swaps: Mapping[str, Any] | None = None,
-             **case_fields: Any) -> Case:
+             loss: TokenLoss | None = None, **case_fields: Any) -> Case:
     """A `Case` checking yunchang's `LongContextAttention` (USP) at `ulysses_degree` x
     `ring_degree` (None: whatever the run has; ring degree 2 where 2 divides the SP size) with
     `ring_impl_type` ('zigzag', 'basic', 'strip'), yunchang's group layout `use_ulysses_low` and
@@ -354,8 +321,9 @@ def usp_case(name: str, *, ulysses_degree: int | None = None, ring_degree: int |
     GPU-only ones UNSUPPORTED), inside `model` (`model(config, attention) -> nn.Module`, every
     attention core made by `attention()`; None: the project's GPT), against the same model with
     exact attention. `extract`, `merge`, `forward_swaps`, `backward_swaps`, `sync_groups`,
-    `kernel`: as `yunchang_shard`'s. `case_fields`: any other `Case` field (defaults, tags,
-    examples, isolation, precision_islands for a user's model at float64, ...)."""
+    `kernel`: as `yunchang_shard`'s. `loss`: your labels, loss mask, padding, label smoothing or
+    loss function (`TokenLoss`; deepspeed_loss). `case_fields`: any other `Case` field (defaults,
+    tags, examples, isolation, precision_islands for a user's model at float64, ...)."""
     if ring_impl_type not in RING_IMPLS:
         raise ValueError(f"usp_case({name!r}): ring_impl_type {ring_impl_type!r}: one of {RING_IMPLS}")
     _check_choices("usp_case", name, attn_type, kernel)
@@ -388,8 +356,10 @@ def usp_case(name: str, *, ulysses_degree: int | None = None, ring_degree: int |
         _validate_torch_flash_on_cuda(cfg, kernel)
         if model is not None and cfg.dtype == "float64":
             _check_model_islands(cfg, model, islands)
+        if loss is not None:
+            loss_limits(cfg, loss)
 
-    fields = _case_fields(case_fields, model, "usp")
+    fields = _case_fields(case_fields, model, "usp", loss)
     fields.setdefault("expect", expect_torch_math if attn_type == "torch_math" else expect_float32_alias)
     desc = (f"yunchang {YUNCHANG_VERSION} LongContextAttention (USP), ring_impl_type={ring_impl_type!r}, "
             f"{'' if kernel == 'exact' else f'kernel={kernel!r}, '}"
@@ -412,14 +382,15 @@ ULYSSES_TORCH_KERNEL = ("whatever the torch attn_type, UlyssesAttention runs it 
 
 
 def ulysses_case(name: str, *, attn_type: str = "fa", model: ModelFactory | None = None,
-                 forward_swaps: Mapping[str, Any] | None = None, kernel: str = "exact", **case_fields: Any) -> Case:
+                 forward_swaps: Mapping[str, Any] | None = None, kernel: str = "exact", loss: TokenLoss | None = None,
+                 **case_fields: Any) -> Case:
     """A `Case` checking yunchang's `UlyssesAttention` over the run's whole SP group (its
     `sequence_process_group`; no ring: ring degree 1) with `attn_type` ('fa': flash-attn's
     `flash_attn_func`, the CPU stand-in's where no GPU is visible), inside `model` (as
     `usp_case`'s; None: the project's GPT), against the same model with exact attention. The
     tokens are placed contiguously (`basic_extract_local`: the all-to-all gathers them in rank
     order). `forward_swaps`: names of `yunchang.ulysses.attn_layer` replaced during each forward
-    (a mutant's). `case_fields`: any other `Case` field."""
+    (a mutant's). `loss`: as `usp_case`'s. `case_fields`: any other `Case` field."""
     _check_choices("ulysses_case", name, attn_type, kernel)
 
     def validate(cfg: CheckConfig) -> None:
@@ -430,8 +401,10 @@ def ulysses_case(name: str, *, attn_type: str = "fa", model: ModelFactory | None
             raise Unsupported(f"yunchang attn_type {attn_type!r} in UlyssesAttention: {ULYSSES_TORCH_KERNEL}")
         _common_validate(cfg, name, "basic", cfg.tp, attn_type)
         _validate_torch_flash_on_cuda(cfg, kernel)
+        if loss is not None:
+            loss_limits(cfg, loss)
 
-    fields = _case_fields(case_fields, model, "ulysses")
+    fields = _case_fields(case_fields, model, "ulysses", loss)
     desc = (f"yunchang {YUNCHANG_VERSION} UlyssesAttention over the SP group"
             f"{'' if kernel == 'exact' else f', kernel={kernel!r}'}"
             f"{'' if attn_type == 'fa' else f', attn_type={attn_type!r}'}"

@@ -4,6 +4,8 @@ degrees, its UlyssesAttention over the SP group, and the bugs their users have s
 through yunchang's own code paths (the replacements the mutants hand to yunchang are here,
 beside them)."""
 
+from typing import Any
+
 import torch
 
 from sp_harness.cases.frameworks.yunchang import ulysses_case, usp_case, yunchang_shard
@@ -154,3 +156,71 @@ mutant(YC_USP, name="mutant-yc-ring-backward-stale-kv",
        source="huggingface/diffusers#14265 (ring attention backward uses stale iteration-0 KV)",
        shard=yunchang_shard(ring_impl_type="zigzag", backward_swaps={"select_flash_attn_impl": StaleKVBackward()}),
        killed_by=("grad", "even"))
+
+
+def set_seq_parallel_pg_before_dp(sp_ulysses_degree, sp_ring_degree, rank, world_size, use_ulysses_low=True):
+    """yunchang's `set_seq_parallel_pg` before feifeibear/long-context-attention#50 (verbatim but
+    for names): its groups tile the whole world, not each DP replica's SP ranks, so with DP > 1 a
+    ring strides across replicas (world 4, DP 2 x ring 2: rings {0, 2} and {1, 3})."""
+    from yunchang.globals import PROCESS_GROUP
+
+    num_ulysses_pgs, num_ring_pgs = world_size // sp_ulysses_degree, world_size // sp_ring_degree
+    if use_ulysses_low:
+        ulysses_sets = [list(range(i * sp_ulysses_degree, (i + 1) * sp_ulysses_degree)) for i in range(num_ulysses_pgs)]
+        ring_sets = [list(range(i, world_size, num_ring_pgs)) for i in range(num_ring_pgs)]
+        order = (("ulysses", ulysses_sets), ("ring", ring_sets))
+    else:
+        ring_sets = [list(range(i * sp_ring_degree, (i + 1) * sp_ring_degree)) for i in range(num_ring_pgs)]
+        ulysses_sets = [list(range(i, world_size, num_ulysses_pgs)) for i in range(num_ulysses_pgs)]
+        order = (("ring", ring_sets), ("ulysses", ulysses_sets))
+    mine = {}
+    for kind, sets in order:  # every rank makes every group, in yunchang's order
+        for ranks in sets:
+            group = torch.distributed.new_group(ranks)
+            if rank in ranks:
+                mine[kind] = group
+    PROCESS_GROUP.ULYSSES_PG, PROCESS_GROUP.RING_PG = mine["ulysses"], mine["ring"]
+
+
+mutant(YC_USP, name="mutant-yc-groups-across-dp-replicas",
+       summary="yunchang's process groups made as before its DP support: rings stride across DP replicas",
+       bug="set_seq_parallel_pg tiles the world instead of each replica's SP ranks, so at DP 2 x ring 2 ranks 0 and "
+           "2 form a ring: each rank's attention runs over another replica's sequence (inputs placed by SP rank, as "
+           "the DP-aware extract does)",
+       source="feifeibear/long-context-attention#50 (set_seq_parallel_pg compatible with DP process group)",
+       shard=yunchang_shard(ring_impl_type="zigzag", set_pg=set_seq_parallel_pg_before_dp),
+       killed_by=("forward", "dp2xtp2"))
+
+
+class RingGradsOneShort:
+    """yunchang's `ZigZagRingFlashAttnFunc` whose backward returns one grad fewer than its forward
+    takes inputs: the shape of feifeibear/long-context-attention#156 (an argument added to
+    `RingFlashAttnFunc.forward` in 9613d6f without a None for it in `backward`). Built on first
+    use: registering imports no yunchang code."""
+
+    function: Any = None
+
+    @classmethod
+    def apply(cls, *args):
+        if cls.function is None:
+            # yunchang's own class: its module's name is this one while the swap is in place
+            ring = next(c for c in torch.autograd.Function.__subclasses__()
+                        if c.__module__ == "yunchang.ring.zigzag_ring_flash_attn"
+                        and c.__name__ == "ZigZagRingFlashAttnFunc")
+
+            class OneShort(ring):
+                @staticmethod
+                def backward(ctx, *grads):
+                    return ring.backward(ctx, *grads)[:-1]
+
+            cls.function = OneShort
+        return cls.function.apply(*args)
+
+
+mutant(YC_USP, name="mutant-yc-ring-backward-grad-count",
+       summary="the zigzag ring's autograd function returns one grad fewer than its inputs",
+       bug="autograd refuses the ring's backward ('returned an incorrect number of gradients'): any training step "
+           "with the ring raises in backward, the forward is right",
+       source="feifeibear/long-context-attention#156 (Fix backward gradient count mismatch, RingFlashAttnFunc)",
+       shard=yunchang_shard(ring_impl_type="zigzag", forward_swaps={"ZigZagRingFlashAttnFunc": RingGradsOneShort}),
+       killed_by=("crash", "even"))

@@ -67,21 +67,23 @@ def seq_order(impl: str, ulysses: int, ring: int, use_ulysses_low: bool) -> Call
 _PGS: dict[tuple, tuple[Any, Any]] = {}
 
 
-def yunchang_groups(ctx, ulysses: int, ring: int, use_ulysses_low: bool) -> tuple[tuple[int, ...], tuple[int, ...]]:
+def yunchang_groups(ctx, ulysses: int, ring: int, use_ulysses_low: bool,
+                    set_pg: Callable | None = None) -> tuple[tuple[int, ...], tuple[int, ...]]:
     """yunchang's own `set_seq_parallel_pg` for this world and these degrees (a collective every
     rank runs alike: once per process and key), its groups installed in yunchang's global
     `PROCESS_GROUP` for this job; returns (Ulysses ranks, ring ranks) of this rank, checked to lie
-    in the harness's SP group."""
+    in the harness's SP group. `set_pg`: a replacement for `set_seq_parallel_pg` (a mutant's,
+    whose groups are not checked: they are its bug)."""
     from yunchang.globals import PROCESS_GROUP, set_seq_parallel_pg
 
-    key = (ctx.world_size, ulysses, ring, use_ulysses_low)
+    key = (ctx.world_size, ulysses, ring, use_ulysses_low, set_pg)
     if key not in _PGS:
-        set_seq_parallel_pg(ulysses, ring, ctx.rank, ctx.world_size, use_ulysses_low=use_ulysses_low)
+        (set_pg or set_seq_parallel_pg)(ulysses, ring, ctx.rank, ctx.world_size, use_ulysses_low=use_ulysses_low)
         _PGS[key] = (PROCESS_GROUP.ULYSSES_PG, PROCESS_GROUP.RING_PG)
     PROCESS_GROUP.ULYSSES_PG, PROCESS_GROUP.RING_PG = _PGS[key]
     uly = tuple(dist.get_process_group_ranks(PROCESS_GROUP.ULYSSES_PG))
     rng = tuple(dist.get_process_group_ranks(PROCESS_GROUP.RING_PG))
-    if not set(uly) | set(rng) <= set(ctx.tp_ranks):
+    if set_pg is None and not set(uly) | set(rng) <= set(ctx.tp_ranks):
         raise RuntimeError(f"yunchang's groups (ulysses {uly}, ring {rng}) leave the SP group {ctx.tp_ranks}")
     ctx._group_names.setdefault(uly, "ulysses")  # names for the collective accounting
     ctx._group_names.setdefault(rng, "ring")
