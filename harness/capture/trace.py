@@ -15,7 +15,8 @@ the sequence (a dim whose reference size is seq_len and whose local size is this
 A DTensor output or input grad is recorded as its local piece where no placement is Partial
 (a Replicate one is the whole tensor, a Shard on the sequence dim this rank's slice, which line
 up as a plain tensor's would); a Partial one is a partial sum and is skipped, as are
-column-parallel pieces (they line up with nothing and are named as such). Hooks only keep
+column-parallel pieces (they line up with nothing and are named as such). A module returning a
+tuple or list is recorded by its first element (megatron's (output, bias) convention). Hooks only keep
 references to tensors the step computes anyway, so a passing step costs a dict insert per module.
 """
 
@@ -87,6 +88,10 @@ class Recorder:
 
     def _on_forward(self, name):
         def hook(module, args, output):
+            # megatron's layers return (output, bias) and its transformer layer (output, context):
+            # the first tensor is the output, on the reference (the same module class) too
+            if isinstance(output, tuple | list) and output:
+                output = output[0]
             local = comparable(output)
             if local is not None:
                 self.forward.setdefault(name, local)

@@ -23,6 +23,7 @@ import torch.distributed as dist
 from sp_harness.capture.comm import CommCounter
 from sp_harness.capture.islands import IslandObserver
 from sp_harness.capture.trace import Recorder
+from sp_harness.checks.before_sync import BeforeSync
 from sp_harness.checks.references import (
     KINDS,
     SAMPLES,
@@ -114,6 +115,7 @@ class _SideBySide:
         prefix = wrapper_prefix(self.params)
         self.pieces = frozenset(n[len(prefix):] for n in local_pieces)
         self.recorder = Recorder(self.sharded.module, local_pieces, prefix)
+        self.before_sync = BeforeSync(self.built, self.ref64, local_pieces, prefix)
         self.compute_s = 0.0
 
     def _phase(self, name: str) -> None:
@@ -160,6 +162,7 @@ class _SideBySide:
             if observer is not None:
                 self.result.islands = observer.islands
             if not self.forward_only:
+                self.before_sync.keep()
                 self.loop.sync_grads()
         self.compute_s += time.perf_counter() - t0
         return local, out, loss
@@ -265,7 +268,7 @@ class _SideBySide:
         dist.all_gather_object(every, mine)
         return tuple(piece for pieces in every for piece in pieces or ())
 
-    def localize(self, step: int, batch, failed_kind: str) -> None:
+    def localize(self, step: int, batch, failed_kind: str, presync=None) -> None:
         """At the first failing step, the first module whose output or input grad diverged."""
         assert self.recorder is not None, "localize runs on traced runs only (step)"
         assert self.config.seq_len is not None, "the check resolves seq_len"
@@ -274,6 +277,7 @@ class _SideBySide:
             step=step, rank=self.ctx.rank, sharded=self.recorder, ref64=traces["r64"], ref_lp=traces["lp"],
             ref_alt=traces["alt"], dtype=self.dtype, seq_len=self.config.seq_len, seq_shards=self.ctx.seq_shards,
             tp_rank=self.ctx.tp_rank, failed_kind=failed_kind, skipped=self.pieces,
+            partial_grads=self.before_sync.partial_grads, presync=presync,
             seq_index=seq_index(self.sharded.output_layout, self.config.seq_len, self.ctx.seq_shards,
                                 self.ctx.tp_rank))
 
@@ -319,8 +323,15 @@ class _SideBySide:
         self.judge_outputs(step, batch, local, out, loss, refs)
         self.judge_lse(step, refs)
         self.judge_grads(step, self.case.tokens(batch.target), refs)
-        if self.recorder is not None and not failures_before and len(self.result.failures) > failures_before:
-            self.localize(step, batch, min(self.result.failures, key=TensorCheck.sort_key).kind)
+        fails = self.recorder is not None and not failures_before and len(self.result.failures) > failures_before
+        first = min(self.result.failures, key=TensorCheck.sort_key) if fails else None
+        presync = None
+        if self.recorder is not None and not self.forward_only:  # every rank, every step: a collective
+            failing = [f.name for f in sorted(self.result.failures, key=TensorCheck.sort_key) if f.kind == "grad"]
+            presync = self.before_sync.place(step, refs, failing if first is not None and first.kind == "grad" else None,
+                                             self.recorder.order)
+        if first is not None:
+            self.localize(step, batch, first.kind, presync)
         self.optimizer_stage(step)
 
 

@@ -45,6 +45,9 @@ class Divergence:
     was recorded: an op inside one of them cannot have caused it (it would have shown there)."""
     presync: str = ""
     """For 'backward', 'sync' and 'none': what the grads before the sync said (Placement.describe)."""
+    param: str = ""
+    """For 'backward' placed by the grads before the sync (no traced input grad diverged): the
+    param whose grads fit nowhere; `module` is its module."""
 
     def sort_key(self):
         return (self.step, PHASES.index(self.phase), self.order, self.rank)
@@ -57,15 +60,16 @@ class Divergence:
             return (f"no module could be localised at step {self.step} (rank {self.rank}): every module that lines "
                     f"up with the reference is within its bound, and {self.note}")
         if self.phase == "sync":
-            return (f"the error enters in the grad sync at step {self.step} (rank {self.rank}), every traced "
-                    f"module's output and input grad within its bound: {self.presync}")
+            return (f"the error enters in the grad sync at step {self.step} (rank {self.rank}): every traced "
+                    f"module's output and input grad is within its bound, and {self.presync}")
         if self.phase == "none":
             return (f"every traced module's output and input grad is within its bound at step {self.step} "
                     f"(rank {self.rank}): the error enters in backward's param grads or in the grad sync; "
                     f"{self.presync or 'the grads before the sync were not kept'}")
-        if self.phase == "backward" and not self.ratio_is_module:
-            return (f"first param with wrong grads before the grad sync: {self.module} (backward, step {self.step}, "
-                    f"rank {self.rank}), every traced module's input grad within its bound: {self.presync}")
+        if self.param:
+            return (f"first module with wrong param grads before the grad sync: {self.module} ({self.param}, "
+                    f"{self.phase}, step {self.step}, rank {self.rank}, {self.ratio:.3g}x its bound at the best fit), "
+                    f"every traced module's input grad within its bound: {self.presync}")
         what = "output" if self.phase == "forward" else "input grad"
         before = ""
         if self.upstream:
@@ -90,7 +94,12 @@ class Divergence:
             _inside(module, m) for m in self.cleared)
 
 
-PHASES = ("forward", "backward", "loss", "unaligned", "none")
+def _inside(module: str, outer: str) -> bool:
+    """Whether `module` (which may carry a wrapper's prefix) is `outer` or inside it."""
+    return f".{outer}." in f".{module}."
+
+
+PHASES = ("forward", "backward", "loss", "sync", "unaligned", "none")
 FORWARD_KINDS = frozenset({"forward", "lse", "loss"})
 """First-failure kinds whose error must have entered in the forward."""
 MAX_NAMED = 4
@@ -114,19 +123,23 @@ def _line_up(got: torch.Tensor, ref: torch.Tensor, seq_len: int, seq_shards, tp_
 
 
 def _forward_divergence(step: int, rank: int, name: str, ratio: float, order: int, started: list[str],
-                        not_compared: frozenset[str] | set[str]) -> Divergence:
+                        not_compared: frozenset[str] | set[str], agreed: tuple[str, ...] = ()) -> Divergence:
     """A forward divergence at module `name`, placed among `started` (every module, in the order
-    its forward started: its own submodules right after it)."""
+    its forward started: its own submodules right after it); `agreed`: the compared modules whose
+    output was recorded before it and agreed. An uncompared module inside one of those cannot be
+    where the error enters (it would have shown at their output): it is not named upstream."""
     if name not in started:
-        return Divergence(step=step, rank=rank, phase="forward", module=name, ratio=ratio, order=order)
+        return Divergence(step=step, rank=rank, phase="forward", module=name, ratio=ratio, order=order,
+                          cleared=agreed)
     at = started.index(name)
     end = at + 1
     while end < len(started) and started[end].startswith(name + "."):
         end += 1
     upstream = tuple(m for m in started[:at] if m in not_compared and not name.startswith(m + ".")
-                     and not any(m.startswith(s + ".") for s in not_compared))
+                     and not any(m.startswith(s + ".") for s in not_compared)
+                     and not any(_inside(m, a) for a in agreed))
     return Divergence(step=step, rank=rank, phase="forward", module=name, ratio=ratio, order=order,
-                      upstream=upstream, ran_after=tuple(started[end:]))
+                      upstream=upstream, ran_after=tuple(started[end:]), cleared=agreed)
 
 
 def _after_last_agreeing(candidates: list[tuple[str, str]], started: list[str],
@@ -144,11 +157,21 @@ def _after_last_agreeing(candidates: list[tuple[str, str]], started: list[str],
 def first_divergence(*, step: int, rank: int, sharded: Recorder | Trace, ref64: Recorder | Trace,
                      ref_lp: Recorder | Trace, ref_alt: Recorder | Trace, dtype: torch.dtype, seq_len: int, seq_shards, tp_rank: int,
                      seq_index: torch.Tensor | None = None, failed_kind: str = "grad",
-                     skipped: frozenset[str] = frozenset()) -> Divergence:
+                     skipped: frozenset[str] = frozenset(), partial_grads: frozenset[str] = frozenset(),
+                     presync: Placement | None = None) -> Divergence:
     """`seq_index`: the global positions this rank's sequence pieces hold, for a permuted
     (load-balanced) layout; None for contiguous shards. `failed_kind`: the kind of the step's
     first failure (sp_harness.compare.tensor_check.KIND_ORDER); `skipped`: the modules the trace
-    left out (they hold TP-sharded params: their outputs are pieces or partial sums)."""
+    left out (they hold TP-sharded params: their outputs are pieces or partial sums);
+    `partial_grads`: the modules holding TP-sharded params below them at TP > 1, whose input grad,
+    where it is the reference's whole tensor, may be a partial sum the framework reduces outside
+    them (megatron's experts, whose all-gather is the token dispatcher's): not compared;
+    `presync`: where the grads before the sync place a param-grad failure."""
+    if failed_kind == "grad" and presync is not None and presync.stage == "grad sync":
+        # every rank's grads were right before the sync: an input grad that disagrees is a partial
+        # sum the framework completes elsewhere, not where the error entered
+        return Divergence(step=step, rank=rank, phase="sync", module=presync.param, ratio=0.0,
+                          presync=presync.describe())
     unaligned: dict[str, list[tuple[str, str]]] = {"forward": [], "backward": []}
     unaligned_names: list[str] = []
     agreed: list[str] = []
@@ -163,6 +186,8 @@ def first_divergence(*, step: int, rank: int, sharded: Recorder | Trace, ref64: 
                 unaligned[phase].append((name, f"'{name}' (no module of that name in the reference)"))
                 unaligned_names.append(name)
                 continue
+            if phase == "backward" and name in partial_grads and got.shape == want.shape:
+                continue
             cut = _line_up(got, want, seq_len, seq_shards, tp_rank, seq_index)
             if cut is None:
                 unaligned[phase].append((name, f"'{name}' ({phase} {tuple(got.shape)} is neither the reference's "
@@ -174,9 +199,11 @@ def first_divergence(*, step: int, rank: int, sharded: Recorder | Trace, ref64: 
                                precision=precision_of(dtype))
             if not chk.ok:
                 if phase == "backward":
-                    return Divergence(step=step, rank=rank, phase=phase, module=name, ratio=chk.ratio, order=order)
+                    said = presync.describe() if presync is not None and presync.stage == "backward" else ""
+                    return Divergence(step=step, rank=rank, phase=phase, module=name, ratio=chk.ratio, order=order,
+                                      presync=said)
                 return _forward_divergence(step, rank, name, chk.ratio, order, sharded.order,
-                                           skipped | set(unaligned_names))
+                                           skipped | set(unaligned_names), tuple(agreed))
             if phase == "forward":
                 agreed.append(name)
     if failed_kind == "loss":  # KIND_ORDER judges the output first: it agreed
@@ -197,4 +224,9 @@ def first_divergence(*, step: int, rank: int, sharded: Recorder | Trace, ref64: 
             note = (f"the {failed_kind} failure enters in a module that could not be compared: "
                     + "; ".join(why[:MAX_NAMED]) + more + own)
         return Divergence(step=step, rank=rank, phase="unaligned", module="", ratio=0.0, note=note)
-    return Divergence(step=step, rank=rank, phase="none", module="", ratio=0.0)
+    if presync is not None and presync.stage == "backward":
+        return Divergence(step=step, rank=rank, phase="backward", module=presync.param.rpartition(".")[0],
+                          param=presync.param, ratio=presync.ratio, order=len(sharded.backward),
+                          presync=presync.describe())
+    return Divergence(step=step, rank=rank, phase="none", module="", ratio=0.0,
+                      presync=presync.describe() if presync is not None else "")

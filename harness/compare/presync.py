@@ -1,0 +1,136 @@
+"""Stage: compare. Placing a param-grad failure before or after the grad sync.
+
+When the forward, the loss and the input grads are right and a param grad is wrong, the error
+entered in backward or in the case's grad sync (`Sharded.sync_grads`: megatron's
+finalize_model_grads, DeepSpeed's engine, a hand-written all-reduce). The engine keeps every
+rank's grads as backward left them, before that sync (`snapshot`), and asks, per reference param
+piece: can ANY linear combination of the pre-sync grads of the ranks holding that piece give
+the reference's grad? Every grad sync a framework ships is linear in those grads (a sum over the
+SP ranks, a mean over DP, a wrong group's sum, a missing one: weights 1, 1/dp, 0), and how a
+rank's share relates to the reference depends on the case's loss normalisation, which the engine
+does not know. A least-squares fit of one weight per holder needs neither: it is exact whenever
+only the sync is wrong (whatever weights the right sync would use), and it cannot succeed
+where a holder's grad is already wrong in shape (a wrong router count, a detached all-to-all's
+zeros), since then no weights reproduce the reference. So:
+
+- every informative piece fits within its bound: backward is right, the error enters in the
+  grad sync (the fitted weights say what the sync should have done);
+- some piece fits nowhere: the error enters before the sync; the first such param in backward
+  order (its module last to start in forward) is named;
+- no piece can be judged (DTensor grads, which the framework syncs inside backward; pieces with
+  no more elements than a few times their holders, where any weights fit): UNKNOWN, never a guess.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from sp_harness.compare.tolerance import RefPieces, check_tensor
+from sp_harness.step.precision import Precision
+
+MIN_ELEMENTS_PER_HOLDER = 4
+"""A piece is informative only with at least this many elements per holder: with n holders an
+n-weight fit reproduces any n-element reference, so a small bias would 'fit' whatever backward did."""
+
+
+@dataclass(kw_only=True, frozen=True)
+class PreSyncGrad:
+    """One rank's grad of one param as backward left it, before the case's grad sync."""
+
+    rank: int
+    name: str
+    """The reference param's name."""
+    piece: str
+    """A digest of which reference elements the rank holds: ranks with the same digest hold the
+    same piece, and their grads are what a sync combines."""
+    grad: torch.Tensor | None
+    """float64 on the CPU, in the piece's shape; None where backward left no grad."""
+
+
+@dataclass(kw_only=True, frozen=True)
+class Placement:
+    stage: str
+    """'grad sync' (every informative piece's pre-sync grads combine into the reference's),
+    'backward' (one does not), or 'unknown' (none could be judged: `note` says why)."""
+    param: str = ""
+    """For 'backward', the first param (backward order) whose pre-sync grads fit nowhere; for
+    'grad sync', the first failing param, with the weights that would have fit it."""
+    ratio: float = 0.0
+    """For 'backward': the best fit's max |error| / allowed."""
+    weights: tuple[tuple[int, float], ...] = ()
+    """For 'grad sync': (rank, weight) of the fit of `param`'s piece on this rank."""
+    note: str = ""
+
+    def describe(self) -> str:
+        if self.stage == "backward":
+            return (f"before the grad sync, {self.param}'s grads on the ranks holding its piece combine into the "
+                    f"reference's with no weights ({self.ratio:.3g}x its bound at the best fit): the error enters "
+                    f"in backward (or a forward value only backward reads)")
+        if self.stage == "grad sync":
+            fit = " + ".join(f"rank {r}'s x {w:.4g}" for r, w in self.weights)
+            return (f"before the sync every param's grads, combined over the ranks holding its piece, are the "
+                    f"reference's (backward is right): {self.param}'s = {fit}")
+        return f"the grads before the sync could not place it: {self.note}"
+
+
+def piece_digest(index: torch.Tensor) -> str:
+    """`index`: the piece of arange(numel).view(shape) the rank holds."""
+    return hashlib.sha1(index.contiguous().view(-1).to(torch.int64).numpy().tobytes()).hexdigest()
+
+
+def gather(mine: list[PreSyncGrad]) -> list[PreSyncGrad]:
+    """Every rank's pre-sync grads (the engine's bookkeeping collective: all ranks call it)."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return list(mine)
+    every: list[list[PreSyncGrad] | None] = [None] * dist.get_world_size()
+    dist.all_gather_object(every, mine)
+    return [g for grads in every for g in grads or ()]
+
+
+def fit(grads: list[torch.Tensor], want: torch.Tensor) -> tuple[torch.Tensor, tuple[float, ...]]:
+    """The least-squares combination sum_i w_i grads[i] closest to `want`, and the weights."""
+    cols = torch.stack([g.reshape(-1) for g in grads], dim=1).to(torch.float64)
+    w = torch.linalg.lstsq(cols, want.reshape(-1, 1).to(torch.float64)).solution
+    return (cols @ w).reshape(want.shape), tuple(float(x) for x in w.view(-1))
+
+
+def place(*, step: int, rank: int, every: list[PreSyncGrad], order: list[str], failing: list[str],
+          refs: Callable[[str], RefPieces | None], precision: Precision) -> Placement:
+    """`every`: all ranks' pre-sync grads (`gather`); `order`: this rank's reference param names in
+    backward order; `failing`: the params whose grad failed after the sync, first failure first;
+    `refs(name)`: this rank's piece of every reference's grad of `name` (None: no piece here)."""
+    mine = {g.name: g for g in every if g.rank == rank}
+    judged, skipped = 0, []
+    fits: dict[str, tuple[tuple[int, float], ...]] = {}
+    for name in order:
+        own = mine.get(name)
+        want = refs(name)
+        if own is None or want is None:
+            continue
+        holders = [g for g in every if g.name == name and g.piece == own.piece]
+        if any(g.grad is None for g in holders):
+            skipped.append(f"{name} (no grad after backward on some rank)")
+            continue
+        if want.r64.numel() < MIN_ELEMENTS_PER_HOLDER * len(holders):
+            continue
+        grads = [g.grad for g in holders if g.grad is not None]
+        got, weights = fit(grads, want.r64)
+        chk = check_tensor(kind="grad", name=name, step=step, rank=rank, got=got, refs=want, precision=precision,
+                           summed_over=len(holders))
+        judged += 1
+        if not chk.ok:
+            return Placement(stage="backward", param=name, ratio=chk.ratio)
+        fits[name] = tuple(zip((g.rank for g in holders), weights, strict=True))
+    if not judged:
+        why = "; ".join(skipped) or "no param piece has enough elements per rank holding it, or its grads are DTensors"
+        return Placement(stage="unknown", note=why)
+    shown = next((n for n in failing if n in fits), "")
+    if not shown:
+        return Placement(stage="unknown", note=f"the params that failed after the sync ({', '.join(failing[:3])}) "
+                                                "have no piece that could be judged before it")
+    return Placement(stage="grad sync", param=shown, weights=fits[shown])

@@ -1,0 +1,139 @@
+"""Placing a param-grad failure before or after the grad sync from the grads backward left
+(sp_harness.compare.presync), on recorded tensors: no ranks. The real-rank placements of the
+framework mutants are in docs/localization.md; the megatron final-norm one is pinned below."""
+
+import pytest
+import torch
+from torch import nn
+
+from sp_harness.capture.trace import Recorder, Trace
+from sp_harness.compare.divergence import first_divergence
+from sp_harness.compare.presync import Placement, PreSyncGrad, place
+from sp_harness.compare.tolerance import RefPieces
+from sp_harness.step.precision import precision_of
+
+F64 = precision_of(torch.float64)
+
+
+def _refs(full: dict[str, torch.Tensor]):
+    # the float32 reference's rounding of each grad: what the bound is measured from
+    return lambda name: RefPieces(r64=full[name], lp=full[name].float().double(), alt=None)
+
+
+def _grads(per_rank: dict[int, dict[str, torch.Tensor]]) -> list[PreSyncGrad]:
+    return [PreSyncGrad(rank=r, name=n, piece="whole", grad=g) for r, gs in per_rank.items() for n, g in gs.items()]
+
+
+def _shares(seed: int, shape=(8, 6)):
+    """Two SP ranks' shares of one replicated weight's grad: each its own tokens' terms."""
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(shape, generator=g, dtype=torch.float64), torch.randn(shape, generator=g, dtype=torch.float64)
+
+
+def test_a_missing_or_wrong_sync_is_placed_in_the_sync_with_the_weights_that_fit():
+    a0, a1 = _shares(0)
+    b0, b1 = _shares(1)
+    full = {"norm.weight": a0 + a1, "proj.weight": (b0 + b1) / 2}  # a sum over SP; a mean over DP
+    every = _grads({0: {"norm.weight": a0, "proj.weight": b0}, 1: {"norm.weight": a1, "proj.weight": b1}})
+    got = place(step=0, rank=0, every=every, order=["proj.weight", "norm.weight"], failing=["norm.weight"],
+                refs=_refs(full), precision=F64)
+    assert got.stage == "grad sync" and got.param == "norm.weight"
+    assert [r for r, _ in got.weights] == [0, 1]
+    assert [w for _, w in got.weights] == pytest.approx([1.0, 1.0], abs=1e-9)
+    assert "(backward is right): norm.weight's = rank 0's x 1 + rank 1's x 1" in got.describe()
+
+
+def test_a_grad_wrong_before_the_sync_is_placed_in_backward_first_in_backward_order():
+    a0, a1 = _shares(0)
+    b0, b1 = _shares(1)
+    c0, c1 = _shares(2)
+    full = {"embed.weight": a0 + a1, "router.weight": b0 + b1, "experts.weight": c0 + c1}
+    # a wrong router count changes rank 1's grad in shape, not by a factor; the embedding, earlier
+    # in forward, is wrong too (the error flows back into it) but comes later in backward
+    bad = b1.clone()
+    bad[0] *= 3.0
+    every = _grads({0: {"embed.weight": a0 + 0.1, "router.weight": b0, "experts.weight": c0},
+                    1: {"embed.weight": a1, "router.weight": bad, "experts.weight": c1}})
+    got = place(step=0, rank=0, every=every, order=["experts.weight", "router.weight", "embed.weight"],
+                failing=["embed.weight", "router.weight"], refs=_refs(full), precision=F64)
+    assert got.stage == "backward" and got.param == "router.weight" and got.ratio > 1e3
+
+
+def test_zero_grads_from_a_detached_exchange_fit_nowhere():
+    a0, a1 = _shares(3)
+    full = {"q.weight": a0 + a1}
+    every = _grads({0: {"q.weight": torch.zeros_like(a0)}, 1: {"q.weight": torch.zeros_like(a1)}})
+    got = place(step=0, rank=0, every=every, order=["q.weight"], failing=["q.weight"], refs=_refs(full), precision=F64)
+    assert got.stage == "backward"
+
+
+def test_what_cannot_be_judged_is_unknown_not_a_guess():
+    # 4 elements over 2 holders: two weights fit most 4-element targets, so nothing is learnt
+    a0, a1 = _shares(4, shape=(4,))
+    every = _grads({0: {"b": a0}, 1: {"b": a1}})
+    got = place(step=0, rank=0, every=every, order=["b"], failing=["b"], refs=_refs({"b": a0 * 3 - a1}), precision=F64)
+    assert got.stage == "unknown" and "could not place" in got.describe()
+    # no grad after backward on a holder (a ZeRO stage that frees it): unknown, named
+    every = _grads({0: {"w": a0}}) + [PreSyncGrad(rank=1, name="w", piece="whole", grad=None)]
+    got = place(step=0, rank=0, every=every, order=["w"], failing=["w"], refs=_refs({"w": a0}), precision=F64)
+    assert got.stage == "unknown" and "w (no grad after backward" in got.note
+
+
+def _empty_trace() -> Trace:
+    return Trace(forward={"norm": torch.ones(2, 4, dtype=torch.float64)}, order=["norm"])
+
+
+def test_the_divergence_reads_the_placement_and_drops_island_hints_for_a_sync_error():
+    t = _empty_trace()
+    kw = dict(step=0, rank=1, sharded=t, ref64=t, ref_lp=t, ref_alt=t, dtype=torch.float64, seq_len=4,
+              seq_shards=(2, 2), tp_rank=0, failed_kind="grad")
+    sync = Placement(stage="grad sync", param="final_layernorm.weight", weights=((0, 1.0), (1, 1.0)))
+    d = first_divergence(**kw, presync=sync)
+    assert d.phase == "sync" and d.module == "final_layernorm.weight"
+    assert d.describe().startswith("the error enters in the grad sync at step 0 (rank 1)")
+    assert not d.could_cause("module.rotary_pos_emb", backward=False)
+    back = Placement(stage="backward", param="mlp.router.weight", ratio=5e4)
+    d = first_divergence(**kw, presync=back)
+    assert d.phase == "backward" and d.module == "mlp.router" and d.param == "mlp.router.weight"
+    assert "first module with wrong param grads before the grad sync: mlp.router" in d.describe()
+    d = first_divergence(**kw)
+    assert d.phase == "none" and "were not kept" in d.describe()
+
+
+class _Pair(nn.Module):
+    """A megatron-style layer: returns (output, bias)."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 4, bias=False)
+
+    def forward(self, x):
+        return self.lin(x), None
+
+
+class _Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.mlp = _Pair()
+
+    def forward(self, x):
+        out, _ = self.mlp(x)
+        return torch.tanh(out)
+
+
+def test_a_module_returning_output_and_bias_is_traced_by_its_output():
+    model = _Block()
+    rec = Recorder(model, skip=frozenset({"mlp.lin"}))
+    model(torch.randn(2, 4))
+    assert "mlp" in rec.forward and "mlp.lin" not in rec.forward
+
+
+def test_a_whole_shaped_input_grad_that_may_be_partial_is_not_compared():
+    # the sharded experts' input grad is half the reference's (a TP partial sum): with the
+    # experts named in partial_grads it is not taken for the divergence
+    ref = Trace(backward={"experts": torch.ones(4, 4, dtype=torch.float64)})
+    got = Trace(backward={"experts": torch.full((4, 4), 0.5, dtype=torch.float64)})
+    kw = dict(step=0, rank=0, sharded=got, ref64=ref, ref_lp=ref, ref_alt=ref, dtype=torch.float64, seq_len=4,
+              seq_shards=(2, 2), tp_rank=0, failed_kind="grad")
+    assert first_divergence(**kw).phase == "backward"
+    assert first_divergence(**kw, partial_grads=frozenset({"experts"})).phase == "none"
