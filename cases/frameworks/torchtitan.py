@@ -264,6 +264,17 @@ def torchtitan_shard(shapes: Mapping[str, Any], *, enable_sp: bool = True, attn_
     return shard
 
 
+def torchtitan_spmd_shard(shapes: Mapping[str, Any], *, enable_sp: bool = True, attn_backend: str = "sdpa",
+                          edit_sharding: Callable[[Any], None] | None = None, model: ModelName = "llama3"):
+    """The sharded factory of a `torchtitan_case(..., spmd_backend="spmd_types")`: this rank's
+    model from its config (`edit_sharding` applied), parallelized on torchtitan's spmd_types
+    backend (torchtitan_spmd)."""
+    return spmd_types_shard(
+        lambda ctx: _build(model_config(model, _run_shapes(shapes, ctx.config), enable_sp=enable_sp,
+                                        attn_backend=attn_backend, edit_sharding=edit_sharding), ctx.config.torch_dtype),
+        lambda ctx: ctx.config.vocab)
+
+
 def _run_shapes(shapes: Mapping[str, Any], cfg) -> dict:
     """The case's shapes with the run's config on top (--hidden, --num-layers, --vocab, ...)."""
     return {**shapes, "dim": cfg.hidden, "n_layers": cfg.num_layers, "n_heads": cfg.num_heads,
@@ -272,12 +283,21 @@ def _run_shapes(shapes: Mapping[str, Any], cfg) -> dict:
 
 SpmdBackend = Literal["partial_dtensor", "spmd_types"]
 
+CP_ON_CPU = ("torchtitan's context parallelism cannot run on CPU: for SDPA, apply_cp_to_forward wraps q/k/v as "
+             "DTensors for torch's CP dispatcher, whose ring handlers cover the CUDA kernels only "
+             "(NotImplementedError: Operator aten._scaled_dot_product_flash_attention_for_cpu.default does not have "
+             "a sharding strategy registered), and its FlexAttention CP runs flex_attention, which has no CPU "
+             "backward (NotImplementedError: FlexAttention does not support backward on CPU)")
+"""Why `context_parallel > 1` is Unsupported here (both measured on 2 gloo ranks, torch 2.13.0)."""
+FLEX_ON_CPU = ("FlexAttention does not support backward on CPU (torch 2.13.0's NotImplementedError, eager and "
+               "compiled alike); use attn_backend='sdpa' (torchtitan's ScaledDotProductAttention) on CPU")
+
 
 def torchtitan_case(name: str, model_kwargs: Mapping[str, Any], *, tp: int | None = None,
                     enable_sp: bool = True, attn_backend: str = "sdpa", seq_len: int = 16, batch: int = 2,
                     edit_sharding: Callable[[Any], None] | None = None,
                     spmd_backend: SpmdBackend = "partial_dtensor", model: ModelName = "llama3",
-                    **case_fields: Any) -> Case:
+                    context_parallel: int = 1, **case_fields: Any) -> Case:
     """A `Case` checking torchtitan's llama3 of `model_kwargs` (dim, n_layers, n_heads,
     n_kv_heads, vocab_size, hidden_dim or multiple_of/ffn_dim_multiplier, rope_theta, fuse_qkv,
     norm_eps) under torchtitan's TP (+ SP where `enable_sp`) sharding config at TP `tp` (None:
@@ -286,6 +306,7 @@ def torchtitan_case(name: str, model_kwargs: Mapping[str, Any], *, tp: int | Non
     `llama3_config`'s. `spmd_backend`: torchtitan's `parallelism.spmd_backend`, "partial_dtensor"
     (DTensor on TP) or "spmd_types" (plain local tensors with spmd types: torchtitan_spmd).
     `model`: the registry model, "llama3" or "qwen3" (torchtitan_models: its keys `QWEN3_KEYS`).
+    `context_parallel`: torchtitan's CP degree; > 1 is Unsupported on CPU (`CP_ON_CPU`).
     `case_fields`: any other `Case` field (defaults, tags, ...)."""
     if spmd_backend not in ("partial_dtensor", "spmd_types"):
         raise ValueError(f"torchtitan_case({name!r}): spmd_backend {spmd_backend!r}; known: partial_dtensor, "
@@ -303,13 +324,16 @@ def torchtitan_case(name: str, model_kwargs: Mapping[str, Any], *, tp: int | Non
                     num_kv_heads=shapes.get("n_kv_heads"), vocab=shapes["vocab_size"], seq_len=seq_len, batch=batch)
 
     def validate(cfg):
+        if context_parallel > 1 and not torch.cuda.is_available():
+            raise Unsupported(CP_ON_CPU)
+        if context_parallel > 1:
+            raise Unsupported("torchtitan's context parallelism on CUDA is not wired into this case (unverified here)")
         run_tp = require_tp(cfg, tp, name, "torchtitan")
         if cfg.seq_shards is not None:
             raise Unsupported("torchtitan's sequence parallelism is DTensor's Shard(1): torch.chunk's split, no "
                               "explicit seq_shards")
         if attn_backend != "sdpa" and not torch.cuda.is_available():
-            raise Unsupported(f"attention backend {attn_backend!r}: FlexAttention's compiled CPU kernel has no "
-                              "backward; use attn_backend='sdpa' (torchtitan's ScaledDotProductAttention) on CPU")
+            raise Unsupported(f"attention backend {attn_backend!r}: {FLEX_ON_CPU}")
         if not cfg.causal:
             raise Unsupported("torchtitan's language models are causal (ScaledDotProductAttention is_causal=True)")
         if cfg.layout != "bsh":
@@ -340,11 +364,8 @@ def torchtitan_case(name: str, model_kwargs: Mapping[str, Any], *, tp: int | Non
 
     defaults.update(case_fields.pop("defaults", {}))
     if spmd_backend == "spmd_types":
-        shard = spmd_types_shard(
-            lambda ctx: _build(model_config(model, _run_shapes(shapes, ctx.config), enable_sp=enable_sp,
-                                            attn_backend=attn_backend, edit_sharding=edit_sharding),
-                               ctx.config.torch_dtype),
-            lambda ctx: ctx.config.vocab)
+        shard = torchtitan_spmd_shard(shapes, enable_sp=enable_sp, attn_backend=attn_backend,
+                                      edit_sharding=edit_sharding, model=model)
     else:
         shard = torchtitan_shard(shapes, enable_sp=enable_sp, attn_backend=attn_backend, edit_sharding=edit_sharding,
                                  model=model)
@@ -358,4 +379,5 @@ def torchtitan_case(name: str, model_kwargs: Mapping[str, Any], *, tp: int | Non
                 defaults=defaults, tags=("torchtitan", "framework", *case_fields.pop("tags", ())), **case_fields)
 
 
-__all__ = ["TORCHTITAN_VERSION", "cpu_shims", "llama3_config", "torchtitan_case", "torchtitan_shard"]
+__all__ = ["CP_ON_CPU", "TORCHTITAN_VERSION", "cpu_shims", "llama3_config", "model_config", "retie", "torchtitan_case",
+           "torchtitan_shard", "torchtitan_spmd_shard"]

@@ -1,10 +1,12 @@
 """Stage: config and step. torchtitan's built-in cases (registered where torchtitan is
-installed): its llama3 with its own TP + SP sharding config at the run's TP, the same model trained
-by torchtitan's own trainer step (`Trainer.train_step`, clip_grad_norm_, OptimizersContainer), plan
-bugs expressed through torchtitan's own `ShardingConfig` knobs and step bugs through its trainer's
-own slots."""
+installed): its llama3 with its own TP + SP sharding config at the run's TP, its qwen3 on its
+spmd_types backend, the same model trained by torchtitan's own trainer step (`Trainer.train_step`,
+clip_grad_norm_, OptimizersContainer), plan bugs expressed through torchtitan's own
+`ShardingConfig` knobs and step bugs through its trainer's own slots."""
 
-from sp_harness.cases.frameworks.torchtitan import torchtitan_case, torchtitan_shard
+import dataclasses
+
+from sp_harness.cases.frameworks.torchtitan import torchtitan_case, torchtitan_shard, torchtitan_spmd_shard
 from sp_harness.cases.frameworks.torchtitan_step import TitanStepConfig, titan_step_shard, titan_train_case
 from sp_harness.config.case import Example
 from sp_harness.config.registry import mutant, register
@@ -61,6 +63,53 @@ mutant(TITAN_LLAMA3_SP, name="mutant-titan-fsdp-grads-summed-over-dp",
            "loss and the params",
        source="pytorch/torchtitan#2323",
        shard=torchtitan_shard(SHAPES, fsdp_mean=False), killed_by=("grad", "dp2xtp2"))
+
+QWEN3_SHAPES = dict(SHAPES, n_kv_heads=2)
+"""qwen3 with GQA (2 kv heads for 4 query heads) and its flavors' tied embeddings."""
+
+TITAN_QWEN3_SPMD_SP = register(torchtitan_case(
+    "titan-qwen3-spmd-sp", QWEN3_SHAPES, model="qwen3", spmd_backend="spmd_types", isolation=ISOLATION,
+    # float64 is Unsupported on this backend (its vocab-parallel loss is float32), so the battery's
+    # entries run it in float32
+    defaults=dict(dtype="float32"),
+    examples=(Example(fields=(("world_size", 2), ("dtype", "float32")),
+                      note="torchtitan qwen3 (GQA, QK norm, tied embeddings), spmd_types backend, TP 2 + SP"),
+              Example(fields=(("world_size", 2), ("dtype", "bfloat16")),
+                      note="torchtitan qwen3, spmd_types backend, TP 2 + SP, bfloat16"))))
+
+
+def norm_declared_invariant_under_sp(config) -> None:
+    """Layer 0's ffn_norm weight declared `I` on TP (its type without SP) while SP is on: the
+    norm runs on the sequence shard, so each TP rank's weight grad is a partial sum, and a weight
+    declared invariant is never all-reduced (the reduction is derived from the declared type). The
+    config is layer 0's own copy: torchtitan shares one norm config between a layer's two norms."""
+    import spmd_types as spmd
+    from torchtitan.distributed.parallel_dims import MeshAxisName
+
+    shared = config.layers[0].ffn_norm.sharding_config
+    layout = shared.state_shardings["weight"]
+    invariant = dataclasses.replace(layout, axis_types={**layout.axis_types, MeshAxisName.TP: spmd.I})
+    config.layers[0].ffn_norm.sharding_config = dataclasses.replace(
+        shared, state_shardings={**shared.state_shardings, "weight": invariant})
+
+
+mutant(TITAN_QWEN3_SPMD_SP, name="mutant-titan-spmd-norm-declared-invariant",
+       summary="spmd_types: layers.0.ffn_norm weight declared I on TP under SP, where its grad is partial (R)",
+       bug="a sequence-parallel norm weight's per-rank partial grads never all-reduced over TP: under spmd_types "
+           "the weight-grad all-reduce of an R-typed param is delayed to someone else (fully_shard), and a weight "
+           "declared I gets none",
+       source="NVIDIA/TransformerEngine#435 (norm weight grads under SP need a TP all-reduce outside the module); "
+              "pytorch/pytorch#181519 (spmd_types' R convention: the weight-grad all-reduce left to the wrapper)",
+       shard=torchtitan_spmd_shard(QWEN3_SHAPES, model="qwen3", edit_sharding=norm_declared_invariant_under_sp),
+       killed_by=("grad", "even"))
+
+mutant(TITAN_QWEN3_SPMD_SP, name="mutant-titan-spmd-embedding-partial-as-replicate",
+       summary="spmd_types: tok_embeddings out_src_shardings TP: R where its vocab-parallel lookup is P",
+       bug="the vocab-parallel embedding's partial per-rank lookups never summed over TP on the spmd_types backend "
+           "(declared replicated, so the reduce-scatter to the sequence shard is a local slice)",
+       source="pytorch/torchtitan#3468",
+       shard=torchtitan_spmd_shard(QWEN3_SHAPES, model="qwen3", edit_sharding=embedding_partial_declared_replicate),
+       killed_by=("forward", "even"))
 
 TRAIN_STEP = (("train_step", True), ("micro_batches", 3), ("clip_grad_norm", 0.01), ("dtype", "float32"))
 """The training-step check's config the step case is shown on: K = 3 uneven micro-batches, clipping active."""

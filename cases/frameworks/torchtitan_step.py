@@ -58,7 +58,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from sp_harness import Case, Sharded, Unsupported
-from sp_harness.cases.frameworks.torchtitan import torchtitan_case, torchtitan_shard
+from sp_harness.cases.frameworks.torchtitan import CP_ON_CPU, torchtitan_case, torchtitan_shard
 from sp_harness.config.rank_context import RankContext
 from sp_harness.config.step_protocol import MicroBatch, TrainLoss
 from sp_harness.step.optim_ref import ADAMW_BETAS, ADAMW_EPS, SGD_MOMENTUM, WEIGHT_DECAY
@@ -295,9 +295,7 @@ def titan_train_case(name: str, model_kwargs: Mapping[str, Any], *, tp: int | No
 
     def validate(cfg):
         if context_parallel > 1:
-            raise Unsupported("torchtitan's context parallelism for SDPA is torch's CP dispatcher, whose ring handlers "
-                              "cover CUDA kernels only (aten._scaled_dot_product_flash_attention_for_cpu has no "
-                              "sharding strategy), and FlexAttention's CPU kernel has no backward")
+            raise Unsupported(CP_ON_CPU)
         assert base.validate is not None
         base.validate(cfg)
         if cfg.train_step and cfg.dtype == "float64":
