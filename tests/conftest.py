@@ -108,3 +108,23 @@ if os.environ.get("SP_TEST_POOL_LOG"):  # measurement only: every pool start of 
                     f"{time.monotonic() - t0:.1f}\n")
 
     _pool.RankPool.start = _logged_start
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    """The suite leaves nothing in /tmp: `tmp_path_retention_policy = "none"` (pyproject.toml)
+    removes each session's directory; this removes pytest's per-user root once nothing else is in
+    it (another pytest session's directory keeps it)."""
+    if hasattr(config, "workerinput"):
+        return
+    import getpass
+    import tempfile
+    from pathlib import Path
+
+    root = Path(os.environ.get("PYTEST_DEBUG_TEMPROOT") or tempfile.gettempdir()) / f"pytest-of-{getpass.getuser()}"
+    try:
+        for entry in root.iterdir():
+            if entry.is_symlink() and not entry.exists():  # pytest-current, pointing at the removed session
+                entry.unlink()
+        root.rmdir()
+    except OSError:  # absent, or still in use
+        pass
