@@ -165,3 +165,102 @@ def test_the_strided_index_is_megatrons_own_split():
             view = strided_index(dim, 2, 2, r)(ref)
             assert view.numel() == want.numel() and view._base is not None
             assert torch.equal(view.reshape(want.shape), want)
+
+
+# ------------------------------------------------------------------ your loss and your batch
+
+LOSS_EXAMPLE = os.path.join(EXAMPLES, "megatron_loss_case.py")
+MODULE_EXAMPLE = os.path.join(EXAMPLES, "megatron_module_case.py")
+
+
+def test_token_loss_is_the_dense_target_distribution_and_masks_every_sequence_alike():
+    # pure: the reference side of a TokenLoss against the loss written from its definition
+    import torch
+    import torch.nn.functional as F
+
+    from sp_harness.cases.frameworks.token_loss import TokenLoss, mask_labels, token_losses, valid_tokens
+
+    gen = torch.Generator().manual_seed(0)
+    logits = torch.randn(3, 5, 11, generator=gen, dtype=torch.float64)
+    labels = torch.randint(0, 11, (3, 5), generator=gen)
+    eps, vocab = 0.1, 11
+    onehot = F.one_hot(labels, vocab).double()
+    logp = torch.log_softmax(logits, dim=-1)
+    # megatron's convention: eps spread over the V - 1 other classes; torch's over all V
+    others = -((1 - eps) * onehot + eps / (vocab - 1) * (1 - onehot)) * logp
+    uniform = -((1 - eps) * onehot + eps / vocab) * logp
+    smoothed = TokenLoss(label_smoothing=eps)
+    torch.testing.assert_close(token_losses(smoothed, logits, labels, smoothing="others"), others.sum(-1))
+    torch.testing.assert_close(token_losses(smoothed, logits, labels), uniform.sum(-1))
+    masked = TokenLoss(masked_fraction=0.5, padding=1, loss_fn=lambda x, y: x.logsumexp(-1) - x.gather(
+        -1, y[..., None]).squeeze(-1))
+    state = gen.get_state()
+    target = mask_labels(masked, labels, gen)
+    assert (target[:, -1] == -100).all() and ((target == -100).sum(1) == 1 + 2).all(), target  # floor(0.5 x 4) + pad
+    assert valid_tokens(masked, target) == 3 * 2
+    per = token_losses(masked, logits, target)
+    torch.testing.assert_close(per, torch.where(target != -100, -logp.gather(-1, labels[..., None]).squeeze(-1), 0.0))
+    gen.set_state(state)
+    assert torch.equal(mask_labels(TokenLoss(), labels, gen), labels) and torch.equal(gen.get_state(), state)
+    with pytest.raises(ValueError, match="label_smoothing 1.0"):
+        TokenLoss(label_smoothing=1.0)
+    with pytest.raises(ValueError, match="padding 5 leaves no position of a 5-token"):
+        mask_labels(TokenLoss(padding=5), labels, gen)
+
+
+def test_a_loss_megatron_cannot_express_is_refused_naming_why():
+    from sp_harness.cases.frameworks.megatron_core import megatron_case
+    from sp_harness.cases.frameworks.token_loss import TokenLoss
+
+    with pytest.raises(ValueError, match="no label smoothing"):
+        megatron_case("bad", dict(num_layers=2), loss=TokenLoss(label_smoothing=0.1), model_loss=True)
+    with pytest.raises(ValueError, match="vocab_parallel_loss=False"):
+        megatron_case("bad", dict(num_layers=2), loss=TokenLoss(loss_fn=lambda x, y: x.sum(-1)))
+
+
+def test_a_loss_mask_padding_and_label_smoothing_pass_at_dp2_with_the_global_token_count(sp_check):
+    # calculate_per_token_loss: megatron's DDP sums over DP, finalize_model_grads divides by the valid
+    # tokens all-reduced over DP; label smoothing with the whole vocabulary's statistics (#7466)
+    res = sp_check(CheckConfig(case="mcore-gpt-sp-loss", world_size=4, dp=2, dtype="float32", steps=1,
+                               timeout_s=TIMEOUT_S))
+    assert res.verdict == PASS, res.reason + res.error
+
+
+def test_megatrons_loss_bugs_are_placed_in_the_loss_and_after_the_final_norm(sp_check):
+    # #7452 finding 1: the output agrees, the loss does not; finding 2: the GPTModel's loss over
+    # gathered logits, after the last module that agrees
+    res = sp_check(CheckConfig(case="mutant-mcore-label-smoothing-local-vocab", world_size=2, dtype="float32",
+                               steps=1, timeout_s=TIMEOUT_S))
+    assert res.verdict == FAIL and res.first_check == "loss", res.reason + res.error
+    assert res.divergence is not None and res.divergence.phase == "loss", res.divergence
+    res = sp_check(CheckConfig(case="mutant-mcore-gathered-logits-labels", world_size=2, dtype="float32", steps=1,
+                               timeout_s=TIMEOUT_S))
+    assert res.verdict == FAIL and res.first_check == "forward", res.reason + res.error
+    d = res.divergence
+    assert d is not None and d.phase == "unaligned" and d.note.split("compared: ")[1].startswith("'output_layer'"), d
+
+
+@pytest.mark.parametrize("name,world_size,dp,dtype,verdict", [
+    ("LLAMA_LOSS", 2, 1, "bfloat16", PASS), ("LLAMA_LABELS", 4, 2, "float32", PASS),
+    ("LLAMA_USER_LOSS", 2, 1, "float64", PASS), ("LLAMA_MEGATRON_SMOOTHING", 2, 1, "float32", FAIL)])
+@pytest.mark.exhaustive("the fast tier runs mcore-gpt-sp-loss at DP 2 and the loss mutants with their twins")
+def test_the_llama_loss_examples(sp_check, name, world_size, dp, dtype, verdict):
+    res = sp_check(_config(name, LOSS_EXAMPLE, world_size=world_size, dp=dp, dtype=dtype))
+    assert res.verdict == verdict, res.reason + res.error
+
+
+@pytest.mark.exhaustive("the fast tier runs mcore-gpt-sp-loss (per token) at DP 2")
+def test_per_replica_normalisation_with_a_loss_mask_passes_at_dp2(sp_check):
+    res = sp_check(_config("GPT_SP_TP2_MASKED", world_size=4, dp=2, dtype="float32"))
+    assert res.verdict == PASS, res.reason + res.error
+
+
+@pytest.mark.exhaustive("the fast tier kills mutant-mcore-xattn-global-tp-group at DP 2 x TP 2 with its twin")
+def test_a_module_reading_the_global_tp_group_fails_naming_its_projections(sp_check):
+    # megatron's CrossAttention (#7452 finding 6) against the fixed one, float64 too
+    res = sp_check(_config("XATTN", MODULE_EXAMPLE, world_size=4, dp=2, dtype="float64"))
+    assert res.verdict == PASS, res.reason + res.error
+    res = sp_check(_config("XATTN_MEGATRON", MODULE_EXAMPLE, world_size=4, dp=2, dtype="float32", steps=1))
+    assert res.verdict == FAIL and res.first_check == "forward", res.reason + res.error
+    d = res.divergence
+    assert d is not None and d.note.split("compared: ")[1].startswith(("'linear_kv'", "'linear_q'")), d
