@@ -1,7 +1,9 @@
 """torchtitan 0.3.0 as a system under test (sp_harness.cases.frameworks.torchtitan), on real gloo
 ranks: its llama3 under its own TP + SP sharding config (`Module.parallelize`, DTensor backend)
 at TP 2 and 4, and DP 2 x TP 2 under its own FSDP2, against the same model unsharded, and a plan bug expressed through torchtitan's
-own `ShardingConfig`, which must FAIL at the forward."""
+own `ShardingConfig`, which must FAIL at the forward; its spmd_types backend and its qwen3 (the
+fast tier runs them through titan-qwen3-spmd-sp's mutant battery entries, tests/test_mutants.py),
+and what cannot run on CPU (context parallelism, FlexAttention) UNSUPPORTED before ranks start."""
 
 import os
 import pathlib
@@ -14,17 +16,21 @@ skip_unless_installed("torchtitan", "torchtitan is not installed (pip install -e
 from sp_harness.config.check_config import CheckConfig  # noqa: E402
 from sp_harness.judge.verdict import FAIL, PASS, UNSUPPORTED  # noqa: E402
 
-EXAMPLE = os.path.join(pathlib.Path(__file__).resolve().parent.parent, "examples", "torchtitan_case.py")
+EXAMPLES = pathlib.Path(__file__).resolve().parent.parent / "examples"
+EXAMPLE = os.path.join(EXAMPLES, "torchtitan_case.py")
+SPMD = os.path.join(EXAMPLES, "torchtitan_spmd_types.py")
+CP = os.path.join(EXAMPLES, "torchtitan_cp.py")
 TIMEOUT_S = 120.0
 """Generous for a loaded runner; torchtitan's import is the case's setup, outside it."""
 
 
-def _config(name: str, **fields) -> CheckConfig:
-    return CheckConfig(case=f"{EXAMPLE}:{name}", timeout_s=TIMEOUT_S, **fields)
+def _config(name: str, example: str = EXAMPLE, **fields) -> CheckConfig:
+    return CheckConfig(case=f"{example}:{name}", timeout_s=TIMEOUT_S, **fields)
 
 
 @pytest.mark.parametrize("name,world_size,dp,dtype", [
-    ("LLAMA3_SP_TP2", 2, 1, "float32"),
+    pytest.param("LLAMA3_SP_TP2", 2, 1, "float32", marks=pytest.mark.exhaustive(
+        "the fast tier runs TP 2 here in bfloat16, and titan-llama3-sp at TP 2 (float64) in the mutant battery")),
     pytest.param("LLAMA3_SP_TP4", 4, 1, "float32", marks=pytest.mark.exhaustive(
         "the fast tier runs TP 2, and 4 ranks as DP 2 x TP 2")),
     ("LLAMA3_SP_TP2", 2, 1, "bfloat16"),
@@ -59,3 +65,40 @@ def test_vocab_parallel_embedding_partial_declared_replicate_fails_at_forward(sp
 def test_a_run_at_another_tp_is_unsupported_naming_both(sp_check):
     res = sp_check(_config("LLAMA3_SP_TP2", world_size=4))
     assert res.verdict == UNSUPPORTED and "TP 2" in res.reason and "TP 4" in res.reason, res.reason
+
+
+@pytest.mark.exhaustive("the fast tier runs the spmd_types backend and qwen3 through titan-qwen3-spmd-sp's battery "
+                        "entry (TP 2 + SP, float32) and its two mutants, tests/test_mutants.py")
+@pytest.mark.parametrize("example,name,dtype", [
+    pytest.param(SPMD, "LLAMA3_SPMD_SP", "float32", id="spmd-sp-f32"),
+    pytest.param(SPMD, "LLAMA3_SPMD_SP", "bfloat16", id="spmd-sp-bf16"),
+    # no SP: nothing is R on TP, so sync_grads reduces nothing
+    pytest.param(SPMD, "LLAMA3_SPMD_TP", "float32", id="spmd-tp-f32"),
+    # qwen3 on the DTensor backend: DTensor itself reduces the QK norm's partial grads
+    pytest.param(EXAMPLE, "QWEN3_SP_TP2", "float32", id="qwen3-dtensor-f32"),
+])
+def test_spmd_types_backend_and_qwen3_pass(sp_check, example, name, dtype):
+    res = sp_check(_config(name, example, world_size=2, dtype=dtype))
+    assert res.verdict == PASS, res.reason + res.error
+    assert {"forward", "loss", "grad", "param"} <= set(res.worst)
+
+
+@pytest.mark.parametrize("example,name,fields,reason", [
+    pytest.param(CP, "LLAMA3_CP2", dict(dtype="float32"), "does not have a sharding strategy registered", id="cp"),
+    pytest.param(SPMD, "LLAMA3_SPMD_SP", dict(dtype="float64"), "_LossParallelCrossEntropy", id="spmd-float64"),
+    pytest.param(SPMD, "LLAMA3_SPMD_SP", dict(world_size=4, dp=2, dtype="float32"), "pytorch/pytorch#181519",
+                 id="spmd-dp2"),
+])
+def test_what_cannot_run_here_is_unsupported_before_ranks_start(sp_check, example, name, fields, reason):
+    res = sp_check(_config(name, example, **{"world_size": 2, **fields}))
+    assert res.verdict == UNSUPPORTED and reason in res.reason, res.reason
+
+
+def test_flex_attention_is_unsupported_with_torchs_reason():
+    from sp_harness import Unsupported
+    from sp_harness.cases.frameworks.torchtitan import torchtitan_case
+
+    case = torchtitan_case("titan-flex", dict(dim=32, n_layers=2, n_heads=4, vocab_size=64), tp=2, attn_backend="flex")
+    assert case.validate is not None
+    with pytest.raises(Unsupported, match="FlexAttention does not support backward on CPU"):
+        case.validate(case.resolve(CheckConfig(case="titan-flex", world_size=2)))

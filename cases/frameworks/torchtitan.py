@@ -46,7 +46,7 @@ from torch import nn
 
 from sp_harness import Batch, Case, Layout, RankContext, Sharded, Unsupported
 from sp_harness.cases.frameworks.common import require_tp
-from sp_harness.cases.frameworks.torchtitan_models import QWEN3_KEYS, qwen3_config
+from sp_harness.cases.frameworks.torchtitan_models import QWEN3_KEYS, qwen3_config, retie
 from sp_harness.cases.frameworks.torchtitan_spmd import spmd_limits, spmd_types_shard
 
 if TYPE_CHECKING:  # imported where its cases run (Case.setup): torchtitan may not be installed
@@ -169,6 +169,7 @@ def model_config(model: ModelName, shapes: Mapping[str, Any], **kwargs: Any):
     """The torchtitan config of registry model `model` (`llama3_config`, or torchtitan_models'
     `qwen3_config`) with its own sharding config set; `kwargs`: as `llama3_config`'s."""
     if model == "qwen3":
+        cpu_shims()
         return qwen3_config(shapes, **kwargs)
     return llama3_config(shapes, **kwargs)
 
@@ -186,15 +187,6 @@ def _parallel_dims(tp_group, tp: int, world_size: int):
                                  mesh_dim_names=("tp",))
     dims._single_axis_meshes = {"tp": mesh}
     return dims
-
-
-def retie(model: nn.Module) -> None:
-    """Tied embeddings (qwen3's flavors) tied again after `Module.parallelize`, which gives the
-    embedding and the lm_head a sharded param each: torchtitan's own re-tie, the first line of
-    `Decoder.init_states` (its trainer parallelizes on meta, then runs init_states), without the
-    init that follows (the state here is the reference's, loaded before parallelize)."""
-    if getattr(model, "enable_weight_tying", False):
-        model.tok_embeddings.weight = model.lm_head.weight
 
 
 def _parallelize_with_fsdp(model: TitanModule, ctx: RankContext, *, fsdp_mean: bool = True) -> None:
@@ -272,7 +264,12 @@ def torchtitan_spmd_shard(shapes: Mapping[str, Any], *, enable_sp: bool = True, 
     return spmd_types_shard(
         lambda ctx: _build(model_config(model, _run_shapes(shapes, ctx.config), enable_sp=enable_sp,
                                         attn_backend=attn_backend, edit_sharding=edit_sharding), ctx.config.torch_dtype),
-        lambda ctx: ctx.config.vocab)
+        _vocab)
+
+
+def _vocab(ctx: RankContext) -> int:
+    assert ctx.config.vocab is not None, "a resolved config has the case's vocab"
+    return ctx.config.vocab
 
 
 def _run_shapes(shapes: Mapping[str, Any], cfg) -> dict:

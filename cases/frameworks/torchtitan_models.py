@@ -14,6 +14,8 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from typing import Any
 
+from torch import nn
+
 QWEN3_KEYS = ("dim", "n_layers", "n_heads", "n_kv_heads", "vocab_size", "head_dim", "hidden_dim", "rope_theta",
               "max_seq_len", "fuse_qkv", "norm_eps", "tie_embeddings")
 """The shapes `qwen3_config` reads (`torchtitan_case(..., model="qwen3")`'s model kwargs)."""
@@ -23,10 +25,8 @@ def qwen3_config(shapes: Mapping[str, Any], *, enable_sp: bool = True, attn_back
                  edit_sharding: Callable[[Any], None] | None = None):
     """A torchtitan `Qwen3Model.Config` of the given shapes, built as its `_debugmodel` flavor is
     (n_kv_heads defaults to n_heads, head_dim to dim / n_heads, hidden_dim to 4 * dim), with
-    `set_qwen3_sharding_config` set on it. `attn_backend` and `edit_sharding`: as `llama3_config`'s."""
-    from sp_harness.cases.frameworks.torchtitan import cpu_shims
-
-    cpu_shims()
+    `set_qwen3_sharding_config` set on it. `attn_backend` and `edit_sharding`: as `llama3_config`'s.
+    On a torch without triton call torchtitan's `cpu_shims()` first (`model_config` does)."""
     from torchtitan.models import qwen3 as Q
     from torchtitan.models.common import CosSinRoPE, Embedding, Linear
     from torchtitan.models.common.attention import ScaledDotProductAttention
@@ -62,4 +62,13 @@ def qwen3_config(shapes: Mapping[str, Any], *, enable_sp: bool = True, attn_back
     return config
 
 
-__all__ = ["QWEN3_KEYS", "qwen3_config"]
+def retie(model: nn.Module) -> None:
+    """Tied embeddings (qwen3's flavors) tied again after `Module.parallelize`, which gives the
+    embedding and the lm_head a sharded param each: torchtitan's own re-tie, the first line of
+    `Decoder.init_states` (its trainer parallelizes on meta, then runs init_states), without the
+    init that follows (the state here is the reference's, loaded before parallelize)."""
+    if getattr(model, "enable_weight_tying", False):
+        model.get_submodule("tok_embeddings").weight = model.get_submodule("lm_head").weight
+
+
+__all__ = ["QWEN3_KEYS", "qwen3_config", "retie"]

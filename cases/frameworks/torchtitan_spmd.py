@@ -36,7 +36,7 @@ Two things are not torchtitan's, each named:
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from contextlib import ExitStack
 from typing import Any
 
@@ -45,6 +45,7 @@ import torch.distributed as dist
 from torch import nn
 
 from sp_harness import Layout, ParamSpec, RankContext, Sharded
+from sp_harness.cases.frameworks.torchtitan_models import retie
 
 
 def spmd_parallel_dims(tp: int, world_size: int):
@@ -134,15 +135,13 @@ def _run_in_train_context(model: nn.Module, dims) -> None:
     model.register_forward_hook(leave, with_kwargs=True, always_call=True)
 
 
-def spmd_types_shard(build: Callable[[RankContext], nn.Module], vocab: Callable[[RankContext], int]):
+def spmd_types_shard(build: Callable[[RankContext], Any], vocab: Callable[[RankContext], int]):
     """A `Case.shard` for torchtitan's spmd_types backend: `build(ctx)` is this rank's model, not
     yet parallelized, loaded by this factory with the reference's state."""
 
     def shard(reference: nn.Module, ctx: RankContext) -> Sharded:
         from torchtitan.components.loss import cross_entropy_loss
         from torchtitan.distributed.spmd_types import set_current_spmd_mesh
-
-        from sp_harness.cases.frameworks.torchtitan import retie
         from torchtitan.distributed.utils import set_spmd_backend
 
         set_spmd_backend("spmd_types")
