@@ -59,9 +59,11 @@ def test_a_fail_names_the_first_diverging_module(sp_check):
     assert res.verdict == "FAIL"
     d = res.divergence
     assert (d.module, d.phase, d.step, d.rank) == ("pos_emb", "forward", 0, 1), d.describe()
-    # unsynced norm grads: every module's output and input grad agrees; the error is in the sync
+    # unsynced norm grads: every module's output and input grad agrees, and the ranks' grads before
+    # the sync sum to the reference's: the error is placed in the sync, at a norm param
     res = sp_check(CheckConfig(case="mutant-sp-no-norm-grad-sync", world_size=2))
-    assert res.divergence.phase == "none" and res.divergence.step == 0
+    d = res.divergence
+    assert d.phase == "sync" and d.step == 0 and "norm" in d.module and "x 1 + rank" in d.presync, d.describe()
     # a wrong backward of the sequence all-gather: the first module backward reaches is named
     res = sp_check(CheckConfig(case="mutant-sp-gather-backward-split", world_size=2))
     assert res.divergence.phase == "backward" and res.divergence.module.startswith("blocks.1")

@@ -30,10 +30,10 @@ class BeforeSync:
         `prefix`: a wrapper's ('module.')."""
         self.built, self.ctx, self.prefix = built, built.ctx, prefix
         self.params = [p for p in built.params if not p.dtensor]
-        self.partial_grads = frozenset(n[len(prefix):] for m in local_pieces for n in _ancestors(m)
+        self.partial = frozenset(n[len(prefix):] for m in local_pieces for n in _ancestors(m)
                                        if n.startswith(prefix) and len(n) > len(prefix)) \
             if self.ctx.tp > 1 else frozenset()
-        """At TP > 1, the modules with TP-sharded params below them (first_divergence's `partial_grads`)."""
+        """At TP > 1, the modules with TP-sharded params below them (first_divergence's `partial`)."""
         self.digests = {p.spec.ref_name: piece_digest(p.piece_of(
             torch.arange(ref64[p.spec.ref_name].numel()).view(ref64[p.spec.ref_name].shape), self.ctx))
             for p in self.params}
@@ -65,12 +65,11 @@ class BeforeSync:
         mine = {p.spec.ref_name: p for p in self.params}
 
         def pieces(name: str) -> RefPieces | None:
-            p = mine.get(name)
-            if p is None or grads["r64"].get(name) is None or grads["lp"].get(name) is None:
+            p, g64, glp = mine.get(name), grads["r64"].get(name), grads["lp"].get(name)
+            if p is None or g64 is None or glp is None:
                 return None
             alt = grads["alt"].get(name)
-            return RefPieces(r64=p.piece_of(grads["r64"][name], self.ctx),
-                             lp=p.piece_of(grads["lp"][name], self.ctx),
+            return RefPieces(r64=p.piece_of(g64, self.ctx), lp=p.piece_of(glp, self.ctx),
                              alt=None if alt is None else p.piece_of(alt, self.ctx))
 
         # backward order: the module whose forward started last runs its backward first

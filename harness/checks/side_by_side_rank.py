@@ -277,7 +277,7 @@ class _SideBySide:
             step=step, rank=self.ctx.rank, sharded=self.recorder, ref64=traces["r64"], ref_lp=traces["lp"],
             ref_alt=traces["alt"], dtype=self.dtype, seq_len=self.config.seq_len, seq_shards=self.ctx.seq_shards,
             tp_rank=self.ctx.tp_rank, failed_kind=failed_kind, skipped=self.pieces,
-            partial_grads=self.before_sync.partial_grads, presync=presync,
+            partial=self.before_sync.partial, presync=presync,
             seq_index=seq_index(self.sharded.output_layout, self.config.seq_len, self.ctx.seq_shards,
                                 self.ctx.tp_rank))
 

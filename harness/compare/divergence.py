@@ -83,9 +83,15 @@ class Divergence:
     def could_cause(self, module: str, backward: bool) -> bool:
         """Whether an op in `module` (in backward: `backward`) can have caused this divergence: not
         for a forward divergence where the op ran in backward, in a module that started after
-        it, or in the loss outside the model. `module` may carry a wrapper's prefix ('module.')."""
+        it or inside one that agreed, or in the loss outside the model; for a backward one, only a
+        backward op inside the diverging module; for a sync one, none. `module` may carry a
+        wrapper's prefix ('module.')."""
         if self.phase == "sync":
             return False  # a rounding in any op is within its bound before the sync
+        if self.phase == "backward" and self.module:
+            # every module output agreed, so a forward op's rounding did; in backward, a module
+            # whose input grad agreed ran its backward before this one's without harm
+            return backward and _inside(module, self.module)
         if self.phase != "forward" or not self.module:
             return True
         if backward or module == "loss":
@@ -157,15 +163,16 @@ def _after_last_agreeing(candidates: list[tuple[str, str]], started: list[str],
 def first_divergence(*, step: int, rank: int, sharded: Recorder | Trace, ref64: Recorder | Trace,
                      ref_lp: Recorder | Trace, ref_alt: Recorder | Trace, dtype: torch.dtype, seq_len: int, seq_shards, tp_rank: int,
                      seq_index: torch.Tensor | None = None, failed_kind: str = "grad",
-                     skipped: frozenset[str] = frozenset(), partial_grads: frozenset[str] = frozenset(),
+                     skipped: frozenset[str] = frozenset(), partial: frozenset[str] = frozenset(),
                      presync: Placement | None = None) -> Divergence:
     """`seq_index`: the global positions this rank's sequence pieces hold, for a permuted
     (load-balanced) layout; None for contiguous shards. `failed_kind`: the kind of the step's
     first failure (sp_harness.compare.tensor_check.KIND_ORDER); `skipped`: the modules the trace
     left out (they hold TP-sharded params: their outputs are pieces or partial sums);
-    `partial_grads`: the modules holding TP-sharded params below them at TP > 1, whose input grad,
-    where it is the reference's whole tensor, may be a partial sum the framework reduces outside
-    them (megatron's experts, whose all-gather is the token dispatcher's): not compared;
+    `partial`: the modules holding TP-sharded params below them at TP > 1, whose output or input
+    grad, where it is the reference's whole tensor, may be a partial sum the framework reduces
+    outside them (megatron's experts, whose reduce-scatter and all-gather are the token
+    dispatcher's): not compared (a sequence slice is: a reduce-scatter's result is whole);
     `presync`: where the grads before the sync place a param-grad failure."""
     if failed_kind == "grad" and presync is not None and presync.stage == "grad sync":
         # every rank's grads were right before the sync: an input grad that disagrees is a partial
@@ -186,7 +193,10 @@ def first_divergence(*, step: int, rank: int, sharded: Recorder | Trace, ref64: 
                 unaligned[phase].append((name, f"'{name}' (no module of that name in the reference)"))
                 unaligned_names.append(name)
                 continue
-            if phase == "backward" and name in partial_grads and got.shape == want.shape:
+            if name in partial and got.shape == want.shape:
+                unaligned[phase].append((name, f"'{name}' (TP-sharded params below it and its {phase} the reference's "
+                                               f"whole tensor: may be a partial sum)"))
+                unaligned_names.append(name)
                 continue
             cut = _line_up(got, want, seq_len, seq_shards, tp_rank, seq_index)
             if cut is None:

@@ -67,6 +67,9 @@ class Placement:
     note: str = ""
 
     def describe(self) -> str:
+        if self.stage == "backward" and self.note == "no grad":
+            return (f"before the grad sync no grad reached {self.param} on any rank holding its piece, where the "
+                    f"reference's is nonzero: the error enters in backward (a detached exchange, say)")
         if self.stage == "backward":
             return (f"before the grad sync, {self.param}'s grads on the ranks holding its piece combine into the "
                     f"reference's with no weights ({self.ratio:.3g}x its bound at the best fit): the error enters "
@@ -76,6 +79,13 @@ class Placement:
             return (f"before the sync every param's grads, combined over the ranks holding its piece, are the "
                     f"reference's (backward is right): {self.param}'s = {fit}")
         return f"the grads before the sync could not place it: {self.note}"
+
+
+def _informative(want: RefPieces) -> bool:
+    """Whether the reference grad is more than rounding (a key bias's grad is zero in exact
+    arithmetic: any weights 'fit' it, and naming weights for it says nothing)."""
+    size = float(want.r64.abs().max()) if want.r64.numel() else 0.0
+    return size > 16 * float((want.lp.to(torch.float64) - want.r64).abs().max()) and size > 0.0
 
 
 def piece_digest(index: torch.Tensor) -> str:
@@ -105,6 +115,9 @@ def place(*, step: int, rank: int, every: list[PreSyncGrad], order: list[str], f
     backward order; `failing`: the params whose grad failed after the sync, first failure first;
     `refs(name)`: this rank's piece of every reference's grad of `name` (None: no piece here)."""
     mine = {g.name: g for g in every if g.rank == rank}
+    # a param no grad reached on any rank holding it is evidence only where backward does leave
+    # grads in the declared attribute (ZeRO's partitioned grads leave none anywhere)
+    leaves_grads = any(g.grad is not None for g in every)
     judged, skipped = 0, []
     fits: dict[str, tuple[tuple[int, float], ...]] = {}
     for name in order:
@@ -113,10 +126,12 @@ def place(*, step: int, rank: int, every: list[PreSyncGrad], order: list[str], f
         if own is None or want is None:
             continue
         holders = [g for g in every if g.name == name and g.piece == own.piece]
+        if not _informative(want) or want.r64.numel() < MIN_ELEMENTS_PER_HOLDER * len(holders):
+            continue
+        if leaves_grads and all(g.grad is None for g in holders):
+            return Placement(stage="backward", param=name, ratio=float("inf"), note="no grad")
         if any(g.grad is None for g in holders):
             skipped.append(f"{name} (no grad after backward on some rank)")
-            continue
-        if want.r64.numel() < MIN_ELEMENTS_PER_HOLDER * len(holders):
             continue
         grads = [g.grad for g in holders if g.grad is not None]
         got, weights = fit(grads, want.r64)
@@ -127,7 +142,8 @@ def place(*, step: int, rank: int, every: list[PreSyncGrad], order: list[str], f
             return Placement(stage="backward", param=name, ratio=chk.ratio)
         fits[name] = tuple(zip((g.rank for g in holders), weights, strict=True))
     if not judged:
-        why = "; ".join(skipped) or "no param piece has enough elements per rank holding it, or its grads are DTensors"
+        why = "; ".join(skipped) or ("no param piece could be judged (each has under 4 elements per rank holding it, "
+                                      "a reference grad of rounding only, or DTensor grads)")
         return Placement(stage="unknown", note=why)
     shown = next((n for n in failing if n in fits), "")
     if not shown:
