@@ -69,10 +69,9 @@ PER_TOKEN = {**CONFIG, "calculate_per_token_loss": True}
 
 MCORE_GPT_SP_LOSS = register(megatron_case(
     "mcore-gpt-sp-loss", PER_TOKEN, loss=LOSS, smoothing="global", isolation=ISOLATION,
-    examples=(Example(fields=(("world_size", 2), ("dtype", "float32")),
-                      note="megatron-core TP 2 + SP: loss mask, padding, label smoothing over the whole vocabulary"),
-              Example(fields=(("world_size", 4), ("dp", 2), ("dtype", "float32")),
-                      note="the same at DP 2 x TP 2: finalize_model_grads divides by the global valid-token count"))))
+    examples=(Example(fields=(("world_size", 4), ("dp", 2), ("dtype", "float32")),
+                      note="megatron-core DP 2 x TP 2 + SP: loss mask, padding, label smoothing over the whole "
+                           "vocabulary, finalize_model_grads dividing by the global valid-token count"),)))
 
 mutant(MCORE_GPT_SP_LOSS, name="mutant-mcore-label-smoothing-local-vocab",
        summary="megatron's own vocab_parallel_cross_entropy(label_smoothing=0.1): the local vocab shard's statistics",

@@ -131,8 +131,10 @@ class ShardedLoss:
         count = num_tokens.to(total.dtype)
         if ctx.dp > 1:
             dist.all_reduce(count, group=ctx.dp_group)
-        share = total * ctx.dp / count
-        return total + (share - total).detach()
+        share = total.detach() * ctx.dp / count
+        # exactly the share's value (x - x is 0), the sum's grad; share + (total - share) would
+        # round the value at the sum's ulp
+        return share + (total - total.detach())
 
 
 def reference_loss_sum(loss: TokenLoss, *, vocab_parallel_loss: bool,

@@ -56,8 +56,9 @@ def harness_groups(ctx):
     its DP group, every other dimension (CP, PP, EP, embeddings) a one-rank group."""
     from megatron.core.process_groups_config import ProcessGroupCollection
 
-    # new_subgroups is a collective over the world: once per rank process and mesh
-    one = ctx.once(("megatron-one-rank-group", ctx.world_size, ctx.tp_ranks),
+    # new_subgroups is a collective over the world: once per rank process and mesh, keyed alike on
+    # every rank so that all of them make it or none does
+    one = ctx.once(("megatron-one-rank-group", ctx.world_size, ctx.tp, ctx.dp),
                    lambda: dist.new_subgroups(group_size=1)[0])
     tp, dp = ctx.tp_group, ctx.dp_group
     return ProcessGroupCollection(tp=tp, cp=one, pp=one, mp=tp, embd=one, pos_embd=one, dp=dp, dp_cp=dp,
