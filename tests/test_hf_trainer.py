@@ -66,10 +66,12 @@ def test_more_configs_pass(sp_check, case, fields):
     assert res.verdict == PASS, format_result(res)
 
 
+@pytest.mark.exhaustive("the fast tier kills each of them at its pinned 'reported loss' in test_mutants")
 @pytest.mark.parametrize("mutant, attr", [
     ("mutant-hf-trainer-mean-of-micro-batch-means", "MEAN_OF_MEANS"),
     ("mutant-hf-trainer-4470-training-step", "TRAINING_STEP_4470"),
-], ids=["mean-of-micro-batch-means", "4.47.0-training-step"])
+    ("mutant-hf-trainer-label-smoother-per-micro-batch", "SMOOTHER_PER_MICRO_BATCH"),
+], ids=["mean-of-micro-batch-means", "4.47.0-training-step", "label-smoother-per-micro-batch"])
 def test_shipped_accumulation_bugs_fail_at_the_reported_loss(sp_check, mutant, attr):
     res = sp_check(_train(_builtin(mutant, attr), world_size=2, dp=2, dtype="float32", steps=1, **CLIPPED_SGD))
     assert res.verdict == FAIL and res.first_check == "loss", format_result(res)

@@ -45,7 +45,8 @@ FRAMEWORK_CASES: dict[str, tuple[str, tuple[str, ...]]] = {
         "mutant-ds-ulysses-hf-exchange-detached")),
     "accelerate": ("sp_harness.cases.frameworks.hf_trainer_cases", (
         "hf-trainer-llama", "hf-trainer-qwen2", "hf-trainer-llama-user-loss",
-        "mutant-hf-trainer-mean-of-micro-batch-means", "mutant-hf-trainer-4470-training-step")),
+        "mutant-hf-trainer-mean-of-micro-batch-means", "mutant-hf-trainer-4470-training-step",
+        "hf-trainer-llama-label-smoothing", "mutant-hf-trainer-label-smoother-per-micro-batch")),
 }
 """importable framework module -> (the module registering its built-in cases, their names)."""
 

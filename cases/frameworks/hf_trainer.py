@@ -90,12 +90,17 @@ class HFTrainerSetup:
     model's own loss."""
     max_pad: int = 3
     """Each sequence ends in 0..max_pad pad tokens (attention_mask 0, labels -100)."""
+    label_smoothing: float = 0.0
+    """The Trainer's `label_smoothing_factor` (its `LabelSmoother`: epsilon spread uniformly over
+    every class, torch's convention), 0 <= x < 1; the reference's loss smooths the same."""
 
     def __post_init__(self) -> None:
         if self.model not in MODELS:
             raise ValueError(f"HFTrainerSetup.model {self.model!r} is not one of {', '.join(MODELS)}")
         if self.max_pad < 0:
             raise ValueError(f"HFTrainerSetup.max_pad must be >= 0, got {self.max_pad}")
+        if not 0.0 <= self.label_smoothing < 1.0:
+            raise ValueError(f"HFTrainerSetup.label_smoothing {self.label_smoothing}: needs 0 <= x < 1")
 
 
 class CausalLMLogits(nn.Module):
@@ -113,6 +118,15 @@ class CausalLMLogits(nn.Module):
 def shifted_loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     """HF's causal-LM token-loss sum: logits[:, t] against labels[:, t + 1], -100 ignored."""
     return token_loss_sum(logits[:, :-1], labels[:, 1:])
+
+
+def smoothed_shifted_loss_sum(epsilon: float) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+    """`shifted_loss_sum` with label smoothing `epsilon` (the Trainer's LabelSmoother per token:
+    (1 - epsilon) x nll + epsilon x the mean of -log p over the vocabulary)."""
+    from sp_harness.cases.frameworks.token_loss import TokenLoss, loss_sum
+
+    loss = TokenLoss(label_smoothing=epsilon, ignore_index=IGNORE_INDEX)
+    return lambda logits, labels: loss_sum(loss, logits[:, :-1], labels[:, 1:])
 
 
 def shifted_tokens(labels: torch.Tensor) -> int:
@@ -180,7 +194,7 @@ class TrainerStep:
             optim="adamw_torch", adam_beta1=ADAMW_BETAS[0], adam_beta2=ADAMW_BETAS[1], adam_epsilon=ADAMW_EPS,
             weight_decay=WEIGHT_DECAY, average_tokens_across_devices=True, use_cpu=True, ddp_backend="gloo",
             report_to="none", logging_steps=1, save_strategy="no", eval_strategy="no", disable_tqdm=True,
-            seed=config.seed, max_steps=known(config.steps, "steps"))
+            seed=config.seed, max_steps=known(config.steps, "steps"), label_smoothing_factor=setup.label_smoothing)
         # SGD through `optimizers=`, AdamW the Trainer's own (`optim`): each as a user sets it
         sgd = make_optimizer("sgd", config.lr, lm.parameters()) if config.optimizer == "sgd" else None
         cls = trainer_class(setup.trainer_class, config.optimizer)
@@ -345,7 +359,8 @@ def hf_trainer_case(name: str, setup: HFTrainerSetup = HFTrainerSetup(), **case_
     return Case(name=name, description=f"transformers {TRANSFORMERS_VERSION} Trainer's own training step "
                                        f"({setup.model}, DDP over accelerate {ACCELERATE_VERSION})",
                 build_reference=lambda cfg: build_lm(setup, cfg, torch.float64), make_batch=make_batch(setup),
-                shard=hf_trainer_shard(setup), loss_sum=shifted_loss_sum, tokens=shifted_tokens,
+                shard=hf_trainer_shard(setup), tokens=shifted_tokens,
+                loss_sum=smoothed_shifted_loss_sum(setup.label_smoothing) if setup.label_smoothing else shifted_loss_sum,
                 input_layout=Layout(seq_dim=1, batch_dim=0), validate=validate, defaults=defaults,
                 train_loss=TrainLoss(ignore_index=IGNORE_INDEX),
                 tags=("transformers", "hf-trainer", "framework", "train-step", *case_fields.pop("tags", ())),
@@ -354,4 +369,4 @@ def hf_trainer_case(name: str, setup: HFTrainerSetup = HFTrainerSetup(), **case_
 
 __all__ = ["ACCELERATE_VERSION", "HFTrainerSetup", "IGNORE_INDEX", "TINY_CONFIG", "TRANSFORMERS_VERSION",
            "CausalLMLogits", "TrainerStep", "hf_trainer_case", "hf_trainer_shard", "launcher_env", "shifted_loss_sum",
-           "shifted_tokens"]
+           "shifted_tokens", "smoothed_shifted_loss_sum"]

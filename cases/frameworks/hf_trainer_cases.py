@@ -68,6 +68,21 @@ class Release4470TrainingStep:
         return loss.detach()
 
 
+class LabelSmootherPerMicroBatch:
+    """`compute_loss` with the Trainer's `LabelSmoother` called without `num_items_in_batch`, as
+    transformers called it before PR #47261: each micro-batch's smoothed loss is its own token mean
+    while the Trainer (the model accepts loss kwargs) no longer divides by the accumulation steps."""
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        smoother = self.label_smoother
+        self.label_smoother = lambda outputs, labels, shift_labels=False, num_items_in_batch=None: smoother(
+            outputs, labels, shift_labels=shift_labels)
+        try:
+            return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
+        finally:
+            self.label_smoother = smoother
+
+
 def _examples(*more):
     return (Example(fields=(("world_size", 2), ("dp", 2), ("train_step", True), ("micro_batches", 3),
                             ("optimizer", "sgd"), ("clip_grad_norm", 0.01)),
@@ -100,3 +115,17 @@ TRAINING_STEP_4470 = mutant(HF_TRAINER_LLAMA, name="mutant-hf-trainer-4470-train
        source="huggingface/transformers v4.47.0 trainer.py 3651-3692; fixed in PR #35207 (4.47.1)",
        shard=hf_trainer_shard(HFTrainerSetup(trainer_class=Release4470TrainingStep)),
        train_loss=HF_TRAINER_LLAMA.train_loss, tags=("train-step",), killed_by=("reported loss", "train-step-dp"))
+
+HF_TRAINER_SMOOTHING = register(hf_trainer_case("hf-trainer-llama-label-smoothing", HFTrainerSetup(label_smoothing=0.1),
+                                                isolation=ISOLATION, examples=_examples()))
+"""The Trainer's own label smoothing (`label_smoothing_factor` 0.1: its LabelSmoother over
+num_items_in_batch), the reference smoothing the same."""
+
+SMOOTHER_PER_MICRO_BATCH = mutant(HF_TRAINER_SMOOTHING, name="mutant-hf-trainer-label-smoother-per-micro-batch",
+       summary="the Trainer's LabelSmoother normalises each micro-batch by its own tokens (num_items_in_batch dropped)",
+       bug="with label_smoothing_factor > 0 and K micro-batches each micro-batch's smoothed loss is its own token "
+           "mean, which the Trainer no longer divides by K (the model accepts loss kwargs): loss and grads a "
+           "multiple of the token mean (4.0x at DP 2, K = 3 here; #46731: ~gradient_accumulation_steps)",
+       source="huggingface/transformers#46731 (LabelSmoother ignores num_items_in_batch), fixed by PR #47261",
+       shard=hf_trainer_shard(HFTrainerSetup(label_smoothing=0.1, trainer_class=LabelSmootherPerMicroBatch)),
+       train_loss=HF_TRAINER_SMOOTHING.train_loss, tags=("train-step",), killed_by=("reported loss", "train-step-dp"))
