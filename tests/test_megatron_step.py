@@ -42,6 +42,8 @@ def _judged_every_stage(res, optimizer: str) -> None:
     ("GPT_SP_STEP", dict(world_size=2, optimizer="sgd", dtype="float32")),
     ("GPT_SP_STEP", dict(world_size=4, dp=2, optimizer="adamw", dtype="bfloat16")),
     ("mcore-gpt-sp-step-distopt", dict(world_size=4, dp=2, optimizer="adamw", dtype="float32")),
+    # your loss in megatron's own step: label smoothing with the whole vocabulary's statistics, padding
+    ("GPT_SP_STEP_SMOOTHED", dict(world_size=4, dp=2, optimizer="sgd", dtype="float32")),
     pytest.param("GPT_SP_STEP", dict(world_size=4, dp=2, optimizer="sgd", dtype="float32"),
                  marks=pytest.mark.exhaustive("the fast tier runs SGD float32 at TP 2 and DP 2 x TP 2 with AdamW")),
     pytest.param("GPT_SP_STEP", dict(world_size=2, optimizer="adamw", dtype="bfloat16"),

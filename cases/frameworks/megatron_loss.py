@@ -85,8 +85,12 @@ def global_smoothing_cross_entropy(logits: Tensor, labels: Tensor, eps: float, g
     return (1.0 - smoothing) * nll + smoothing * mean_neg_logp
 
 
+PerTokenLosses = Callable[[Tensor, Tensor, dist.ProcessGroup], Tensor]
+"""(the model's output, labels holding valid ids, the TP group) -> per-token losses."""
+
+
 def per_token_losses(loss: TokenLoss, *, vocab_parallel_loss: bool, model_loss: bool,
-                     smoothing: SmoothingStats) -> Callable[[Tensor, Tensor, dist.ProcessGroup], Tensor]:
+                     smoothing: SmoothingStats) -> PerTokenLosses:
     """The sharded twin's per-token losses from its output (vocab-parallel or gathered logits,
     or the GPTModel's own losses) and labels holding valid ids."""
 
@@ -187,5 +191,5 @@ def make_inputs(loss: TokenLoss, tokens: Tensor, labels: Tensor, gen: torch.Gene
     return extra, target
 
 
-__all__ = ["SMOOTHING_STATS", "ShardedLoss", "SmoothingStats", "check_loss", "global_smoothing_cross_entropy",
+__all__ = ["SMOOTHING_STATS", "PerTokenLosses", "ShardedLoss", "SmoothingStats", "check_loss", "global_smoothing_cross_entropy",
            "loss_func", "make_inputs", "per_token_losses", "reference_language_model_loss", "reference_loss_sum"]

@@ -49,6 +49,8 @@ from torch.overrides import TorchFunctionMode
 
 from sp_harness import Case, Sharded, Unsupported
 from sp_harness.cases.frameworks.megatron_core import megatron_case, megatron_shard
+from sp_harness.cases.frameworks.megatron_loss import PerTokenLosses, SmoothingStats, loss_func, per_token_losses
+from sp_harness.cases.frameworks.token_loss import TokenLoss
 from sp_harness.config.rank_context import RankContext
 from sp_harness.config.step_protocol import MicroBatch, TrainLoss
 from sp_harness.step.optim_ref import ADAMW_BETAS, ADAMW_EPS, SGD_MOMENTUM, WEIGHT_DECAY
@@ -111,28 +113,26 @@ def _ddp_config(step: MegatronStepConfig) -> Callable[[Any], Mapping[str, Any]]:
     return config
 
 
-def _loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor):
-    """pretrain_gpt.py's loss function: the local loss sum over `loss_mask`, the local token
-    count, and the report the training loop logs."""
-    losses = output_tensor.view(-1).float()
-    loss_mask = loss_mask.view(-1).float()
-    loss = torch.sum(losses * loss_mask)
-    num_tokens = loss_mask.sum().clone().detach().to(torch.int)
-    report = torch.cat([loss.clone().detach().view(1), num_tokens.view(1)])
-    return loss, num_tokens, {"lm loss": report}
+def _forward_step(data_iterator, model, losses: PerTokenLosses | None = None):
+    """pretrain_gpt.py's forward step: the GPTModel with labels returns per-token losses; with
+    `losses` (label smoothing, a user loss) the model returns its logits and the loss function
+    makes them, as a user's forward step does."""
+    from megatron.core import parallel_state
 
-
-def _forward_step(data_iterator, model):
-    """pretrain_gpt.py's forward step: the GPTModel with labels returns per-token losses."""
     batch = next(data_iterator)
-    output = model(**batch["inputs"], labels=batch["labels"])
-    return output, partial(_loss_func, batch["loss_mask"])
+    if losses is None:
+        output = model(**batch["inputs"], labels=batch["labels"])
+    else:
+        logits = model(**batch["inputs"])
+        output = losses(logits, batch["labels"], parallel_state.get_tensor_model_parallel_group())
+    return output, partial(loss_func, batch["loss_mask"])
 
 
 class MegatronTrainStep:
     """megatron-core's own training step on one rank (`TrainStep`)."""
 
-    def __init__(self, ddp: DistributedDataParallel, ctx: RankContext, step: MegatronStepConfig):
+    def __init__(self, ddp: DistributedDataParallel, ctx: RankContext, step: MegatronStepConfig,
+                 losses: PerTokenLosses | None = None):
         from megatron.core.distributed import finalize_model_grads
         from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
         from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
@@ -140,7 +140,7 @@ class MegatronTrainStep:
 
         run = ctx.config
         assert run.optimizer is not None and run.lr is not None, "the check resolves optimizer and lr"
-        self.ddp, self.ctx = ddp, ctx
+        self.ddp, self.ctx, self.losses = ddp, ctx, losses
         self.optimizer = None  # megatron's state is in its wrappers: the engine's float64 shadow judges the update
         config = get_model_config(ddp)
         # what Megatron-LM's training loop sets on the model config
@@ -194,7 +194,8 @@ class MegatronTrainStep:
         target = micro_batches[0].target
         with cuda_on_cpu():
             reports = get_forward_backward_func()(
-                forward_step_func=_forward_step, data_iterator=iter(batches), model=[self.ddp],
+                forward_step_func=partial(_forward_step, losses=self.losses), data_iterator=iter(batches),
+                model=[self.ddp],
                 num_microbatches=len(batches), seq_length=target.shape[-1], micro_batch_size=target.shape[0],
                 forward_only=False)
         # Megatron-LM's train_step: the reports summed over micro-batches and DP, sum / count
@@ -235,16 +236,20 @@ class MegatronTrainStep:
 
 def megatron_step_shard(kwargs: Mapping[str, Any], step: MegatronStepConfig = MegatronStepConfig(), *,
                         edit_model: Callable[[nn.Module], None] | None = None,
-                        gpt_kwargs: Mapping[str, Any] | None = None, layer_spec: Any = None):
+                        gpt_kwargs: Mapping[str, Any] | None = None, layer_spec: Any = None,
+                        loss: TokenLoss = TokenLoss(), smoothing: SmoothingStats = "megatron"):
     """The sharded factory of a `megatron_train_case`: `megatron_shard`'s model and DDP (configured
-    as `step` says) with megatron's own training step attached."""
+    as `step` says) with megatron's own training step attached. `loss`, `smoothing`: as
+    `megatron_case`'s (a label-smoothed loss on the vocab-parallel logits)."""
     kwargs = {**kwargs, "calculate_per_token_loss": step.calculate_per_token_loss}
     shard = megatron_shard(kwargs, edit_model=edit_model, ddp_config=_ddp_config(step), gpt_kwargs=gpt_kwargs,
-                           layer_spec=layer_spec)
+                           layer_spec=layer_spec, loss=loss, smoothing=smoothing)
+    losses = per_token_losses(loss, vocab_parallel_loss=True, model_loss=False, smoothing=smoothing) \
+        if loss.label_smoothing else None
 
     def sharded_with_step(reference: nn.Module, ctx: RankContext) -> Sharded:
         sharded = shard(reference, ctx)
-        return dataclasses.replace(sharded, train_step=MegatronTrainStep(sharded.module, ctx, step))
+        return dataclasses.replace(sharded, train_step=MegatronTrainStep(sharded.module, ctx, step, losses))
 
     return sharded_with_step
 
@@ -253,14 +258,21 @@ def megatron_train_case(name: str, transformer_config_kwargs: Mapping[str, Any],
                         step: MegatronStepConfig = MegatronStepConfig(), tp: int | None = None,
                         edit_model: Callable[[nn.Module], None] | None = None,
                         gpt_kwargs: Mapping[str, Any] | None = None, layer_spec: Any = None,
+                        loss: TokenLoss = TokenLoss(), smoothing: SmoothingStats = "megatron",
                         **case_fields: Any) -> Case:
     """A `megatron_case` (same model, reference and side-by-side checks) whose training step is
     megatron's own, set up as `step` says; it declares the token-mean loss ignoring -100 and runs
-    in float32 unless told. `gpt_kwargs`, `layer_spec`, `case_fields`: as `megatron_case`'s."""
+    in float32 unless told. `gpt_kwargs`, `layer_spec`, `loss` (its ignore_index -100; a user
+    `loss_fn` needs gathered logits, which this step does not take), `smoothing`, `case_fields`:
+    as `megatron_case`'s."""
+    if loss.ignore_index != IGNORE_INDEX or loss.loss_fn is not None:
+        raise ValueError(f"megatron_train_case({name!r}): a TokenLoss with ignore_index {IGNORE_INDEX} and no loss_fn "
+                         f"(got ignore_index {loss.ignore_index}, loss_fn {loss.loss_fn}): the step takes megatron's "
+                         f"vocab-parallel logits")
     # megatron's optimizer is float32 (or bfloat16 with float32 master weights): float64 is UNSUPPORTED
     case_fields["defaults"] = {"dtype": "float32", **case_fields.get("defaults", {})}
     base = megatron_case(name, transformer_config_kwargs, tp=tp, edit_model=edit_model, gpt_kwargs=gpt_kwargs,
-                         layer_spec=layer_spec, **case_fields)
+                         layer_spec=layer_spec, loss=loss, smoothing=smoothing, **case_fields)
 
     def validate(cfg) -> None:
         base.validate(cfg)
@@ -275,7 +287,7 @@ def megatron_train_case(name: str, transformer_config_kwargs: Mapping[str, Any],
         base, validate=validate, train_loss=TrainLoss(ignore_index=IGNORE_INDEX),
         tokens=lambda tgt: int((tgt != IGNORE_INDEX).sum()),
         shard=megatron_step_shard(transformer_config_kwargs, step, edit_model=edit_model, gpt_kwargs=gpt_kwargs,
-                                  layer_spec=layer_spec),
+                                  layer_spec=layer_spec, loss=loss, smoothing=smoothing),
         description=f"{base.description}, megatron's own training step ({step})")
 
 
