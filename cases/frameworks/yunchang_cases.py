@@ -159,9 +159,10 @@ mutant(YC_USP, name="mutant-yc-ring-backward-stale-kv",
 
 
 def set_seq_parallel_pg_before_dp(sp_ulysses_degree, sp_ring_degree, rank, world_size, use_ulysses_low=True):
-    """yunchang's `set_seq_parallel_pg` before feifeibear/long-context-attention#50 (verbatim but
-    for names): its groups tile the whole world, not each DP replica's SP ranks, so with DP > 1 a
-    ring strides across replicas (world 4, DP 2 x ring 2: rings {0, 2} and {1, 3})."""
+    """yunchang's `set_seq_parallel_pg` before feifeibear/long-context-attention#50: the same
+    groups made in the same order (rewritten compactly): they tile the whole world, not each DP
+    replica's SP ranks, so with DP > 1 a ring strides across replicas (world 4, DP 2 x ring 2:
+    rings {0, 2} and {1, 3})."""
     from yunchang.globals import PROCESS_GROUP
 
     num_ulysses_pgs, num_ring_pgs = world_size // sp_ulysses_degree, world_size // sp_ring_degree
