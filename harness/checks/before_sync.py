@@ -56,7 +56,11 @@ class BeforeSync:
         this rank's failing param grads at this step where its first failure is one, else None;
         `started`: the modules in the order their forward started (the trace's). None where no
         rank has a param-grad failure to place, or on a rank that has none."""
-        if not self._any_rank(failing is not None and bool(self.grads)):
+        if not self.params:  # the same on every rank: no collective to skip
+            return None if failing is None else Placement(
+                stage="unknown", note="the params are DTensors, whose grads the framework reduces inside backward "
+                                      "(FSDP's reduce-scatter): there is no grad before the sync to read")
+        if not self._any_rank(failing is not None):
             return None
         every = gather(self.grads)  # every rank takes part, even one with nothing to place
         if failing is None:
