@@ -194,3 +194,20 @@ def test_a_token_loss_the_run_cannot_honour_is_refused_before_any_rank():
 def test_your_loss_passes_in_every_dtype_deepspeed_allows(sp_check, name, fields):
     res = sp_check(CheckConfig(case=f"{TOKEN_LOSS}:{name}", timeout_s=TIMEOUT_S, **fields))
     assert res.verdict == PASS, res.reason + res.error
+
+
+@pytest.mark.exhaustive("the fast tier kills mutant-ds-ulysses-hf-exchange-detached at its pinned grad check in "
+                        "test_mutants")
+def test_a_detached_exchange_fails_exactly_where_8491_says(sp_check):
+    # deepspeedai/DeepSpeed#8491: no grad reaches the attention's q/k/v projections while o_proj and the
+    # MLPs update normally. In the last layer those grads are untouched (nothing after them crosses the
+    # exchange), so they must pass while its q/k/v fail; the divergence is a backward one in that layer
+    skip_unless_installed("transformers", "transformers is not installed (the deepspeed extra installs it)")
+    res = sp_check(CheckConfig(case="mutant-ds-ulysses-hf-exchange-detached", world_size=2, timeout_s=TIMEOUT_S))
+    assert res.verdict == FAIL and res.first_check == "grad", res.reason + res.error
+    names = set(res.failing_names)
+    last = "grad:lm.model.layers.1."
+    assert {f"{last}self_attn.{p}_proj.weight" for p in "qkv"} <= names, sorted(names)
+    assert not any(n.startswith((f"{last}self_attn.o_proj", f"{last}mlp.")) for n in names), sorted(names)
+    assert res.divergence.phase == "backward" and res.divergence.module.startswith("lm.model.layers.1"), \
+        res.divergence.describe()
