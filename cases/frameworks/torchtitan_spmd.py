@@ -147,7 +147,9 @@ def spmd_types_shard(build: Callable[[RankContext], Any], vocab: Callable[[RankC
         set_spmd_backend("spmd_types")
         model = build(ctx)
         model.load_state_dict(reference.state_dict())
-        dims = spmd_parallel_dims(ctx.tp, ctx.world_size)
+        # build_mesh makes new process groups: once per rank process, not once per job on a warm pool
+        dims = ctx.once(("torchtitan spmd_types ParallelDims", ctx.tp, ctx.world_size),
+                        lambda: spmd_parallel_dims(ctx.tp, ctx.world_size))
         model.parallelize(dims)
         retie(model)
         _run_in_train_context(model, dims)
