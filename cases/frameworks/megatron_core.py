@@ -326,7 +326,7 @@ def megatron_case(name: str, transformer_config_kwargs: Mapping[str, Any], *, tp
 
     defaults = {**shapes, "seq_len": seq_len, "vocab": vocab, "batch": batch, **case_fields.pop("defaults", {})}
     return Case(name=name, description=f"megatron-core {MEGATRON_CORE_VERSION} GPTModel, {kwargs}"
-                + (f", {gpt_kwargs}" if gpt_kwargs else "") + ("" if loss.is_default else f", {loss}")
+                + (f", {gpt_kwargs}" if gpt_kwargs else "") + ("" if loss.is_default else f", {loss.describe()}")
                 + (", the GPTModel's own loss (labels)" if model_loss else ""),
                 build_reference=build_reference, make_batch=make_batch, memory_floor=gpt_memory_floor, shard=megatron_shard(
                     kwargs, edit_model=edit_model, vocab_parallel_loss=vocab_parallel_loss, gpt_kwargs=gpt_kwargs,

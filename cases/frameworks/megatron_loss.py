@@ -183,7 +183,7 @@ def make_inputs(loss: TokenLoss, tokens: Tensor, labels: Tensor, gen: torch.Gene
     extra: dict[str, Tensor | None] = {"attention_mask": None}
     if loss.padding:
         pad = pad_positions(loss, rows, seq)
-        tokens.masked_fill_(pad, 0)
+        tokens.masked_fill_(pad, 0)  # a tokenizer's pad id; no position attends to it
         causal = torch.ones(seq, seq, dtype=torch.bool).triu(diagonal=1)
         extra["attention_mask"] = (causal | pad[:, None, :])[:, None]  # [b, 1, s, s], True = masked
     if model_loss:

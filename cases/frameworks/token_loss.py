@@ -20,7 +20,7 @@ PASS when correct. Where they differ (uneven valid tokens) is the training-step 
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Literal
 
 import torch
@@ -75,6 +75,13 @@ class TokenLoss:
     def is_default(self) -> bool:
         """Plain cross entropy over every position: what a case without a `TokenLoss` computes."""
         return self == TokenLoss()
+
+    def describe(self) -> str:
+        """The fields that differ from the defaults, a loss function by its name (no address: a
+        case's description is the same in every process)."""
+        changed = [f"{f.name}={getattr(self.loss_fn, '__name__', 'loss_fn') if f.name == 'loss_fn' else getattr(self, f.name)}"
+                   for f in fields(self) if getattr(self, f.name) != f.default]
+        return f"TokenLoss({', '.join(changed)})"
 
 
 def valid(loss: TokenLoss, labels: Tensor) -> Tensor:
