@@ -31,8 +31,10 @@ FRAMEWORK_CASES: dict[str, tuple[str, tuple[str, ...]]] = {
         "mutant-yc-groups-across-dp-replicas", "mutant-yc-ring-backward-grad-count")),
     "torchtitan": ("sp_harness.cases.frameworks.torchtitan_cases", (
         "titan-llama3-sp", "mutant-titan-embedding-partial-as-replicate", "mutant-titan-norm-sp-dropped",
-        "mutant-titan-fsdp-grads-summed-over-dp", "titan-llama3-sp-step", "mutant-titan-step-per-micro-batch-mean",
-        "mutant-titan-step-fsdp-divides-twice", "mutant-titan-step-clip-norm-local-shard")),
+        "mutant-titan-fsdp-grads-summed-over-dp", "titan-qwen3-spmd-sp", "mutant-titan-spmd-norm-declared-invariant",
+        "mutant-titan-spmd-embedding-partial-as-replicate", "titan-llama3-sp-step",
+        "mutant-titan-step-per-micro-batch-mean", "mutant-titan-step-fsdp-divides-twice",
+        "mutant-titan-step-clip-norm-local-shard")),
     "deepspeed": ("sp_harness.cases.frameworks.deepspeed_cases", (
         "ds-ulysses", "ds-ulysses-f64", "ds-ulysses-hf-llama", "mutant-ds-ulysses-detached-a2a",
         "mutant-ds-ulysses-batch-dim-idx", "mutant-ds-ulysses-scatter-gather-swapped",
