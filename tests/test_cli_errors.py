@@ -20,6 +20,38 @@ def _run(*argv: str, cwd: str = ROOT) -> subprocess.CompletedProcess:
                           text=True, timeout=300)
 
 
+# One interpreter runs every usage error of the table in turn, as `python -m sp_harness.cli` would
+# (its exit status is `main`'s return value; an exception escaping `main` is a traceback, exit 1):
+# each fresh interpreter cost 3-5 s of importing torch for a check that takes milliseconds.
+_BATCH = """
+import contextlib, io, json, sys, traceback
+from sp_harness.cli import main
+for argv in json.loads(sys.argv[1]):
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            code = main(argv)
+        except SystemExit as exc:
+            code = exc.code if isinstance(exc.code, int) else 1
+        except BaseException:
+            traceback.print_exc()
+            code = 1
+    print(json.dumps([code, out.getvalue(), err.getvalue()]), flush=True)
+"""
+
+
+def _run_each(argvs: list[list[str]]) -> list[subprocess.CompletedProcess]:
+    import json
+
+    env = dict(os.environ)
+    env.pop("SP_HARNESS_MAX_WORLD_SIZE", None)
+    proc = subprocess.run([sys.executable, "-c", _BATCH, json.dumps(argvs)], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=600)
+    lines = proc.stdout.splitlines()
+    assert proc.returncode == 0 and len(lines) == len(argvs), proc.stdout + proc.stderr
+    return [subprocess.CompletedProcess(argv, *json.loads(line)) for argv, line in zip(argvs, lines)]
+
+
 def _one_line_usage_error(proc: subprocess.CompletedProcess, *needles: str) -> None:
     assert proc.returncode == 2, proc.stdout + proc.stderr
     assert "Traceback" not in proc.stderr, proc.stderr
@@ -31,7 +63,7 @@ def _one_line_usage_error(proc: subprocess.CompletedProcess, *needles: str) -> N
     assert "PASS" not in proc.stdout and "FAIL" not in proc.stdout
 
 
-@pytest.mark.parametrize(("argv", "needles"), [
+USAGE_ERRORS = [
     (["check", "--case", "nope"], ["'nope'", "known cases"]),
     # issue 21: sizes that cannot fit are a setup error before ranks start, not a FAIL
     (["check", "--case", "megatron-gpt-sp", "--hidden", "100000", "--seq-len", "100000"],
@@ -50,9 +82,18 @@ def _one_line_usage_error(proc: subprocess.CompletedProcess, *needles: str) -> N
     (["converge", "--case", "seed-mlp", "--out", "/proc/nope"], ["/proc/nope", "cannot be written"]),
     (["converge", "--case", "megatron-gpt-sp", "--world-size", "1000"], ["1000", "at most"]),
     (["converge", "--case", "megatron-gpt-sp", "--world-size", "3", "--baseline", "nope"], ["'nope'"]),
-])
-def test_usage_errors_exit_2_with_one_line_before_any_rank(argv, needles):
-    _one_line_usage_error(_run(*argv), *needles)
+]
+
+
+def test_usage_errors_exit_2_with_one_line_before_any_rank():
+    procs = _run_each([argv for argv, _ in USAGE_ERRORS])
+    failures = []
+    for (argv, needles), proc in zip(USAGE_ERRORS, procs):
+        try:
+            _one_line_usage_error(proc, *needles)
+        except AssertionError as exc:
+            failures.append(f"{' '.join(argv)}: {exc}")
+    assert not failures, "\n".join(failures)
 
 
 def test_a_converge_that_cannot_fit_is_a_usage_error_leaving_no_report(tmp_path):
