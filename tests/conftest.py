@@ -36,7 +36,7 @@ def tier_of(config: pytest.Config) -> str:
     return tier
 
 
-def _schedule_by_file(config: pytest.Config) -> None:
+def _schedule_by_file(config: pytest.Config) -> bool:
     """Under xdist, a test file's tests go to one worker (unless --dist says otherwise): they share
     that worker's warm pools and their case's setup (a framework's import), where `load` spread
     every file over both workers and each paid them."""
@@ -44,10 +44,57 @@ def _schedule_by_file(config: pytest.Config) -> None:
     explicit = any(a in ("--dist", "-d") or str(a).startswith("--dist=") for a in args)
     if getattr(config.option, "dist", "no") == "load" and not explicit:
         config.option.dist = "loadfile"
+        return True
+    return False
+
+
+FRAMEWORK_FILES = {"test_megatron_core.py": "megatron.core", "test_megatron_step.py": "megatron.core",
+                   "test_deepspeed.py": "deepspeed", "test_deepspeed_step.py": "deepspeed",
+                   "test_torchtitan.py": "torchtitan", "test_torchtitan_step.py": "torchtitan",
+                   "test_yunchang.py": "yunchang", "test_hf_trainer.py": "accelerate"}
+"""Test files by the framework whose rank processes they run (sp_harness.cases.frameworks'
+`FRAMEWORK_CASES` keys)."""
+
+
+def scope_of(nodeid: str) -> str:
+    """The unit a worker takes whole: a framework's tests, its mutants' kills included, are one
+    unit, so they share the worker's warm pools of that framework and pay its import in the ranks
+    (several seconds a pool) once per world size instead of once per file; any other test goes
+    with its file."""
+    path, _, rest = nodeid.partition("::")
+    name = path.rsplit("/", 1)[-1]
+    if name in FRAMEWORK_FILES:
+        return "framework:" + FRAMEWORK_FILES[name]
+    if name == "test_mutants.py" and rest.endswith("]") and "[" in rest:
+        from sp_harness.cases.frameworks import FRAMEWORK_CASES
+
+        mutant = rest[rest.index("[") + 1:-1]
+        for framework, (_, names) in FRAMEWORK_CASES.items():
+            if mutant in names:
+                return "framework:" + framework
+    return path
+
+
+@pytest.hookimpl(optionalhook=True)  # xdist's hook
+def pytest_xdist_make_scheduler(config: pytest.Config, log):
+    if getattr(config.option, "dist", None) != "loadfile" or not config.stash.get(BY_SCOPE_KEY, False):
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    class FrameworkScheduling(LoadScopeScheduling):
+        """`--dist loadfile`, with each framework's tests in other files (its mutants) joined to its files."""
+
+        def _split_scope(self, nodeid: str) -> str:
+            return scope_of(nodeid)
+
+    return FrameworkScheduling(config, log)
+
+
+BY_SCOPE_KEY = pytest.StashKey[bool]()
 
 
 def pytest_configure(config: pytest.Config) -> None:
-    _schedule_by_file(config)
+    config.stash[BY_SCOPE_KEY] = _schedule_by_file(config)
     config.addinivalue_line("markers", "exhaustive(why): runs in the full tier only; `why` names what the fast "
                                        "tier runs instead (the same check, case, mutant or framework, smaller)")
     config.stash[TIER_KEY] = tier = tier_of(config)
