@@ -191,8 +191,9 @@ def _imported_names(text: str) -> set[str]:
     return names
 
 
-def test_every_name_the_readme_and_examples_import_from_sp_harness_is_exported():
-    texts = [(ROOT / "README.md").read_text()] + [p.read_text() for p in sorted((ROOT / "examples").glob("*.py"))]
+def test_every_name_the_readme_docs_and_examples_import_from_sp_harness_is_exported():
+    texts = [(ROOT / "README.md").read_text(), (ROOT / "docs" / "running.md").read_text()] + [
+        p.read_text() for p in sorted((ROOT / "examples").glob("*.py"))]
     names = set().union(*map(_imported_names, texts))
     assert {"Case", "Layout", "Sharded", "Training", "ParamSpec"} <= names  # the parse finds them
     module = importlib.import_module("sp_harness")

@@ -8,8 +8,6 @@ import os
 import subprocess
 import sys
 
-import pytest
-
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -49,7 +47,7 @@ def _run_each(argvs: list[list[str]]) -> list[subprocess.CompletedProcess]:
                           text=True, timeout=600)
     lines = proc.stdout.splitlines()
     assert proc.returncode == 0 and len(lines) == len(argvs), proc.stdout + proc.stderr
-    return [subprocess.CompletedProcess(argv, *json.loads(line)) for argv, line in zip(argvs, lines)]
+    return [subprocess.CompletedProcess(argv, *json.loads(line)) for argv, line in zip(argvs, lines, strict=True)]
 
 
 def _one_line_usage_error(proc: subprocess.CompletedProcess, *needles: str) -> None:
@@ -88,7 +86,7 @@ USAGE_ERRORS = [
 def test_usage_errors_exit_2_with_one_line_before_any_rank():
     procs = _run_each([argv for argv, _ in USAGE_ERRORS])
     failures = []
-    for (argv, needles), proc in zip(USAGE_ERRORS, procs):
+    for (argv, needles), proc in zip(USAGE_ERRORS, procs, strict=True):
         try:
             _one_line_usage_error(proc, *needles)
         except AssertionError as exc:
