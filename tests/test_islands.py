@@ -8,6 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.attention.flex_attention import flex_attention
 
 from sp_harness.capture.islands import Island, IslandObserver, summary
 from sp_harness.config.case import Case
@@ -113,6 +114,29 @@ def test_the_observer_names_module_op_dtype_and_line():
     with IslandObserver(model, torch.float32) as observer:  # float32 is no island in a float32 run
         model(x).sum().backward()
     assert observer.islands == []
+
+
+class _Flex(nn.Module):
+    def forward(self, q, k, v):
+        return flex_attention(q.float(), k.float(), v.float())  # the island's line
+
+
+def test_flex_attention_runs_under_the_observer_on_cpu():
+    # torch's flex_attention is a higher-order op that eager mode runs through torch.compile: a
+    # mode without a rule for HOPs made it raise NotImplementedError, so a FlexAttention model
+    # (torchtitan's) could not be checked. CPU flex_attention has no backward: forward only
+    import warnings
+    q, k, v = (torch.rand(1, 2, 16, 8, dtype=torch.float64, generator=torch.Generator().manual_seed(s))
+               for s in range(3))
+    model = _Flex()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # flex_attention's "called without torch.compile()"
+        want = model(q, k, v)
+        with IslandObserver(model, torch.float64) as observer:
+            got = model(q, k, v)
+    assert torch.equal(got, want)
+    line = f"test_islands.py:{_Flex.forward.__code__.co_firstlineno + 1}"
+    assert Island(module="_Flex", op="hop.flex_attention", dtype="float32", where=line) in observer.islands
 
 
 def test_the_summary_caps_its_list():

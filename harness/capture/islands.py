@@ -83,7 +83,20 @@ def summary(islands: list[Island], run_dtype: str, label: str = "precision islan
 class IslandObserver(TorchDispatchMode):
     """Records each distinct (module, op, dtype, source line) of an op whose floating result is
     of a dtype coarser than `run_dtype`, over what runs inside it. Views, copies and tensor
-    factories are not computations and are skipped."""
+    factories are not computations and are skipped. A higher-order op (torch's `flex_attention`
+    and its backward) is one op: its inner ops are the HOP's own dense implementation, which
+    this mode does not see, and its result's dtype is the one it computed in."""
+
+    supports_higher_order_operators = True
+    """Without it torch raises NotImplementedError for any HOP under this mode: a FlexAttention
+    model could not be checked at all."""
+
+    @classmethod
+    def ignore_compile_internals(cls) -> bool:
+        """Eager flex_attention runs its HOP through torch.compile(fullgraph=True), which refuses
+        to trace under a mode that does not ignore compile internals; the compiled graph's ops
+        still run under this mode (the HOP reaches __torch_dispatch__)."""
+        return True
 
     def __init__(self, model: nn.Module, run_dtype: torch.dtype):
         super().__init__()
@@ -111,7 +124,7 @@ class IslandObserver(TorchDispatchMode):
             return NotImplemented  # its local ops run with the modes popped (as CommCounter's)
         out = func(*args, **(kwargs or {}))
         for t in out if isinstance(out, (tuple, list)) else (out,):
-            if isinstance(t, torch.Tensor) and t.dtype in self.coarse and not _skipped(func):
+            if isinstance(t, torch.Tensor) and t.dtype in self.coarse and (_is_hop(func) or not _skipped(func)):
                 self._record(func, t.dtype)
                 break
         return out
@@ -121,7 +134,7 @@ class IslandObserver(TorchDispatchMode):
         module = OUTSIDE if inner is None else inner or self.root
         backward = torch._C._current_graph_task_id() != -1
         where = "backward" if backward else _source_line()
-        op = f"aten.{func._schema.name.split('::')[-1]}"
+        op = f"hop.{func.name()}" if _is_hop(func) else f"aten.{func._schema.name.split('::')[-1]}"
         self.found.setdefault(Island(module=module, op=op, dtype=str(dtype).removeprefix("torch."), where=where))
 
 
@@ -129,6 +142,10 @@ _NOT_COMPUTED = {torch.ops.aten.clone.default, torch.ops.aten.empty_like.default
                  torch.ops.aten.ones_like.default, torch.ops.aten.full_like.default,
                  torch.ops.aten.empty.memory_format, torch.ops.aten.zeros.default, torch.ops.aten.ones.default,
                  torch.ops.aten.full.default, torch.ops.aten.empty_strided.default}
+
+
+def _is_hop(func) -> bool:
+    return isinstance(func, torch._ops.HigherOrderOperator)
 
 
 @functools.cache
@@ -155,11 +172,17 @@ def _is_engine(filename: str) -> bool:
     return path.startswith(_ENGINE_DIR) and not path.startswith(_CASE_DIRS)
 
 
+_FX_CODE = "<eval_with_key>"
+"""The file name of torch.fx's generated code (what torch.compile runs for eager flex_attention):
+torch's, not the user's."""
+
+
 def _source_line() -> str:
     """The first frame outside torch and this module: the user's line ('model.py:12'), or ''
     where that frame is the engine's own (the loss's mean over tokens, sp_harness.step.inputs)."""
     frame: FrameType | None = sys._getframe(1)
-    while frame is not None and (frame.f_code.co_filename == __file__ or frame.f_code.co_filename.startswith(_TORCH_DIR)):
+    while frame is not None and (frame.f_code.co_filename == __file__ or frame.f_code.co_filename.startswith(_TORCH_DIR)
+                                 or frame.f_code.co_filename.startswith(_FX_CODE)):
         frame = frame.f_back
     if frame is None or _is_engine(frame.f_code.co_filename):
         return ""
