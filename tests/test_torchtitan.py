@@ -3,7 +3,8 @@ ranks: its llama3 under its own TP + SP sharding config (`Module.parallelize`, D
 at TP 2 and 4, and DP 2 x TP 2 under its own FSDP2, against the same model unsharded, and a plan bug expressed through torchtitan's
 own `ShardingConfig`, which must FAIL at the forward; its spmd_types backend and its qwen3 (the
 fast tier runs them through titan-qwen3-spmd-sp's mutant battery entries, tests/test_mutants.py),
-and what cannot run on CPU (context parallelism, FlexAttention) UNSUPPORTED before ranks start."""
+its context parallelism (torch's ring through the CPU shim cp_cpu_ring) at CP 2, and what cannot
+run on CPU (FlexAttention, CP in float64) UNSUPPORTED before ranks start."""
 
 import os
 import pathlib
@@ -83,8 +84,27 @@ def test_spmd_types_backend_and_qwen3_pass(sp_check, example, name, dtype):
     assert {"forward", "loss", "grad", "param"} <= set(res.worst)
 
 
+@pytest.mark.parametrize("name,dtype", [
+    ("LLAMA3_CP2", "float32"),
+    pytest.param("LLAMA3_CP2", "bfloat16", marks=pytest.mark.exhaustive("the fast tier runs CP 2 in float32")),
+    pytest.param("LLAMA3_GQA_CP2", "float32", marks=pytest.mark.exhaustive(
+        "the fast tier runs CP 2 without GQA; the GQA ring moves half the K/V")),
+])
+def test_context_parallel_passes_through_torchs_ring(sp_check, name, dtype):
+    # torchtitan's own CP path (apply_cp_to_forward, its head-tail cut, FSDP2 over the CP mesh)
+    # with torch's ring attention on the CPU kernel (cp_cpu_ring): the ring's backward sends the
+    # K/V grads round with all-to-all, once per ring step (2 at CP 2) in each of the 2 layers,
+    # which nothing else in this model sends
+    res = sp_check(_config(name, CP, world_size=2, dtype=dtype))
+    assert res.verdict == PASS, res.reason + res.error
+    assert {"forward", "loss", "grad", "param"} <= set(res.worst)
+    assert {(r.phase, r.kind): r.count for r in res.comm}.get(("backward", "all_to_all")) == 4, res.comm
+
+
 @pytest.mark.parametrize("example,name,fields,reason", [
-    pytest.param(CP, "LLAMA3_CP2", dict(dtype="float32"), "does not have a sharding strategy registered", id="cp"),
+    pytest.param(CP, "LLAMA3_CP2", dict(dtype="float64"), "merges the per-block attention outputs in float32",
+                 id="cp-float64"),
+    pytest.param(CP, "LLAMA3_CP2", dict(world_size=4, dp=2, dtype="float32"), "CP x DP", id="cp-dp2"),
     pytest.param(SPMD, "LLAMA3_SPMD_SP", dict(dtype="float64"), "_LossParallelCrossEntropy", id="spmd-float64"),
     pytest.param(SPMD, "LLAMA3_SPMD_SP", dict(world_size=4, dp=2, dtype="float32"), "pytorch/pytorch#181519",
                  id="spmd-dp2"),

@@ -46,6 +46,7 @@ from torch import nn
 
 from sp_harness import Batch, Case, Layout, RankContext, Sharded, Unsupported
 from sp_harness.cases.frameworks.common import require_tp
+from sp_harness.cases.frameworks.torchtitan_cp import cp_limits, titan_cp_shard
 from sp_harness.cases.frameworks.torchtitan_models import QWEN3_KEYS, qwen3_config, retie
 from sp_harness.cases.frameworks.torchtitan_spmd import spmd_limits, spmd_types_shard
 
@@ -267,6 +268,15 @@ def torchtitan_spmd_shard(shapes: Mapping[str, Any], *, enable_sp: bool = True, 
         _vocab)
 
 
+def torchtitan_cp_shard(shapes: Mapping[str, Any], *, attn_backend: str = "sdpa", model: ModelName = "llama3",
+                        shard_positions: bool = True):
+    """The sharded factory of a `torchtitan_case(..., context_parallel=N)`: the model from its
+    config under torchtitan's CP path (torchtitan_cp). `shard_positions=False`: RoPE positions
+    not handed to the model (a mutant's)."""
+    return titan_cp_shard(lambda ctx: _build(model_config(model, _run_shapes(shapes, ctx.config), attn_backend=attn_backend),
+                                             ctx.config.torch_dtype), shard_positions=shard_positions)
+
+
 def _vocab(ctx: RankContext) -> int:
     assert ctx.config.vocab is not None, "a resolved config has the case's vocab"
     return ctx.config.vocab
@@ -280,12 +290,10 @@ def _run_shapes(shapes: Mapping[str, Any], cfg) -> dict:
 
 SpmdBackend = Literal["partial_dtensor", "spmd_types"]
 
-CP_ON_CPU = ("torchtitan's context parallelism cannot run on CPU: for SDPA, apply_cp_to_forward wraps q/k/v as "
-             "DTensors for torch's CP dispatcher, whose ring handlers cover the CUDA kernels only "
-             "(NotImplementedError: Operator aten._scaled_dot_product_flash_attention_for_cpu.default does not have "
-             "a sharding strategy registered), and its FlexAttention CP runs flex_attention, which has no CPU "
-             "backward (NotImplementedError: FlexAttention does not support backward on CPU)")
-"""Why `context_parallel > 1` is Unsupported here (both measured on 2 gloo ranks, torch 2.13.0)."""
+CP_STEP = ("torchtitan's context parallelism runs in the side-by-side check (torchtitan_case(..., context_parallel=2), "
+           "torch's ring through the CPU shim cp_cpu_ring); under its trainer step (the CP cut in "
+           "post_dataloading_process, the token count taken before it) it is not wired")
+"""Why `titan_train_case(..., context_parallel > 1)` is Unsupported."""
 FLEX_ON_CPU = ("FlexAttention does not support backward on CPU (torch 2.13.0's NotImplementedError, eager and "
                "compiled alike); use attn_backend='sdpa' (torchtitan's ScaledDotProductAttention) on CPU")
 
@@ -303,11 +311,14 @@ def torchtitan_case(name: str, model_kwargs: Mapping[str, Any], *, tp: int | Non
     `llama3_config`'s. `spmd_backend`: torchtitan's `parallelism.spmd_backend`, "partial_dtensor"
     (DTensor on TP) or "spmd_types" (plain local tensors with spmd types: torchtitan_spmd).
     `model`: the registry model, "llama3" or "qwen3" (torchtitan_models: its keys `QWEN3_KEYS`).
-    `context_parallel`: torchtitan's CP degree; > 1 is Unsupported on CPU (`CP_ON_CPU`).
+    `context_parallel`: torchtitan's CP degree (torchtitan_cp: its SDPA CP at TP 1, DP 1, float32 / bfloat16,
+    torch's ring through the CPU shim cp_cpu_ring; what it cannot run is Unsupported, `cp_limits`).
     `case_fields`: any other `Case` field (defaults, tags, ...)."""
     if spmd_backend not in ("partial_dtensor", "spmd_types"):
         raise ValueError(f"torchtitan_case({name!r}): spmd_backend {spmd_backend!r}; known: partial_dtensor, "
                          "spmd_types (full_dtensor: not wired)")
+    if context_parallel < 1:
+        raise ValueError(f"torchtitan_case({name!r}): context_parallel {context_parallel}; must be >= 1")
     if model not in ("llama3", "qwen3"):
         raise ValueError(f"torchtitan_case({name!r}): model {model!r}; known: llama3, qwen3")
     keys = _SHAPE_KEYS if model == "llama3" else QWEN3_KEYS
@@ -321,11 +332,11 @@ def torchtitan_case(name: str, model_kwargs: Mapping[str, Any], *, tp: int | Non
                     num_kv_heads=shapes.get("n_kv_heads"), vocab=shapes["vocab_size"], seq_len=seq_len, batch=batch)
 
     def validate(cfg):
-        if context_parallel > 1 and not torch.cuda.is_available():
-            raise Unsupported(CP_ON_CPU)
-        if context_parallel > 1:
+        if context_parallel > 1 and torch.cuda.is_available():
             raise Unsupported("torchtitan's context parallelism on CUDA is not wired into this case (unverified here)")
-        run_tp = require_tp(cfg, tp, name, "torchtitan")
+        if context_parallel > 1 and (why := cp_limits(cfg, context_parallel, tp, spmd_backend, attn_backend)):
+            raise Unsupported(why)
+        run_tp = 1 if context_parallel > 1 else require_tp(cfg, tp, name, "torchtitan")  # CP runs at TP 1
         if cfg.seq_shards is not None:
             raise Unsupported("torchtitan's sequence parallelism is DTensor's Shard(1): torch.chunk's split, no "
                               "explicit seq_shards")
@@ -360,7 +371,9 @@ def torchtitan_case(name: str, model_kwargs: Mapping[str, Any], *, tp: int | Non
         return Batch(inputs={"tokens": tokens}, target=labels)
 
     defaults.update(case_fields.pop("defaults", {}))
-    if spmd_backend == "spmd_types":
+    if context_parallel > 1:
+        shard = torchtitan_cp_shard(shapes, attn_backend=attn_backend, model=model)
+    elif spmd_backend == "spmd_types":
         shard = torchtitan_spmd_shard(shapes, enable_sp=enable_sp, attn_backend=attn_backend,
                                       edit_sharding=edit_sharding, model=model)
     else:
@@ -376,5 +389,5 @@ def torchtitan_case(name: str, model_kwargs: Mapping[str, Any], *, tp: int | Non
                 defaults=defaults, tags=("torchtitan", "framework", *case_fields.pop("tags", ())), **case_fields)
 
 
-__all__ = ["CP_ON_CPU", "TORCHTITAN_VERSION", "cpu_shims", "llama3_config", "model_config", "retie", "torchtitan_case",
-           "torchtitan_shard", "torchtitan_spmd_shard"]
+__all__ = ["CP_STEP", "TORCHTITAN_VERSION", "cpu_shims", "llama3_config", "model_config", "retie", "torchtitan_case",
+           "torchtitan_cp_shard", "torchtitan_shard", "torchtitan_spmd_shard"]

@@ -6,7 +6,12 @@ clip_grad_norm_, OptimizersContainer), plan bugs expressed through torchtitan's 
 
 import dataclasses
 
-from sp_harness.cases.frameworks.torchtitan import torchtitan_case, torchtitan_shard, torchtitan_spmd_shard
+from sp_harness.cases.frameworks.torchtitan import (
+    torchtitan_case,
+    torchtitan_cp_shard,
+    torchtitan_shard,
+    torchtitan_spmd_shard,
+)
 from sp_harness.cases.frameworks.torchtitan_step import TitanStepConfig, titan_step_shard, titan_train_case
 from sp_harness.config.case import Example
 from sp_harness.config.registry import mutant, register
@@ -110,6 +115,27 @@ mutant(TITAN_QWEN3_SPMD_SP, name="mutant-titan-spmd-embedding-partial-as-replica
        source="pytorch/torchtitan#3468",
        shard=torchtitan_spmd_shard(QWEN3_SHAPES, model="qwen3", edit_sharding=embedding_partial_declared_replicate),
        killed_by=("forward", "even"))
+
+TITAN_LLAMA3_CP = register(torchtitan_case(
+    "titan-llama3-cp", SHAPES, context_parallel=2, isolation=ISOLATION,
+    # CP runs over the whole world at DP 1 (world size 2), and torch's ring merges in float32, so
+    # float64 is Unsupported: the battery's even entry runs it in float32
+    defaults=dict(dtype="float32"),
+    examples=(Example(fields=(("world_size", 2), ("dtype", "float32")),
+                      note="torchtitan llama3, its context parallelism (SDPA ring, head-tail balancer) at CP 2, "
+                           "through the CPU ring shim"),
+              Example(fields=(("world_size", 2), ("dtype", "bfloat16")),
+                      note="torchtitan llama3, CP 2, bfloat16"))))
+
+CP_POSITIONS_NOT_SHARDED = mutant(
+    TITAN_LLAMA3_CP, name="mutant-titan-cp-positions-not-sharded",
+       summary="CP: RoPE positions not cut with the tokens (each rank rotates its shard by 0..s_r-1)",
+       bug="under context parallelism the RoPE positions (torchtitan's freqs_cis, later its positions input) must be "
+           "cut by the same load-balanced order as the tokens; a position buffer CP never shards leaves every rank "
+           "rotating its tokens as if they began the sequence",
+       source="pytorch/torchtitan#792 (freqs_cis of the PP stage models never handed to CP for sharding); "
+              "pytorch/torchtitan#1797 (freqs_cis is order-sensitive under the CP load balancer)",
+       shard=torchtitan_cp_shard(SHAPES, shard_positions=False), killed_by=("forward", "even"))
 
 TRAIN_STEP = (("train_step", True), ("micro_batches", 3), ("clip_grad_norm", 0.01), ("dtype", "float32"))
 """The training-step check's config the step case is shown on: K = 3 uneven micro-batches, clipping active."""

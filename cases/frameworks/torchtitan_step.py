@@ -58,7 +58,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from sp_harness import Case, Sharded, Unsupported
-from sp_harness.cases.frameworks.torchtitan import CP_ON_CPU, torchtitan_case, torchtitan_shard
+from sp_harness.cases.frameworks.torchtitan import CP_STEP, torchtitan_case, torchtitan_shard
 from sp_harness.config.rank_context import RankContext
 from sp_harness.config.step_protocol import MicroBatch, TrainLoss
 from sp_harness.step.optim_ref import ADAMW_BETAS, ADAMW_EPS, SGD_MOMENTUM, WEIGHT_DECAY
@@ -288,14 +288,14 @@ def titan_train_case(name: str, model_kwargs: Mapping[str, Any], *, tp: int | No
                      **case_fields: Any) -> Case:
     """A `torchtitan_case` (llama3 of `model_kwargs`, TP + SP, FSDP2 at dp > 1) whose training step
     is torchtitan's own trainer step, judged by `--train-step` against the token mean of the
-    cross entropy over every valid token. `context_parallel` > 1 is Unsupported on CPU (below).
+    cross entropy over every valid token. `context_parallel` > 1 is Unsupported (`CP_STEP`).
     `case_fields`: as `torchtitan_case`'s."""
     base = torchtitan_case(name, model_kwargs, tp=tp, **case_fields)
     shapes = {"n_layers": 2, "n_heads": 4, "vocab_size": 64, "multiple_of": 16, "dim": 32, **model_kwargs}
 
     def validate(cfg):
         if context_parallel > 1:
-            raise Unsupported(CP_ON_CPU)
+            raise Unsupported(CP_STEP)
         assert base.validate is not None
         base.validate(cfg)
         if cfg.train_step and cfg.dtype == "float64":
