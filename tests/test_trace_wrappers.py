@@ -1,7 +1,8 @@
 """Localisation through wrappers: DDP, megatron's Float16Module and DeepSpeed's engine name every
 module "module.<name>"; the trace strips the prefix the declared param mapping shows, so the
 sharded modules line up with the reference's by name (before, none did, and every grad failure
-was placed "in the grad sync")."""
+was placed "in the grad sync"). And through keyword inputs: HF attention takes `hidden_states=`,
+and a module whose input gets no grad where the reference's has one is a divergence."""
 
 import torch
 from torch import nn
@@ -50,3 +51,52 @@ def test_wrapped_modules_line_up_with_the_reference():
     assert list(got.backward) == list(want.backward)
     for name in want.forward:
         torch.testing.assert_close(got.forward[name], want.forward[name])
+
+
+class _Attn(nn.Module):
+    """HF-style attention, called with `hidden_states=`; `detached`: its exchange returns a
+    tensor cut from its input (DeepSpeed#8491's all-to-all under torch.compile)."""
+
+    def __init__(self, detached: bool):
+        super().__init__()
+        self.q, self.o, self.detached = nn.Linear(4, 4), nn.Linear(4, 4), detached
+
+    def forward(self, hidden_states, scale=None):
+        q = self.q(hidden_states)
+        return self.o(torch.tanh(q.detach() if self.detached else q))
+
+
+class _Layer(nn.Module):
+    def __init__(self, detached: bool = False):
+        super().__init__()
+        self.norm, self.self_attn, self.mlp = nn.LayerNorm(4), _Attn(detached), nn.Linear(4, 4)
+
+    def forward(self, x):
+        x = x + self.self_attn(hidden_states=self.norm(x), scale=2.0)
+        return x + self.mlp(x)
+
+
+def _traced(model):
+    torch.manual_seed(1)
+    for p in model.parameters():
+        nn.init.normal_(p)
+    rec = Recorder(model)
+    x = torch.randn(3, 4, dtype=torch.float64, generator=torch.Generator().manual_seed(2), requires_grad=True)
+    model.double()(x).pow(2).sum().backward()
+    return rec
+
+
+def test_a_keyword_input_is_traced_and_no_grad_where_the_reference_has_one_is_named():
+    from sp_harness.compare.divergence import first_divergence
+    ref, got = _traced(nn.Sequential(_Layer(), _Layer())), _traced(nn.Sequential(_Layer(), _Layer(detached=True)))
+    assert "1.self_attn" in ref.backward  # its input came as hidden_states=
+    assert "1.self_attn" not in got.backward and "1.self_attn" in got.inputs  # needed one, got none
+    d = first_divergence(step=0, rank=0, sharded=got, ref64=ref, ref_lp=ref, ref_alt=ref, dtype=torch.float64,
+                         seq_len=3, seq_shards=(3,), tp_rank=0, failed_kind="grad")
+    # the last layer's attention comes first in backward; the layer around it got a grad
+    # (through the residual), wrong: before, the layer was named
+    assert (d.phase, d.module) == ("backward", "1.self_attn"), d
+    assert "first diverging module: 1.self_attn (no input grad at all, backward" in d.describe()
+    d = first_divergence(step=0, rank=0, sharded=ref, ref64=ref, ref_lp=ref, ref_alt=ref, dtype=torch.float64,
+                         seq_len=3, seq_shards=(3,), tp_rank=0, failed_kind="grad")
+    assert d.phase == "none"

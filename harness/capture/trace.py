@@ -2,7 +2,10 @@
 
 Forward hooks record every module's output on both sides (the sharded model and the three
 references), keyed by the module's qualified name; a hook on each module's first input tensor
-records its grad (the total grad of that tensor, the same on both sides). When a step fails, its modules are compared in execution
+(its first positional argument, else its first keyword tensor: HF attention takes
+`hidden_states=`) records its grad (the total grad of that tensor, the same on both sides). A
+module whose input needed a grad that never came is noted too (`Trace.inputs`): where the
+reference's grad is not zero, a detached exchange left it with none. When a step fails, its modules are compared in execution
 order (forward), then in backward's order, with the same tolerance model as the final output,
 and the first one out of its bound is named: whoever reads the verdict knows which layer to
 open.
@@ -45,6 +48,16 @@ def comparable(t) -> torch.Tensor | None:
     return t.to_local().detach() if isinstance(t, DTensor) else t.detach()
 
 
+def first_input(args: tuple, kwargs: dict):
+    """The input whose grad the trace records: the first positional argument, else (none given)
+    the first keyword argument that is a tensor, where it is `traceable`; else None."""
+    if args:
+        x = args[0]
+    else:
+        x = next((v for v in kwargs.values() if isinstance(v, torch.Tensor)), None)
+    return x if traceable(x) else None
+
+
 @dataclass(kw_only=True)
 class Trace:
     """One pass's module outputs and input grads, by module name, in the order they happened
@@ -55,6 +68,9 @@ class Trace:
     order: list[str] = field(default_factory=list)
     """Every module's name in the order its forward started, the skipped ones included: what
     ran before a diverging module, to name what could not be compared upstream of it."""
+    inputs: dict[str, tuple[tuple[int, ...], torch.dtype]] = field(default_factory=dict)
+    """Every traced module whose input needed a grad, with that input's (local) shape and dtype:
+    one missing from `backward` got no grad at all (zero, for the comparison)."""
 
 
 class Recorder:
@@ -67,6 +83,7 @@ class Recorder:
         self.forward: dict[str, torch.Tensor] = {}
         self.backward: dict[str, torch.Tensor] = {}
         self.order: list[str] = []
+        self.inputs: dict[str, tuple[tuple[int, ...], torch.dtype]] = {}
         self._started: set[str] = set()
         self._handles = []
         for name, module in model.named_modules():
@@ -77,7 +94,7 @@ class Recorder:
             self._handles.append(module.register_forward_pre_hook(self._on_start(name)))
             if traced:
                 self._handles.append(module.register_forward_hook(self._on_forward(name)))
-                self._handles.append(module.register_forward_pre_hook(self._on_input(name)))
+                self._handles.append(module.register_forward_pre_hook(self._on_input(name), with_kwargs=True))
 
     def _on_start(self, name):
         def hook(module, args):
@@ -101,10 +118,12 @@ class Recorder:
         # a hook on the input tensor, not a full backward hook: those wrap the module's inputs
         # and outputs in an autograd Function, which in-place modules (ReLU(inplace=True)) reject,
         # and the trace must never make a correct model fail
-        def hook(module, args):
-            x = args[0] if args else None
-            if traceable(x) and x.requires_grad:
+        def hook(module, args, kwargs):
+            x = first_input(args, kwargs)
+            if x is not None and x.requires_grad:
                 x.register_hook(self._grad_hook(name))
+                local = x.to_local() if isinstance(x, DTensor) else x
+                self.inputs.setdefault(name, (tuple(local.shape), local.dtype))
         return hook
 
     def _grad_hook(self, name):
@@ -116,13 +135,15 @@ class Recorder:
         return hook
 
     def clear(self) -> None:
+        self.inputs.clear()
         self.forward.clear()
         self.backward.clear()
         self.order.clear()
         self._started.clear()
 
     def snapshot(self) -> Trace:
-        return Trace(forward=dict(self.forward), backward=dict(self.backward), order=list(self.order))
+        return Trace(forward=dict(self.forward), backward=dict(self.backward), order=list(self.order),
+                     inputs=dict(self.inputs))
 
     def remove(self) -> None:
         for h in self._handles:

@@ -45,6 +45,9 @@ class Divergence:
     was recorded: an op inside one of them cannot have caused it (it would have shown there)."""
     presync: str = ""
     """For 'backward', 'sync' and 'none': what the grads before the sync said (Placement.describe)."""
+    no_grad: bool = False
+    """For 'backward': no grad reached the module's input at all (where the reference's is not
+    zero): its backward, or an exchange inside it, is detached."""
     param: str = ""
     """For 'backward' placed by the grads before the sync (no traced input grad diverged): the
     param whose grads fit nowhere; `module` is its module."""
@@ -70,7 +73,7 @@ class Divergence:
             return (f"first module with wrong param grads before the grad sync: {self.module} ({self.param}, "
                     f"{self.phase}, step {self.step}, rank {self.rank}, {self.ratio:.3g}x its bound at the best fit), "
                     f"every traced module's input grad within its bound: {self.presync}")
-        what = "output" if self.phase == "forward" else "input grad"
+        what = "output" if self.phase == "forward" else "no input grad at all" if self.no_grad else "input grad"
         before = ""
         if self.upstream:
             more = f" and {len(self.upstream) - MAX_NAMED} more" if len(self.upstream) > MAX_NAMED else ""
@@ -126,6 +129,29 @@ def _line_up(got: torch.Tensor, ref: torch.Tensor, seq_len: int, seq_shards, tp_
                 return lambda t, dim=dim: t.index_select(dim, seq_index.to(t.device))
             return lambda t, dim=dim: sh.shard(t, dim, seq_shards, tp_rank)
     return None
+
+
+def _with_missing_grads(sharded: Recorder | Trace, ref64: Recorder | Trace) -> dict[str, torch.Tensor]:
+    """The sharded input grads in backward's order, with a zero grad for each traced module whose
+    input needed one that never came where the reference's came: placed where the reference's
+    arrived, among the sharded grads the reference has too (a module whose exchange is detached
+    gets no grad; the modules around it do, through the residual)."""
+    at = {name: i for i, name in enumerate(ref64.backward)}
+    missing = sorted((n for n in sharded.inputs if n not in sharded.backward and n in at), key=at.__getitem__)
+    merged: dict[str, torch.Tensor] = {}
+    for name, grad in sharded.backward.items():
+        while missing and name in at and at[missing[0]] < at[name]:
+            first = missing.pop(0)
+            merged[first] = _zeros(sharded.inputs[first], ref64.backward[first].device)
+        merged[name] = grad
+    for name in missing:
+        merged[name] = _zeros(sharded.inputs[name], ref64.backward[name].device)
+    return merged
+
+
+def _zeros(spec: tuple[tuple[int, ...], torch.dtype], device: torch.device) -> torch.Tensor:
+    shape, dtype = spec
+    return torch.zeros(shape, dtype=dtype, device=device)
 
 
 def _forward_divergence(step: int, rank: int, name: str, ratio: float, order: int, started: list[str],
@@ -184,7 +210,7 @@ def first_divergence(*, step: int, rank: int, sharded: Recorder | Trace, ref64: 
     agreed: list[str] = []
     # a forward or loss failure entered in the forward: the input grads that diverge follow from it
     for phase in ("forward",) if failed_kind in FORWARD_KINDS else ("forward", "backward"):
-        got_side = getattr(sharded, phase)
+        got_side = getattr(sharded, phase) if phase == "forward" else _with_missing_grads(sharded, ref64)
         for order, (name, got) in enumerate(got_side.items()):
             want = getattr(ref64, phase).get(name)
             want_lp = getattr(ref_lp, phase).get(name)
@@ -211,7 +237,7 @@ def first_divergence(*, step: int, rank: int, sharded: Recorder | Trace, ref64: 
                 if phase == "backward":
                     said = presync.describe() if presync is not None and presync.stage == "backward" else ""
                     return Divergence(step=step, rank=rank, phase=phase, module=name, ratio=chk.ratio, order=order,
-                                      presync=said)
+                                      presync=said, no_grad=name not in sharded.backward)
                 return _forward_divergence(step, rank, name, chk.ratio, order, sharded.order,
                                            skipped | set(unaligned_names), tuple(agreed))
             if phase == "forward":
