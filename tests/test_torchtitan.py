@@ -122,3 +122,36 @@ def test_flex_attention_is_unsupported_with_torchs_reason():
     assert case.validate is not None
     with pytest.raises(Unsupported, match="FlexAttention does not support backward on CPU"):
         case.validate(case.resolve(CheckConfig(case="titan-flex", world_size=2)))
+
+
+def test_cpu_ring_shim_is_opt_in(tmp_path):
+    # one gloo rank: inside the block the CPU flash op on Shard(2) DTensors is torch's ring (one
+    # block: plain SDPA's numbers, its backward too); outside it, and for a backward whose forward
+    # it did not ring, DTensor does what it does without the shim (tests/test_torch_cp.py's pin)
+    import torch
+    import torch.distributed as dist
+    import torch.nn.functional as F
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Shard
+
+    from sp_harness.cases.frameworks.cp_cpu_ring import cpu_ring_attention
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        mesh = init_device_mesh("cpu", (1,))
+        q, k, v = (torch.randn(2, 4, 8, 8, requires_grad=True) for _ in range(3))
+        want = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        want.sum().backward()
+        grads = [t.grad.clone() for t in (q, k, v)]
+        local = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+        dts = [DTensor.from_local(t, mesh, [Shard(2)], run_check=False) for t in local]
+        with cpu_ring_attention():
+            got = F.scaled_dot_product_attention(*dts, is_causal=True)
+        got.to_local().sum().backward()
+        torch.testing.assert_close(got.to_local(), want)
+        for t, g in zip(local, grads):
+            torch.testing.assert_close(t.grad, g)
+        with pytest.raises(NotImplementedError, match="does not have a sharding strategy"):
+            F.scaled_dot_product_attention(*dts, is_causal=True)
+    finally:
+        dist.destroy_process_group()
