@@ -149,7 +149,7 @@ def test_cpu_ring_shim_is_opt_in(tmp_path):
             got = F.scaled_dot_product_attention(*dts, is_causal=True)
         got.to_local().sum().backward()
         torch.testing.assert_close(got.to_local(), want)
-        for t, g in zip(local, grads):
+        for t, g in zip(local, grads, strict=True):
             torch.testing.assert_close(t.grad, g)
         with pytest.raises(NotImplementedError, match="does not have a sharding strategy"):
             F.scaled_dot_product_attention(*dts, is_causal=True)

@@ -274,7 +274,7 @@ def torchtitan_cp_shard(shapes: Mapping[str, Any], *, attn_backend: str = "sdpa"
     config under torchtitan's CP path (torchtitan_cp). `shard_positions=False`: RoPE positions
     not handed to the model (a mutant's)."""
     return titan_cp_shard(lambda ctx: _build(model_config(model, _run_shapes(shapes, ctx.config), attn_backend=attn_backend),
-                                             ctx.config.torch_dtype), shard_positions=shard_positions)
+                                             ctx.config.torch_dtype), cpu_shims, shard_positions=shard_positions)
 
 
 def _vocab(ctx: RankContext) -> int:

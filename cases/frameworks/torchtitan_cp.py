@@ -99,18 +99,17 @@ def _cp_hooks(cp_mesh, *, shard_positions: bool):
     return pre, post
 
 
-def titan_cp_shard(build: Callable[[RankContext], nn.Module], *, shard_positions: bool = True):
+def titan_cp_shard(build: Callable[[RankContext], nn.Module], fsdp_shims: Callable[[nn.Module], None], *,
+                   shard_positions: bool = True):
     """The sharded factory of a `torchtitan_case(..., context_parallel=N)`: `build(ctx)` is this
     rank's torchtitan model (the reference's config and dtype), loaded with the reference's state,
-    then torchtitan's CP path (module docstring). `shard_positions=False`: the positions are not
-    handed to the model (a mutant's)."""
+    then torchtitan's CP path (module docstring); `fsdp_shims(model)` after its FSDP2 (torchtitan's
+    `cpu_shims`). `shard_positions=False`: the positions are not handed to the model (a mutant's)."""
 
     def shard(reference: nn.Module, ctx: RankContext) -> Sharded:
         from torchtitan.distributed.context_parallel import apply_cp_to_forward
         from torchtitan.distributed.fsdp import apply_fsdp_to_decoder
         from torchtitan.distributed.utils import set_spmd_backend
-
-        from sp_harness.cases.frameworks.torchtitan import cpu_shims
 
         set_spmd_backend("partial_dtensor")
         model: Any = build(ctx)  # a torchtitan Decoder: its blocks in `layers`
@@ -119,7 +118,7 @@ def titan_cp_shard(build: Callable[[RankContext], nn.Module], *, shard_positions
         apply_cp_to_forward([block.attention.inner_attention for block in model.layers.values()], cp_mesh)
         dtype = ctx.config.torch_dtype
         apply_fsdp_to_decoder(model, cp_mesh, param_dtype=dtype, reduce_dtype=dtype, pp_enabled=False)
-        cpu_shims(model)
+        fsdp_shims(model)
         pre, post = _cp_hooks(cp_mesh, shard_positions=shard_positions)
         model.register_forward_pre_hook(pre, with_kwargs=True)
         model.register_forward_hook(post, with_kwargs=True, always_call=True)
