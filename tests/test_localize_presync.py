@@ -171,3 +171,17 @@ def test_a_param_right_after_the_sync_that_fits_nowhere_before_it_makes_the_plac
     got = place(step=0, rank=0, every=every, order=["norm.weight", "pos.weight"], failing=["norm.weight"],
                 refs=_refs(full), precision=F64)
     assert got.stage == "unknown" and got.note.startswith("pos.weight's grads before the sync"), got
+
+
+def test_ops_inside_a_declared_island_are_no_candidate_cause():
+    # yunchang's float32 ring merge at float64, declared: the perturbed reference rounds the whole
+    # core at float32, so the ops found inside it are modelled (the declared island itself is
+    # named where it holds the divergence); a float32 op outside it still is a candidate
+    ref = Trace(forward={"attn.core": torch.ones(2, 4, dtype=torch.float64)}, order=["attn.core"])
+    got = Trace(forward={"attn.core": torch.full((2, 4), 2.0, dtype=torch.float64)}, order=["attn.core"])
+    kw = dict(step=0, rank=0, sharded=got, ref64=ref, ref_lp=ref, ref_alt=ref, dtype=torch.float64, seq_len=4,
+              seq_shards=(2, 2), tp_rank=0, failed_kind="forward")
+    d = first_divergence(**kw, declared=("attn.core",))
+    assert d.module == "attn.core" and not d.could_cause("module.attn.core.usp", backward=False)
+    assert d.could_cause("attn.core_proj", backward=False)  # a prefix is a module, not a string
+    assert first_divergence(**kw).could_cause("attn.core.usp", backward=False)

@@ -7,7 +7,7 @@ and a module whose input gets no grad where the reference's has one is a diverge
 import torch
 from torch import nn
 
-from sp_harness.capture.trace import Recorder
+from sp_harness.capture.trace import Recorder, Trace
 from sp_harness.config.case import ParamSpec
 from sp_harness.step.params import LocalParam, wrapper_prefix
 
@@ -100,3 +100,33 @@ def test_a_keyword_input_is_traced_and_no_grad_where_the_reference_has_one_is_na
     d = first_divergence(step=0, rank=0, sharded=ref, ref64=ref, ref_lp=ref, ref_alt=ref, dtype=torch.float64,
                          seq_len=3, seq_shards=(3,), tp_rank=0, failed_kind="grad")
     assert d.phase == "none"
+
+
+def test_at_dp_2_a_rank_s_traced_tensors_line_up_with_its_replica_s_rows():
+    from sp_harness.compare.divergence import Replica, first_divergence
+    g = torch.Generator().manual_seed(3)
+    ref_out = {n: torch.randn(4, 12, 8, dtype=torch.float64, generator=g) for n in ("emb", "attn", "mlp")}
+    ref_grad = {n: torch.randn(4, 12, 8, dtype=torch.float64, generator=g) for n in ("mlp", "attn")}
+    ref_grad["rope"] = torch.randn(12, 8, dtype=torch.float64, generator=g)  # no batch dim: shared by the rows
+    ref = Trace(forward=ref_out, backward=ref_grad, order=list(ref_out))
+    mine = (slice(2, 4), slice(6, 12))  # DP rank 1's sequences, SP rank 1's half of them
+    out = {n: t[mine].clone() for n, t in ref_out.items()}
+    out["attn"][0, 0, 0] += 1.0  # another replica's sequence, say
+    grads = {n: 2.0 * t[mine] for n, t in ref_grad.items() if n != "rope"}  # a replica's mean: 2x the global's
+    grads["rope"] = ref_grad["rope"] * 0.5  # a replica's share: not comparable
+    right = {n: t[mine] for n, t in ref_out.items()}
+    kw = dict(step=0, rank=3, ref64=ref, ref_lp=ref, ref_alt=ref, dtype=torch.float64, seq_len=12,
+              seq_shards=(6, 6), tp_rank=1)
+    replica = Replica(dp=2, dp_rank=1, batch_dim=0, grad_scale=2.0)
+    d = first_divergence(**kw, sharded=Trace(forward=out, order=list(out)), failed_kind="forward", replica=replica)
+    assert (d.phase, d.module) == ("forward", "attn"), d.describe()
+    # before, no traced tensor had the reference's rows: nothing could be localised
+    d = first_divergence(**kw, sharded=Trace(forward=out, order=list(out)), failed_kind="forward")
+    assert d.phase == "unaligned" and "(2, 6, 8) is neither the reference's (4, 12, 8)" in d.note
+    d = first_divergence(**kw, sharded=Trace(forward=right, backward=grads, order=list(out)), failed_kind="grad",
+                         replica=replica)
+    assert d.phase == "none", d.describe()  # the scaled input grads agree; rope's share is not judged
+    grads["mlp"] = grads["mlp"] * 1.5
+    d = first_divergence(**kw, sharded=Trace(forward=right, backward=grads, order=list(out)), failed_kind="grad",
+                         replica=replica)
+    assert (d.phase, d.module) == ("backward", "mlp"), d.describe()

@@ -69,8 +69,10 @@ class Trace:
     """Every module's name in the order its forward started, the skipped ones included: what
     ran before a diverging module, to name what could not be compared upstream of it."""
     inputs: dict[str, tuple[tuple[int, ...], torch.dtype]] = field(default_factory=dict)
-    """Every traced module whose input needed a grad, with that input's (local) shape and dtype:
-    one missing from `backward` got no grad at all (zero, for the comparison)."""
+    """Every traced module whose input needed a grad, with that input's (local) shape and dtype."""
+    reached: set[str] = field(default_factory=set)
+    """The modules of `inputs` whose input got a grad, kept or not (a Partial DTensor's is not):
+    one of `inputs` missing here got no grad at all (zero, for the comparison)."""
 
 
 class Recorder:
@@ -84,6 +86,7 @@ class Recorder:
         self.backward: dict[str, torch.Tensor] = {}
         self.order: list[str] = []
         self.inputs: dict[str, tuple[tuple[int, ...], torch.dtype]] = {}
+        self.reached: set[str] = set()
         self._started: set[str] = set()
         self._handles = []
         for name, module in model.named_modules():
@@ -128,6 +131,7 @@ class Recorder:
 
     def _grad_hook(self, name):
         def hook(grad):
+            self.reached.add(name)
             local = comparable(grad)
             if local is not None:
                 self.backward.setdefault(name, local)
@@ -136,6 +140,7 @@ class Recorder:
 
     def clear(self) -> None:
         self.inputs.clear()
+        self.reached.clear()
         self.forward.clear()
         self.backward.clear()
         self.order.clear()
@@ -143,7 +148,7 @@ class Recorder:
 
     def snapshot(self) -> Trace:
         return Trace(forward=dict(self.forward), backward=dict(self.backward), order=list(self.order),
-                     inputs=dict(self.inputs))
+                     inputs=dict(self.inputs), reached=set(self.reached))
 
     def remove(self) -> None:
         for h in self._handles:

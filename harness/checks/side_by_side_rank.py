@@ -34,7 +34,7 @@ from sp_harness.checks.references import (
     make_references,
 )
 from sp_harness.checks.refproc import Remote, reference_process
-from sp_harness.compare.divergence import first_divergence
+from sp_harness.compare.divergence import Replica, first_divergence
 from sp_harness.compare.tensor_check import TensorCheck, check_bounded
 from sp_harness.compare.tolerance import FACTOR, RefPieces, check_tensor
 from sp_harness.compare.update_scale import ScaleBound, scale_bound, update_scales
@@ -273,13 +273,18 @@ class _SideBySide:
         assert self.recorder is not None, "localize runs on traced runs only (step)"
         assert self.config.seq_len is not None, "the check resolves seq_len"
         traces = self.refs.traces(self.full, batch, self.pieces)
+        ctx, layout = self.ctx, self.sharded.output_layout
+        tgt = batch.target
+        # the input-grad check's scale: each replica's loss is the mean over its own micro-batch
+        scale = self.case.tokens(tgt) / self.case.tokens(replica_slice(tgt, layout, ctx)) if ctx.dp > 1 else 1.0
         self.result.divergence = first_divergence(
             step=step, rank=self.ctx.rank, sharded=self.recorder, ref64=traces["r64"], ref_lp=traces["lp"],
             ref_alt=traces["alt"], dtype=self.dtype, seq_len=self.config.seq_len, seq_shards=self.ctx.seq_shards,
             tp_rank=self.ctx.tp_rank, failed_kind=failed_kind, skipped=self.pieces,
             partial=self.before_sync.partial, presync=presync,
+            replica=Replica(dp=ctx.dp, dp_rank=ctx.dp_rank, batch_dim=layout.batch_dim, grad_scale=scale),
             seq_index=seq_index(self.sharded.output_layout, self.config.seq_len, self.ctx.seq_shards,
-                                self.ctx.tp_rank))
+                                self.ctx.tp_rank), declared=tuple(self.case.precision_islands))
 
     def optimizer_stage(self, step: int) -> None:
         """The update, judged on the sharded run's own params, grads and state. The optimizer steps

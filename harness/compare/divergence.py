@@ -4,6 +4,7 @@ placed before or after the grad sync by the grads backward left (sp_harness.comp
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -45,6 +46,10 @@ class Divergence:
     was recorded: an op inside one of them cannot have caused it (it would have shown there)."""
     presync: str = ""
     """For 'backward', 'sync' and 'none': what the grads before the sync said (Placement.describe)."""
+    declared: tuple[str, ...] = ()
+    """The case's declared precision islands (module-name prefixes): the perturbed reference
+    rounds every op inside one at the island's precision, so an op found inside one is no
+    candidate cause (the declared island itself is named where it holds the divergence)."""
     no_grad: bool = False
     """For 'backward': no grad reached the module's input at all (where the reference's is not
     zero): its backward, or an exchange inside it, is detached."""
@@ -91,6 +96,8 @@ class Divergence:
         wrapper's prefix ('module.')."""
         if self.phase == "sync":
             return False  # a rounding in any op is within its bound before the sync
+        if any(_inside(module, d) for d in self.declared):
+            return False  # modelled: the whole island rounds at its precision in the reference
         if self.phase == "backward" and self.module:
             # every module output agreed, so a forward op's rounding did; in backward, a module
             # whose input grad agreed ran its backward before this one's without harm
@@ -114,10 +121,29 @@ FORWARD_KINDS = frozenset({"forward", "lse", "loss"})
 MAX_NAMED = 4
 
 
+@dataclass(kw_only=True, frozen=True)
+class Replica:
+    """This rank's DP replica, to line its traced tensors up with the reference's, which holds
+    every replica's rows (DP > 1)."""
+
+    dp: int
+    dp_rank: int
+    batch_dim: int | None
+    """The batch dim the case's output Layout declares: a traced tensor whose reference has dp
+    times this rank's rows there is cut to the replica's rows (as the output is)."""
+    grad_scale: float = 1.0
+    """What a replica's input grads are times the reference's (each replica's loss the mean over
+    its own micro-batch: global tokens / replica tokens), as the input-grad check scales them."""
+
+
 def _line_up(got: torch.Tensor, ref: torch.Tensor, seq_len: int, seq_shards, tp_rank: int,
-             seq_index: torch.Tensor | None = None):
+             seq_index: torch.Tensor | None = None, replica: Replica | None = None):
     """`ref` cut to `got`'s piece (whole, or this rank's slice of a sequence dim: the positions
-    `seq_index` names under a permuted layout), or None."""
+    `seq_index` names under a permuted layout), after its DP replica's rows (`replica`), or None."""
+    rows = _replica_rows(got, ref, replica)
+    if rows is not None:
+        inner = _line_up(got, rows(ref), seq_len, seq_shards, tp_rank, seq_index)
+        return None if inner is None else lambda t: inner(rows(t))
     if got.shape == ref.shape:
         return lambda t: t
     if got.dim() != ref.dim():
@@ -131,13 +157,27 @@ def _line_up(got: torch.Tensor, ref: torch.Tensor, seq_len: int, seq_shards, tp_
     return None
 
 
+def _replica_rows(got: torch.Tensor, ref: torch.Tensor, replica: Replica | None):
+    """The cut to this rank's DP replica's rows of the declared batch dim, where `ref` has every
+    replica's there and `got` this one's; else None."""
+    if replica is None or replica.dp == 1 or replica.batch_dim is None:
+        return None
+    dim = replica.batch_dim
+    if got.dim() != ref.dim() or ref.dim() <= dim or got.shape[dim] == ref.shape[dim]:
+        return None
+    sizes = sh.chunk_sizes(ref.shape[dim], replica.dp)
+    if sizes[replica.dp_rank] != got.shape[dim]:
+        return None
+    return lambda t: sh.shard(t, dim, sizes, replica.dp_rank)
+
+
 def _with_missing_grads(sharded: Recorder | Trace, ref64: Recorder | Trace) -> dict[str, torch.Tensor]:
     """The sharded input grads in backward's order, with a zero grad for each traced module whose
     input needed one that never came where the reference's came: placed where the reference's
     arrived, among the sharded grads the reference has too (a module whose exchange is detached
     gets no grad; the modules around it do, through the residual)."""
     at = {name: i for i, name in enumerate(ref64.backward)}
-    missing = sorted((n for n in sharded.inputs if n not in sharded.backward and n in at), key=at.__getitem__)
+    missing = sorted((n for n in sharded.inputs if n not in sharded.reached and n in at), key=at.__getitem__)
     merged: dict[str, torch.Tensor] = {}
     for name, grad in sharded.backward.items():
         while missing and name in at and at[missing[0]] < at[name]:
@@ -190,7 +230,8 @@ def first_divergence(*, step: int, rank: int, sharded: Recorder | Trace, ref64: 
                      ref_lp: Recorder | Trace, ref_alt: Recorder | Trace, dtype: torch.dtype, seq_len: int, seq_shards, tp_rank: int,
                      seq_index: torch.Tensor | None = None, failed_kind: str = "grad",
                      skipped: frozenset[str] = frozenset(), partial: frozenset[str] = frozenset(),
-                     presync: Placement | None = None) -> Divergence:
+                     presync: Placement | None = None, replica: Replica | None = None,
+                     declared: tuple[str, ...] = ()) -> Divergence:
     """`seq_index`: the global positions this rank's sequence pieces hold, for a permuted
     (load-balanced) layout; None for contiguous shards. `failed_kind`: the kind of the step's
     first failure (sp_harness.compare.tensor_check.KIND_ORDER); `skipped`: the modules the trace
@@ -199,7 +240,21 @@ def first_divergence(*, step: int, rank: int, sharded: Recorder | Trace, ref64: 
     grad, where it is the reference's whole tensor, may be a partial sum the framework reduces
     outside them (megatron's experts, whose reduce-scatter and all-gather are the token
     dispatcher's): not compared (a sequence slice is: a reduce-scatter's result is whole);
-    `presync`: where the grads before the sync place a param-grad failure."""
+    `presync`: where the grads before the sync place a param-grad failure; `replica`: this rank's
+    DP replica (DP > 1), whose rows of the reference its traced tensors are compared with;
+    `declared`: the case's declared precision islands (Divergence.declared)."""
+    found = _first_divergence(step=step, rank=rank, sharded=sharded, ref64=ref64, ref_lp=ref_lp, ref_alt=ref_alt,
+                              dtype=dtype, seq_len=seq_len, seq_shards=seq_shards, tp_rank=tp_rank,
+                              seq_index=seq_index, failed_kind=failed_kind, skipped=skipped, partial=partial,
+                              presync=presync, replica=replica)
+    return dataclasses.replace(found, declared=declared) if declared else found
+
+
+def _first_divergence(*, step: int, rank: int, sharded: Recorder | Trace, ref64: Recorder | Trace,
+                      ref_lp: Recorder | Trace, ref_alt: Recorder | Trace, dtype: torch.dtype, seq_len: int,
+                      seq_shards, tp_rank: int, seq_index: torch.Tensor | None, failed_kind: str,
+                      skipped: frozenset[str], partial: frozenset[str], presync: Placement | None,
+                      replica: Replica | None) -> Divergence:
     if failed_kind == "grad" and presync is not None and presync.stage == "grad sync":
         # every rank's grads were right before the sync: an input grad that disagrees is a partial
         # sum the framework completes elsewhere, not where the error entered
@@ -224,12 +279,22 @@ def first_divergence(*, step: int, rank: int, sharded: Recorder | Trace, ref64: 
                                                f"whole tensor: may be a partial sum)"))
                 unaligned_names.append(name)
                 continue
-            cut = _line_up(got, want, seq_len, seq_shards, tp_rank, seq_index)
+            if phase == "backward" and replica is not None and replica.dp > 1 and _replica_rows(
+                    got, want, replica) is None:
+                unaligned[phase].append((name, f"'{name}' (input grad {tuple(got.shape)} has no replica's rows of "
+                                               f"the reference's {tuple(want.shape)}: at DP {replica.dp} it is this "
+                                               f"replica's share)"))
+                unaligned_names.append(name)
+                continue
+            cut = _line_up(got, want, seq_len, seq_shards, tp_rank, seq_index, replica)
             if cut is None:
                 unaligned[phase].append((name, f"'{name}' ({phase} {tuple(got.shape)} is neither the reference's "
                                                f"{tuple(want.shape)} nor this rank's sequence slice of it)"))
                 unaligned_names.append(name)
                 continue
+            if phase == "backward" and replica is not None and replica.grad_scale != 1.0:
+                scaled = cut
+                cut = lambda t, scaled=scaled: scaled(t) * replica.grad_scale  # noqa: E731
             refs = RefPieces(r64=cut(want), lp=cut(want_lp), alt=None if want_alt is None else cut(want_alt))
             chk = check_tensor(kind=phase, name=name, step=step, rank=rank, got=got, refs=refs,
                                precision=precision_of(dtype))
@@ -237,7 +302,7 @@ def first_divergence(*, step: int, rank: int, sharded: Recorder | Trace, ref64: 
                 if phase == "backward":
                     said = presync.describe() if presync is not None and presync.stage == "backward" else ""
                     return Divergence(step=step, rank=rank, phase=phase, module=name, ratio=chk.ratio, order=order,
-                                      presync=said, no_grad=name not in sharded.backward)
+                                      presync=said, no_grad=name not in sharded.reached)
                 return _forward_divergence(step, rank, name, chk.ratio, order, sharded.order,
                                            skipped | set(unaligned_names), tuple(agreed))
             if phase == "forward":
