@@ -185,3 +185,16 @@ def test_ops_inside_a_declared_island_are_no_candidate_cause():
     assert d.module == "attn.core" and not d.could_cause("module.attn.core.usp", backward=False)
     assert d.could_cause("attn.core_proj", backward=False)  # a prefix is a module, not a string
     assert first_divergence(**kw).could_cause("attn.core.usp", backward=False)
+
+
+def test_identical_holders_fit_megatrons_position_embedding_at_dp_2_x_tp_2():
+    # both TP ranks of a replica hold the same grad (the sequence scatter's backward all-gathers
+    # it): rank-deficient columns, where torch.linalg.lstsq's default driver missed 0.5 g0 + 0.5 g2
+    # (residual 0.31 of 0.50 on a correct mcore-gpt-sp run), so a right sync read 'could not place'
+    a, b = _shares(10, shape=(16, 32))
+    full = {"pos.weight": (a + b) / 2}
+    every = _grads({0: {"pos.weight": a}, 1: {"pos.weight": a}, 2: {"pos.weight": b}, 3: {"pos.weight": b}})
+    got = place(step=0, rank=0, every=every, order=["pos.weight"], failing=["pos.weight"], refs=_refs(full),
+                precision=F64)
+    assert got.stage == "grad sync", got.describe()
+    assert sum(w for _, w in got.weights) == pytest.approx(1.0)
