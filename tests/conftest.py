@@ -158,15 +158,23 @@ if os.environ.get("SP_TEST_POOL_LOG"):  # measurement only: every pool start of 
 
 
 def pytest_unconfigure(config: pytest.Config) -> None:
-    """The suite leaves nothing in /tmp: `tmp_path_retention_policy = "none"` (pyproject.toml)
-    removes each session's directory; this removes pytest's per-user root once nothing else is in
-    it (another pytest session's directory keeps it)."""
+    """The suite leaves nothing in /tmp: this session's `tmp_path` directory (the workers' are inside
+    the controller's) is removed, then pytest's per-user root once nothing else is in it.
+
+    Not `tmp_path_retention_policy = "none"`: pytest then leaves the session's directory unlocked,
+    and any other pytest session ending meanwhile (the nested runs some tests start) deletes it
+    under the running suite (seen: FileNotFoundError creating a worker's basetemp)."""
     if hasattr(config, "workerinput"):
         return
     import getpass
+    import shutil
     import tempfile
     from pathlib import Path
 
+    factory = getattr(config, "_tmp_path_factory", None)  # pytest's own; None under -p no:tmpdir
+    basetemp = getattr(factory, "_basetemp", None)  # None where no test asked for a tmp_path
+    if basetemp is not None and getattr(factory, "_given_basetemp", None) is None:
+        shutil.rmtree(basetemp, ignore_errors=True)
     root = Path(os.environ.get("PYTEST_DEBUG_TEMPROOT") or tempfile.gettempdir()) / f"pytest-of-{getpass.getuser()}"
     try:
         for entry in root.iterdir():
