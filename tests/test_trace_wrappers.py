@@ -130,3 +130,36 @@ def test_at_dp_2_a_rank_s_traced_tensors_line_up_with_its_replica_s_rows():
     d = first_divergence(**kw, sharded=Trace(forward=right, backward=grads, order=list(out)), failed_kind="grad",
                          replica=replica)
     assert (d.phase, d.module) == ("backward", "mlp"), d.describe()
+
+
+class _Lookup(nn.Module):
+    """A TP-sharded module (skipped by name) whose output is a DTensor of `placement`, or a plain
+    tensor where `placement` is None."""
+
+    def __init__(self, mesh, placement):
+        super().__init__()
+        self.mesh, self.placement = mesh, placement
+
+    def forward(self, x):
+        from torch.distributed.tensor import DTensor
+        return x if self.placement is None else DTensor.from_local(x, self.mesh, [self.placement])
+
+
+def test_a_skipped_module_s_dtensor_output_is_traced_where_no_placement_is_partial(tmp_path):
+    # torchtitan#3468: the vocab-parallel embedding holds a TP-sharded weight, so it was skipped,
+    # yet its output's placements say what its local piece is: a Replicate one is the whole tensor
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Partial, Replicate
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        mesh = init_device_mesh("cpu", (1,))
+        model = nn.ModuleDict({k: _Lookup(mesh, p) for k, p in
+                               (("replicate", Replicate()), ("partial", Partial()), ("plain", None))})
+        rec = Recorder(model, skip=frozenset(model.keys()))
+        for m in model.values():
+            m(torch.randn(2, 3))
+        assert list(rec.forward) == ["replicate"] and type(rec.forward["replicate"]) is torch.Tensor
+    finally:
+        dist.destroy_process_group()

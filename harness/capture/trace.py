@@ -12,7 +12,8 @@ open.
 
 A module is compared where the two sides can be lined up without knowing the case: same
 qualified name, no TP-sharded parameter of its own (a column- or row-parallel linear returns a
-piece or a partial sum, and its input grad is partial until the next collective), and the
+piece or a partial sum, and its input grad is partial until the next collective; a DTensor
+output with no Partial placement says what its piece is and is compared), and the
 sharded tensor is either the reference's whole tensor or its slice of
 the sequence (a dim whose reference size is seq_len and whose local size is this rank's shard).
 A DTensor output or input grad is recorded as its local piece where no placement is Partial
@@ -79,7 +80,9 @@ class Recorder:
     """Module outputs and input grads of one model, in the order they happened."""
 
     def __init__(self, model: nn.Module, skip: frozenset[str] = frozenset(), prefix: str = ""):
-        """`skip`: module names (as `model` names them) left out; `prefix`: what a wrapper (DDP,
+        """`skip`: module names (as `model` names them) left out, but for an output that is a
+        DTensor with no Partial placement (its placements say what its local piece is, whatever
+        params the module holds: torchtitan's vocab-parallel embedding); `prefix`: what a wrapper (DDP,
         megatron's Float16Module, DeepSpeed's engine: "module.") adds before the names the
         reference has: stripped, and the wrapper itself left out, so the modules line up."""
         self.forward: dict[str, torch.Tensor] = {}
@@ -95,8 +98,8 @@ class Recorder:
             traced = name not in skip
             name = name[len(prefix):]
             self._handles.append(module.register_forward_pre_hook(self._on_start(name)))
+            self._handles.append(module.register_forward_hook(self._on_forward(name, dtensor_only=not traced)))
             if traced:
-                self._handles.append(module.register_forward_hook(self._on_forward(name)))
                 self._handles.append(module.register_forward_pre_hook(self._on_input(name), with_kwargs=True))
 
     def _on_start(self, name):
@@ -106,12 +109,14 @@ class Recorder:
                 self.order.append(name)
         return hook
 
-    def _on_forward(self, name):
+    def _on_forward(self, name, dtensor_only: bool = False):
         def hook(module, args, output):
             # megatron's layers return (output, bias) and its transformer layer (output, context):
             # the first tensor is the output, on the reference (the same module class) too
             if isinstance(output, tuple | list) and output:
                 output = output[0]
+            if dtensor_only and not isinstance(output, DTensor):
+                return
             local = comparable(output)
             if local is not None:
                 self.forward.setdefault(name, local)

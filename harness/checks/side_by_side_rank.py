@@ -272,7 +272,8 @@ class _SideBySide:
         """At the first failing step, the first module whose output or input grad diverged."""
         assert self.recorder is not None, "localize runs on traced runs only (step)"
         assert self.config.seq_len is not None, "the check resolves seq_len"
-        traces = self.refs.traces(self.full, batch, self.pieces)
+        # the references keep every module: a TP-sharded module's DTensor output is compared
+        traces = self.refs.traces(self.full, batch, frozenset())
         ctx, layout = self.ctx, self.sharded.output_layout
         tgt = batch.target
         # the input-grad check's scale: each replica's loss is the mean over its own micro-batch
