@@ -50,6 +50,7 @@ def test_float64_vocab_parallel_loss_passes_with_megatrons_float32_island_on_bot
     assert not any("triu" in i.op for i in res.islands), res.islands  # the CPU shim's mask is bool
 
 
+@pytest.mark.exhaustive("test_mutants kills mutant-mcore-norm-flag-dropped (the same edit on the registered twin) at grad")
 def test_norm_param_without_its_sequence_parallel_flag_fails_at_grad(sp_check):
     res = sp_check(_config("NORM_FLAG_DROPPED", world_size=2, dtype="float32"))
     assert res.verdict == FAIL and res.first_check == "grad", res.reason + res.error

@@ -41,11 +41,14 @@ def test_torchtitan_trainer_step_passes(sp_check, world_size, dp, dtype, optimiz
 
 @pytest.mark.parametrize("name,world_size,dp,stage", [
     # pytorch/torchtitan#2206 undone: each micro-batch's own token mean / K (an empty one weighs as much)
-    ("PER_MICRO_BATCH_MEAN", 2, 1, "loss"),
+    pytest.param("PER_MICRO_BATCH_MEAN", 2, 1, "loss", marks=pytest.mark.exhaustive(
+        "test_mutants kills mutant-titan-step-per-micro-batch-mean (the same bug) at its pinned stage")),
     # pytorch/torchtitan#2318: FSDP still averages over DP a loss already over the global tokens: grads x 1/2
+    # (fast tier too: the grad factor is asserted only here)
     ("FSDP_DIVIDES_TWICE", 4, 2, "grad"),
     # pytorch/torchtitan#596: the clip norm over each rank's local pieces, never reduced
-    ("CLIP_NORM_LOCAL_SHARD", 2, 1, "grad_norm"),
+    pytest.param("CLIP_NORM_LOCAL_SHARD", 2, 1, "grad_norm", marks=pytest.mark.exhaustive(
+        "test_mutants kills mutant-titan-step-clip-norm-local-shard (the same bug) at its pinned stage")),
 ])
 def test_torchtitan_step_bug_fails_at_its_stage(sp_check, name, world_size, dp, stage):
     res = sp_check(_config(name, world_size=world_size, dp=dp, optimizer="sgd", steps=1))
