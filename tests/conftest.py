@@ -75,9 +75,13 @@ def scope_of(nodeid: str) -> str:
     return path
 
 
+BY_SCOPE_KEY = pytest.StashKey[bool]()
+"""Whether this run's scheduling is ours (`_schedule_by_file` chose loadfile: no --dist was given)."""
+
+
 @pytest.hookimpl(optionalhook=True)  # xdist's hook
 def pytest_xdist_make_scheduler(config: pytest.Config, log):
-    if getattr(config.option, "dist", None) != "loadfile" or not config.stash.get(BY_SCOPE_KEY, False):
+    if not config.stash.get(BY_SCOPE_KEY, False):
         return None
     from xdist.scheduler import LoadScopeScheduling
 
@@ -88,9 +92,6 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log):
             return scope_of(nodeid)
 
     return FrameworkScheduling(config, log)
-
-
-BY_SCOPE_KEY = pytest.StashKey[bool]()
 
 
 def pytest_configure(config: pytest.Config) -> None:

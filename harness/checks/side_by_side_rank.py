@@ -270,7 +270,6 @@ class _SideBySide:
 
     def localize(self, step: int, batch, failed_kind: str, presync=None) -> None:
         """At the first failing step, the first module whose output or input grad diverged."""
-        assert self.recorder is not None, "localize runs on traced runs only (step)"
         assert self.config.seq_len is not None, "the check resolves seq_len"
         # the references keep every module: a TP-sharded module's DTensor output is compared
         traces = self.refs.traces(self.full, batch, frozenset())
@@ -319,8 +318,7 @@ class _SideBySide:
     def step(self, step: int, gen: torch.Generator) -> None:
         batch = as_batch(self.case.make_batch(self.config, step, gen))
         batch = batch_to(batch, self.built.device)
-        if self.recorder is not None:
-            self.recorder.clear()
+        self.recorder.clear()
         failures_before = len(self.result.failures)
         # the references compute (in their own process) while the sharded model steps
         self.start_references(batch)
@@ -329,10 +327,10 @@ class _SideBySide:
         self.judge_outputs(step, batch, local, out, loss, refs)
         self.judge_lse(step, refs)
         self.judge_grads(step, self.case.tokens(batch.target), refs)
-        fails = self.recorder is not None and not failures_before and len(self.result.failures) > failures_before
+        fails = not failures_before and len(self.result.failures) > failures_before
         first = min(self.result.failures, key=TensorCheck.sort_key) if fails else None
         presync = None
-        if self.recorder is not None and not self.forward_only:  # every rank, every step: a collective
+        if not self.forward_only:  # every rank, every step: a collective
             failing = [f.name for f in sorted(self.result.failures, key=TensorCheck.sort_key) if f.kind == "grad"]
             presync = self.before_sync.place(step, refs, failing if first is not None and first.kind == "grad" else None,
                                              self.recorder.order)
@@ -358,8 +356,7 @@ def drive(kind: type[_SideBySide], config: CheckConfig) -> RankResult:
     for step in range(config.steps):
         run.step(step, gen)
         announce.progress("step", step + 1, config.steps)
-    if run.recorder is not None:
-        run.recorder.remove()
+    run.recorder.remove()
     run.result.timings["compute_s"] = run.compute_s
     run.result.timings["total_s"] = time.perf_counter() - t_start
     return run.result

@@ -137,8 +137,7 @@ def profile_rank(config: CheckConfig) -> RankProfile:
         assert config.steps is not None, "run_profile resolves steps"
         for step in range(config.steps):
             run.step(step, gen)
-        if run.recorder is not None:
-            run.recorder.remove()
+        run.recorder.remove()
         total, total_cpu = time.perf_counter() - t_start, time.process_time() - c_start
         _time_alt_base(clock, run.inline, alt_batches)
     finally:
