@@ -33,6 +33,8 @@ model unsharded.
 
 from __future__ import annotations
 
+import functools
+import importlib
 import importlib.util
 import sys
 import types
@@ -47,7 +49,7 @@ from torch import nn
 from sp_harness import Batch, Case, Layout, RankContext, Sharded, Unsupported
 from sp_harness.cases.frameworks.common import require_tp
 from sp_harness.cases.frameworks.torchtitan_cp import cp_limits, titan_cp_shard
-from sp_harness.cases.frameworks.torchtitan_models import QWEN3_KEYS, qwen3_config, retie
+from sp_harness.cases.frameworks.torchtitan_models import MODELS, RegistryModel, retie
 from sp_harness.cases.frameworks.torchtitan_spmd import spmd_limits, spmd_types_shard
 
 if TYPE_CHECKING:  # imported where its cases run (Case.setup): torchtitan may not be installed
@@ -108,18 +110,12 @@ def cpu_shims(fsdp_model: nn.Module | None = None) -> None:
     sys.modules[_KERNELS] = _NoTritonKernels(_KERNELS)
 
 
-def _import_torchtitan() -> None:
-    """The case's per-process setup: the shim, then torchtitan's llama3 imported before any job's clock."""
+def _import_model(package: str) -> None:
+    """The case's per-process setup: the shim, then the model's torchtitan package and its
+    sharding config imported before any job's clock."""
     cpu_shims()
-    import torchtitan.models.llama3  # noqa: F401
-    import torchtitan.models.llama3.sharding  # noqa: F401
-
-
-def _import_qwen3() -> None:
-    """As `_import_torchtitan`, for qwen3."""
-    cpu_shims()
-    import torchtitan.models.qwen3  # noqa: F401
-    import torchtitan.models.qwen3.sharding  # noqa: F401
+    importlib.import_module(package)
+    importlib.import_module(f"{package}.sharding")
 
 
 def llama3_config(shapes: Mapping[str, Any], *, enable_sp: bool = True, attn_backend: str = "sdpa",
@@ -163,16 +159,21 @@ def llama3_config(shapes: Mapping[str, Any], *, enable_sp: bool = True, attn_bac
     return config
 
 
-ModelName = Literal["llama3", "qwen3"]
+ModelName = str
+"""A registry model's name: "llama3" or a key of torchtitan_models' `MODELS` ("qwen3", ...)."""
+
+
+def registry_models() -> dict[str, RegistryModel]:
+    """Every model a `torchtitan_case` builds, by its registry name."""
+    return {"llama3": RegistryModel(keys=_SHAPE_KEYS, config=llama3_config, package="torchtitan.models.llama3"),
+            **MODELS}
 
 
 def model_config(model: ModelName, shapes: Mapping[str, Any], **kwargs: Any):
-    """The torchtitan config of registry model `model` (`llama3_config`, or torchtitan_models'
-    `qwen3_config`) with its own sharding config set; `kwargs`: as `llama3_config`'s."""
-    if model == "qwen3":
-        cpu_shims()
-        return qwen3_config(shapes, **kwargs)
-    return llama3_config(shapes, **kwargs)
+    """The torchtitan config of registry model `model` (`registry_models`) with its own sharding
+    config set; `kwargs`: as `llama3_config`'s."""
+    cpu_shims()
+    return registry_models()[model].config(shapes, **kwargs)
 
 
 def _parallel_dims(tp_group, tp: int, world_size: int):
@@ -310,7 +311,8 @@ def torchtitan_case(name: str, model_kwargs: Mapping[str, Any], *, tp: int | Non
     defaults (`--hidden`, `--num-heads`, `--vocab`, ... override them). `edit_sharding`: as
     `llama3_config`'s. `spmd_backend`: torchtitan's `parallelism.spmd_backend`, "partial_dtensor"
     (DTensor on TP) or "spmd_types" (plain local tensors with spmd types: torchtitan_spmd).
-    `model`: the registry model, "llama3" or "qwen3" (torchtitan_models: its keys `QWEN3_KEYS`).
+    `model`: the registry model, "llama3" or a key of torchtitan_models' `MODELS` ("qwen3", ...;
+    `registry_models()`: each one's shape keys).
     `context_parallel`: torchtitan's CP degree (torchtitan_cp: its SDPA CP at TP 1, DP 1, float32 / bfloat16,
     torch's ring through the CPU shim cp_cpu_ring; what it cannot run is Unsupported, `cp_limits`).
     `case_fields`: any other `Case` field (defaults, tags, ...)."""
@@ -319,15 +321,16 @@ def torchtitan_case(name: str, model_kwargs: Mapping[str, Any], *, tp: int | Non
                          "spmd_types (full_dtensor: not wired)")
     if context_parallel < 1:
         raise ValueError(f"torchtitan_case({name!r}): context_parallel {context_parallel}; must be >= 1")
-    if model not in ("llama3", "qwen3"):
-        raise ValueError(f"torchtitan_case({name!r}): model {model!r}; known: llama3, qwen3")
-    keys = _SHAPE_KEYS if model == "llama3" else QWEN3_KEYS
+    models = registry_models()
+    if model not in models:
+        raise ValueError(f"torchtitan_case({name!r}): model {model!r}; known: {', '.join(models)}")
+    keys = models[model].keys
     unknown = sorted(set(model_kwargs) - set(keys))
     if unknown:
         raise ValueError(f"torchtitan_case({name!r}): unknown {model} kwargs {unknown}; known: {list(keys)}")
     shapes = {"n_layers": 2, "n_heads": 4, "vocab_size": 64, "multiple_of": 16, **model_kwargs}
     shapes.setdefault("dim", 32)
-    case_fields.setdefault("setup", _import_torchtitan if model == "llama3" else _import_qwen3)
+    case_fields.setdefault("setup", functools.partial(_import_model, models[model].package))
     defaults = dict(hidden=shapes["dim"], num_layers=shapes["n_layers"], num_heads=shapes["n_heads"],
                     num_kv_heads=shapes.get("n_kv_heads"), vocab=shapes["vocab_size"], seq_len=seq_len, batch=batch)
 
@@ -357,6 +360,8 @@ def torchtitan_case(name: str, model_kwargs: Mapping[str, Any], *, tp: int | Non
         if cfg.hidden % cfg.num_heads:
             raise Unsupported(f"dim ({cfg.hidden}) is not a multiple of n_heads ({cfg.num_heads})")
         if spmd_backend == "spmd_types" and (why := spmd_limits(cfg, dp=cfg.dp)) is not None:
+            raise Unsupported(why)
+        if (why := models[model].limits(cfg)) is not None:
             raise Unsupported(why)
 
     def build_reference(cfg):
@@ -389,5 +394,5 @@ def torchtitan_case(name: str, model_kwargs: Mapping[str, Any], *, tp: int | Non
                 defaults=defaults, tags=("torchtitan", "framework", *case_fields.pop("tags", ())), **case_fields)
 
 
-__all__ = ["CP_STEP", "TORCHTITAN_VERSION", "cpu_shims", "llama3_config", "model_config", "retie", "torchtitan_case",
+__all__ = ["CP_STEP", "TORCHTITAN_VERSION", "cpu_shims", "llama3_config", "model_config", "registry_models", "retie", "torchtitan_case",
            "torchtitan_cp_shard", "torchtitan_shard", "torchtitan_spmd_shard"]

@@ -12,6 +12,7 @@ own flavors, with its own sharding config set on them (`torchtitan_case(..., mod
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from typing import Any
 
 from torch import nn
@@ -62,6 +63,30 @@ def qwen3_config(shapes: Mapping[str, Any], *, enable_sp: bool = True, attn_back
     return config
 
 
+@dataclass(kw_only=True, frozen=True)
+class RegistryModel:
+    """A model of torchtitan's registry that `torchtitan_case(..., model=NAME)` builds."""
+
+    keys: tuple[str, ...]
+    """The shapes its config builder reads (the case's model kwargs); dim, n_layers, n_heads and
+    vocab_size among them (the run's --hidden, --num-layers, --num-heads, --vocab)."""
+    config: Callable[..., Any]
+    """(shapes, *, enable_sp, attn_backend, edit_sharding) -> its `Config`, built as torchtitan
+    builds its own flavors, with its own sharding config set on it."""
+    package: str
+    """Its torchtitan package: it and its `.sharding` are imported in each rank's setup (before
+    any job's clock)."""
+    limits: Callable[[Any], str | None] = lambda cfg: None
+    """Why a run config cannot be verified for this model (None: it can), from the config alone."""
+
+
+MODELS: dict[str, RegistryModel] = {
+    "qwen3": RegistryModel(keys=QWEN3_KEYS, config=qwen3_config, package="torchtitan.models.qwen3"),
+}
+"""The registry models beyond llama3 (which `torchtitan.llama3_config` builds), by their
+registry name."""
+
+
 def retie(model: nn.Module) -> None:
     """Tied embeddings (qwen3's flavors) tied again after `Module.parallelize`, which gives the
     embedding and the lm_head a sharded param each: torchtitan's own re-tie, the first line of
@@ -71,4 +96,4 @@ def retie(model: nn.Module) -> None:
         model.get_submodule("tok_embeddings").weight = model.get_submodule("lm_head").weight
 
 
-__all__ = ["QWEN3_KEYS", "qwen3_config", "retie"]
+__all__ = ["MODELS", "QWEN3_KEYS", "RegistryModel", "qwen3_config", "retie"]
