@@ -8,6 +8,7 @@ run on CPU (FlexAttention, CP in float64) UNSUPPORTED before ranks start."""
 
 import os
 import pathlib
+import re
 
 import pytest
 from installed import skip_unless_installed
@@ -21,6 +22,7 @@ EXAMPLES = pathlib.Path(__file__).resolve().parent.parent / "examples"
 EXAMPLE = os.path.join(EXAMPLES, "torchtitan_case.py")
 SPMD = os.path.join(EXAMPLES, "torchtitan_spmd_types.py")
 CP = os.path.join(EXAMPLES, "torchtitan_cp.py")
+LOSS = os.path.join(EXAMPLES, "torchtitan_token_loss.py")
 TIMEOUT_S = 120.0
 """Generous for a loaded runner; torchtitan's import is the case's setup, outside it."""
 
@@ -101,7 +103,41 @@ def test_context_parallel_passes_through_torchs_ring(sp_check, name, dtype):
     assert {(r.phase, r.kind): r.count for r in res.comm}.get(("backward", "all_to_all")) == 4, res.comm
 
 
+@pytest.mark.parametrize("name,fields", [
+    # the vocab-parallel logits as plain local shards: torchtitan's _LossParallelCrossEntropy on them
+    pytest.param("SFT_SPMD", dict(dtype="float32"), id="spmd-f32"),
+    # the CP rank's head-tail sequence shard, its replica's valid tokens counted across CP
+    pytest.param("SFT_CP", dict(dtype="float32"), id="cp-f32"),
+    # your own loss on the whole logits (the DTensor gathered), float64 (no float32 cast on the way)
+    pytest.param("OWN_Z_LOSS", dict(dtype="float64"), id="own-loss-f64"),
+    # titan-llama3-sp-loss (TP 2, float32) runs in the mutant battery's entry for its mutant
+    pytest.param("SFT_SP", dict(world_size=4, dp=2, dtype="bfloat16"), id="dp2-bf16", marks=pytest.mark.exhaustive(
+        "the fast tier runs the loss at DP 1 on each backend; DP 2 x TP 2 runs in titan-llama3-sp's entries")),
+])
+def test_your_loss_mask_and_loss_function_pass(sp_check, name, fields):
+    # a quarter of each sequence's labels and its 2 trailing pads at -100: torchtitan's own loss
+    # over the valid tokens agrees with the reference's float64 loss over the same tokens
+    res = sp_check(_config(name, LOSS, **{"world_size": 2, **fields}))
+    assert res.verdict == PASS, res.reason + res.error
+    assert {"forward", "loss", "grad", "param"} <= set(res.worst)
+
+
+@pytest.mark.parametrize("loss,message", [
+    (dict(label_smoothing=0.1), "has no label smoothing: give TokenLoss(loss_fn=...)"),
+    (dict(ignore_index=-1), "TokenLoss.ignore_index -1; torchtitan's cross entropy and its trainer's valid-token "
+                            "count skip -100 only"),
+])
+def test_a_loss_torchtitan_cannot_compute_is_refused_at_construction(loss, message):
+    from sp_harness.cases.frameworks.token_loss import TokenLoss
+    from sp_harness.cases.frameworks.torchtitan import torchtitan_case
+
+    with pytest.raises(ValueError, match=re.escape(message)):
+        torchtitan_case("titan-loss", dict(dim=32, n_layers=2, n_heads=4, vocab_size=64), loss=TokenLoss(**loss))
+
+
 @pytest.mark.parametrize("example,name,fields,reason", [
+    pytest.param(LOSS, "SFT_SP", dict(dtype="float64"), "cross_entropy_loss casts the logits to float32",
+                 id="loss-float64"),
     pytest.param(CP, "LLAMA3_CP2", dict(dtype="float64"), "merges the per-block attention outputs in float32",
                  id="cp-float64"),
     pytest.param(CP, "LLAMA3_CP2", dict(world_size=4, dp=2, dtype="float32"), "CP x DP", id="cp-dp2"),

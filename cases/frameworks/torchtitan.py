@@ -48,7 +48,15 @@ from torch import nn
 
 from sp_harness import Batch, Case, Layout, RankContext, Sharded, Unsupported
 from sp_harness.cases.frameworks.common import require_tp
+from sp_harness.cases.frameworks.token_loss import TokenLoss
 from sp_harness.cases.frameworks.torchtitan_cp import cp_limits, titan_cp_shard
+from sp_harness.cases.frameworks.torchtitan_loss import (
+    case_loss_fields,
+    check_loss,
+    check_unsupported,
+    titan_batch,
+    titan_local_loss,
+)
 from sp_harness.cases.frameworks.torchtitan_models import MODELS, RegistryModel, retie
 from sp_harness.cases.frameworks.torchtitan_spmd import spmd_limits, spmd_types_shard
 
@@ -228,13 +236,16 @@ def _build(config: Any, dtype: torch.dtype) -> TitanModule:
 
 def torchtitan_shard(shapes: Mapping[str, Any], *, enable_sp: bool = True, attn_backend: str = "sdpa",
                      edit_sharding: Callable[[Any], None] | None = None, fsdp_mean: bool = True,
-                     model: ModelName = "llama3"):
+                     model: ModelName = "llama3", loss: TokenLoss | None = None, count: str = "valid"):
     """The sharded factory of a `torchtitan_case`: this rank's llama3 built from the config
     (with `edit_sharding` applied to its sharding config), loaded with the reference's state
     and parallelized by torchtitan's `Module.parallelize` on this rank's TP group (and, at
     dp > 1, its `apply_fsdp_to_decoder`). `fsdp_mean=False` leaves FSDP's grad division as
     `apply_fsdp_to_decoder` sets it (off: grads summed over DP, for torchtitan's trainer, which
-    divides the loss by the global token count)."""
+    divides the loss by the global token count). `loss`: the rank's loss as torchtitan computes it
+    (torchtitan_loss: its vocab-parallel cross entropy on the `Shard(-1)` logits, or your
+    `loss_fn` on the whole logits; `count` its divisor); None: a cross entropy on the gathered
+    logits in the run dtype."""
 
     def shard(reference: nn.Module, ctx) -> Sharded:
         from torchtitan.distributed.utils import set_spmd_backend
@@ -253,29 +264,49 @@ def torchtitan_shard(shapes: Mapping[str, Any], *, enable_sp: bool = True, attn_
         io = Layout(seq_dim=1, batch_dim=0, seq_sharded=False)  # tokens whole on every TP rank; torchtitan cuts
         # a module the plan leaves alone keeps plain params, whole on every rank (as DTensor's
         # parallelize_module leaves them); every sharded one is a DTensor that maps itself
-        return Sharded(module=built, input_layout=io, output_layout=io, replicated=("*",))
+        if loss is None:
+            return Sharded(module=built, input_layout=io, output_layout=io, replicated=("*",))
+        if loss.loss_fn is not None:  # your loss on the whole logits (the engine gathers the DTensor)
+            return Sharded(module=built, input_layout=io, output_layout=io, replicated=("*",),
+                           local_loss=titan_local_loss(loss, count=count))
+        return Sharded(module=built, input_layout=io, output_layout=Layout(seq_dim=1, batch_dim=0, seq_sharded=False,
+                                                                           split_dim=-1),
+                       replicated=("*",), local_loss=titan_local_loss(loss, vocab=_vocab(ctx), count=count,
+                                                                      vocab_mesh=lambda: _tp_mesh(built)))
 
     return shard
 
 
 def torchtitan_spmd_shard(shapes: Mapping[str, Any], *, enable_sp: bool = True, attn_backend: str = "sdpa",
-                          edit_sharding: Callable[[Any], None] | None = None, model: ModelName = "llama3"):
+                          edit_sharding: Callable[[Any], None] | None = None, model: ModelName = "llama3",
+                          loss: TokenLoss | None = None, count: str = "valid"):
     """The sharded factory of a `torchtitan_case(..., spmd_backend="spmd_types")`: this rank's
     model from its config (`edit_sharding` applied), parallelized on torchtitan's spmd_types
-    backend (torchtitan_spmd)."""
+    backend (torchtitan_spmd). `loss`, `count`: as `torchtitan_shard`'s."""
     return spmd_types_shard(
         lambda ctx: _build(model_config(model, _run_shapes(shapes, ctx.config), enable_sp=enable_sp,
                                         attn_backend=attn_backend, edit_sharding=edit_sharding), ctx.config.torch_dtype),
-        _vocab)
+        _vocab, loss=loss, count=count)
 
 
 def torchtitan_cp_shard(shapes: Mapping[str, Any], *, attn_backend: str = "sdpa", model: ModelName = "llama3",
-                        shard_positions: bool = True):
+                        shard_positions: bool = True, loss: TokenLoss | None = None, count: str = "valid"):
     """The sharded factory of a `torchtitan_case(..., context_parallel=N)`: the model from its
     config under torchtitan's CP path (torchtitan_cp). `shard_positions=False`: RoPE positions
-    not handed to the model (a mutant's)."""
+    not handed to the model (a mutant's). `loss`, `count`: as `torchtitan_shard`'s, on the CP
+    rank's sequence shard over its replica's valid tokens (counted across CP)."""
+    local_loss = None if loss is None else titan_local_loss(loss, seq_sharded=True, count=count)
     return titan_cp_shard(lambda ctx: _build(model_config(model, _run_shapes(shapes, ctx.config), attn_backend=attn_backend),
-                                             ctx.config.torch_dtype), cpu_shims, shard_positions=shard_positions)
+                                             ctx.config.torch_dtype), cpu_shims, shard_positions=shard_positions,
+                          local_loss=local_loss)
+
+
+def _tp_mesh(model: nn.Module):
+    """The 1-D TP mesh of the model's vocab-parallel lm_head (its DTensor weight's mesh, the "tp"
+    axis of it under DP x TP)."""
+    weight: Any = model.get_submodule("lm_head").weight  # a DTensor
+    mesh = weight.device_mesh
+    return mesh["tp"] if mesh.ndim > 1 else mesh
 
 
 def _vocab(ctx: RankContext) -> int:
@@ -303,7 +334,7 @@ def torchtitan_case(name: str, model_kwargs: Mapping[str, Any], *, tp: int | Non
                     enable_sp: bool = True, attn_backend: str = "sdpa", seq_len: int = 16, batch: int = 2,
                     edit_sharding: Callable[[Any], None] | None = None,
                     spmd_backend: SpmdBackend = "partial_dtensor", model: ModelName = "llama3",
-                    context_parallel: int = 1, **case_fields: Any) -> Case:
+                    context_parallel: int = 1, loss: TokenLoss | None = None, **case_fields: Any) -> Case:
     """A `Case` checking torchtitan's llama3 of `model_kwargs` (dim, n_layers, n_heads,
     n_kv_heads, vocab_size, hidden_dim or multiple_of/ffn_dim_multiplier, rope_theta, fuse_qkv,
     norm_eps) under torchtitan's TP (+ SP where `enable_sp`) sharding config at TP `tp` (None:
@@ -315,7 +346,11 @@ def torchtitan_case(name: str, model_kwargs: Mapping[str, Any], *, tp: int | Non
     `registry_models()`: each one's shape keys).
     `context_parallel`: torchtitan's CP degree (torchtitan_cp: its SDPA CP at TP 1, DP 1, float32 / bfloat16,
     torch's ring through the CPU shim cp_cpu_ring; what it cannot run is Unsupported, `cp_limits`).
+    `loss`: your labels' loss mask, trailing padding and your own per-token loss (`TokenLoss`;
+    torchtitan_loss: torchtitan's own cross entropy on each rank, the reference's in float64).
     `case_fields`: any other `Case` field (defaults, tags, ...)."""
+    if loss is not None:
+        check_loss(name, loss)
     if spmd_backend not in ("partial_dtensor", "spmd_types"):
         raise ValueError(f"torchtitan_case({name!r}): spmd_backend {spmd_backend!r}; known: partial_dtensor, "
                          "spmd_types (full_dtensor: not wired)")
@@ -363,6 +398,7 @@ def torchtitan_case(name: str, model_kwargs: Mapping[str, Any], *, tp: int | Non
             raise Unsupported(why)
         if (why := models[model].limits(cfg)) is not None:
             raise Unsupported(why)
+        check_unsupported(cfg, loss)
 
     def build_reference(cfg):
         torch.manual_seed(cfg.seed)
@@ -373,24 +409,28 @@ def torchtitan_case(name: str, model_kwargs: Mapping[str, Any], *, tp: int | Non
         rows = cfg.dp * cfg.batch
         tokens = torch.randint(0, cfg.vocab, (rows, cfg.seq_len), generator=gen)
         labels = torch.randint(0, cfg.vocab, (rows, cfg.seq_len), generator=gen)
+        if loss is not None:
+            tokens, labels = titan_batch(loss, tokens, labels, gen)
         return Batch(inputs={"tokens": tokens}, target=labels)
 
     defaults.update(case_fields.pop("defaults", {}))
     if context_parallel > 1:
-        shard = torchtitan_cp_shard(shapes, attn_backend=attn_backend, model=model)
+        shard = torchtitan_cp_shard(shapes, attn_backend=attn_backend, model=model, loss=loss)
     elif spmd_backend == "spmd_types":
         shard = torchtitan_spmd_shard(shapes, enable_sp=enable_sp, attn_backend=attn_backend,
-                                      edit_sharding=edit_sharding, model=model)
+                                      edit_sharding=edit_sharding, model=model, loss=loss)
     else:
         shard = torchtitan_shard(shapes, enable_sp=enable_sp, attn_backend=attn_backend, edit_sharding=edit_sharding,
-                                 model=model)
+                                 model=model, loss=loss)
+    loss_fields = case_loss_fields(loss) if loss is not None else dict(
+        loss_sum=lambda out, tgt: F.cross_entropy(out.reshape(-1, out.shape[-1]), tgt.reshape(-1), reduction="sum"),
+        tokens=lambda tgt: tgt.numel())
+    loss_note = f", {loss.describe()}" if loss is not None else ""
     return Case(name=name, description=f"torchtitan {TORCHTITAN_VERSION} {model}, {dict(model_kwargs)}, "
-                                       f"{'TP + SP' if enable_sp else 'TP'} sharding config, {spmd_backend} backend",
+                                       f"{'TP + SP' if enable_sp else 'TP'} sharding config, {spmd_backend} backend"
+                                       f"{loss_note}",
                 build_reference=build_reference, make_batch=make_batch,
-                shard=shard,
-                loss_sum=lambda out, tgt: F.cross_entropy(out.reshape(-1, out.shape[-1]), tgt.reshape(-1),
-                                                          reduction="sum"),
-                tokens=lambda tgt: tgt.numel(), input_layout=Layout(seq_dim=1, batch_dim=0), validate=validate,
+                shard=shard, **loss_fields, input_layout=Layout(seq_dim=1, batch_dim=0), validate=validate,
                 defaults=defaults, tags=("torchtitan", "framework", *case_fields.pop("tags", ())), **case_fields)
 
 

@@ -6,6 +6,7 @@ clip_grad_norm_, OptimizersContainer), plan bugs expressed through torchtitan's 
 
 import dataclasses
 
+from sp_harness.cases.frameworks.token_loss import TokenLoss
 from sp_harness.cases.frameworks.torchtitan import (
     torchtitan_case,
     torchtitan_cp_shard,
@@ -136,6 +137,26 @@ CP_POSITIONS_NOT_SHARDED = mutant(
        source="pytorch/torchtitan#792 (freqs_cis of the PP stage models never handed to CP for sharding); "
               "pytorch/torchtitan#1797 (freqs_cis is order-sensitive under the CP load balancer)",
        shard=torchtitan_cp_shard(SHAPES, shard_positions=False), killed_by=("forward", "even"))
+
+SFT = TokenLoss(masked_fraction=0.25, padding=2)
+"""An SFT batch: a quarter of each sequence's labels and its 2 trailing pads at IGNORE_INDEX."""
+
+TITAN_LLAMA3_SP_LOSS = register(torchtitan_case(
+    "titan-llama3-sp-loss", SHAPES, loss=SFT, isolation=ISOLATION,
+    # torchtitan's cross entropy is float32 (float64 Unsupported)
+    defaults=dict(dtype="float32"),
+    examples=(Example(fields=(("world_size", 2), ("dtype", "float32")),
+                      note="torchtitan llama3, TP 2 + SP, its own vocab-parallel cross_entropy_loss over the valid "
+                           "tokens of an SFT batch (loss mask, trailing padding)"),)))
+
+mutant(TITAN_LLAMA3_SP_LOSS, name="mutant-titan-loss-counts-masked-tokens",
+       summary="the loss divided by every label position, the masked and padded ones included",
+       bug="a token-mean loss whose divisor counts labels at IGNORE_INDEX (labels.numel() where the trainer "
+           "counts labels != -100): every step's loss and grads shrink by valid / all, a factor that moves with "
+           "each batch's padding and prompt length",
+       source="AI-Hypercomputer/maxtext#366 and EleutherAI/gpt-neo#45 (the fix: normalise by unpadded tokens); "
+              "pytorch/torchtitan#4192 (the same two counts in torchtitan's trainer)",
+       shard=torchtitan_shard(SHAPES, loss=SFT, count="all"), killed_by=("forward (loss)", "even"))
 
 TRAIN_STEP = (("train_step", True), ("micro_batches", 3), ("clip_grad_norm", 0.01), ("dtype", "float32"))
 """The training-step check's config the step case is shown on: K = 3 uneven micro-batches, clipping active."""

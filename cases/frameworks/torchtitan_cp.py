@@ -100,11 +100,12 @@ def _cp_hooks(cp_mesh, *, shard_positions: bool):
 
 
 def titan_cp_shard(build: Callable[[RankContext], nn.Module], fsdp_shims: Callable[[nn.Module], None], *,
-                   shard_positions: bool = True):
+                   shard_positions: bool = True, local_loss: Callable[..., torch.Tensor] | None = None):
     """The sharded factory of a `torchtitan_case(..., context_parallel=N)`: `build(ctx)` is this
     rank's torchtitan model (the reference's config and dtype), loaded with the reference's state,
     then torchtitan's CP path (module docstring); `fsdp_shims(model)` after its FSDP2 (torchtitan's
-    `cpu_shims`). `shard_positions=False`: the positions are not handed to the model (a mutant's)."""
+    `cpu_shims`). `shard_positions=False`: the positions are not handed to the model (a mutant's).
+    `local_loss`: the rank's loss on its sequence shard (torchtitan_loss; None: the engine's)."""
 
     def shard(reference: nn.Module, ctx: RankContext) -> Sharded:
         from torchtitan.distributed.context_parallel import apply_cp_to_forward
@@ -124,7 +125,7 @@ def titan_cp_shard(build: Callable[[RankContext], nn.Module], fsdp_shims: Callab
         model.register_forward_hook(post, with_kwargs=True, always_call=True)
         whole = Layout(seq_dim=1, batch_dim=0, seq_sharded=False)  # torchtitan cuts the sequence itself
         out = Layout(seq_dim=1, batch_dim=0, seq_order=headtail_order)
-        return Sharded(module=model, input_layout=whole, output_layout=out, replicated=("*",))
+        return Sharded(module=model, input_layout=whole, output_layout=out, replicated=("*",), local_loss=local_loss)
 
     return shard
 

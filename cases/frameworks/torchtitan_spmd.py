@@ -45,6 +45,8 @@ import torch.distributed as dist
 from torch import nn
 
 from sp_harness import Layout, ParamSpec, RankContext, Sharded
+from sp_harness.cases.frameworks.token_loss import TokenLoss
+from sp_harness.cases.frameworks.torchtitan_loss import titan_local_loss
 from sp_harness.cases.frameworks.torchtitan_models import retie
 
 
@@ -135,9 +137,12 @@ def _run_in_train_context(model: nn.Module, dims) -> None:
     model.register_forward_hook(leave, with_kwargs=True, always_call=True)
 
 
-def spmd_types_shard(build: Callable[[RankContext], Any], vocab: Callable[[RankContext], int]):
+def spmd_types_shard(build: Callable[[RankContext], Any], vocab: Callable[[RankContext], int], *,
+                     loss: TokenLoss | None = None, count: str = "valid"):
     """A `Case.shard` for torchtitan's spmd_types backend: `build(ctx)` is this rank's model, not
-    yet parallelized, loaded by this factory with the reference's state."""
+    yet parallelized, loaded by this factory with the reference's state. `loss`, `count`: the
+    rank's loss as torchtitan_loss's `titan_local_loss` computes it (None: torchtitan's cross
+    entropy over every label)."""
 
     def shard(reference: nn.Module, ctx: RankContext) -> Sharded:
         from torchtitan.components.loss import cross_entropy_loss
@@ -155,12 +160,14 @@ def spmd_types_shard(build: Callable[[RankContext], Any], vocab: Callable[[RankC
         _run_in_train_context(model, dims)
         global_vocab = vocab(ctx)
 
-        def local_loss(out: torch.Tensor, target: torch.Tensor, _ctx: RankContext) -> torch.Tensor:
+        def plain_loss(out: torch.Tensor, target: torch.Tensor, _ctx: RankContext) -> torch.Tensor:
             # torchtitan's loss_fn runs inside train_context, where its vocab-parallel branch
             # finds the TP group on the current mesh
             with set_current_spmd_mesh(dims.spmd_dense_mesh()):
                 return cross_entropy_loss(out, target, global_vocab_size=global_vocab) / target.numel()
 
+        local_loss = plain_loss if loss is None else titan_local_loss(loss, vocab=global_vocab,
+                                                                       spmd_mesh=dims.spmd_dense_mesh, count=count)
         io = Layout(seq_dim=1, batch_dim=0, seq_sharded=False)
         return Sharded(module=model, input_layout=io,
                        output_layout=Layout(seq_dim=1, batch_dim=0, seq_sharded=False, split_dim=-1),

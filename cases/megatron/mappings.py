@@ -9,6 +9,7 @@ Activation Recomputation in Large Transformer Models", section 4.2.2):
     gather_from_sp        forward: all-gather on seq   backward: reduce-scatter on seq
     reduce_scatter_to_sp  forward: reduce-scatter      backward: all-gather on seq
     scatter_to_sp         forward: split on seq        backward: all-gather on seq
+    gather_to_whole       forward: all-gather on dim   backward: split on dim
 
 Every sequence mapping takes the sequence `dim` of the activation layout (1 for [b, s, h],
 0 for [s, b, h]), the per-TP-rank `sizes` along it (uneven allowed, zeros allowed; the harness
@@ -204,3 +205,10 @@ scatter_to_sp = seq_mapping(
     """forward: split on the seq dim (keep this rank's piece); backward: all-gather on seq.
 
     From a replicated full sequence to sequence shards (Megatron's embedding output).""")
+gather_to_whole = seq_mapping(
+    "GatherToWhole", all_gather_seq, split_seq,
+    """forward: all-gather on `dim`; backward: split on `dim` (keep this rank's piece).
+
+    Megatron's gather_from_tensor_model_parallel_region: leaving a column-parallel region to a
+    consumer every rank runs whole and alike (a loss on the whole vocabulary), so each rank's grad
+    of the whole is already the full grad and its piece is all it sends back.""")
