@@ -11,6 +11,7 @@ import pathlib
 import re
 
 import pytest
+import torch
 from installed import skip_unless_installed
 
 skip_unless_installed("torchtitan", "torchtitan is not installed (pip install -e '.[torchtitan]')")
@@ -191,3 +192,19 @@ def test_cpu_ring_shim_is_opt_in(tmp_path):
             F.scaled_dot_product_attention(*dts, is_causal=True)
     finally:
         dist.destroy_process_group()
+
+
+def test_spmd_types_declared_complete_outputs_are_traced():
+    # under spmd_types the params are plain tensors, so the trace cannot read a module's output
+    # type from placements: the case hands it the modules whose declared output type on TP is
+    # complete (the embedding's and the row-parallel linears' reduce-scatter to S(1)), and the
+    # #3468 mutant on this backend is placed at tok_embeddings (tests/test_mutants.py kills it)
+    from sp_harness.cases.frameworks.torchtitan import _build, model_config
+    from sp_harness.cases.frameworks.torchtitan_spmd import _whole_outputs
+
+    model = _build(model_config("qwen3", dict(dim=32, n_layers=1, n_heads=4, n_kv_heads=2, vocab_size=64)),
+                   torch.float32)
+    whole = set(_whole_outputs(model))
+    assert {"tok_embeddings", "layers.0.attention.wo", "layers.0.feed_forward.w2"} <= whole, whole
+    # column-parallel pieces (heads, the FFN's hidden, the vocab-parallel logits) stay out
+    assert not whole & {"layers.0.attention.qkv_linear.wqkv", "layers.0.feed_forward.w1", "lm_head"}, whole

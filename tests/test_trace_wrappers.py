@@ -163,3 +163,15 @@ def test_a_skipped_module_s_dtensor_output_is_traced_where_no_placement_is_parti
         assert list(rec.forward) == ["replicate"] and type(rec.forward["replicate"]) is torch.Tensor
     finally:
         dist.destroy_process_group()
+
+
+def test_a_declared_whole_output_is_traced_and_its_input_grad_is_not():
+    # Sharded.whole_outputs (torchtitan's spmd_types: plain params, the output type declared): the
+    # module holds TP-sharded params, yet its output is complete, so it is compared; its input
+    # grad may still be a piece, so it is not
+    model = _model()
+    rec = Recorder(model, skip=frozenset({"0", "2"}), outputs_only=frozenset({"2"}))
+    x = torch.randn(3, 4, requires_grad=True)
+    model(x).sum().backward()
+    assert list(rec.forward) == ["1", "2"]
+    assert list(rec.backward) == ["1"]

@@ -82,6 +82,32 @@ def _spmd_types_on_tp(model: nn.Module) -> dict[str, Any]:
     return types
 
 
+def _whole_outputs(model: nn.Module) -> tuple[str, ...]:
+    """The modules holding params whose declared output type on TP is complete: `R` / `I`, or the
+    sequence (dim 1) sharded over TP (SP's `S(1)`, or a partition spec naming TP on dim 1). Their
+    redistribution runs in torchtitan's own module hooks, registered before the engine's, so the
+    engine's trace sees the declared type: a vocab-parallel embedding's lookup reduce-scattered
+    to the sequence shard, a row-parallel linear's partial sums reduced."""
+    import spmd_types as spmd
+    from torchtitan.distributed.parallel_dims import MeshAxisName
+
+    tp = MeshAxisName.TP
+    whole = []
+    for name, module in model.named_modules():
+        config = getattr(module, "_sharding_config", None)
+        if config is None or not any(True for _ in module.parameters(recurse=False)):
+            continue
+        out = config.out_dst_shardings or config.out_src_shardings
+        if out is None:
+            continue
+        kind = out.axis_types.get(tp)
+        spec = out.partition_spec
+        on_seq = spec is not None and len(spec) > 1 and tp in (spec[1] if isinstance(spec[1], tuple) else (spec[1],))
+        if kind is spmd.R or kind is spmd.I or (isinstance(kind, spmd.Shard) and kind.dim == 1) or on_seq:
+            whole.append(name)
+    return tuple(whole)
+
+
 def _param_specs(model: nn.Module) -> dict[str, ParamSpec]:
     """Local params to the reference's (same names): `S(d)` on TP is split on d (torch.chunk, as
     `spmd_distribute_tensor` cuts), `R` / `I` whole on every TP rank."""
@@ -171,7 +197,7 @@ def spmd_types_shard(build: Callable[[RankContext], Any], vocab: Callable[[RankC
         io = Layout(seq_dim=1, batch_dim=0, seq_sharded=False)
         return Sharded(module=model, input_layout=io,
                        output_layout=Layout(seq_dim=1, batch_dim=0, seq_sharded=False, split_dim=-1),
-                       params=_param_specs(model), sync_grads=_pending_tp_reduction(model, dims.get_mesh("tp").get_group()),
+                       params=_param_specs(model), whole_outputs=_whole_outputs(model), sync_grads=_pending_tp_reduction(model, dims.get_mesh("tp").get_group()),
                        local_loss=local_loss)
 
     return shard

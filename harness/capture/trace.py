@@ -79,10 +79,13 @@ class Trace:
 class Recorder:
     """Module outputs and input grads of one model, in the order they happened."""
 
-    def __init__(self, model: nn.Module, skip: frozenset[str] = frozenset(), prefix: str = ""):
+    def __init__(self, model: nn.Module, skip: frozenset[str] = frozenset(), prefix: str = "",
+                 outputs_only: frozenset[str] = frozenset()):
         """`skip`: module names (as `model` names them) left out, but for an output that is a
         DTensor with no Partial placement (its placements say what its local piece is, whatever
-        params the module holds: torchtitan's vocab-parallel embedding); `prefix`: what a wrapper (DDP,
+        params the module holds: torchtitan's vocab-parallel embedding); `outputs_only`: module
+        names whose output is traced, skipped or not, and never their input grad
+        (`Sharded.whole_outputs`); `prefix`: what a wrapper (DDP,
         megatron's Float16Module, DeepSpeed's engine: "module.") adds before the names the
         reference has: stripped, and the wrapper itself left out, so the modules line up."""
         self.forward: dict[str, torch.Tensor] = {}
@@ -95,10 +98,11 @@ class Recorder:
         for name, module in model.named_modules():
             if not name or not name.startswith(prefix) or name == prefix.rstrip("."):
                 continue
-            traced = name not in skip
+            whole = name in outputs_only
+            traced = name not in skip and not whole
             name = name[len(prefix):]
             self._handles.append(module.register_forward_pre_hook(self._on_start(name)))
-            self._handles.append(module.register_forward_hook(self._on_forward(name, dtensor_only=not traced)))
+            self._handles.append(module.register_forward_hook(self._on_forward(name, dtensor_only=not (traced or whole))))
             if traced:
                 self._handles.append(module.register_forward_pre_hook(self._on_input(name), with_kwargs=True))
 

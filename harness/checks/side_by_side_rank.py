@@ -113,8 +113,12 @@ class _SideBySide:
         # modules holding a TP-sharded param return pieces or partial sums: not comparable
         local_pieces = frozenset(p.local_name.rpartition(".")[0] for p in self.params if not p.replicated_tp)
         prefix = wrapper_prefix(self.params)
-        self.pieces = frozenset(n[len(prefix):] for n in local_pieces)
-        self.recorder = Recorder(self.sharded.module, local_pieces, prefix)
+        # ... unless the case says the framework completes one's output inside it
+        whole = frozenset(self.sharded.whole_outputs)
+        if unknown := whole - {n for n, _ in self.sharded.module.named_modules()}:
+            raise ValueError(f"Sharded.whole_outputs names no module of the sharded model: {sorted(unknown)}")
+        self.pieces = frozenset(n[len(prefix):] for n in local_pieces - whole)
+        self.recorder = Recorder(self.sharded.module, local_pieces, prefix, outputs_only=whole)
         self.before_sync = BeforeSync(self.built, self.ref64, local_pieces, prefix)
         self.compute_s = 0.0
 

@@ -141,6 +141,13 @@ class Sharded:
     """Local names of plain params that are replicated copies of the reference param of the
     same name (each is checked bit for bit across the TP group). `"*"` declares every plain
     param without a spec so."""
+    whole_outputs: tuple[str, ...] = ()
+    """Modules (as `module` names them) that hold TP-sharded params yet return a complete tensor,
+    the reference's whole or this rank's sequence slice of it, because the framework reduces
+    inside them and says so (torchtitan's declared output types under spmd_types: a
+    vocab-parallel embedding's `P` output reduce-scattered to `S(1)`): their output is traced and
+    compared (their input grad is not: it may be a piece). Plain-tensor models only; a DTensor
+    output says this itself."""
     sync_grads: Callable[[], None] = lambda: None
     """Called after backward, before the optimizer step: the grad all-reduces a hand-written
     implementation owes (norm weights under SP, DP averaging). Part of the system under test."""
