@@ -11,6 +11,7 @@ the commit that added this: well under 1% of a check's wall time).
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 from typing import Any
 
 from sp_harness.launch.wire import Collective, CollectiveIssued, Progress
@@ -29,6 +30,8 @@ class _Channel:
 
 
 _CHANNEL: _Channel | None = None
+_MODULE: Callable[[], str] | None = None
+"""Where the rank is in its sharded model ('' for nowhere), while a side-by-side pass tracks it."""
 
 _POINT_TO_POINT = frozenset({"send", "recv"})
 """Not announced: a send pairs with a recv on one peer, not with the group's n-th collective, so
@@ -46,6 +49,12 @@ def close_job() -> None:
     _CHANNEL = None
 
 
+def track_module(where: Callable[[], str] | None) -> None:
+    """Each announced collective names `where()`'s module from now on (None: no module)."""
+    global _MODULE
+    _MODULE = where
+
+
 def collective(kind: str, nbytes: int, group: tuple[int, ...]) -> None:
     """The rank is about to issue a collective `kind` of `nbytes` on the ranks `group`."""
     channel = _CHANNEL
@@ -54,7 +63,9 @@ def collective(kind: str, nbytes: int, group: tuple[int, ...]) -> None:
     with channel.lock:
         index = channel.per_group.get(group, 0)
         channel.per_group[group] = index + 1
-        issued = Collective(index=channel.count, group_index=index, kind=kind, nbytes=nbytes, group=group)
+        module = _MODULE() if _MODULE is not None else ""
+        issued = Collective(index=channel.count, group_index=index, kind=kind, nbytes=nbytes, group=group,
+                            module=module)
         channel.count += 1
         channel.conn.send(CollectiveIssued(job_id=channel.job_id, collective=issued))
 

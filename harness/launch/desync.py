@@ -69,6 +69,11 @@ class DesyncWatch:
         if self.finished:
             self._behind(self.finished)
 
+    def last(self, rank: int) -> Collective | None:
+        """The last collective `rank` announced in this job, on any group; None if none."""
+        mine = [c for members in self.sequences.values() for c in members.get(rank, ())]
+        return max(mine, key=lambda c: c.index, default=None)
+
     def done(self, rank: int) -> None:
         """`rank` answered the job: it will announce nothing more."""
         self.finished.add(rank)

@@ -55,7 +55,11 @@ class RankError:
     'desync' without a collective, where the rank was instead (finished, blocked elsewhere)."""
     collective: Collective | None = None
     """For 'desync': the collective this rank announced at the position where the other rank's
-    differs; None where it announced none there (see `detail`)."""
+    differs; None where it announced none there (see `detail`). For 'signal' and 'exited': the
+    last collective it announced (a gloo abort kills the rank inside one), None if none."""
+    module: str = ""
+    """For 'raised': the innermost module of the sharded model running when it raised, with its
+    phase ('blocks.0.attn.core (backward)'); '' where none was tracked."""
     message: str = ""
     """For 'raised': the first line of the exception's own message."""
     at: float = 0.0
@@ -98,12 +102,14 @@ class RankError:
     def headline(self) -> str:
         if self.kind == "desync":
             return "desync: " + self.desync_where()
+        last = f" (its last collective: {self.collective.describe()})" if self.collective else ""
         if self.kind == "signal":
-            return f"killed by {self.signal_name}"
+            return f"killed by {self.signal_name}{last}"
         if self.kind == "exited":
-            return f"exited with code {self.exit_code}"
+            return f"exited with code {self.exit_code}{last}"
         if self.kind == "raised":
-            return f"raised {self.exc_type}" + (f": {self.message}" if self.message else "")
+            inside = f" in {self.module}" if self.module else ""
+            return f"raised {self.exc_type}{inside}" + (f": {self.message}" if self.message else "")
         return self.detail or "hung"
 
     def desync_where(self) -> str:
@@ -263,7 +269,21 @@ def raised(rank: int, msg) -> RankError:
         return RankError(rank=rank, kind="exited", exit_code=msg.exit_code, traceback=msg.traceback,
                          detail=f"the job called sys.exit({msg.message or msg.exit_code})", at=msg.at)
     return RankError(rank=rank, kind="raised", exc_type=msg.exc_type, is_unsupported=msg.is_unsupported,
-                     traceback=msg.traceback, message=msg.message, at=msg.at)
+                     traceback=msg.traceback, message=msg.message, at=msg.at, module=msg.module)
+
+
+_MODULE_ATTR = "_sp_harness_module"
+
+
+def mark_module(exc: BaseException, module: str) -> None:
+    """Tags `exc`, raised inside the sharded model, with the module it was raised in (the
+    innermost one running: `ModuleWhere.now()`); the rank's reply carries it (`module_of`)."""
+    if module and not hasattr(exc, _MODULE_ATTR):
+        setattr(exc, _MODULE_ATTR, module)
+
+
+def module_of(exc: BaseException) -> str:
+    return getattr(exc, _MODULE_ATTR, "")
 
 
 def _join(ranks: Iterable[int]) -> str:

@@ -11,6 +11,7 @@ timeout. A signal's exception that something swallowed on its way up is raised a
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -100,7 +101,9 @@ def _receive(probe: RankProbe, got: Replies, job_id: int, progress: Callable[[st
         msg = conn.recv()
     except (EOFError, OSError):
         del got.pending[rank]
-        got.errors.append(probe.ended())
+        ended = probe.ended()
+        last = got.watch.last(rank)
+        got.errors.append(dataclasses.replace(ended, collective=last) if last is not None else ended)
         return
     got.watch.heard(rank, time.monotonic())
     current = getattr(msg, "job_id", None) == job_id

@@ -117,6 +117,9 @@ class JobRaised:
     """Wall-clock time the rank caught it: which rank failed first, and which only after it."""
     exit_code: int | None = None
     """For a SystemExit: the code the job asked to exit with (the job exited, it did not raise)."""
+    module: str = ""
+    """The innermost module of the sharded model running when it raised, with its phase; '' where
+    none was tracked (`failure.mark_module`)."""
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -140,11 +143,15 @@ class Collective:
     """Payload bytes of the full tensor (sp_harness.capture.comm's convention)."""
     group: tuple[int, ...]
     """Global ranks of its process group; () where the group could not be resolved."""
+    module: str = ""
+    """The innermost module of the sharded model running when it was issued, with its phase
+    ('blocks.0.attn (backward)'); '' where none was (the grad sync) or none was tracked."""
 
     def describe(self) -> str:
         where = "ranks " + ",".join(map(str, self.group)) if self.group else "an unknown group"
+        inside = f", in {self.module}" if self.module else ""
         return (f"{self.kind} of {self.nbytes} bytes on {where} (collective #{self.index} of the job, "
-                f"#{self.group_index} on that group)")
+                f"#{self.group_index} on that group){inside}")
 
 
 @dataclass(kw_only=True, frozen=True)

@@ -20,7 +20,7 @@ from multiprocessing.connection import Client
 
 from sp_harness.launch import announce
 from sp_harness.launch.case_setup import setup_once
-from sp_harness.launch.failure import JobError
+from sp_harness.launch.failure import JobError, module_of
 from sp_harness.launch.wire import (
     Hello,
     Job,
@@ -71,7 +71,8 @@ def run_job(job: Job) -> JobDone | JobRaised:
                          message=str(exc.code) if exc.code is not None else "", at=time.time(), exit_code=code)
     except BaseException as exc:
         return JobRaised(job_id=job.job_id, exc_type=type(exc).__name__, traceback=traceback.format_exc(),
-                         is_unsupported=_is_unsupported(exc), message=_first_line(exc), at=time.time())
+                         is_unsupported=_is_unsupported(exc), message=_first_line(exc), at=time.time(),
+                         module=module_of(exc))
 
 
 def warm_up(_: object = None) -> int:
