@@ -39,26 +39,35 @@ def _model(in_backward: bool):
 @pytest.mark.parametrize("in_backward,where", [(False, "1 (forward)"), (True, "1 (backward)")])
 def test_the_innermost_running_module_is_named_in_its_phase(in_backward, where):
     model = _model(in_backward)
-    tracker = ModuleWhere(model)
+    phase = ["forward"]
     x = torch.randn(4, 4, requires_grad=True)
-    with pytest.raises(RuntimeError) as raised:
-        model(x).sum().backward()
-    # in forward: inner has returned, its parent raised; in backward: the parent's own Function,
-    # after the last module's backward and before inner's
-    assert tracker.now() == where
-    mark_module(raised.value, tracker.now())
+    with ModuleWhere(model, lambda: phase[0]) as tracker:
+        with pytest.raises(RuntimeError) as raised:
+            out = model(x)
+            phase[0] = "backward"
+            out.sum().backward()
+        # in forward: inner has returned, its parent raised; in backward: the parent's own
+        # Function, after the last module's backward and before inner's
+        assert tracker.now() == where
+        mark_module(raised.value, tracker.now())
     assert module_of(raised.value) == where
+    assert tracker.now() == ""  # the stack closed
 
 
 def test_a_finished_pass_leaves_no_module_and_a_wrapper_prefix_is_stripped():
     inner = _model(in_backward=False)
     inner[1] = nn.Linear(4, 4)
     wrapped = nn.ModuleDict({"module": inner})
-    tracker = ModuleWhere(wrapped, prefix="module.")
-    seen = []
-    inner[2].register_forward_pre_hook(lambda m, a: seen.append(tracker.now()))
-    wrapped["module"](torch.randn(2, 4, requires_grad=True)).sum().backward()
-    assert seen == ["2 (forward)"] and tracker.now() == ""
+    phase = ["forward"]
+    with ModuleWhere(wrapped, lambda: phase[0], prefix="module.") as tracker:
+        seen = []
+        inner[2].register_forward_pre_hook(lambda m, a: seen.append(tracker.now()))
+        out = wrapped["module"](torch.randn(2, 4, requires_grad=True))
+        assert tracker.now() == ""
+        phase[0] = "backward"
+        out.sum().backward()
+        phase[0] = "grad_sync"
+        assert seen == ["2 (forward)"] and tracker.now() == ""
 
 
 def test_the_failure_lines_carry_the_module_and_the_last_collective():

@@ -121,15 +121,12 @@ class _SideBySide:
             raise ValueError(f"Sharded.whole_outputs names no module of the sharded model: {sorted(unknown)}")
         self.pieces = frozenset(n[len(prefix):] for n in local_pieces - whole)
         self.recorder = Recorder(self.sharded.module, local_pieces, prefix, outputs_only=whole)
-        # where a crash or a collective happened in the model (failure.mark_module, Collective.module)
-        self.where = ModuleWhere(self.sharded.module, prefix)
+        self.prefix = prefix
         self.before_sync = BeforeSync(self.built, self.ref64, local_pieces, prefix)
         self.compute_s = 0.0
 
     def _phase(self, name: str) -> None:
         self.counter.phase = name
-        if name not in ("forward", "backward"):
-            self.where.clear()  # the grad sync and the optimizer run outside any module
 
     def _reference_copy(self) -> torch.nn.Module:
         built = self.built
@@ -166,20 +163,24 @@ class _SideBySide:
         # islands are static: step 0 names them, later steps pay nothing
         observer = IslandObserver(self.sharded.module, self.dtype) if step == 0 else None
         t0 = time.perf_counter()
-        self.where.clear()
-        announce.track_module(self.where.now)
+        # where a crash or a collective happened in the model (failure.mark_module, Collective.module)
+        where = ModuleWhere(self.sharded.module, lambda: self.counter.phase, self.prefix)
+        announce.track_module(where.now)
         try:
-            with self.counter, self.adversary:
-                with observer if observer is not None else contextlib.nullcontext():
-                    out, loss = self.loop.forward_backward(local, batch.target, forward_only=self.forward_only)
-                if observer is not None:
-                    self.result.islands = observer.islands
-                if not self.forward_only:
-                    self.before_sync.keep()
-                    self.loop.sync_grads()
-        except BaseException as exc:
-            mark_module(exc, self.where.now())
-            raise
+            with where:
+                try:
+                    with self.counter, self.adversary:
+                        with observer if observer is not None else contextlib.nullcontext():
+                            out, loss = self.loop.forward_backward(local, batch.target,
+                                                                   forward_only=self.forward_only)
+                        if observer is not None:
+                            self.result.islands = observer.islands
+                        if not self.forward_only:
+                            self.before_sync.keep()
+                            self.loop.sync_grads()
+                except BaseException as exc:
+                    mark_module(exc, where.now())  # before the stack closes
+                    raise
         finally:
             announce.track_module(None)
         self.compute_s += time.perf_counter() - t0
