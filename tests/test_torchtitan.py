@@ -151,14 +151,61 @@ def test_what_cannot_run_here_is_unsupported_before_ranks_start(sp_check, exampl
     assert res.verdict == UNSUPPORTED and reason in res.reason, res.reason
 
 
-def test_flex_attention_is_unsupported_with_torchs_reason():
+@pytest.mark.parametrize("fields,reason", [
+    (dict(dtype="float32"), "FlexAttention does not support backward on CPU"),
+    (dict(dtype="float64", forward_only=True), "takes float32, float16 and bfloat16 only"),
+])
+def test_flex_attention_is_unsupported_with_torchs_reason_outside_a_forward_only_run(fields, reason):
     from sp_harness import Unsupported
     from sp_harness.cases.frameworks.torchtitan import torchtitan_case
 
     case = torchtitan_case("titan-flex", dict(dim=32, n_layers=2, n_heads=4, vocab_size=64), tp=2, attn_backend="flex")
     assert case.validate is not None
-    with pytest.raises(Unsupported, match="FlexAttention does not support backward on CPU"):
-        case.validate(case.resolve(CheckConfig(case="titan-flex", world_size=2)))
+    with pytest.raises(Unsupported, match=reason):
+        case.validate(case.resolve(CheckConfig(case="titan-flex", world_size=2, **fields)))
+
+
+def test_the_reference_document_mask_is_torchtitans(monkeypatch):
+    # the reference's dense mask, read off the positions, against the mask function torchtitan's
+    # get_attention_masks builds its BlockMask from (causal AND packed documents), evaluated at
+    # every (query, key); the BlockMask's own compile is left out (seconds; the forward-only PASS
+    # runs it)
+    from torch.nn.attention.flex_attention import create_mask
+
+    from sp_harness.cases.frameworks.torchtitan import _build, model_config
+    from sp_harness.cases.frameworks.torchtitan_flex import document_mask, document_positions
+
+    model = _build(model_config("llama3", dict(dim=32, n_layers=1, n_heads=4, vocab_size=64), attn_backend="flex"),
+                   torch.float32)
+    import torchtitan.models.common.decoder as decoder  # after model_config's CPU shim (no triton here)
+    positions = document_positions(3, 16, 4, torch.Generator().manual_seed(0))
+    assert (positions == 0).sum(-1).tolist() == [4, 4, 4]
+    monkeypatch.setattr(decoder, "create_attention_mask", lambda mask_mod, *args, **kwargs: mask_mod)
+    theirs = create_mask(model.get_attention_masks(positions=positions), 3, 1, 16, 16, device="cpu")
+    assert torch.equal(document_mask(positions), theirs)
+    assert not torch.equal(document_mask(positions), document_mask(torch.arange(16).expand(3, 16)))
+
+
+@pytest.mark.parametrize("dtype", [
+    pytest.param("float32", marks=pytest.mark.exhaustive(
+        "torch compiles the CPU flex kernel in each rank pool's first forward: 45 s cold, 24 s with the kernel "
+        "cached (torchtitan_flex.INDUCTOR_CACHE); the fast tier checks the reference's mask against torchtitan's "
+        "(test_the_reference_document_mask_is_torchtitans) and the Unsupported lines")),
+    pytest.param("bfloat16", marks=pytest.mark.exhaustive("as float32: the fast tier checks the reference's mask")),
+])
+def test_flex_attention_with_document_masks_passes_forward_only(sp_check, dtype):
+    res = sp_check(_config("FLEX_DOCS", os.path.join(EXAMPLES, "torchtitan_flex.py"), world_size=2, dtype=dtype,
+                           forward_only=True))
+    assert res.verdict == PASS, res.reason + res.error
+    assert {"forward", "loss"} <= set(res.worst)
+
+
+@pytest.mark.exhaustive("a flex check compiles torch's CPU kernel (24-45 s); the fast tier checks the reference's mask "
+                        "against torchtitan's")
+def test_flex_masks_without_the_documents_fail_at_the_forward(sp_check):
+    res = sp_check(_config("DOCUMENTS_IGNORED", os.path.join(EXAMPLES, "torchtitan_flex.py"), world_size=2,
+                           dtype="float32", forward_only=True, steps=1))
+    assert res.verdict == FAIL and res.first_check == "forward", res.reason + res.error
 
 
 def test_cpu_ring_shim_is_opt_in(tmp_path):

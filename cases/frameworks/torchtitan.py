@@ -50,6 +50,13 @@ from sp_harness import Batch, Case, Layout, RankContext, Sharded, Unsupported
 from sp_harness.cases.frameworks.common import require_tp
 from sp_harness.cases.frameworks.token_loss import TokenLoss
 from sp_harness.cases.frameworks.torchtitan_cp import cp_limits, titan_cp_shard
+from sp_harness.cases.frameworks.torchtitan_flex import (
+    document_positions,
+    flex_limits,
+    reference_documents,
+    titan_documents,
+    use_inductor_cache,
+)
 from sp_harness.cases.frameworks.torchtitan_loss import (
     case_loss_fields,
     check_loss,
@@ -118,9 +125,12 @@ def cpu_shims(fsdp_model: nn.Module | None = None) -> None:
     sys.modules[_KERNELS] = _NoTritonKernels(_KERNELS)
 
 
-def _import_model(package: str) -> None:
+def _import_model(package: str, flex: bool = False) -> None:
     """The case's per-process setup: the shim, then the model's torchtitan package and its
-    sharding config imported before any job's clock."""
+    sharding config imported before any job's clock; for FlexAttention, inductor's kernel cache
+    kept across rank pools (torchtitan_flex.use_inductor_cache)."""
+    if flex:
+        use_inductor_cache()
     cpu_shims()
     importlib.import_module(package)
     importlib.import_module(f"{package}.sharding")
@@ -236,7 +246,8 @@ def _build(config: Any, dtype: torch.dtype) -> TitanModule:
 
 def torchtitan_shard(shapes: Mapping[str, Any], *, enable_sp: bool = True, attn_backend: str = "sdpa",
                      edit_sharding: Callable[[Any], None] | None = None, fsdp_mean: bool = True,
-                     model: ModelName = "llama3", loss: TokenLoss | None = None, count: str = "valid"):
+                     model: ModelName = "llama3", loss: TokenLoss | None = None, count: str = "valid",
+                     see_documents: bool = True):
     """The sharded factory of a `torchtitan_case`: this rank's llama3 built from the config
     (with `edit_sharding` applied to its sharding config), loaded with the reference's state
     and parallelized by torchtitan's `Module.parallelize` on this rank's TP group (and, at
@@ -245,7 +256,8 @@ def torchtitan_shard(shapes: Mapping[str, Any], *, enable_sp: bool = True, attn_
     divides the loss by the global token count). `loss`: the rank's loss as torchtitan computes it
     (torchtitan_loss: its vocab-parallel cross entropy on the `Shard(-1)` logits, or your
     `loss_fn` on the whole logits; `count` its divisor); None: a cross entropy on the gathered
-    logits in the run dtype."""
+    logits in the run dtype. `see_documents=False`: with attn_backend="flex", the masks built as if
+    each row were one document (a mutant's)."""
 
     def shard(reference: nn.Module, ctx) -> Sharded:
         from torchtitan.distributed.utils import set_spmd_backend
@@ -261,6 +273,8 @@ def torchtitan_shard(shapes: Mapping[str, Any], *, enable_sp: bool = True, attn_
             retie(built)
         else:
             _parallelize_with_fsdp(built, ctx, fsdp_mean=fsdp_mean)
+        if attn_backend == "flex":
+            titan_documents(built, see_documents=see_documents)
         io = Layout(seq_dim=1, batch_dim=0, seq_sharded=False)  # tokens whole on every TP rank; torchtitan cuts
         # a module the plan leaves alone keeps plain params, whole on every rank (as DTensor's
         # parallelize_module leaves them); every sharded one is a DTensor that maps itself
@@ -326,15 +340,14 @@ CP_STEP = ("torchtitan's context parallelism runs in the side-by-side check (tor
            "torch's ring through the CPU shim cp_cpu_ring); under its trainer step (the CP cut in "
            "post_dataloading_process, the token count taken before it) it is not wired")
 """Why `titan_train_case(..., context_parallel > 1)` is Unsupported."""
-FLEX_ON_CPU = ("FlexAttention does not support backward on CPU (torch 2.13.0's NotImplementedError, eager and "
-               "compiled alike); use attn_backend='sdpa' (torchtitan's ScaledDotProductAttention) on CPU")
 
 
 def torchtitan_case(name: str, model_kwargs: Mapping[str, Any], *, tp: int | None = None,
                     enable_sp: bool = True, attn_backend: str = "sdpa", seq_len: int = 16, batch: int = 2,
                     edit_sharding: Callable[[Any], None] | None = None,
                     spmd_backend: SpmdBackend = "partial_dtensor", model: ModelName = "llama3",
-                    context_parallel: int = 1, loss: TokenLoss | None = None, **case_fields: Any) -> Case:
+                    context_parallel: int = 1, loss: TokenLoss | None = None, documents: int = 1,
+                    **case_fields: Any) -> Case:
     """A `Case` checking torchtitan's llama3 of `model_kwargs` (dim, n_layers, n_heads,
     n_kv_heads, vocab_size, hidden_dim or multiple_of/ffn_dim_multiplier, rope_theta, fuse_qkv,
     norm_eps) under torchtitan's TP (+ SP where `enable_sp`) sharding config at TP `tp` (None:
@@ -346,11 +359,17 @@ def torchtitan_case(name: str, model_kwargs: Mapping[str, Any], *, tp: int | Non
     `registry_models()`: each one's shape keys).
     `context_parallel`: torchtitan's CP degree (torchtitan_cp: its SDPA CP at TP 1, DP 1, float32 / bfloat16,
     torch's ring through the CPU shim cp_cpu_ring; what it cannot run is Unsupported, `cp_limits`).
+    `documents`: with attn_backend="flex", the documents packed in each row, masked by torchtitan's
+    own causal + packed-document BlockMask (torchtitan_flex: forward-only on CPU).
     `loss`: your labels' loss mask, trailing padding and your own per-token loss (`TokenLoss`;
     torchtitan_loss: torchtitan's own cross entropy on each rank, the reference's in float64).
     `case_fields`: any other `Case` field (defaults, tags, ...)."""
     if loss is not None:
         check_loss(name, loss)
+    if documents < 1 or (documents > 1 and attn_backend != "flex"):
+        raise ValueError(f"torchtitan_case({name!r}): documents {documents}; packed documents (>= 1) are masked by "
+                         f"attn_backend='flex' only (SDPA takes no document mask: torchtitan's get_attention_config "
+                         f"refuses it for packed language-model batches)")
     if spmd_backend not in ("partial_dtensor", "spmd_types"):
         raise ValueError(f"torchtitan_case({name!r}): spmd_backend {spmd_backend!r}; known: partial_dtensor, "
                          "spmd_types (full_dtensor: not wired)")
@@ -365,7 +384,7 @@ def torchtitan_case(name: str, model_kwargs: Mapping[str, Any], *, tp: int | Non
         raise ValueError(f"torchtitan_case({name!r}): unknown {model} kwargs {unknown}; known: {list(keys)}")
     shapes = {"n_layers": 2, "n_heads": 4, "vocab_size": 64, "multiple_of": 16, **model_kwargs}
     shapes.setdefault("dim", 32)
-    case_fields.setdefault("setup", functools.partial(_import_model, models[model].package))
+    case_fields.setdefault("setup", functools.partial(_import_model, models[model].package, attn_backend == "flex"))
     defaults = dict(hidden=shapes["dim"], num_layers=shapes["n_layers"], num_heads=shapes["n_heads"],
                     num_kv_heads=shapes.get("n_kv_heads"), vocab=shapes["vocab_size"], seq_len=seq_len, batch=batch)
 
@@ -378,8 +397,14 @@ def torchtitan_case(name: str, model_kwargs: Mapping[str, Any], *, tp: int | Non
         if cfg.seq_shards is not None:
             raise Unsupported("torchtitan's sequence parallelism is DTensor's Shard(1): torch.chunk's split, no "
                               "explicit seq_shards")
-        if attn_backend != "sdpa" and not torch.cuda.is_available():
-            raise Unsupported(f"attention backend {attn_backend!r}: {FLEX_ON_CPU}")
+        if attn_backend == "flex" and (why := flex_limits(cfg)) is not None:
+            raise Unsupported(f"attention backend 'flex': {why}")
+        if attn_backend == "flex" and spmd_backend != "partial_dtensor":
+            raise Unsupported(f"FlexAttention with document masks on the {spmd_backend} backend is not wired here "
+                              f"(partial_dtensor only)")
+        if attn_backend not in ("sdpa", "flex") and not torch.cuda.is_available():
+            raise Unsupported(f"attention backend {attn_backend!r}: GPU only (torchtitan's varlen attention is a CUDA "
+                              f"kernel)")
         if not cfg.causal:
             raise Unsupported("torchtitan's language models are causal (ScaledDotProductAttention is_causal=True)")
         if cfg.layout != "bsh":
@@ -402,16 +427,22 @@ def torchtitan_case(name: str, model_kwargs: Mapping[str, Any], *, tp: int | Non
 
     def build_reference(cfg):
         torch.manual_seed(cfg.seed)
-        return _build(model_config(model, _run_shapes(shapes, cfg), enable_sp=enable_sp, attn_backend=attn_backend),
-                      torch.float64)
+        built = _build(model_config(model, _run_shapes(shapes, cfg), enable_sp=enable_sp, attn_backend=attn_backend),
+                       torch.float64)
+        if attn_backend == "flex":
+            reference_documents(built)
+        return built
 
     def make_batch(cfg, step, gen):
         rows = cfg.dp * cfg.batch
         tokens = torch.randint(0, cfg.vocab, (rows, cfg.seq_len), generator=gen)
         labels = torch.randint(0, cfg.vocab, (rows, cfg.seq_len), generator=gen)
+        inputs = {}
+        if attn_backend == "flex":
+            inputs["positions"] = document_positions(rows, cfg.seq_len, documents, gen)
         if loss is not None:
             tokens, labels = titan_batch(loss, tokens, labels, gen)
-        return Batch(inputs={"tokens": tokens}, target=labels)
+        return Batch(inputs={"tokens": tokens, **inputs}, target=labels)
 
     defaults.update(case_fields.pop("defaults", {}))
     if context_parallel > 1:

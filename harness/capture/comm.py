@@ -103,6 +103,16 @@ class CommRow:
 class CommCounter(TorchDispatchMode):
     """Counts collectives by (phase, kind, group label). Set `phase` between regions."""
 
+    supports_higher_order_operators = True
+    """A higher-order op (torch's `flex_attention`) passes through: it issues no collective, and
+    without this torch raises NotImplementedError for it under any mode."""
+
+    @classmethod
+    def ignore_compile_internals(cls) -> bool:
+        """torch.compile (torchtitan compiles flex_attention) refuses to trace under a mode that
+        does not ignore compile internals; the compiled graph's ops still run under this one."""
+        return True
+
     def __init__(self, group_label: Callable[[tuple[int, ...]], str] = lambda ranks: "ranks" + "-".join(map(str, ranks))
                  ) -> None:
         super().__init__()
