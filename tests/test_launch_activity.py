@@ -17,10 +17,10 @@ BUSY = "while True: pass"
 SLEEPING_PARENT_OF_BUSY = f"import subprocess, sys, time; subprocess.Popen([sys.executable, '-c', {BUSY!r}]); time.sleep(60)"
 
 
-def _group(code: str) -> subprocess.Popen:
-    proc = subprocess.Popen([sys.executable, "-c", code], start_new_session=True)
-    time.sleep(1.0)  # past the interpreter's start-up, which uses the CPU
-    return proc
+def _groups(*codes: str) -> list[subprocess.Popen]:
+    procs = [subprocess.Popen([sys.executable, "-c", code], start_new_session=True) for code in codes]
+    time.sleep(1.5)  # past the interpreters' start-up, which uses the CPU (started together: one wait)
+    return procs
 
 
 def _end(proc: subprocess.Popen) -> None:
@@ -29,7 +29,7 @@ def _end(proc: subprocess.Popen) -> None:
 
 
 def test_a_sleeping_group_has_stopped_and_a_busy_one_has_not():
-    sleeping, busy, parent = _group("import time; time.sleep(60)"), _group(BUSY), _group(SLEEPING_PARENT_OF_BUSY)
+    sleeping, busy, parent = _groups("import time; time.sleep(60)", BUSY, SLEEPING_PARENT_OF_BUSY)
     try:
         assert stopped([sleeping.pid])
         assert not stopped([busy.pid]) and not stopped([sleeping.pid, busy.pid])
