@@ -87,18 +87,21 @@ def test_spmd_types_backend_and_qwen3_pass(sp_check, example, name, dtype):
     assert {"forward", "loss", "grad", "param"} <= set(res.worst)
 
 
-@pytest.mark.parametrize("name,dtype", [
-    ("LLAMA3_CP2", "float32"),
-    pytest.param("LLAMA3_CP2", "bfloat16", marks=pytest.mark.exhaustive("the fast tier runs CP 2 in float32")),
-    pytest.param("LLAMA3_GQA_CP2", "float32", marks=pytest.mark.exhaustive(
+@pytest.mark.parametrize("name,dtype,dp", [
+    ("LLAMA3_CP2", "float32", 1),
+    # DP 2 x CP 2: FSDP over torchtitan's "fsdp" axis (dp x cp flattened), its division by DP set
+    pytest.param("LLAMA3_CP2", "float32", 2, id="dp2xcp2", marks=pytest.mark.exhaustive(
+        "the fast tier runs titan-llama3-cp at DP 2 x CP 2 as the twin of mutant-titan-cp-fsdp-grads-summed-over-dp")),
+    pytest.param("LLAMA3_CP2", "bfloat16", 1, marks=pytest.mark.exhaustive("the fast tier runs CP 2 in float32")),
+    pytest.param("LLAMA3_GQA_CP2", "float32", 1, marks=pytest.mark.exhaustive(
         "the fast tier runs CP 2 without GQA; the GQA ring moves half the K/V")),
 ])
-def test_context_parallel_passes_through_torchs_ring(sp_check, name, dtype):
+def test_context_parallel_passes_through_torchs_ring(sp_check, name, dtype, dp):
     # torchtitan's own CP path (apply_cp_to_forward, its head-tail cut, FSDP2 over the CP mesh)
     # with torch's ring attention on the CPU kernel (cp_cpu_ring): the ring's backward sends the
     # K/V grads round with all-to-all, once per ring step (2 at CP 2) in each of the 2 layers,
     # which nothing else in this model sends
-    res = sp_check(_config(name, CP, world_size=2, dtype=dtype))
+    res = sp_check(_config(name, CP, world_size=2 * dp, dp=dp, dtype=dtype))
     assert res.verdict == PASS, res.reason + res.error
     assert {"forward", "loss", "grad", "param"} <= set(res.worst)
     assert {(r.phase, r.kind): r.count for r in res.comm}.get(("backward", "all_to_all")) == 4, res.comm
@@ -141,7 +144,6 @@ def test_a_loss_torchtitan_cannot_compute_is_refused_at_construction(loss, messa
                  id="loss-float64"),
     pytest.param(CP, "LLAMA3_CP2", dict(dtype="float64"), "merges the per-block attention outputs in float32",
                  id="cp-float64"),
-    pytest.param(CP, "LLAMA3_CP2", dict(world_size=4, dp=2, dtype="float32"), "CP x DP", id="cp-dp2"),
     pytest.param(SPMD, "LLAMA3_SPMD_SP", dict(dtype="float64"), "_LossParallelCrossEntropy", id="spmd-float64"),
     pytest.param(SPMD, "LLAMA3_SPMD_SP", dict(world_size=4, dp=2, dtype="float32"), "pytorch/pytorch#181519",
                  id="spmd-dp2"),

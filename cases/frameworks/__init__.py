@@ -35,7 +35,7 @@ FRAMEWORK_CASES: dict[str, tuple[str, tuple[str, ...]]] = {
         "mutant-titan-spmd-embedding-partial-as-replicate", "titan-llama3-sp-step",
         "mutant-titan-step-per-micro-batch-mean", "mutant-titan-step-fsdp-divides-twice",
         "mutant-titan-step-clip-norm-local-shard", "titan-llama3-cp", "mutant-titan-cp-positions-not-sharded",
-        "titan-llama3-sp-loss", "mutant-titan-loss-counts-masked-tokens")),
+        "titan-llama3-sp-loss", "mutant-titan-loss-counts-masked-tokens", "mutant-titan-cp-fsdp-grads-summed-over-dp")),
     "deepspeed": ("sp_harness.cases.frameworks.deepspeed_cases", (
         "ds-ulysses", "ds-ulysses-f64", "ds-ulysses-hf-llama", "mutant-ds-ulysses-detached-a2a",
         "mutant-ds-ulysses-batch-dim-idx", "mutant-ds-ulysses-scatter-gather-swapped",

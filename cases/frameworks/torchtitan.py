@@ -304,15 +304,17 @@ def torchtitan_spmd_shard(shapes: Mapping[str, Any], *, enable_sp: bool = True, 
 
 
 def torchtitan_cp_shard(shapes: Mapping[str, Any], *, attn_backend: str = "sdpa", model: ModelName = "llama3",
-                        shard_positions: bool = True, loss: TokenLoss | None = None, count: str = "valid"):
+                        shard_positions: bool = True, loss: TokenLoss | None = None, count: str = "valid",
+                        fsdp_mean: bool = True):
     """The sharded factory of a `torchtitan_case(..., context_parallel=N)`: the model from its
     config under torchtitan's CP path (torchtitan_cp). `shard_positions=False`: RoPE positions
     not handed to the model (a mutant's). `loss`, `count`: as `torchtitan_shard`'s, on the CP
-    rank's sequence shard over its replica's valid tokens (counted across CP)."""
+    rank's sequence shard over its replica's valid tokens (counted across CP). `fsdp_mean`: as
+    `torchtitan_shard`'s, at DP x CP."""
     local_loss = None if loss is None else titan_local_loss(loss, seq_sharded=True, count=count)
     return titan_cp_shard(lambda ctx: _build(model_config(model, _run_shapes(shapes, ctx.config), attn_backend=attn_backend),
                                              ctx.config.torch_dtype), cpu_shims, shard_positions=shard_positions,
-                          local_loss=local_loss)
+                          local_loss=local_loss, fsdp_mean=fsdp_mean)
 
 
 def _tp_mesh(model: nn.Module):

@@ -126,7 +126,9 @@ TITAN_LLAMA3_CP = register(torchtitan_case(
                       note="torchtitan llama3, its context parallelism (SDPA ring, head-tail balancer) at CP 2, "
                            "through the CPU ring shim"),
               Example(fields=(("world_size", 2), ("dtype", "bfloat16")),
-                      note="torchtitan llama3, CP 2, bfloat16"))))
+                      note="torchtitan llama3, CP 2, bfloat16"),
+              Example(fields=(("world_size", 4), ("dp", 2), ("dtype", "float32")),
+                      note="torchtitan llama3, DP 2 x CP 2: FSDP2 over its fsdp axis (dp x cp flattened)"))))
 
 CP_POSITIONS_NOT_SHARDED = mutant(
     TITAN_LLAMA3_CP, name="mutant-titan-cp-positions-not-sharded",
@@ -157,6 +159,14 @@ mutant(TITAN_LLAMA3_SP_LOSS, name="mutant-titan-loss-counts-masked-tokens",
        source="AI-Hypercomputer/maxtext#366 and EleutherAI/gpt-neo#45 (the fix: normalise by unpadded tokens); "
               "pytorch/torchtitan#4192 (the same two counts in torchtitan's trainer)",
        shard=torchtitan_shard(SHAPES, loss=SFT, count="all"), killed_by=("forward (loss)", "even"))
+
+mutant(TITAN_LLAMA3_CP, name="mutant-titan-cp-fsdp-grads-summed-over-dp",
+       summary="DP x CP: FSDP's grad division over its dp x cp axis left off under a per-replica mean loss",
+       bug="grads summed over DP x CP where each replica's loss is its own mean (torchtitan turns FSDP's division "
+           "off for its global-token loss scaling): DP times the grads",
+       source="pytorch/torchtitan#2323 (the same double scaling in its DDP path after the switch to global-token "
+              "loss scaling)",
+       shard=torchtitan_cp_shard(SHAPES, fsdp_mean=False), killed_by=("grad", "dp2xtp2"))
 
 TRAIN_STEP = (("train_step", True), ("micro_batches", 3), ("clip_grad_norm", 0.01), ("dtype", "float32"))
 """The training-step check's config the step case is shown on: K = 3 uneven micro-batches, clipping active."""

@@ -47,8 +47,6 @@ def cp_limits(cfg: CheckConfig, cp: int, tp: int | None, spmd_backend: str, attn
         return "torchtitan's FlexAttention CP runs flex_attention, which has no CPU backward"
     if tp not in (None, 1):
         return f"torchtitan CP x TP (tp={tp}): the engine's mesh has one sequence axis; CP runs at TP 1"
-    if cfg.dp != 1:
-        return "torchtitan CP x DP: its fsdp mesh is dp_shard x cp flattened, not wired here (CP runs at DP 1)"
     if cfg.tp != cp:
         return (f"context_parallel={cp}: the run's CP group is world_size / dp = {cfg.tp} ranks; run it at "
                 f"--world-size {cp}")
@@ -100,12 +98,14 @@ def _cp_hooks(cp_mesh, *, shard_positions: bool):
 
 
 def titan_cp_shard(build: Callable[[RankContext], nn.Module], fsdp_shims: Callable[[nn.Module], None], *,
-                   shard_positions: bool = True, local_loss: Callable[..., torch.Tensor] | None = None):
+                   shard_positions: bool = True, local_loss: Callable[..., torch.Tensor] | None = None,
+                   fsdp_mean: bool = True):
     """The sharded factory of a `torchtitan_case(..., context_parallel=N)`: `build(ctx)` is this
     rank's torchtitan model (the reference's config and dtype), loaded with the reference's state,
     then torchtitan's CP path (module docstring); `fsdp_shims(model)` after its FSDP2 (torchtitan's
     `cpu_shims`). `shard_positions=False`: the positions are not handed to the model (a mutant's).
-    `local_loss`: the rank's loss on its sequence shard (torchtitan_loss; None: the engine's)."""
+    `local_loss`: the rank's loss on its sequence shard (torchtitan_loss; None: the engine's).
+    `fsdp_mean=False`: at DP > 1, FSDP's grad division left off as torchtitan sets it (a mutant's)."""
 
     def shard(reference: nn.Module, ctx: RankContext) -> Sharded:
         from torchtitan.distributed.context_parallel import apply_cp_to_forward
@@ -115,10 +115,22 @@ def titan_cp_shard(build: Callable[[RankContext], nn.Module], fsdp_shims: Callab
         set_spmd_backend("partial_dtensor")
         model: Any = build(ctx)  # a torchtitan Decoder: its blocks in `layers`
         model.load_state_dict(reference.state_dict())
-        cp_mesh = ctx.device_mesh  # 1-D over the CP group (DP 1)
+        # the engine's TP group is the CP group: 1-D ("tp",) at DP 1, the "tp" axis of ("dp", "tp")
+        cp_mesh = ctx.device_mesh if ctx.dp == 1 else ctx.device_mesh["tp"]
         apply_cp_to_forward([block.attention.inner_attention for block in model.layers.values()], cp_mesh)
         dtype = ctx.config.torch_dtype
-        apply_fsdp_to_decoder(model, cp_mesh, param_dtype=dtype, reduce_dtype=dtype, pp_enabled=False)
+        # torchtitan's "fsdp" mesh: dp_shard x cp flattened (the CP group alone at DP 1)
+        fsdp_mesh = cp_mesh if ctx.dp == 1 else ctx.device_mesh._flatten("fsdp")
+        apply_fsdp_to_decoder(model, fsdp_mesh, param_dtype=dtype, reduce_dtype=dtype, pp_enabled=False)
+        if ctx.dp > 1 and fsdp_mean:
+            # FSDP sums over dp x cp (torchtitan turns its division off for its global-token loss);
+            # the engine's replica loss is the replica's own mean, so the sum over DP is divided by
+            # DP: the same grads (every replica holds equal tokens), as torchtitan_shard does
+            from torch.distributed.fsdp import FSDPModule
+
+            for module in model.modules():
+                if isinstance(module, FSDPModule):
+                    module.set_gradient_divide_factor(float(ctx.dp))
         fsdp_shims(model)
         pre, post = _cp_hooks(cp_mesh, shard_positions=shard_positions)
         model.register_forward_pre_hook(pre, with_kwargs=True)

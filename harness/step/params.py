@@ -63,6 +63,11 @@ class LocalParam:
                 self.replicated_tp = isinstance(dparam.placements[tp_dim], Replicate)
                 self.sharded_dp = any(not isinstance(p, Replicate) for i, p in enumerate(dparam.placements)
                                       if i != tp_dim)
+            elif names is not None and len(names) == 1 and names[0] != "tp":
+                # one axis over more than the TP group (torchtitan's "fsdp": dp x cp flattened):
+                # sharded there, it is sharded over DP too (one copy, no replicas to compare)
+                self.replicated_tp = isinstance(dparam.placements[0], Replicate)
+                self.sharded_dp = not self.replicated_tp
             else:
                 self.replicated_tp = all(isinstance(p, Replicate) for p in dparam.placements)
         else:
