@@ -123,8 +123,10 @@ def test_same_collective_with_different_sizes_is_a_desync(sp_check):
     assert sp_check(CheckConfig(case="seed-mlp", world_size=2)).verdict == PASS
 
 
-def test_a_stall_against_an_unannounced_collective_is_a_desync(sp_check):
-    # found only once both ranks have stopped using the CPU (their stacks are taken then)
+def test_a_stall_against_an_unannounced_collective_is_a_desync(sp_check, monkeypatch):
+    # found only once both ranks have stopped using the CPU (their stacks are taken then); the
+    # driver looks after 0.5 s of silence instead of 2 (what it finds is the same, sooner)
+    monkeypatch.setattr("sp_harness.launch.replies._STALL_S", 0.5)
     res = sp_check(CheckConfig(case=f"{FAULTY}:DESYNC_UNANNOUNCED", world_size=2, timeout_s=60))
     assert res.verdict == FAIL and res.crash_kind == "desync", res.reason
     behind = [e for e in res.rank_errors if e.kind == "desync" and e.collective is None]
