@@ -28,6 +28,7 @@ float32 cast makes a float64 run with it Unsupported (`loss_limits`).
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 from typing import Any
 
@@ -126,12 +127,13 @@ def titan_local_loss(loss: TokenLoss, *, vocab: int | None = None, vocab_mesh: C
             whole = (*logits.shape[:-1], vocab)
             logits = DTensor.from_local(logits, vocab_mesh(), (Shard(logits.ndim - 1),), run_check=False,
                                         shape=torch.Size(whole), stride=torch.empty(whole, device="meta").stride())
+        current = contextlib.nullcontext()
         if spmd_mesh is not None:
             from torchtitan.distributed.spmd_types import set_current_spmd_mesh
 
-            with set_current_spmd_mesh(spmd_mesh()):
-                return cross_entropy_loss(logits, labels, global_vocab_size=vocab) / divisor
-        return cross_entropy_loss(logits, labels, global_vocab_size=vocab) / divisor
+            current = set_current_spmd_mesh(spmd_mesh())
+        with current:
+            return cross_entropy_loss(logits, labels, global_vocab_size=vocab) / divisor
 
     return local
 
