@@ -3,11 +3,8 @@
 environment its engine asserts, its comm backend over the harness's world and its
 sequence-parallel groups. None of it changes what DeepSpeed computes.
 
-- Per-process setup (`Case.setup`): DeepSpeed's import and the JIT build of its CPU
-  `deepspeed_shm_comm` op, which `deepspeed.init_distributed` loads (minutes on a loaded 2-core
-  machine the first time; cached in ~/.cache/torch_extensions afterwards). A build killed mid-way
-  leaves torch's build lock behind; the next setup removes it, with a warning
-  (`build_extension_exclusively`).
+- Per-process setup (`Case.setup`): DeepSpeed's import and its one CPU shim (`cpu_shims`): its
+  comm backend builds no `deepspeed_shm_comm` op, as on CUDA.
 - Launcher environment (`launcher_env`): DeepSpeed's engine asserts `LOCAL_RANK` is set (its
   launcher, torchrun or init_distributed's MPI discovery set it); the harness starts its ranks
   itself, so it is set to the rank's device index (CPU: the rank; one host). No CPU shim is
@@ -16,19 +13,15 @@ sequence-parallel groups. None of it changes what DeepSpeed computes.
 
 from __future__ import annotations
 
+import importlib
 import os
 
 import torch.distributed as dist
 
 from sp_harness import RankContext
-from sp_harness.cases.frameworks.common import build_extension_exclusively
 
 DEEPSPEED_VERSION = "0.19.8"
 """The release the DeepSpeed cases are tested with (the `deepspeed` extra pins it)."""
-
-SHM_OP_NAME = "deepspeed_shm_comm"
-"""The torch extension `build_shm_op` JIT-builds (DeepSpeed's `ShareMemCommBuilder.NAME`: its
-build dir and torch's build lock are named after it)."""
 
 
 def launcher_env(ctx: RankContext) -> None:
@@ -40,9 +33,10 @@ def launcher_env(ctx: RankContext) -> None:
 
 def init_distributed() -> None:
     """DeepSpeed's communication backend over the harness's already-initialized gloo world
-    (it wraps torch.distributed: `TorchBackend`, which loads its shm op)."""
+    (it wraps torch.distributed: `TorchBackend`)."""
     import deepspeed
 
+    cpu_shims()
     deepspeed.init_distributed(dist_backend=dist.get_backend())
 
 
@@ -65,15 +59,37 @@ def sp_groups(ctx: RankContext):
     return ps
 
 
+def _no_shm_op() -> None:
+    """`build_shm_op` as it is on CUDA: no op (see `cpu_shims`)."""
+    return None
+
+
+def cpu_shims() -> None:
+    """The CPU shim, idempotent, a no-op where CUDA is available. DeepSpeed's comm backend
+    (`TorchBackend.__init__`) JIT-builds its CPU `deepspeed_shm_comm` op with g++ on the CPU
+    accelerator: 1-6 minutes on a 2-core machine, on every fresh machine (CI's every run). That
+    op serves one call, `inference_all_reduce`, which only AutoTP's inference layers
+    (`module_inject`) make; Ulysses training, its engine and HF's Ulysses path never do. On CUDA
+    the accelerator has no such builder and `build_shm_op` returns None; here it does the same,
+    so DeepSpeed's comm backend is the one it has on CUDA and every collective it makes is the
+    same torch.distributed call: what DeepSpeed computes is unchanged."""
+    import torch
+
+    if torch.cuda.is_available():
+        return
+    # not `import deepspeed.comm.torch as ...`: that binds `deepspeed.comm.torch`, the attribute,
+    # which is torch itself (deepspeed.comm imports it), not DeepSpeed's backend module
+    backend = importlib.import_module("deepspeed.comm.torch")
+    setattr(backend, "build_shm_op", _no_shm_op)  # noqa: B010 (a module attribute mypy cannot see)
+
+
 def deepspeed_setup() -> None:
-    """Per process, outside any job's clock: DeepSpeed's import and its CPU comm op's JIT build
-    (what `deepspeed.init_distributed` loads), under `build_extension_exclusively` so that a
-    build killed mid-way (its torch `lock` left behind) does not hang every later setup."""
+    """Per process, outside any job's clock: DeepSpeed's import and its CPU shim (before its comm
+    backend is made)."""
     import deepspeed  # noqa: F401
     import deepspeed.sequence.layer  # noqa: F401
-    from deepspeed.comm.torch import build_shm_op
 
-    build_extension_exclusively(SHM_OP_NAME, build_shm_op)
+    cpu_shims()
 
 
-__all__ = ["DEEPSPEED_VERSION", "SHM_OP_NAME", "deepspeed_setup", "init_distributed", "launcher_env", "sp_groups"]
+__all__ = ["DEEPSPEED_VERSION", "cpu_shims", "deepspeed_setup", "init_distributed", "launcher_env", "sp_groups"]
