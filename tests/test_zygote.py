@@ -19,6 +19,7 @@ from sp_harness.launch.manager import PoolManager
 from sp_harness.launch.pool import RankPool
 from sp_harness.launch.wire import PoolOptions
 from sp_harness.launch.worker import health_check
+from sp_harness.launch.zygote_server import PRELOAD_ENV, SCALAR_TENSOR_OPS
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the fork server is Linux's")
 
@@ -166,11 +167,21 @@ def test_a_live_ranks_handle_times_out_as_popen_does():
     assert rank.poll() is not None
 
 
-def test_the_zygote_is_single_threaded_when_it_forks():
-    pool = RankPool(1)
+def _every_preload() -> str:
+    """Every registered case's `Case.preload` entries, in order, as SP_HARNESS_PRELOAD takes them."""
+    from sp_harness.config.registry import all_cases
+
+    return ",".join(dict.fromkeys(e for case in all_cases().values() for e in case.preload))
+
+
+@pytest.mark.parametrize("preload", [False, True], ids=["built-in", "every-framework-preload"])
+def test_the_zygote_is_single_threaded_when_it_forks(preload):
+    env = ((PRELOAD_ENV, _every_preload()),) if preload else ()
+    pool = RankPool(1, PoolOptions(env=env))
     try:
-        pool.run(health_check, None, timeout_s=120, label="threads")
-        pids = [z.proc.pid for z in zygote_registry._REGISTRY.values()]
+        pool.run(health_check, None, timeout_s=300, label="threads")
+        pids = [z.proc.pid for key, z in zygote_registry._REGISTRY.items()
+                if dict(key).get(PRELOAD_ENV) == dict(env).get(PRELOAD_ENV)]
         assert pids
         for pid in pids:
             with open(f"/proc/{pid}/status") as f:
@@ -194,6 +205,36 @@ def test_the_preload_dispatches_no_op(tmp_path):
     assert run.stdout.strip().splitlines()[-1] == "[]"
 
 
+def test_the_frameworks_preloads_make_scalar_tensors_at_most(tmp_path):
+    # every case's preload at once; beyond a tensor made from a Python scalar at a module's top
+    # level (zygote_server.PRELOAD_ENV), an op could run a parallel region in the fork server
+    script = textwrap.dedent("""
+        from torch.autograd.profiler import profile
+        from sp_harness.launch.zygote_server import _preload
+        with profile() as prof:
+            _preload()
+        print(sorted({e.name for e in prof.function_events}))
+        """)
+    entries = _every_preload()
+    assert "torchtitan" in entries and "megatron" in entries and "deepspeed" in entries, entries
+    run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300,
+                         env=dict(os.environ, TMPDIR=str(tmp_path), **{PRELOAD_ENV: entries}))
+    assert run.returncode == 0, run.stderr
+    ops = set(eval(run.stdout.strip().splitlines()[-1]))  # a printed list of op names
+    assert ops and ops <= SCALAR_TENSOR_OPS, sorted(ops - SCALAR_TENSOR_OPS)
+
+
+def test_a_cases_preload_reaches_its_cpu_pools_zygote_only():
+    gloo, nccl = PoolManager(), PoolManager(PoolOptions(backend="nccl", devices=(0,)))
+    try:
+        assert dict(gloo.get(1, "group:x", preload=("json", "a.b:f")).options.env)[PRELOAD_ENV] == "json,a.b:f"
+        assert PRELOAD_ENV not in dict(gloo.get(1, "group:y").options.env)
+        assert PRELOAD_ENV not in dict(nccl.get(1, "group:x", preload=("json",)).options.env)
+    finally:
+        gloo.close()
+        nccl.close()
+
+
 def test_a_dead_zygote_ends_its_ranks_and_the_pool_restarts():
     pool = RankPool(2, PoolOptions(env=(("SP_TEST_ZYGOTE", "victim"),)))
     try:
@@ -215,6 +256,7 @@ DRIVER = """
     from sp_harness.launch.manager import PoolManager
     from sp_harness.launch.wire import PoolOptions
     from sp_harness.launch.worker import health_check
+from sp_harness.launch.zygote_server import PRELOAD_ENV, SCALAR_TENSOR_OPS
 
     manager = PoolManager(PoolOptions(env=(("SP_TEST_ZYGOTE", "driver"),)))
     if sys.argv[1] == "thread-kill":

@@ -27,6 +27,7 @@ from sp_harness import Batch, Case, Layout, RankContext, Sharded, Unsupported
 from sp_harness.cases.common import GPT_DEFAULTS, gpt_batch, gpt_tokens, known, with_positions
 from sp_harness.cases.frameworks.deepspeed_loss import case_loss_fields, loss_limits, sp_local_loss, token_batch
 from sp_harness.cases.frameworks.deepspeed_runtime import (
+    DEEPSPEED_PRELOAD,
     DEEPSPEED_VERSION,
     deepspeed_setup,
     init_distributed,
@@ -134,6 +135,7 @@ def hf_ulysses_case(name: str, model_config: Mapping[str, Any] | None = None, *,
         raise ValueError(f"{name!r}: position_ids must be 'global' or 'local', got {position_ids!r}")
     _hf_model_config(model_type, {}, core_attn)  # a bad model type is an error where the case is made
     case_fields.setdefault("setup", _hf_setup)
+    case_fields.setdefault("preload", (*DEEPSPEED_PRELOAD, "transformers.models.auto.modeling_auto"))
 
     def causal_lm(cfg, dtype):
         from transformers import AutoModelForCausalLM

@@ -38,6 +38,7 @@ from sp_harness.cases.common import GPT_DEFAULTS, gpt_batch, gpt_tokens, with_po
 from sp_harness.cases.frameworks.deepspeed_loss import case_loss_fields, loss_limits, sp_local_loss, token_batch
 from sp_harness.cases.frameworks.deepspeed_model import SequenceParallelAttention
 from sp_harness.cases.frameworks.deepspeed_runtime import (
+    DEEPSPEED_PRELOAD,
     DEEPSPEED_VERSION,
     deepspeed_setup,
     init_distributed,
@@ -105,6 +106,7 @@ def ulysses_module_case(name: str, build_model: ModelFactory, *, scatter_idx: in
                          f"nn.Module, got {build_model!r}")
     check_engine_args(name, grad_sync, ds_config)
     case_fields.setdefault("setup", deepspeed_setup)
+    case_fields.setdefault("preload", DEEPSPEED_PRELOAD)
 
     def attention(local: nn.Module) -> nn.Module:
         if not isinstance(local, nn.Module):

@@ -83,6 +83,10 @@ def cpu_shims() -> None:
     setattr(backend, "build_shm_op", _no_shm_op)  # noqa: B010 (a module attribute mypy cannot see)
 
 
+DEEPSPEED_PRELOAD = ("deepspeed.sequence.layer", f"{__name__}:cpu_shims")
+"""A DeepSpeed case's `Case.preload`: `deepspeed_setup`'s imports and shim, once by the fork server."""
+
+
 def deepspeed_setup() -> None:
     """Per process, outside any job's clock: DeepSpeed's import and its CPU shim (before its comm
     backend is made)."""
@@ -92,4 +96,4 @@ def deepspeed_setup() -> None:
     cpu_shims()
 
 
-__all__ = ["DEEPSPEED_VERSION", "cpu_shims", "deepspeed_setup", "init_distributed", "launcher_env", "sp_groups"]
+__all__ = ["DEEPSPEED_PRELOAD", "DEEPSPEED_VERSION", "cpu_shims", "deepspeed_setup", "init_distributed", "launcher_env", "sp_groups"]

@@ -59,6 +59,7 @@ from sp_harness.cases.frameworks.deepspeed_model import (
     UserAttention,
 )
 from sp_harness.cases.frameworks.deepspeed_runtime import (
+    DEEPSPEED_PRELOAD,
     DEEPSPEED_VERSION,
     deepspeed_setup,
     init_distributed,
@@ -277,6 +278,7 @@ def ulysses_case(name: str, *, local_attention: LocalAttentionFn = sdpa_attentio
     mask, padding, label smoothing or loss function (`TokenLoss`; deepspeed_loss). Other knobs: as
     `ulysses_shard`'s. `case_fields`: any other `Case` field (defaults, tags, isolation, examples, ...)."""
     case_fields.setdefault("setup", deepspeed_setup)
+    case_fields.setdefault("preload", DEEPSPEED_PRELOAD)
     check_engine_args(name, grad_sync, ds_config)
 
     def validate(cfg) -> None:

@@ -331,6 +331,8 @@ def hf_trainer_case(name: str, setup: HFTrainerSetup = HFTrainerSetup(), **case_
     training-step check (`--train-step`; the side-by-side check runs the engine's step, not the
     Trainer's, and is Unsupported). `case_fields`: any other `Case` field."""
     case_fields.setdefault("setup", _setup)
+    # not transformers.trainer: its import starts a thread, which a fork server must not have
+    case_fields.setdefault("preload", ("transformers.models.llama.modeling_llama", "transformers.models.qwen2.modeling_qwen2"))
     case_fields.setdefault("isolation", "hf-trainer")
 
     def validate(cfg) -> None:

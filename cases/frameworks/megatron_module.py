@@ -159,6 +159,7 @@ def megatron_module_case(name: str, transformer_config_kwargs: Mapping[str, Any]
         import megatron.core.transformer  # noqa: F401
 
     case_fields.setdefault("setup", setup)
+    case_fields.setdefault("preload", ("megatron.core.transformer",))
     defaults = {**shapes, "seq_len": seq_len, "batch": batch, **case_fields.pop("defaults", {})}
     return Case(name=name, description=f"megatron-core {MEGATRON_CORE_VERSION} module, {kwargs}",
                 build_reference=build_reference, make_batch=make_batch, shard=shard, validate=validate,

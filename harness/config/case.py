@@ -294,6 +294,14 @@ class Case:
     outside the job's timeout (its own budget: sp_harness.launch.case_setup.SETUP_TIMEOUT_S): a
     framework's first-use work, such as a C++ op JIT-built on first import. It raising, or
     running past its budget, is a setup error (exit 2), not a FAIL."""
+    preload: tuple[str, ...] = ()
+    """What the rank fork server (sp_harness.launch.zygote_server) imports before it forks this
+    case's ranks and their reference processes, in order, so that each does not import it again:
+    a framework's package (seconds per process). Each entry is a module name, or
+    "module:function" for a function it then calls with no argument (a CPU shim that must precede
+    an import). Every entry must dispatch no torch op and start no thread (the fork server's rule:
+    its module docstring). Cases naming the same entries share that fork server. `setup` still
+    runs in each process; what was preloaded is already there."""
     train_loss: TrainLoss | None = None
     """The loss this case's own training step means (sp_harness.config.step_protocol.TrainLoss); its
     `shard` then sets `Sharded.train_step`. None: the case declares no training step (the
@@ -328,6 +336,10 @@ class Case:
         fixed = sorted(set(self.defaults) & {"case", "world_size", "dp", "seq_shards", "timeout_s"})
         if fixed:
             raise ValueError(f"case {self.name}: {fixed} describe the run, not the case; they cannot default")
+        bad = [e for e in self.preload if not isinstance(e, str) or not e or "," in e or e.count(":") > 1]
+        if bad or not isinstance(self.preload, tuple):
+            raise ValueError(f"case {self.name}: preload {bad or self.preload!r}: a tuple of module names or "
+                             f"'module:function' strings, without commas")
         for prefix, name in self.precision_islands.items():
             if not isinstance(prefix, str):
                 raise ValueError(f"case {self.name}: precision_islands keys are module-name prefixes, got {prefix!r}")

@@ -4,6 +4,7 @@ isolation, started lazily; the least recently used is closed beyond `max_pools`.
 from __future__ import annotations
 
 import atexit
+import dataclasses
 import threading
 from collections import OrderedDict
 from collections.abc import Callable
@@ -14,6 +15,7 @@ from sp_harness.config.registry import get_case
 from sp_harness.launch import zygote_registry
 from sp_harness.launch.pool import RankPool
 from sp_harness.launch.wire import PoolOptions
+from sp_harness.launch.zygote_server import PRELOAD_ENV
 
 P = TypeVar("P")
 R = TypeVar("R")
@@ -29,14 +31,19 @@ class PoolManager:
         self._lock = threading.Lock()
         atexit.register(self.close)
 
-    def get(self, world_size: int, isolation: str = SHARED_PROCESSES) -> RankPool:
+    def get(self, world_size: int, isolation: str = SHARED_PROCESSES, *, preload: tuple[str, ...] = ()) -> RankPool:
         """The pool of `world_size` ranks for cases of isolation key `isolation`
-        (sp_harness.config.case.isolation_key): a case that runs in processes of its own gets them."""
+        (sp_harness.config.case.isolation_key): a case that runs in processes of its own gets them.
+        `preload`: the first case's `Case.preload`, imported by the fork server its ranks come from
+        (where the pool is new; the cases sharing a pool are one framework's, with one preload)."""
         key = (world_size, isolation)
         with self._lock:
             pool = self._pools.pop(key, None)
             if pool is None:
-                pool = RankPool(world_size, self.options)
+                options = self.options
+                if preload and options.backend == "gloo":  # CPU only: see PRELOAD_ENV
+                    options = dataclasses.replace(options, env=(*options.env, (PRELOAD_ENV, ",".join(preload))))
+                pool = RankPool(world_size, options)
             self._pools[key] = pool
             while len(self._pools) > self.max_pools:
                 _, old = self._pools.popitem(last=False)
@@ -50,7 +57,7 @@ class PoolManager:
         if case is None:
             return self.get(world_size).run(fn, payload, timeout_s=timeout_s, label=label, progress=progress)
         spec = get_case(case)
-        return self.get(world_size, isolation_key(spec)).run(
+        return self.get(world_size, isolation_key(spec), preload=spec.preload).run(
             fn, payload, timeout_s=timeout_s, label=label, progress=progress,
             setup=case if spec.setup is not None else None)
 

@@ -7,7 +7,9 @@ pool, which a forked child cannot use; a fork copies only the forking thread, so
 thread held stays locked in the child. (numpy's OpenBLAS starts threads at import, and stops them
 in its own pthread_atfork handler: the zygote is single-threaded at each fork.) The built-in
 cases are imported too: their import dispatches no op, starts no thread and makes no folder, and
-it saves each rank and companion their own import.
+it saves each rank and companion their own import. So are the modules a pool's case declares
+(`Case.preload`, passed as SP_HARNESS_PRELOAD in the pool's environment, which also keys the
+zygote: a framework's pools get a zygote of their own, which holds the framework's import).
 
 The protocol, over the socket the driver passed it (sp_harness.launch.zygote is the other end):
 once, the zygote sends ("ready", pid) or ("failed", traceback); then for each ("spawn", request,
@@ -22,6 +24,7 @@ the serve loop and becomes a rank (sp_harness.launch.zygote_child).
 from __future__ import annotations
 
 import gc
+import importlib
 import os
 import select
 import signal
@@ -31,10 +34,26 @@ from multiprocessing.connection import Connection
 
 from sp_harness.launch.zygote_child import become_rank, set_pdeathsig
 
+PRELOAD_ENV = "SP_HARNESS_PRELOAD"
+"""The case's `preload` entries, comma-separated (sp_harness.launch.manager sets it per pool).
+
+CPU (gloo) pools only: a framework's import may ask CUDA about its devices (torchtitan's does),
+and a rank forked after CUDA is initialised cannot use it; a GPU pool's ranks import the
+framework themselves (the case's `setup`). Some of these imports make a tensor from a Python
+scalar at their top level (torch's pipelining, which torchtitan imports; megatron's
+multi-token prediction): `aten::lift_fresh`, `aten::detach_`, `aten::empty` and `aten::to` on
+one element. None runs a parallel region (OpenMP's threads stay unstarted: the zygote stays
+single-threaded, tested), and they run on the kernel family of the zygote's environment, which
+is its ranks' (the environment keys the zygote). An import that initialises CUDA fails the
+zygote, and the pool starts its ranks as fresh interpreters."""
+
+SCALAR_TENSOR_OPS = frozenset({"aten::lift_fresh", "aten::detach_", "detach_", "aten::empty", "aten::to"})
+"""The ops a preload may dispatch (above): a tensor made from a Python scalar."""
+
 
 def _preload() -> None:
     """What every rank (and companion) would otherwise import itself; no op is run (module docstring)."""
-    import torch  # noqa: F401
+    import torch
     import torch._dynamo  # noqa: F401  (a module's first construction imports it: seconds)
     import torch.distributed  # noqa: F401
     import torch.distributed.tensor.parallel  # noqa: F401  (DTensor, sympy)
@@ -44,6 +63,14 @@ def _preload() -> None:
     from sp_harness.config.registry import all_cases
 
     all_cases()
+    for entry in filter(None, os.environ.get(PRELOAD_ENV, "").split(",")):
+        module, _, function = entry.partition(":")
+        imported = importlib.import_module(module)
+        if function:
+            getattr(imported, function)()
+    if torch.cuda.is_initialized():
+        raise RuntimeError(f"{PRELOAD_ENV}={os.environ.get(PRELOAD_ENV)!r} initialised CUDA: a forked rank "
+                           f"could not use it")
 
 
 def _serve(conn: Connection) -> tuple | None:
