@@ -133,7 +133,8 @@ def hf_ulysses_case(name: str, model_config: Mapping[str, Any] | None = None, *,
     check_engine_args(name, grad_sync, ds_config)
     if position_ids not in ("global", "local"):
         raise ValueError(f"{name!r}: position_ids must be 'global' or 'local', got {position_ids!r}")
-    _hf_model_config(model_type, {}, core_attn)  # a bad model type is an error where the case is made
+    if model_type not in MODEL_TYPES:  # a bad model type is an error where the case is made (the
+        _hf_model_config(model_type, {}, core_attn)  # known ones skip transformers' import: 1.5-3 s a process)
     case_fields.setdefault("setup", _hf_setup)
     case_fields.setdefault("preload", (*DEEPSPEED_PRELOAD, "transformers.models.auto.modeling_auto"))
 
