@@ -257,3 +257,73 @@ def test_spmd_types_declared_complete_outputs_are_traced():
     assert {"tok_embeddings", "layers.0.attention.wo", "layers.0.feed_forward.w2"} <= whole, whole
     # column-parallel pieces (heads, the FFN's hidden, the vocab-parallel logits) stay out
     assert not whole & {"layers.0.attention.qkv_linear.wqkv", "layers.0.feed_forward.w1", "lm_head"}, whole
+
+
+DSV3_SHAPES = dict(dim=32, n_layers=2, n_heads=4, vocab_size=64, num_experts=4, top_k=2, num_shared_experts=1)
+"""examples/torchtitan_case.py's DSV3_SP_TP2: MLA, one dense layer, one MoE layer."""
+
+
+@pytest.mark.exhaustive("the fast tier builds deepseek_v3 and runs its forward and backward in one process "
+                        "(test_deepseek_v3_builds_as_torchtitan_builds_it) and its Unsupported lines; TP 2 on ranks "
+                        "runs qwen3 and llama3 there")
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float64"])
+def test_deepseek_v3_mla_and_moe_pass_under_its_sharding_config(sp_check, dtype):
+    res = sp_check(_config("DSV3_SP_TP2", world_size=2, dtype=dtype))
+    assert res.verdict == PASS, res.reason + res.error
+    assert {"forward", "loss", "grad", "param"} <= set(res.worst)
+    # GroupedExperts computes in bfloat16 whatever the model's dtype (x.bfloat16() into
+    # torch._grouped_mm), on both sides: above bfloat16 the run names that island
+    experts = [i for i in res.islands if i.module.endswith("inner_experts") and i.dtype == "bfloat16"]
+    assert bool(experts) == (dtype != "bfloat16"), res.islands
+
+
+@pytest.mark.parametrize("fields,kwargs,reason", [
+    pytest.param(dict(num_kv_heads=2), {}, "MLA has no KV heads", id="kv-heads"),
+    # dim 40: 40 / 8 elements, but the expert hidden dim (dim) is 20 per TP rank
+    pytest.param(dict(hidden=40), {}, "moe_hidden_dim / TP 20", id="grouped-mm-strides"),
+    pytest.param(dict(dtype="bfloat16"), dict(moe_hidden_dim=33), "moe_hidden_dim (33) is not divisible",
+                 id="expert-hidden-tp"),
+    # MLA's v head dim (8) is not its qk head dim (8 + 4): torch's CP ring gets SDPA's math path
+    pytest.param({}, dict(context_parallel=2), "v_head_dim 8 != qk head dim 12", id="cp-head-dims"),
+])
+def test_deepseek_v3_what_cannot_run_is_unsupported_before_ranks_start(fields, kwargs, reason):
+    from sp_harness import Unsupported
+    from sp_harness.cases.frameworks.torchtitan import torchtitan_case
+
+    def case_of(**kw):
+        cp = kw.pop("context_parallel", 1)
+        case = torchtitan_case("titan-dsv3", {**DSV3_SHAPES, **kw}, tp=None if cp > 1 else 2, model="deepseek_v3",
+                               context_parallel=cp)
+        assert case.validate is not None
+        return case, case.validate
+
+    base, validate = case_of()
+    validate(base.resolve(CheckConfig(case="titan-dsv3", world_size=2, dtype="float32")))  # DSV3_SP_TP2's PASS
+    case, validate = case_of(**kwargs)
+    with pytest.raises(Unsupported, match=re.escape(reason)):
+        validate(case.resolve(CheckConfig(case="titan-dsv3", world_size=2, **{"dtype": "float32", **fields})))
+
+
+def test_deepseek_v3_builds_as_torchtitan_builds_it():
+    # one process, no ranks: the config torchtitan's sharding config was set on (SDPA swapped in
+    # before it, so the inner attention keeps its local map), and a float32 forward and backward
+    # through MLA, the dense layer and the MoE layer's router, grouped experts and shared experts
+    from sp_harness.cases.frameworks.torchtitan import _build, model_config
+
+    config = model_config("deepseek_v3", DSV3_SHAPES)
+    from torchtitan.models.common.attention import ScaledDotProductAttention  # after model_config's CPU shim
+
+    dense, moe = config.layers
+    assert dense.moe is None and moe.moe is not None and moe.feed_forward is None
+    assert isinstance(moe.attention.inner_attention, ScaledDotProductAttention.Config)
+    assert moe.attention.inner_attention.sharding_config is not None
+    assert moe.moe.routed_experts.inner_experts.sharding_config is not None
+    model = _build(config, torch.float32)
+    tokens = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(0))
+    logits = model(tokens)
+    assert logits.shape == (2, 16, 64) and logits.dtype == torch.float32
+    logits.float().logsumexp(-1).sum().backward()
+    experts = model.get_submodule("layers.1.moe.routed_experts.inner_experts")
+    grads = {name: p.grad for name, p in experts.named_parameters()}
+    assert set(grads) == {"w1_EFD", "w2_EDF", "w3_EFD"}
+    assert all(g is not None and bool(g.abs().sum() > 0) for g in grads.values()), grads

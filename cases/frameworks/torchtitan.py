@@ -212,8 +212,17 @@ def _parallel_dims(tp_group, tp: int, world_size: int):
                         spmd_backend="partial_dtensor")
     mesh = DeviceMesh.from_group(tp_group, "cpu" if not torch.cuda.is_available() else "cuda",
                                  mesh_dim_names=("tp",))
-    dims._single_axis_meshes = {"tp": mesh}
+    dims._single_axis_meshes = {"tp": mesh, **_no_ep(mesh)}
     return dims
+
+
+def _no_ep(like) -> dict:
+    """The "ep" axis at degree 1, which torchtitan's MoE asks for (deepseek_v3's
+    `RoutedExperts.parallelize`: `get_optional_mesh("ep")`, None at size 1): a one-rank mesh of
+    this rank on `like`'s device type, with no process group, never used for a collective."""
+    from torch.distributed.device_mesh import DeviceMesh
+
+    return {"ep": DeviceMesh(like.device_type, [dist.get_rank()], mesh_dim_names=("ep",), _init_backend=False)}
 
 
 def _parallelize_with_fsdp(model: TitanModule, ctx: RankContext, *, fsdp_mean: bool = True) -> None:
@@ -228,7 +237,7 @@ def _parallelize_with_fsdp(model: TitanModule, ctx: RankContext, *, fsdp_mean: b
     mesh = ctx.device_mesh  # ("dp", "tp") over the harness's groups
     dims = ParallelDims(dp_replicate=1, dp_shard=ctx.dp, cp=1, tp=ctx.tp, pp=1, ep=1, world_size=ctx.world_size,
                         spmd_backend="partial_dtensor")
-    dims._single_axis_meshes = {"tp": mesh["tp"], "fsdp": mesh["dp"]}
+    dims._single_axis_meshes = {"tp": mesh["tp"], "fsdp": mesh["dp"], **_no_ep(mesh)}
     model.parallelize(dims)
     retie(model)
     dtype = ctx.config.torch_dtype
@@ -431,7 +440,8 @@ def torchtitan_case(name: str, model_kwargs: Mapping[str, Any], *, tp: int | Non
             raise Unsupported(f"dim ({cfg.hidden}) is not a multiple of n_heads ({cfg.num_heads})")
         if spmd_backend == "spmd_types" and (why := spmd_limits(cfg, dp=cfg.dp)) is not None:
             raise Unsupported(why)
-        if (why := models[model].limits(cfg)) is not None:
+        if (why := models[model].limits(cfg, _run_shapes(shapes, cfg), tp=run_tp,
+                                           context_parallel=context_parallel)) is not None:
             raise Unsupported(why)
         check_unsupported(cfg, loss)
 
