@@ -20,7 +20,7 @@ LLAMA3_GQA_SP_TP2 = torchtitan_case("titan-llama3-gqa-sp-tp2", {**SHAPES, "n_kv_
 LLAMA3_TP2 = torchtitan_case("titan-llama3-tp2", SHAPES, tp=2, enable_sp=False)  # TP without SP
 # another model of torchtitan's registry: qwen3 (GQA, per-head QK norm, tied embeddings)
 QWEN3_SP_TP2 = torchtitan_case("titan-qwen3-sp-tp2", {**SHAPES, "n_kv_heads": 2}, tp=2, model="qwen3")
-# deepseek_v3: MLA, one dense layer then one MoE layer (4 routed experts, top 2, 1 shared); float32 / bfloat16 only
+# deepseek_v3: MLA, one dense layer then one MoE layer (4 routed experts, top 2, 1 shared)
 DSV3_SP_TP2 = torchtitan_case("titan-dsv3-sp-tp2", {**SHAPES, "num_experts": 4, "top_k": 2, "num_shared_experts": 1},
                               tp=2, model="deepseek_v3")
 

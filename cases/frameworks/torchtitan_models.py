@@ -12,16 +12,20 @@ own flavors, with its own sharding config set on them (`torchtitan_case(..., mod
   down-projection `wkv_a` and `kv_norm` replicated, the colwise up-projection `wkv_b`, RoPE on a
   separate `qk_rope_head_dim` slice, a v head dim of its own; `n_dense_layers` dense SwiGLU
   layers, then MoE layers: a replicated top-k router, `GroupedExperts` on `torch._grouped_mm`
-  and shared experts), YaRN-scaled complex RoPE, untied embeddings, `DeepSeekV3Model.Config`,
-  and `set_deepseek_v3_sharding_config(config, enable_sp=..., enable_ep=False)`: the routed
-  experts' weights sharded on their hidden dim over TP (w1/w3 `S(1)`, w2 `S(2)`), every TP rank
-  routing all tokens (the router's input gathered to `R`), the experts' `Partial` output
-  reduce-scattered to the sequence shard. The router's load-balancing buffers (`expert_bias_E`,
-  `tokens_per_expert_E`) are moved only by torchtitan's optimizer hook
-  (`register_moe_load_balancing_hook`), which no check runs: the bias stays zero on both sides.
-  UNSUPPORTED: float64 and float16 (`GroupedExperts` computes in bfloat16 whatever the model's
-  dtype; see `DSV3_FLOAT64`), dims `_grouped_mm` cannot take (`dsv3_limits`), `--num-kv-heads`
-  (MLA has no KV heads).
+  and shared experts), YaRN-scaled complex RoPE, untied embeddings, no MTP layers,
+  `DeepSeekV3Model.Config`, and `set_deepseek_v3_sharding_config(config, enable_sp=...,
+  enable_ep=False)`: the routed experts' weights sharded on their hidden dim over TP (w1/w3
+  `S(1)`, w2 `S(2)`), every TP rank routing all tokens (the router's input gathered to `R`), the
+  experts' `Partial` output reduce-scattered to the sequence shard. `GroupedExperts` computes in
+  bfloat16 whatever the model's dtype (`x.bfloat16()` into `_grouped_mm`), the float64 reference
+  too: a float32 / float64 run names that island. The router's load-balancing buffers
+  (`expert_bias_E`, `tokens_per_expert_E`) are moved only by torchtitan's optimizer hook
+  (`register_moe_load_balancing_hook`), which no check runs: the bias stays zero on both sides,
+  and buffers are not compared. UNSUPPORTED before ranks start (`dsv3_limits`): `--num-kv-heads`
+  (MLA has none), dims `_grouped_mm` cannot take (16-byte strides: dim and the expert hidden dim
+  per TP rank multiples of 8), hidden dims TP does not divide, and context parallelism with a v
+  head dim other than the qk head dim (torch's CPU flash kernel refuses it; SDPA's math fallback
+  is not sharded by torch's ring).
 """
 
 from __future__ import annotations
