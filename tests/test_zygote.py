@@ -256,7 +256,6 @@ DRIVER = """
     from sp_harness.launch.manager import PoolManager
     from sp_harness.launch.wire import PoolOptions
     from sp_harness.launch.worker import health_check
-from sp_harness.launch.zygote_server import PRELOAD_ENV, SCALAR_TENSOR_OPS
 
     manager = PoolManager(PoolOptions(env=(("SP_TEST_ZYGOTE", "driver"),)))
     if sys.argv[1] == "thread-kill":
