@@ -327,3 +327,18 @@ def test_deepseek_v3_builds_as_torchtitan_builds_it():
     grads = {name: p.grad for name, p in experts.named_parameters()}
     assert set(grads) == {"w1_EFD", "w2_EDF", "w3_EFD"}
     assert all(g is not None and bool(g.abs().sum() > 0) for g in grads.values()), grads
+
+
+def test_every_registry_model_is_wired_or_unsupported_with_its_reason():
+    # torchtitan's whole registry: a model it adds must be wired (MODELS) or given a reason (UNWIRED)
+    from torchtitan.models import _supported_models
+
+    from sp_harness import Unsupported
+    from sp_harness.cases.frameworks.torchtitan import registry_models, torchtitan_case
+    from sp_harness.cases.frameworks.torchtitan_models import UNWIRED
+
+    assert set(_supported_models) == set(registry_models()) | set(UNWIRED), sorted(set(_supported_models))
+    assert not set(registry_models()) & set(UNWIRED)
+    case = torchtitan_case("titan-gpt-oss", {}, model="gpt_oss")
+    with pytest.raises(Unsupported, match=r"gpt_oss is not wired here: its attention sinks .* \(wired: llama3, "):
+        case.validate(CheckConfig(case="titan-gpt-oss", world_size=2))

@@ -64,7 +64,7 @@ from sp_harness.cases.frameworks.torchtitan_loss import (
     titan_batch,
     titan_local_loss,
 )
-from sp_harness.cases.frameworks.torchtitan_models import MODELS, RegistryModel, retie
+from sp_harness.cases.frameworks.torchtitan_models import MODELS, UNWIRED, RegistryModel, retie
 from sp_harness.cases.frameworks.torchtitan_spmd import spmd_limits, spmd_types_shard
 
 if TYPE_CHECKING:  # imported where its cases run (Case.setup): torchtitan may not be installed
@@ -333,6 +333,22 @@ def torchtitan_cp_shard(shapes: Mapping[str, Any], *, attn_backend: str = "sdpa"
                           local_loss=local_loss, fsdp_mean=fsdp_mean)
 
 
+def _unwired_case(name: str, model: str, wired: tuple[str, ...], case_fields: Mapping[str, Any]) -> Case:
+    """A case of a registry model not wired here (torchtitan_models' `UNWIRED`): every run is
+    UNSUPPORTED with the reason, before any rank starts; nothing else of it ever runs."""
+    why = f"torchtitan's {model} is not wired here: {UNWIRED[model]} (wired: {', '.join(wired)})"
+
+    def refuse(cfg) -> None:
+        raise Unsupported(why)
+
+    def never(*args: Any) -> Any:
+        raise AssertionError(f"{name}: its validate refuses every run")  # our invariant: validate runs first
+
+    return Case(name=name, description=f"torchtitan {TORCHTITAN_VERSION} {model} (not wired: UNSUPPORTED)",
+                build_reference=never, make_batch=never, loss_sum=never, tokens=never, shard=never, validate=refuse,
+                tags=("torchtitan", "framework", *case_fields.get("tags", ())))
+
+
 def _tp_mesh(model: nn.Module):
     """The 1-D TP mesh of the model's vocab-parallel lm_head (its DTensor weight's mesh, the "tp"
     axis of it under DP x TP)."""
@@ -394,8 +410,10 @@ def torchtitan_case(name: str, model_kwargs: Mapping[str, Any], *, tp: int | Non
     if context_parallel < 1:
         raise ValueError(f"torchtitan_case({name!r}): context_parallel {context_parallel}; must be >= 1")
     models = registry_models()
+    if model in UNWIRED:
+        return _unwired_case(name, model, tuple(models), case_fields)
     if model not in models:
-        raise ValueError(f"torchtitan_case({name!r}): model {model!r}; known: {', '.join(models)}")
+        raise ValueError(f"torchtitan_case({name!r}): model {model!r}; known: {', '.join((*models, *UNWIRED))}")
     keys = models[model].keys
     unknown = sorted(set(model_kwargs) - set(keys))
     if unknown:

@@ -204,6 +204,19 @@ MODELS: dict[str, RegistryModel] = {
 """The registry models beyond llama3 (which `torchtitan.llama3_config` builds), by their
 registry name."""
 
+UNWIRED: dict[str, str] = {
+    "gpt_oss": "its attention sinks rescale each head by the attention's log-sum-exp, which only torchtitan's "
+               "varlen (CUDA) and flex inner attentions return, and FlexAttention has no backward on CPU",
+    "qwen3_5": "its Gated DeltaNet layers call flash-linear-attention's triton kernels (fla), which a CPU torch "
+               "cannot run",
+    "kimi_k2_7": "a vision-language model (a vision encoder before its decoder); the case feeds text tokens only",
+    "muse_glimmer": "a vision-language model (a vision encoder before its decoder); the case feeds text tokens only",
+    "flux": "a diffusion model, not a causal language model: the case's batch is tokens and next-token labels",
+}
+"""The rest of torchtitan's registry (`torchtitan.models._supported_models`), each with why
+`torchtitan_case` does not build it here: a case naming one is UNSUPPORTED with that reason
+before any rank starts. A test keeps this table and `MODELS` covering the whole registry."""
+
 
 def retie(model: nn.Module) -> None:
     """Tied embeddings (qwen3's flavors) tied again after `Module.parallelize`, which gives the
@@ -214,5 +227,5 @@ def retie(model: nn.Module) -> None:
         model.get_submodule("tok_embeddings").weight = model.get_submodule("lm_head").weight
 
 
-__all__ = ["DSV3_KEYS", "MODELS", "QWEN3_KEYS", "RegistryModel", "deepseek_v3_config", "dsv3_limits", "qwen3_config",
+__all__ = ["DSV3_KEYS", "MODELS", "QWEN3_KEYS", "UNWIRED", "RegistryModel", "deepseek_v3_config", "dsv3_limits", "qwen3_config",
            "retie"]
