@@ -299,8 +299,8 @@ class Case:
     case's ranks and their reference processes, in order, so that each does not import it again:
     a framework's package (seconds per process). Each entry is a module name, or
     "module:function" for a function it then calls with no argument (a CPU shim that must precede
-    an import). Every entry must dispatch no torch op and start no thread (the fork server's rule:
-    its module docstring). Cases naming the same entries share that fork server. `setup` still
+    an import). Every entry must start no thread and dispatch no torch op beyond making a tensor
+    from a Python scalar (the fork server's rule: zygote_server.PRELOAD_ENV). Cases naming the same entries share that fork server. `setup` still
     runs in each process; what was preloaded is already there."""
     train_loss: TrainLoss | None = None
     """The loss this case's own training step means (sp_harness.config.step_protocol.TrainLoss); its

@@ -1,7 +1,8 @@
 """Stage: launch. The fork server ("zygote") process: it imports torch and the rank's modules once,
 then forks a rank per request from the driver and reports how each one ends.
 
-Before it forks, the zygote must not run a torch op or start a thread. torch fixes its CPU kernel
+Before it forks, the zygote must not run a torch op (a preload's scalar tensors aside:
+PRELOAD_ENV) or start a thread. torch fixes its CPU kernel
 family (ATEN_CPU_CAPABILITY) at the first dispatched op, and a parallel op starts OpenMP's thread
 pool, which a forked child cannot use; a fork copies only the forking thread, so a lock another
 thread held stays locked in the child. (numpy's OpenBLAS starts threads at import, and stops them
