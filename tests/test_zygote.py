@@ -299,3 +299,23 @@ def test_nothing_outlives_the_driver(how, tmp_path):
         assert run.returncode == -signal.SIGKILL
         sweep_orphans(root=str(tmp_path))  # what the next pool's start does
     assert not list(tmp_path.iterdir())
+
+
+def test_each_process_loads_a_cases_preload_before_its_setup_where_no_fork_server_did(tmp_path, monkeypatch):
+    # a GPU pool's or a fresh interpreter's ranks: setup_once imports the preload, once
+    from sp_harness.launch.case_setup import setup_once
+
+    (tmp_path / "pre_mod.py").write_text("CALLS = []\n\ndef hit():\n    CALLS.append('preload')\n")
+    (tmp_path / "pre_case.py").write_text(textwrap.dedent("""
+        import dataclasses
+        import pre_mod
+        from sp_harness.config.registry import get_case
+        CASE = dataclasses.replace(get_case("seed-mlp"), name="pre-case", preload=("pre_mod:hit",),
+                                   setup=lambda: pre_mod.CALLS.append("setup"))
+        """))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    name = f"{tmp_path / 'pre_case.py'}:CASE"
+    assert setup_once(name) and not setup_once(name)
+    import pre_mod
+
+    assert pre_mod.CALLS == ["preload", "setup"]

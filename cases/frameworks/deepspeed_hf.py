@@ -29,7 +29,6 @@ from sp_harness.cases.frameworks.deepspeed_loss import case_loss_fields, loss_li
 from sp_harness.cases.frameworks.deepspeed_runtime import (
     DEEPSPEED_PRELOAD,
     DEEPSPEED_VERSION,
-    deepspeed_setup,
     init_distributed,
     launcher_env,
 )
@@ -94,12 +93,6 @@ calls transformers' `ALL_ATTENTION_FUNCTIONS[config._attn_implementation]` with 
 model type of that shape is taken by `hf_ulysses_case(..., model_type=...)` too."""
 
 
-def _hf_setup() -> None:
-    """Per process: DeepSpeed's setup plus transformers' causal-LM auto classes."""
-    deepspeed_setup()
-    import transformers.models.auto.modeling_auto  # noqa: F401
-
-
 def _hf_model_config(model_type: str, kwargs: Mapping[str, Any], core_attn: str):
     """transformers' own config class for `model_type`, or a ValueError naming the valid ones."""
     from transformers import AutoConfig
@@ -135,7 +128,6 @@ def hf_ulysses_case(name: str, model_config: Mapping[str, Any] | None = None, *,
         raise ValueError(f"{name!r}: position_ids must be 'global' or 'local', got {position_ids!r}")
     if model_type not in MODEL_TYPES:  # a bad model type is an error where the case is made (the
         _hf_model_config(model_type, {}, core_attn)  # known ones skip transformers' import: 1.5-3 s a process)
-    case_fields.setdefault("setup", _hf_setup)
     case_fields.setdefault("preload", (*DEEPSPEED_PRELOAD, "transformers.models.auto.modeling_auto"))
 
     def causal_lm(cfg, dtype):

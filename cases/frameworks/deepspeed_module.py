@@ -40,7 +40,6 @@ from sp_harness.cases.frameworks.deepspeed_model import SequenceParallelAttentio
 from sp_harness.cases.frameworks.deepspeed_runtime import (
     DEEPSPEED_PRELOAD,
     DEEPSPEED_VERSION,
-    deepspeed_setup,
     init_distributed,
     launcher_env,
     sp_groups,
@@ -105,7 +104,6 @@ def ulysses_module_case(name: str, build_model: ModelFactory, *, scatter_idx: in
         raise ValueError(f"ulysses_module_case({name!r}): build_model must be a callable (cfg, attention) -> "
                          f"nn.Module, got {build_model!r}")
     check_engine_args(name, grad_sync, ds_config)
-    case_fields.setdefault("setup", deepspeed_setup)
     case_fields.setdefault("preload", DEEPSPEED_PRELOAD)
 
     def attention(local: nn.Module) -> nn.Module:

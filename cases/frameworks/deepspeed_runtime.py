@@ -3,8 +3,8 @@
 environment its engine asserts, its comm backend over the harness's world and its
 sequence-parallel groups. None of it changes what DeepSpeed computes.
 
-- Per-process setup (`Case.setup`): DeepSpeed's import and its one CPU shim (`cpu_shims`): its
-  comm backend builds no `deepspeed_shm_comm` op, as on CUDA.
+- Per-process imports (`Case.preload`, `DEEPSPEED_PRELOAD`): DeepSpeed's import and its one CPU
+  shim (`cpu_shims`): its comm backend builds no `deepspeed_shm_comm` op, as on CUDA.
 - Launcher environment (`launcher_env`): DeepSpeed's engine asserts `LOCAL_RANK` is set (its
   launcher, torchrun or init_distributed's MPI discovery set it); the harness starts its ranks
   itself, so it is set to the rank's device index (CPU: the rank; one host). No CPU shim is
@@ -84,16 +84,8 @@ def cpu_shims() -> None:
 
 
 DEEPSPEED_PRELOAD = ("deepspeed.sequence.layer", f"{__name__}:cpu_shims")
-"""A DeepSpeed case's `Case.preload`: `deepspeed_setup`'s imports and shim, once by the fork server."""
+"""A DeepSpeed case's `Case.preload`: DeepSpeed's import and its CPU shim (before its comm backend
+is made), outside any job's clock; once by the fork server on CPU."""
 
 
-def deepspeed_setup() -> None:
-    """Per process, outside any job's clock: DeepSpeed's import and its CPU shim (before its comm
-    backend is made)."""
-    import deepspeed  # noqa: F401
-    import deepspeed.sequence.layer  # noqa: F401
-
-    cpu_shims()
-
-
-__all__ = ["DEEPSPEED_PRELOAD", "DEEPSPEED_VERSION", "cpu_shims", "deepspeed_setup", "init_distributed", "launcher_env", "sp_groups"]
+__all__ = ["DEEPSPEED_PRELOAD", "DEEPSPEED_VERSION", "cpu_shims", "init_distributed", "launcher_env", "sp_groups"]

@@ -61,7 +61,6 @@ from sp_harness.cases.frameworks.deepspeed_model import (
 from sp_harness.cases.frameworks.deepspeed_runtime import (
     DEEPSPEED_PRELOAD,
     DEEPSPEED_VERSION,
-    deepspeed_setup,
     init_distributed,
     launcher_env,
     sp_groups,
@@ -277,7 +276,6 @@ def ulysses_case(name: str, *, local_attention: LocalAttentionFn = sdpa_attentio
     (ZeRO stage 0, 1 or 2; stage 3 is UNSUPPORTED: `ZERO3_UNSUPPORTED`). `loss`: your labels, loss
     mask, padding, label smoothing or loss function (`TokenLoss`; deepspeed_loss). Other knobs: as
     `ulysses_shard`'s. `case_fields`: any other `Case` field (defaults, tags, isolation, examples, ...)."""
-    case_fields.setdefault("setup", deepspeed_setup)
     case_fields.setdefault("preload", DEEPSPEED_PRELOAD)
     check_engine_args(name, grad_sync, ds_config)
 

@@ -319,9 +319,8 @@ def make_batch(setup: HFTrainerSetup):
 
 
 def _setup() -> None:
-    """Per process: transformers' Trainer (which imports accelerate) and the two models."""
-    import transformers.models.llama.modeling_llama  # noqa: F401
-    import transformers.models.qwen2.modeling_qwen2  # noqa: F401
+    """Per process: transformers' Trainer (which imports accelerate); not a preload, since its
+    import starts a thread, which a fork server must not have. The two models are preloaded."""
     import transformers.trainer  # noqa: F401
 
 
@@ -331,7 +330,6 @@ def hf_trainer_case(name: str, setup: HFTrainerSetup = HFTrainerSetup(), **case_
     training-step check (`--train-step`; the side-by-side check runs the engine's step, not the
     Trainer's, and is Unsupported). `case_fields`: any other `Case` field."""
     case_fields.setdefault("setup", _setup)
-    # not transformers.trainer: its import starts a thread, which a fork server must not have
     case_fields.setdefault("preload", ("transformers.models.llama.modeling_llama", "transformers.models.qwen2.modeling_qwen2"))
     case_fields.setdefault("isolation", "hf-trainer")
 

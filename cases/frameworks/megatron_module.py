@@ -155,10 +155,6 @@ def megatron_module_case(name: str, transformer_config_kwargs: Mapping[str, Any]
         target = torch.randn(cfg.seq_len, cfg.dp * cfg.batch, cfg.hidden, generator=gen, dtype=torch.float64)
         return Batch(inputs={**drawn, **constants}, target=target)
 
-    def setup() -> None:
-        import megatron.core.transformer  # noqa: F401
-
-    case_fields.setdefault("setup", setup)
     case_fields.setdefault("preload", ("megatron.core.transformer",))
     defaults = {**shapes, "seq_len": seq_len, "batch": batch, **case_fields.pop("defaults", {})}
     return Case(name=name, description=f"megatron-core {MEGATRON_CORE_VERSION} module, {kwargs}",

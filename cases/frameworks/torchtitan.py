@@ -33,7 +33,6 @@ model unsharded.
 
 from __future__ import annotations
 
-import functools
 import importlib
 import importlib.util
 import sys
@@ -125,21 +124,10 @@ def cpu_shims(fsdp_model: nn.Module | None = None) -> None:
     sys.modules[_KERNELS] = _NoTritonKernels(_KERNELS)
 
 
-def _import_model(package: str, flex: bool = False) -> None:
-    """The case's per-process setup: the shim, then the model's torchtitan package and its
-    sharding config imported before any job's clock; for FlexAttention, inductor's kernel cache
-    kept across rank pools (torchtitan_flex.use_inductor_cache)."""
-    if flex:
-        use_inductor_cache()
-    cpu_shims()
-    importlib.import_module(package)
-    importlib.import_module(f"{package}.sharding")
-
-
 def preload(package: str) -> tuple[str, ...]:
     """A torchtitan case's `Case.preload`: the shim, then the model's package and its sharding
-    config (`_import_model`'s imports, without the flex cache), imported once by the fork server:
-    about 3 s a process on this project's machines."""
+    config, imported before any job's clock (once by the fork server on CPU: about 3 s a process
+    on this project's machines)."""
     return (f"{__name__}:cpu_shims", package, f"{package}.sharding")
 
 
@@ -420,8 +408,9 @@ def torchtitan_case(name: str, model_kwargs: Mapping[str, Any], *, tp: int | Non
         raise ValueError(f"torchtitan_case({name!r}): unknown {model} kwargs {unknown}; known: {list(keys)}")
     shapes = {"n_layers": 2, "n_heads": 4, "vocab_size": 64, "multiple_of": 16, **model_kwargs}
     shapes.setdefault("dim", 32)
-    case_fields.setdefault("setup", functools.partial(_import_model, models[model].package, attn_backend == "flex"))
     case_fields.setdefault("preload", preload(models[model].package))
+    if attn_backend == "flex":  # inductor's kernel cache kept across rank pools
+        case_fields.setdefault("setup", use_inductor_cache)
     defaults = dict(hidden=shapes["dim"], num_layers=shapes["n_layers"], num_heads=shapes["n_heads"],
                     num_kv_heads=shapes.get("n_kv_heads"), vocab=shapes["vocab_size"], seq_len=seq_len, batch=batch)
 

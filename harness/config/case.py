@@ -300,8 +300,11 @@ class Case:
     a framework's package (seconds per process). Each entry is a module name, or
     "module:function" for a function it then calls with no argument (a CPU shim that must precede
     an import). Every entry must start no thread and dispatch no torch op beyond making a tensor
-    from a Python scalar (the fork server's rule: zygote_server.PRELOAD_ENV). Cases naming the same entries share that fork server. `setup` still
-    runs in each process; what was preloaded is already there."""
+    from a Python scalar (the fork server's rule: zygote_server.PRELOAD_ENV). Cases naming the
+    same entries share that fork server. Each process also loads them before `setup`
+    (sp_harness.launch.case_setup: a no-op after the fork server's, the import where there was
+    none: GPU pools, fresh interpreters), so a case states its imports here once and keeps
+    `setup` for other first-use work."""
     train_loss: TrainLoss | None = None
     """The loss this case's own training step means (sp_harness.config.step_protocol.TrainLoss); its
     `shard` then sets `Sharded.train_step`. None: the case declares no training step (the

@@ -4,6 +4,9 @@ both run it; it lives below both so neither imports the other back."""
 
 from __future__ import annotations
 
+import importlib
+from collections.abc import Iterable
+
 SETUP_TIMEOUT_S = 600.0
 """Seconds a case's setup may take (its own budget, outside any job's timeout): a framework's
 first import or JIT build on a loaded machine takes minutes."""
@@ -11,19 +14,33 @@ first import or JIT build on a loaded machine takes minutes."""
 _SET_UP: set[str] = set()
 
 
+def load_preload(entries: Iterable[str]) -> None:
+    """A case's `Case.preload` entries, in order: each module imported, each "module:function"'s
+    function called (a no-op where the fork server did it already: the module is imported, the
+    shims are idempotent)."""
+    for entry in entries:
+        module, _, function = entry.partition(":")
+        imported = importlib.import_module(module)
+        if function:
+            getattr(imported, function)()
+
+
 def setup_once(case_name: str) -> bool:
-    """Run `case_name`'s setup in this process unless it ran here before; True when it ran now."""
+    """Run `case_name`'s preload, then its setup, in this process unless they ran here before (a
+    GPU pool's or a fresh interpreter's ranks had no fork server import them); True when the
+    setup ran now."""
     if case_name in _SET_UP:
         return False
     # imported here, not at the top: the launch stage needs the case API only when a case is set up
     from sp_harness.config.registry import get_case
 
-    setup = get_case(case_name).setup
+    case = get_case(case_name)
     _SET_UP.add(case_name)
-    if setup is None:
-        return False
     try:
-        setup()
+        load_preload(case.preload)
+        if case.setup is None:
+            return False
+        case.setup()
     except BaseException:
         _SET_UP.discard(case_name)
         raise

@@ -59,7 +59,7 @@ class PoolManager:
         spec = get_case(case)
         return self.get(world_size, isolation_key(spec), preload=spec.preload).run(
             fn, payload, timeout_s=timeout_s, label=label, progress=progress,
-            setup=case if spec.setup is not None else None)
+            setup=case if spec.setup is not None or spec.preload else None)
 
     def close(self) -> None:
         with self._lock:

@@ -25,7 +25,6 @@ the serve loop and becomes a rank (sp_harness.launch.zygote_child).
 from __future__ import annotations
 
 import gc
-import importlib
 import os
 import select
 import signal
@@ -33,6 +32,7 @@ import sys
 import traceback
 from multiprocessing.connection import Connection
 
+from sp_harness.launch.case_setup import load_preload
 from sp_harness.launch.zygote_child import become_rank, set_pdeathsig
 
 PRELOAD_ENV = "SP_HARNESS_PRELOAD"
@@ -64,11 +64,7 @@ def _preload() -> None:
     from sp_harness.config.registry import all_cases
 
     all_cases()
-    for entry in filter(None, os.environ.get(PRELOAD_ENV, "").split(",")):
-        module, _, function = entry.partition(":")
-        imported = importlib.import_module(module)
-        if function:
-            getattr(imported, function)()
+    load_preload(filter(None, os.environ.get(PRELOAD_ENV, "").split(",")))
     if torch.cuda.is_initialized():
         raise RuntimeError(f"{PRELOAD_ENV}={os.environ.get(PRELOAD_ENV)!r} initialised CUDA: a forked rank "
                            f"could not use it")
