@@ -117,7 +117,7 @@ class _NoCheckpoint:
 class _Metrics:
     """Logs every step (`should_log`) and keeps what train_step hands `log`."""
 
-    def __init__(self):
+    def __init__(self) -> None:
         self.logged: list[tuple[float, float, float]] = []
         self.ntokens_since_last_log = 0
 
