@@ -15,7 +15,7 @@ import pytest
 
 from sp_harness.launch import zygote, zygote_registry
 from sp_harness.launch.failure import RankFailure
-from sp_harness.launch.manager import PoolManager
+from sp_harness.launch.manager import RANK_PRELOAD, PoolManager
 from sp_harness.launch.pool import RankPool
 from sp_harness.launch.wire import PoolOptions
 from sp_harness.launch.worker import health_check
@@ -168,10 +168,14 @@ def test_a_live_ranks_handle_times_out_as_popen_does():
 
 
 def _every_preload() -> str:
-    """Every registered case's `Case.preload` entries, in order, as SP_HARNESS_PRELOAD takes them."""
+    """What every CPU fork server imports (`RANK_PRELOAD`: the checks' modules), then every
+    registered case's `Case.preload` entries, in order, as SP_HARNESS_PRELOAD takes them."""
+    import sp_harness.checks  # noqa: F401  (adds its modules to RANK_PRELOAD)
     from sp_harness.config.registry import all_cases
 
-    return ",".join(dict.fromkeys(e for case in all_cases().values() for e in case.preload))
+    entries = [*RANK_PRELOAD, *(e for case in all_cases().values() for e in case.preload)]
+    assert "sp_harness.checks:all_checks" in entries, RANK_PRELOAD
+    return ",".join(dict.fromkeys(entries))
 
 
 @pytest.mark.parametrize("preload", [False, True], ids=["built-in", "every-framework-preload"])
@@ -191,7 +195,8 @@ def test_the_zygote_is_single_threaded_when_it_forks(preload):
 
 
 def test_the_preload_dispatches_no_op(tmp_path):
-    # the profiler records every dispatched op; a zygote's import must record none
+    # the profiler records every dispatched op; a zygote's import, with what every CPU pool's
+    # zygote imports (RANK_PRELOAD), must record none
     script = textwrap.dedent("""
         from torch.autograd.profiler import profile
         from sp_harness.launch.zygote_server import _preload
@@ -199,8 +204,11 @@ def test_the_preload_dispatches_no_op(tmp_path):
             _preload()
         print(sorted({e.name for e in prof.function_events}))
         """)
+    import sp_harness.checks  # noqa: F401  (adds its modules to RANK_PRELOAD)
+
+    assert RANK_PRELOAD
     run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300,
-                         env=dict(os.environ, TMPDIR=str(tmp_path)))
+                         env=dict(os.environ, TMPDIR=str(tmp_path), **{PRELOAD_ENV: ",".join(RANK_PRELOAD)}))
     assert run.returncode == 0, run.stderr
     assert run.stdout.strip().splitlines()[-1] == "[]"
 
@@ -227,8 +235,9 @@ def test_the_frameworks_preloads_make_scalar_tensors_at_most(tmp_path):
 def test_a_cases_preload_reaches_its_cpu_pools_zygote_only():
     gloo, nccl = PoolManager(), PoolManager(PoolOptions(backend="nccl", devices=(0,)))
     try:
-        assert dict(gloo.get(1, "group:x", preload=("json", "a.b:f")).options.env)[PRELOAD_ENV] == "json,a.b:f"
-        assert PRELOAD_ENV not in dict(gloo.get(1, "group:y").options.env)
+        ranks = ",".join(RANK_PRELOAD)  # every CPU pool's, first
+        assert dict(gloo.get(1, "group:x", preload=("json", "a.b:f")).options.env)[PRELOAD_ENV] == f"{ranks},json,a.b:f"
+        assert dict(gloo.get(1, "group:y").options.env).get(PRELOAD_ENV, "") == ranks
         assert PRELOAD_ENV not in dict(nccl.get(1, "group:x", preload=("json",)).options.env)
     finally:
         gloo.close()

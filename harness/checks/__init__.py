@@ -7,6 +7,7 @@ import importlib
 import pkgutil
 
 from sp_harness.checks.base import Check, Outcome, not_applicable, run_check
+from sp_harness.launch.manager import add_rank_preload
 
 _CHECKS: dict[str, Check] | None = None
 
@@ -35,3 +36,8 @@ def get_check(name: str) -> Check:
 
 
 __all__ = ["Check", "Outcome", "all_checks", "get_check", "not_applicable", "run_check"]
+
+
+# the fork servers import every check's modules (their rank sides too) before they fork, instead
+# of each rank and reference process importing them (sp_harness.launch.manager.RANK_PRELOAD)
+add_rank_preload(f"{__name__}:all_checks")

@@ -20,6 +20,18 @@ from sp_harness.launch.zygote_server import PRELOAD_ENV
 P = TypeVar("P")
 R = TypeVar("R")
 
+RANK_PRELOAD: list[str] = []
+"""Preload entries (`Case.preload`'s form) every CPU pool's fork server imports whatever its case:
+the modules the stages above this one run in every rank, which this stage cannot name, so they
+add themselves (`add_rank_preload`; sp_harness.checks adds its checks' modules). Each rank and
+reference process imported them itself before: 75 modules, about 0.15 s a process, some 600
+processes a test-suite run."""
+
+
+def add_rank_preload(*entries: str) -> None:
+    """Adds `entries` to `RANK_PRELOAD` (once each), for the pools started from now on."""
+    RANK_PRELOAD.extend(e for e in entries if e not in RANK_PRELOAD)
+
 
 class PoolManager:
     """Pools by world size, started lazily, the least recently used closed beyond `max_pools`."""
@@ -35,12 +47,14 @@ class PoolManager:
         """The pool of `world_size` ranks for cases of isolation key `isolation`
         (sp_harness.config.case.isolation_key): a case that runs in processes of its own gets them.
         `preload`: the first case's `Case.preload`, imported by the fork server its ranks come from
-        (where the pool is new; the cases sharing a pool are one framework's, with one preload)."""
+        (where the pool is new; the cases sharing a pool are one framework's, with one preload),
+        after `RANK_PRELOAD`."""
         key = (world_size, isolation)
         with self._lock:
             pool = self._pools.pop(key, None)
             if pool is None:
                 options = self.options
+                preload = (*RANK_PRELOAD, *preload)
                 if preload and options.backend == "gloo":  # CPU only: see PRELOAD_ENV
                     options = dataclasses.replace(options, env=(*options.env, (PRELOAD_ENV, ",".join(preload))))
                 pool = RankPool(world_size, options)
