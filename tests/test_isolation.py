@@ -122,3 +122,31 @@ def test_a_killed_reference_process_is_reported_with_its_signal_on_the_next_send
             proc.send(TraceAll(full={}, batch=None, skip=frozenset()))
     finally:
         proc.close()
+
+
+def test_tensors_cross_the_reference_pipe_bit_for_bit_with_their_strides():
+    # refproc.dumps sends a dense CPU tensor as its bytes; every other kind takes torch's pickling
+    import pickle
+
+    import torch
+
+    from sp_harness.checks.refproc import dumps
+
+    torch.manual_seed(0)
+    sent = {"f64": torch.randn(3, 4, dtype=torch.float64), "transposed": torch.randn(4, 3).t(),
+            "permuted": torch.randn(2, 3, 4).permute(2, 0, 1), "bf16": torch.randn(2, 3).to(torch.bfloat16),
+            "scalar": torch.tensor(3.5), "empty": torch.empty(0, 4), "offset": torch.arange(10)[2:5],
+            "bool": torch.tensor([True, False]), "signed": torch.tensor([-0.0, float("nan"), float("-inf")]),
+            "strided": torch.randn(5, 5)[:, :2], "expanded": torch.randn(3, 1).expand(3, 4),
+            "grad": torch.randn(3, requires_grad=True), "param": torch.nn.Parameter(torch.randn(2)),
+            "conj": torch.randn(3, dtype=torch.complex64).conj()}
+    got = pickle.loads(dumps({"nested": [sent]}))["nested"][0]
+    for name, t in sent.items():
+        r = got[name]
+        assert (type(r), r.dtype, r.shape, r.requires_grad) == (type(t), t.dtype, t.shape, t.requires_grad), name
+        a, b = r.detach().resolve_conj(), t.detach().resolve_conj()
+        assert torch.equal(a.isnan(), b.isnan()) and torch.equal(a.nan_to_num(), b.nan_to_num()), name
+        if a.is_floating_point():
+            assert torch.equal(torch.signbit(a), torch.signbit(b)), name
+    for name in ("f64", "transposed", "permuted", "bf16", "offset"):
+        assert got[name].stride() == sent[name].stride(), name  # what a kernel's path can depend on

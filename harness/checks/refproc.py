@@ -15,6 +15,7 @@ the rank and shares its process group (a timeout's kill takes both).
 from __future__ import annotations
 
 import atexit
+import io
 import pickle
 import subprocess
 import sys
@@ -89,7 +90,7 @@ class ReferenceProcess:
 
     def send(self, msg: Any) -> None:
         try:
-            self.conn.send_bytes(pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL))
+            self.conn.send_bytes(dumps(msg))
         except OSError:  # a broken pipe: it died since its last reply (the OOM killer, a kill)
             raise self._died() from None
         self._waiting = True
@@ -126,6 +127,49 @@ class ReferenceProcess:
             self.proc.wait(timeout=5)
         except (OSError, subprocess.TimeoutExpired):
             self.proc.kill()
+
+
+def _rebuild(data: bytearray, dtype: torch.dtype, shape: tuple[int, ...], stride: tuple[int, ...]) -> torch.Tensor:
+    if not data:
+        return torch.empty_strided(shape, stride, dtype=dtype)
+    return torch.frombuffer(data, dtype=torch.uint8).view(dtype).as_strided(shape, stride)
+
+
+def _dense(t: torch.Tensor) -> bool:
+    """Whether `t`'s elements fill a run of its storage with no gap or overlap, in some order of
+    its dims (a contiguous tensor, or a permutation of one)."""
+    expected = 1
+    for stride, size in sorted((st, sz) for sz, st in zip(t.shape, t.stride()) if sz != 1):
+        if stride != expected:
+            return False
+        expected *= size
+    return True
+
+
+class _Pickler(pickle.Pickler):
+    """pickle, with a plain dense CPU tensor sent as its bytes, dtype, shape and strides: torch's
+    own pickling goes through torch.save's format per tensor, 6.6 ms to write and 6.8 ms to read
+    52 small float64 tensors against 0.7 and 0.5 here (a fifth of the reference processes' time
+    in the suite under py-spy). The values, strides and dtype arrive as they left; the storage
+    offset is 0, and the tensor owns its storage. Any other tensor (a subclass, one that requires
+    grad, a GPU, sparse or non-dense one, a conjugate view) takes torch's own way."""
+
+    def reducer_override(self, obj):
+        if (type(obj) is not torch.Tensor or obj.device.type != "cpu" or obj.layout != torch.strided
+                or obj.requires_grad or obj.is_conj() or obj.is_neg() or not _dense(obj)):
+            return NotImplemented
+        n = obj.numel()
+        # dense: its elements fill [offset, offset + n) of its storage, in memory order
+        flat = obj.as_strided((n,), (1,), obj.storage_offset())
+        data = bytearray(flat.view(torch.uint8).numpy().tobytes()) if n else bytearray()
+        return _rebuild, (data, obj.dtype, tuple(obj.shape), tuple(obj.stride()))
+
+
+def dumps(msg: Any) -> bytes:
+    """`msg` pickled for the reference process's pipe (read back with pickle.loads)."""
+    buf = io.BytesIO()
+    _Pickler(buf, protocol=pickle.HIGHEST_PROTOCOL).dump(msg)
+    return buf.getvalue()
 
 
 _PROCESS: ReferenceProcess | None = None
@@ -265,4 +309,4 @@ def serve(conn: Connection) -> None:
             reply = server.handle(msg)
         except BaseException:
             reply = Failed(traceback=traceback.format_exc())
-        conn.send_bytes(pickle.dumps(reply, protocol=pickle.HIGHEST_PROTOCOL))
+        conn.send_bytes(dumps(reply))
