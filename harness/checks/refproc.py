@@ -139,7 +139,7 @@ def _dense(t: torch.Tensor) -> bool:
     """Whether `t`'s elements fill a run of its storage with no gap or overlap, in some order of
     its dims (a contiguous tensor, or a permutation of one)."""
     expected = 1
-    for stride, size in sorted((st, sz) for sz, st in zip(t.shape, t.stride()) if sz != 1):
+    for stride, size in sorted((st, sz) for sz, st in zip(t.shape, t.stride(), strict=True) if sz != 1):
         if stride != expected:
             return False
         expected *= size
