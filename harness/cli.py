@@ -1,6 +1,8 @@
 """Stage: top. The `sp-harness` command line.
 
-Exit codes: 0 all agreed (or were declared UNSUPPORTED), 1 a disagreement (FAIL), 2 bad usage.
+Exit codes (EXIT_*): 0 all agreed (or were declared UNSUPPORTED), 1 a disagreement (FAIL: a
+defect of the code under test), 2 bad usage (one line, before any rank starts), 3 a check that
+could not run (ERROR: a crash before the code under test's first step). A FAIL outranks an ERROR.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ from sp_harness.launch.runner import WithProgress, check_world_size
 from sp_harness.launch.runner import is_leader as _is_leader
 from sp_harness.launch.runner import runner as _runner
 
-EXIT_OK, EXIT_FAIL, EXIT_USAGE = 0, 1, 2
+EXIT_OK, EXIT_FAIL, EXIT_USAGE, EXIT_ERROR = 0, 1, 2, 3
 
 
 class _Parser(argparse.ArgumentParser):
@@ -56,7 +58,7 @@ def _check_names(args) -> list[str]:
 
 
 def cmd_check(args) -> int:
-    from sp_harness.checks import get_check, run_check
+    from sp_harness.checks import Outcome, get_check, run_check
     from sp_harness.config.registry import get_case
     from sp_harness.report.text import check_writable, dump_json, format_outcomes
 
@@ -79,14 +81,31 @@ def cmd_check(args) -> int:
     if sys.stderr.isatty() or os.environ.get("SP_HARNESS_PROGRESS"):  # pytest and pipes stay quiet
         runner = WithProgress(runner, lambda line: print(f"sp-harness: {line}", file=sys.stderr, flush=True))
     outcomes = [run_check(checks[0], config, runner)]
-    if outcomes[0].passed:
-        # the other checks build on a passing side-by-side run (a crash would only repeat)
-        outcomes += [run_check(c, config, runner) for c in checks[1:] if c.applies(case, config) is None]
+    first = outcomes[0]
+    for c in checks[1:]:
+        # the other checks build on a passing first check (after a crash they would only repeat
+        # it, after a FAIL they would judge a known-wrong model): named as skipped, with why
+        if not first.passed:
+            why = f"the {first.check} check did not pass ({first.status.upper()})"
+            outcomes.append(Outcome(check=c.name, status="n/a", detail=why, skipped=True))
+        elif (why := c.applies(case, config)) is not None:
+            outcomes.append(Outcome(check=c.name, status="n/a", detail=why))
+        else:
+            outcomes.append(run_check(c, config, runner))
     if _is_leader():
         print(format_outcomes(outcomes, verbose=args.verbose))
         if args.json:
             dump_json(outcomes, args.json)
-    return EXIT_FAIL if any(o.passed is False for o in outcomes) else EXIT_OK
+    return exit_code(outcomes)
+
+
+def exit_code(outcomes) -> int:
+    """A FAIL outranks an ERROR: a defect found is news even where another check could not run."""
+    if any(o.passed is False for o in outcomes):
+        return EXIT_FAIL
+    if any(o.status == "error" for o in outcomes):
+        return EXIT_ERROR
+    return EXIT_OK
 
 
 _EXAMPLES = """examples:
@@ -97,7 +116,8 @@ _EXAMPLES = """examples:
   sp-harness nightly                                            the main job
   sp-harness mutants                                            the mutant catalogue
 
-exit codes: 0 as expected, 1 a FAIL verdict, 2 a usage or setup error (one line, nothing run)"""
+exit codes: 0 as expected (PASS or UNSUPPORTED), 1 a FAIL verdict, 2 a usage error (one line,
+nothing run), 3 an ERROR verdict (a crash before the code under test's first step)"""
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -117,8 +137,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="also measure one layer's saved activations vs TP and the paper's formula, and gate on it")
     p.add_argument("--no-compare-comm", dest="compare_comm", action="store_false",
                    help="skip the TP-baseline run that checks communication volume against the paper")
-    p.add_argument("--also", nargs="*", default=[], metavar="CHECK",
-                   help="more checks to run after a PASS (e.g. lockstep; see sp_harness.checks)")
+    # extend: `--also a --also b` and `--also a b` both run a and b
+    p.add_argument("--also", nargs="+", action="extend", default=[], metavar="CHECK",
+                   help="more checks to run after a PASS, repeatable or space-separated "
+                        "(e.g. --also lockstep accumulation-invariance); a check after a non-PASS is skipped, named")
     p.set_defaults(func=cmd_check)
     for extra in _extra_commands():
         extra(sub)

@@ -9,7 +9,8 @@
 The plugin changes nothing for tests that do not use it: no hypothesis profile loaded, no
 environment variable set, torch imported only by its fixtures.
 - fixtures: `sp_pool` (the worker's PoolManager, in the session stash), `sp_check(config)`, and
-  `sp_result` for tests marked `@pytest.mark.sp_case("case-or-file.py:NAME", **config_fields)`.
+  `sp_result` for tests marked `@pytest.mark.sp_case("case-or-file.py:NAME", **config_fields)`;
+  an ERROR verdict (the check could not run) is a pytest error in the fixture, not a failure.
 Each xdist worker owns its pools (own processes, OS-chosen ports); with GPUs, workers split the
 visible devices between them.
 """
@@ -117,7 +118,13 @@ def sp_result(request: pytest.FixtureRequest, sp_check):
     marker = request.node.get_closest_marker("sp_case")
     if marker is None or not marker.args:
         raise pytest.UsageError("sp_result needs @pytest.mark.sp_case('case-name', **config_fields)")
-    return sp_check(CheckConfig(case=marker.args[0], **marker.kwargs))
+    from sp_harness.judge.verdict import ERROR
+
+    result = sp_check(CheckConfig(case=marker.args[0], **marker.kwargs))
+    if result.verdict == ERROR:
+        # pytest's own distinction: a setup that could not run is an error, not a failure
+        pytest.fail(f"sp-harness ERROR: {result.reason}", pytrace=False)
+    return result
 
 
 @pytest.hookimpl(trylast=True)  # after session-scoped fixtures' teardown, which may still run jobs

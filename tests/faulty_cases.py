@@ -23,6 +23,17 @@ def _shard_raising(model, ctx):
     return Sharded(module=model, input_layout=Layout(seq_dim=0), output_layout=Layout(seq_dim=0))
 
 
+def _raise_on_rank_1(module, args):
+    raise RuntimeError("boom on purpose in rank 1's forward")
+
+
+def _shard_raising_in_forward(model, ctx):
+    # the model under test raises in its first forward on rank 1: a crash while it steps
+    if ctx.rank == 1:
+        model.register_forward_pre_hook(_raise_on_rank_1)
+    return _replicated(model, ctx)
+
+
 def _shard_hanging(model, ctx):
     if ctx.rank == 1:
         time.sleep(3600)
@@ -89,6 +100,7 @@ def _variant(name, shard):
 
 
 RAISING = _variant("raising", _shard_raising)
+RAISING_IN_FORWARD = _variant("raising-in-forward", _shard_raising_in_forward)
 HANGING = _variant("hanging", _shard_hanging)
 DESYNC = _variant("desync", _shard_desync)
 DESYNC_SIZES = _variant("desync-sizes", _shard_desync_sizes)

@@ -12,7 +12,7 @@ import time
 import pytest
 
 from sp_harness.config.check_config import CheckConfig
-from sp_harness.judge.verdict import FAIL, PASS, UNSUPPORTED
+from sp_harness.judge.verdict import ERROR, FAIL, PASS, UNSUPPORTED
 from sp_harness.launch.worker import health_check
 
 FAULTY = os.path.join(os.path.dirname(__file__), "faulty_cases.py")
@@ -77,16 +77,26 @@ def test_user_case_file_by_path(sp_check):
     assert res.verdict == PASS, res.reason
 
 
-def test_rank_that_raises_is_named_with_its_traceback(sp_check):
+def test_rank_that_raises_in_setup_is_an_error_named_with_its_traceback(sp_check):
+    # shard() raising is a setup that could not run, not a defect of the numbers: ERROR
     res = sp_check(CheckConfig(case=f"{FAULTY}:RAISING", world_size=2, timeout_s=20))
-    assert res.verdict == FAIL
-    assert "rank 1 raised RuntimeError: boom on purpose in rank 1" in res.reason
-    assert res.crash_kind == "raised" and res.first_check == "crash"
+    assert res.verdict == ERROR and not res.ok
+    assert "rank 1 raised RuntimeError while setting up (shard()): boom on purpose in rank 1" in res.reason
+    assert res.crash_kind == "raised" and res.first_check == "setup"
+    assert [(e.rank, e.kind, e.exc_type, e.phase) for e in res.rank_errors] == [(1, "raised", "RuntimeError", "shard()")]
     assert [(e.rank, e.kind, e.exc_type) for e in res.rank_errors] == [(1, "raised", "RuntimeError")]
     assert "boom on purpose in rank 1" in res.error and "faulty_cases.py" in res.error
     assert f"{FAULTY}:RAISING" in res.reason and "ws=2" in res.reason
     # the pool is rebuilt: the next job on the same world size works
     assert sp_check(CheckConfig(case="seed-mlp", world_size=2)).verdict == PASS
+
+
+def test_rank_that_raises_while_stepping_is_a_fail_naming_the_module(sp_check):
+    res = sp_check(CheckConfig(case=f"{FAULTY}:RAISING_IN_FORWARD", world_size=2, timeout_s=20))
+    assert res.verdict == FAIL and res.first_check == "crash", res.reason
+    assert "rank 1 raised RuntimeError" in res.reason and "boom on purpose in rank 1's forward" in res.reason
+    assert "while setting up" not in res.reason
+    assert [(e.rank, e.phase) for e in res.rank_errors][:1] == [(1, "steps")]
 
 
 def test_hanging_rank_becomes_a_timeout_naming_case_config_and_rank(sp_check):
@@ -151,12 +161,13 @@ def test_progress_lines_come_from_the_pool_and_rank_0(sp_pool):
 
 
 def test_rank_killed_by_a_signal_is_named_with_the_signal_and_its_python_stack(sp_check):
+    # in shard(): a crash before the first step, so ERROR (its kind and stack as for any crash)
     res = sp_check(CheckConfig(case=f"{FAULTY}:SEGFAULT", world_size=2, timeout_s=20))
-    assert res.verdict == FAIL and res.crash_kind == "signal" and res.first_check == "crash"
+    assert res.verdict == ERROR and res.crash_kind == "signal" and res.first_check == "setup"
     first = res.rank_errors[0]  # the crashed rank before rank 0's secondary error
     assert (first.rank, first.kind, first.signal_name) == (1, "signal", "SIGSEGV")
     assert "faulty_cases.py" in first.traceback and "_shard_segfault" in first.traceback
-    assert "rank 1 killed by SIGSEGV" in res.reason
+    assert "rank 1 killed by SIGSEGV while setting up (shard())" in res.reason
     assert "_shard_segfault" in res.error  # the human report carries the stack too
     assert sp_check(CheckConfig(case="seed-mlp", world_size=2)).verdict == PASS
 

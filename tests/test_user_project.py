@@ -98,6 +98,30 @@ FILES = {
                       tokens=lambda tgt: tgt.shape[0], defaults=dict(seq_len=8))
         """,
     "nested/myproj/cases/missing_sibling.py": "from myproj.not_there import X\n",
+    "spchecks/erroring.py": """
+        import torch
+
+        from sp_harness import Case
+
+
+        def shard(model, ctx):
+            raise ValueError("my shard() is broken")
+
+
+        ERRORING = Case(name="erroring", description="a shard() that raises", shard=shard,
+                        build_reference=lambda cfg: torch.nn.Linear(4, 4).double(),
+                        make_batch=lambda cfg, step, gen: (torch.randn(cfg.seq_len, 4, dtype=torch.float64),) * 2,
+                        loss_sum=lambda out, tgt: ((out - tgt) ** 2).sum(), tokens=lambda tgt: tgt.shape[0],
+                        defaults=dict(seq_len=8))
+        """,
+    "test_user_error.py": """
+        import pytest
+
+
+        @pytest.mark.sp_case("spchecks/erroring.py:ERRORING", world_size=2)
+        def test_erroring_case(sp_result):
+            assert sp_result.verdict == "PASS"
+        """,
     "spchecks/broken_syntax.py": "from sp_harness import Case\n\ndef shard(model, ctx:\n    return model\n",
     "spchecks/missing_import.py": "import sp_harness_user_dependency_not_installed\n",
     "test_user_sp.py": """
@@ -155,10 +179,13 @@ def test_cli_runs_builtin_and_user_cases_inside_the_project(project, case):
 
 
 def test_users_pytest_runs_its_case_and_ours(project):
+    # and a case whose shard() raises is pytest's error (the check could not run), not a failure
     out = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:randomly", "-p", "no:cacheprovider",
-                          "test_user_sp.py"], cwd=project, capture_output=True, text=True, timeout=300, env=_env())
-    assert out.returncode == 0, out.stdout + out.stderr
-    assert "3 passed" in out.stdout
+                          "test_user_sp.py", "test_user_error.py"], cwd=project, capture_output=True, text=True,
+                         timeout=300, env=_env())
+    assert out.returncode == 1, out.stdout + out.stderr
+    assert "3 passed, 1 error" in out.stdout, out.stdout
+    assert "ERROR at setup of test_erroring_case" in out.stdout and "my shard() is broken" in out.stdout
 
 
 @pytest.mark.parametrize("file, error", [("broken_syntax.py", "SyntaxError"),

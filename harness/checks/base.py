@@ -15,7 +15,7 @@ from sp_harness.config.case import Case
 from sp_harness.config.check_config import CheckConfig
 from sp_harness.launch.runner import Runner
 
-Status = Literal["pass", "fail", "n/a"]
+Status = Literal["pass", "fail", "error", "n/a"]
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -25,8 +25,9 @@ class Outcome:
     check: str
     """The check's name."""
     status: Status
-    """'pass', 'fail', or 'n/a' where the check does not apply (or the case declared the config
-    UNSUPPORTED)."""
+    """'pass', 'fail' (a defect of the code under test), 'error' (the check could not run: a crash
+    before the code's first step; it says nothing about the code), or 'n/a' where the check does
+    not apply (or the case declared the config UNSUPPORTED)."""
     caught_by: str = ""
     """For a fail: the part of the check that caught it first ('grad', 'replica drift', 'crash',
     'collective accounting', ...)."""
@@ -36,10 +37,14 @@ class Outcome:
     """The one-line command that reruns exactly this check."""
     figures: Any = None
     """The check's own result dataclass (CheckResult, PaperComparison, MemoryReport, ...)."""
+    skipped: bool = False
+    """For an n/a: the check was asked for but not run, because the check it builds on did not
+    pass (`detail` says which and how); False where it does not apply to the config."""
 
     @property
     def passed(self) -> bool | None:
-        return None if self.status == "n/a" else self.status == "pass"
+        """True for a pass, False for a fail, None where nothing was judged (n/a, error)."""
+        return None if self.status in ("n/a", "error") else self.status == "pass"
 
 
 def not_applicable(check: str, why: str, repro: str = "") -> Outcome:

@@ -14,8 +14,8 @@ from sp_harness.checks.side_by_side_rank import run_rank
 from sp_harness.config.case import Case, Unsupported
 from sp_harness.config.check_config import CheckConfig
 from sp_harness.config.registry import get_case
-from sp_harness.judge.verdict import FAIL, UNSUPPORTED, CheckResult, RankResult, merge
-from sp_harness.launch.failure import RankFailure
+from sp_harness.judge.verdict import ERROR, FAIL, UNSUPPORTED, CheckResult, RankResult, merge
+from sp_harness.launch.failure import RankFailure, SetupError
 from sp_harness.launch.runner import Runner, default_manager
 
 
@@ -48,12 +48,20 @@ def run_job(config: CheckConfig, runner: Runner | None, job: Callable[[CheckConf
     try:
         results: list[RankResult] = runner.run(config.world_size, job, config,
                                                timeout_s=config.timeout_s, label=label, case=config.case)
+    except SetupError as exc:  # the case's per-process setup (Case.setup): nothing of the code ran
+        cause = exc.__cause__
+        return CheckResult(config=config, verdict=ERROR, reason=str(exc),
+                           error=cause.describe() if isinstance(cause, RankFailure) else str(exc),
+                           crash_kind=cause.kind if isinstance(cause, RankFailure) else "",
+                           rank_errors=cause.errors if isinstance(cause, RankFailure) else (),
+                           wall_s=time.perf_counter() - t0)
     except RankFailure as exc:
         # UNSUPPORTED only when every rank declared it: one rank alone may be a symptom of a bug
         if len(exc.errors) == config.world_size and all(e.is_unsupported for e in exc.errors):
             return CheckResult(config=config, verdict=UNSUPPORTED, reason=exc.errors[0].message or exc.summary_line(),
                                wall_s=time.perf_counter() - t0)
-        return CheckResult(config=config, verdict=FAIL, reason=exc.one_line(),
+        # before the first step the code under test has not run: a setup that could not run
+        return CheckResult(config=config, verdict=ERROR if exc.in_setup else FAIL, reason=exc.one_line(),
                            error=exc.describe(), crash_kind=exc.kind, rank_errors=exc.errors,
                            wall_s=time.perf_counter() - t0)
     return merge(config, results, wall_s=time.perf_counter() - t0, declared=case.precision_islands)
@@ -67,6 +75,9 @@ KIND_LABEL = {"init": "init", "forward": "forward", "lse": "attention lse", "los
 def outcome_of(res: CheckResult, name: str = "side-by-side") -> Outcome:
     if res.verdict == UNSUPPORTED:  # the case's own declaration, shown as its verdict
         return Outcome(check=name, status="n/a", detail=res.reason, repro=res.config.repro(), figures=res)
+    if res.verdict == ERROR:
+        return Outcome(check=name, status="error", caught_by="setup", detail=res.reason, repro=res.config.repro(),
+                       figures=res)
     if res.verdict == FAIL:
         kind = res.first_check
         return Outcome(check=name, status="fail", caught_by=KIND_LABEL.get(kind, kind) or "?",

@@ -45,6 +45,7 @@ from sp_harness.config.check_config import CheckConfig
 from sp_harness.judge.verdict import RankResult, record
 from sp_harness.launch import announce
 from sp_harness.launch.failure import mark_module
+from sp_harness.launch.wire import STEPS
 from sp_harness.step.adversary import ReorderAdversary
 from sp_harness.step.anchor import gather_full
 from sp_harness.step.build import build, reference_copy
@@ -97,6 +98,7 @@ class _SideBySide:
         # a throwaway counter around the sharded factory: its collectives are announced (desync
         # detection) but not counted, so the per-step rows stay what the model does per step
         self.built = build(config, around_shard=CommCounter())
+        announce.phase("preparing the check")
         self.ctx, self.case, self.sharded = self.built.ctx, self.built.case, self.built.sharded
         self.params = self.built.params
         self.adversary = _adversary(config)
@@ -372,6 +374,7 @@ def drive(kind: type[_SideBySide], config: CheckConfig) -> RankResult:
     run.check_init()
     gen = batch_generator(config.seed)
     assert config.steps is not None, "the check resolves steps"
+    announce.phase(STEPS)
     for step in range(config.steps):
         run.step(step, gen)
         announce.progress("step", step + 1, config.steps)

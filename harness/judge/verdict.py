@@ -2,9 +2,12 @@
 by `record` on the rank) merged into one `CheckResult` (its table: sp_harness.report.result_text).
 
 Verdicts: PASS (every judged tensor within tolerance, no replica drift), UNSUPPORTED (the case
-declared the config out of scope before any rank ran), FAIL (wrong numbers, drift, a crash or a
-hang inside the parallel code). A FAIL carries the first failure (earliest step, then forward <
-loss < input grad < grad < param), the worst ones, and the one-line repro.
+declared the config out of scope), FAIL (wrong numbers, drift, a crash, hang or collective
+mismatch while the code under test runs its steps), ERROR (a crash or hang before its first step:
+loading the case, its setup, building the reference, `shard()`, building the training step; the
+check could not run, so it says nothing about the code's numbers). A FAIL carries the first
+failure (earliest step, then forward < loss < input grad < grad < param), the worst ones, and the
+one-line repro.
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ from sp_harness.config.check_config import CheckConfig
 from sp_harness.launch.failure import RankError
 from sp_harness.step.params import Drift
 
-PASS, FAIL, UNSUPPORTED = "PASS", "FAIL", "UNSUPPORTED"
+PASS, FAIL, UNSUPPORTED, ERROR = "PASS", "FAIL", "UNSUPPORTED", "ERROR"
 
 MAX_FAILURES_KEPT = 64
 
@@ -126,7 +129,8 @@ class CheckResult:
 
     @property
     def ok(self) -> bool:
-        return self.verdict != FAIL
+        """PASS or UNSUPPORTED: neither a FAIL nor an ERROR."""
+        return self.verdict in (PASS, UNSUPPORTED)
 
     @property
     def first_failure(self) -> str:
@@ -141,7 +145,10 @@ class CheckResult:
     @property
     def first_check(self) -> str:
         """Which check caught a FAIL first: a tensor check's kind ('init', 'forward', ..., 'param'),
-        'replica drift' where that came at an earlier step, 'crash', 'hang (timeout)'; '' if none."""
+        'replica drift' where that came at an earlier step, 'crash', 'hang (timeout)'; for an
+        ERROR 'setup'; '' if none."""
+        if self.verdict == ERROR:
+            return "setup"
         if self.error:
             return "hang (timeout)" if self.crash_kind == "timeout" else "crash"
         if self.failures:

@@ -14,7 +14,7 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
-from sp_harness.launch.wire import Collective, CollectiveIssued, Progress
+from sp_harness.launch.wire import Collective, CollectiveIssued, PhaseEntered, Progress
 
 
 class _Channel:
@@ -30,6 +30,8 @@ class _Channel:
 
 
 _CHANNEL: _Channel | None = None
+_PHASE = ""
+"""The current job's phase ('' until the job marks one: `phase`)."""
 _MODULE: Callable[[], str] | None = None
 """Where the rank is in its sharded model ('' for nowhere), while a side-by-side pass tracks it."""
 
@@ -40,13 +42,37 @@ counting them per group would misalign the group's sequence on the ranks not inv
 
 def open_job(conn: Any, job_id: int) -> None:
     """Announcements from now on go to `conn`, for job `job_id`, counted from 0."""
-    global _CHANNEL
+    global _CHANNEL, _PHASE
     _CHANNEL = _Channel(conn, job_id)
+    _PHASE = ""
 
 
 def close_job() -> None:
-    global _CHANNEL
+    global _CHANNEL, _PHASE
     _CHANNEL = None
+    _PHASE = ""
+
+
+def phase(name: str) -> None:
+    """The job enters phase `name` (sp_harness.launch.wire.STEPS once the code under test steps):
+    a raise carries it in the reply, and the driver hears it, for a rank that dies or hangs."""
+    global _PHASE
+    _PHASE = name
+    channel = _CHANNEL
+    if channel is None:
+        return
+    with channel.lock:
+        channel.conn.send(PhaseEntered(job_id=channel.job_id, phase=name))
+
+
+def current_phase() -> str:
+    return _PHASE
+
+
+def reset_phase() -> None:
+    """A new job starts in no phase (under torchrun no channel opens per job to reset it)."""
+    global _PHASE
+    _PHASE = ""
 
 
 def track_module(where: Callable[[], str] | None) -> None:

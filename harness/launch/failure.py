@@ -14,7 +14,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Literal
 
-from sp_harness.launch.wire import Collective
+from sp_harness.launch.wire import STEPS, Collective
 
 ErrorKind = Literal["desync", "raised", "exited", "signal", "timeout"]
 
@@ -66,6 +66,15 @@ class RankError:
     """Wall-clock time of the failure on the rank (a raise) or when the driver saw it (a
     process that ended), 0 where unknown: among failures of one kind, the first is the cause,
     the later ones (a peer's 'Connection reset by peer') its consequences."""
+    phase: str = ""
+    """The job's phase when the rank failed (sp_harness.launch.announce.phase): a setup phase
+    ('building the reference', 'shard()', ...), `wire.STEPS`, or '' for a job that marks none."""
+
+    @property
+    def in_setup(self) -> bool:
+        """The rank failed before the code under test ran its first step: in a phase the job
+        marked before `STEPS` (a job that marks no phase is never judged to be setting up)."""
+        return self.phase not in ("", STEPS)
 
     @property
     def blocked_in_collective(self) -> bool:
@@ -103,14 +112,19 @@ class RankError:
         if self.kind == "desync":
             return "desync: " + self.desync_where()
         last = f" (its last collective: {self.collective.describe()})" if self.collective else ""
+        setting_up = self.setting_up()
         if self.kind == "signal":
-            return f"killed by {self.signal_name}{last}"
+            return f"killed by {self.signal_name}{setting_up}{last}"
         if self.kind == "exited":
-            return f"exited with code {self.exit_code}{last}"
+            return f"exited with code {self.exit_code}{setting_up}{last}"
         if self.kind == "raised":
             inside = f" in {self.module}" if self.module else ""
-            return f"raised {self.exc_type}{inside}" + (f": {self.message}" if self.message else "")
+            return f"raised {self.exc_type}{inside}{setting_up}" + (f": {self.message}" if self.message else "")
         return self.detail or "hung"
+
+    def setting_up(self) -> str:
+        """' while setting up (<phase>)' for a failure in setup, else ''."""
+        return f" while setting up ({self.phase})" if self.in_setup else ""
 
     def desync_where(self) -> str:
         """For 'desync': the collective it issued, or where it was instead."""
@@ -185,6 +199,15 @@ class RankFailure(Exception):
         return self.errors[0].kind
 
     @property
+    def in_setup(self) -> bool:
+        """The root cause is a crash (a raise, an exit, a signal) before the code under test's
+        first step: a setup that could not run (verdict ERROR), not a defect of its steps. A hang
+        or a collective desync stays the code's own, wherever it happens: its collectives did not
+        pair up, or it never finished."""
+        first = self.errors[0]
+        return first.kind in ("raised", "exited", "signal") and first.in_setup
+
+    @property
     def first_rank(self) -> int:
         return self.errors[0].rank
 
@@ -211,9 +234,11 @@ class RankFailure(Exception):
     def _what(self) -> str:
         if self.kind == "desync":
             ranks = [e for e in self.errors if e.kind == "desync"]
-            return "collective desync: " + "; ".join(f"rank {e.rank} {e.desync_where()}" for e in ranks)
+            return ("collective desync" + self.errors[0].setting_up() + ": "
+                    + "; ".join(f"rank {e.rank} {e.desync_where()}" for e in ranks))
         if self.kind == "timeout":
             what = f"timed out after {self.timeout_s:g}s; rank(s) {_join(self.culprits)} did not finish"
+            what += self.errors[0].setting_up()
             waiting = [r for r in self.ranks if r not in self.culprits]
             if waiting:
                 what += f" (rank(s) {_join(waiting)} blocked in a collective, waiting for them)"
@@ -267,9 +292,10 @@ def raised(rank: int, msg) -> RankError:
     with its code, anything else a raise."""
     if msg.exit_code is not None:
         return RankError(rank=rank, kind="exited", exit_code=msg.exit_code, traceback=msg.traceback,
-                         detail=f"the job called sys.exit({msg.message or msg.exit_code})", at=msg.at)
+                         detail=f"the job called sys.exit({msg.message or msg.exit_code})", at=msg.at,
+                         phase=msg.phase)
     return RankError(rank=rank, kind="raised", exc_type=msg.exc_type, is_unsupported=msg.is_unsupported,
-                     traceback=msg.traceback, message=msg.message, at=msg.at, module=msg.module)
+                     traceback=msg.traceback, message=msg.message, at=msg.at, module=msg.module, phase=msg.phase)
 
 
 _MODULE_ATTR = "_sp_harness_module"
@@ -292,7 +318,9 @@ def _join(ranks: Iterable[int]) -> str:
 
 class SetupError(ValueError):
     """A case's per-process setup (`Case.setup`) raised or ran past its budget on some rank: a
-    setup problem, exit 2, never a verdict on the code under test."""
+    setup problem, never a verdict on the code under test. A check reports it as its verdict
+    ERROR (sp_harness.checks.side_by_side.run_job); where nothing turns it into a verdict it is a
+    ValueError: one line, exit 2."""
 
     @classmethod
     def of(cls, case: str, failure: RankFailure) -> SetupError:

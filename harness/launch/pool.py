@@ -179,12 +179,14 @@ class RankPool:
             # the desynced ranks are blocked or about to fail: say where they are, then rebuild
             found = [dataclasses.replace(e, traceback=probes[e.rank].stack_now()) if e.rank in got.pending else e
                      for e in got.desync]
+            found = [dataclasses.replace(e, phase=got.phases.get(e.rank, "")) for e in found]
             self.close()
             raise RankFailure(label, found + got.errors)
         if not got.pending and not got.errors:
             return [got.results[r] for r in range(self.world_size)]
         # a hang on the others is a consequence of an error: report the root cause only
-        hung = [] if got.errors else [probes[r].hung() for r in sorted(got.pending)]
+        hung = [] if got.errors else [dataclasses.replace(probes[r].hung(), phase=got.phases.get(r, ""))
+                                      for r in sorted(got.pending)]
         every_rank_raised = not got.pending and all(e.kind == "raised" for e in got.errors) and self.alive
         if not (every_rank_raised and self._healthy()):
             self.close()  # the process group's state is unknown: rebuild on next use

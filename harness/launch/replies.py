@@ -22,7 +22,7 @@ from sp_harness.launch.activity import stopped
 from sp_harness.launch.desync import DesyncWatch
 from sp_harness.launch.failure import RankError, raised, stack_frames, waiting_in_collective
 from sp_harness.launch.rank_probe import RankProbe
-from sp_harness.launch.wire import CollectiveIssued, JobDone, JobRaised, Progress
+from sp_harness.launch.wire import CollectiveIssued, JobDone, JobRaised, PhaseEntered, Progress
 
 # after one rank fails, how long the others get to report before they count as hung
 _FAILURE_GRACE_S = 2.0
@@ -42,6 +42,8 @@ class Replies:
     results: dict[int, Any] = field(default_factory=dict)
     errors: list[RankError] = field(default_factory=list)
     """In the order they came."""
+    phases: dict[int, str] = field(default_factory=dict)
+    """Rank -> the last phase it announced (sp_harness.launch.announce.phase)."""
 
     @property
     def desync(self) -> list[RankError]:
@@ -101,7 +103,7 @@ def _receive(probe: RankProbe, got: Replies, job_id: int, progress: Callable[[st
         msg = conn.recv()
     except (EOFError, OSError):
         del got.pending[rank]
-        ended = probe.ended()
+        ended = dataclasses.replace(probe.ended(), phase=got.phases.get(rank, ""))
         last = got.watch.last(rank)
         got.errors.append(dataclasses.replace(ended, collective=last) if last is not None else ended)
         return
@@ -109,6 +111,8 @@ def _receive(probe: RankProbe, got: Replies, job_id: int, progress: Callable[[st
     current = getattr(msg, "job_id", None) == job_id
     if isinstance(msg, CollectiveIssued) and current:
         got.watch.collective(rank, msg.collective)
+    elif isinstance(msg, PhaseEntered) and current:
+        got.phases[rank] = msg.phase
     elif isinstance(msg, Progress) and current:
         if progress and rank == 0:  # ranks go in lockstep: one line per step is enough
             progress(f"{msg.what} {msg.done}/{msg.total}")

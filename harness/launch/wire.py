@@ -120,6 +120,8 @@ class JobRaised:
     module: str = ""
     """The innermost module of the sharded model running when it raised, with its phase; '' where
     none was tracked (`failure.mark_module`)."""
+    phase: str = ""
+    """The job's phase when it raised (`PhaseEntered.phase`); '' for a job that marks none."""
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -173,6 +175,21 @@ class Progress:
     """What is counted, e.g. 'step'."""
     done: int
     total: int
+
+
+STEPS = "steps"
+"""The phase in which the code under test runs its steps: a failure there is the code's (FAIL); a
+failure in any phase a job marked before it is a setup that could not run (ERROR)."""
+
+
+@dataclass(kw_only=True, frozen=True)
+class PhaseEntered:
+    """Rank -> driver, during a job: the job entered `phase`, so that a rank that then dies or
+    hangs is known to have done so while setting up or while stepping."""
+
+    job_id: int
+    phase: str
+    """'building the reference', 'shard()', ..., or `STEPS`."""
 
 
 def job_ref(fn: Callable[..., object]) -> str:

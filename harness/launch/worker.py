@@ -58,21 +58,23 @@ def _first_line(exc: BaseException) -> str:
 
 def run_job(job: Job) -> JobDone | JobRaised:
     """Run one job in this process; its outcome as the reply message."""
+    announce.reset_phase()
     try:
         return JobDone(job_id=job.job_id, result=resolve(job.fn_ref)(job.payload))
     except JobError as exc:
         return JobRaised(job_id=job.job_id, exc_type=type(exc).__name__, traceback=f"{type(exc).__name__}: {exc}",
-                         message=_first_line(exc), at=time.time())
+                         message=_first_line(exc), at=time.time(), phase=announce.current_phase())
     except KeyboardInterrupt:
         raise  # Ctrl-C under torchrun: the user's to stop the run (a pool rank ignores SIGINT)
     except SystemExit as exc:  # the job asked to exit: reported as an exit with its code, the process lives on
         code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
         return JobRaised(job_id=job.job_id, exc_type="SystemExit", traceback=traceback.format_exc(),
-                         message=str(exc.code) if exc.code is not None else "", at=time.time(), exit_code=code)
+                         message=str(exc.code) if exc.code is not None else "", at=time.time(), exit_code=code,
+                         phase=announce.current_phase())
     except BaseException as exc:
         return JobRaised(job_id=job.job_id, exc_type=type(exc).__name__, traceback=traceback.format_exc(),
                          is_unsupported=_is_unsupported(exc), message=_first_line(exc), at=time.time(),
-                         module=module_of(exc))
+                         module=module_of(exc), phase=announce.current_phase())
 
 
 def warm_up(_: object = None) -> int:

@@ -10,7 +10,7 @@ from sp_harness.capture.comm import CommRow
 from sp_harness.capture.islands import DECLARED, summary
 from sp_harness.compare.divergence import Divergence
 from sp_harness.compare.tensor_check import KIND_ORDER
-from sp_harness.judge.verdict import FAIL, UNSUPPORTED, CheckResult
+from sp_harness.judge.verdict import ERROR, FAIL, UNSUPPORTED, CheckResult
 
 
 def _encloses(module: str, divergence: Divergence | None) -> bool:
@@ -27,6 +27,13 @@ def format_result(res: CheckResult, *, verbose: bool = False) -> str:
     lines = [f"case {cfg.case}  [{cfg.short()}]  tp={cfg.tp} dp={cfg.dp}  {res.wall_s:.2f}s"]
     if res.verdict == UNSUPPORTED:
         lines.append(f"UNSUPPORTED: {res.reason}")
+        return "\n".join(lines)
+    if res.verdict == ERROR:
+        # nothing of the code under test ran: its numbers were never judged
+        lines.append("ERROR: " + res.reason)
+        if res.error:
+            lines.append(res.error if verbose else _tail(res.error, 25))
+        lines.append(f"repro: {cfg.repro()}")
         return "\n".join(lines)
     if res.error:
         lines.append("FAIL: " + res.reason)

@@ -13,8 +13,10 @@ from sp_harness.checks import Outcome, get_check
 from sp_harness.judge.verdict import CheckResult
 from sp_harness.report.result_text import format_comm, format_result
 
-SCHEMA_VERSION = 1
-"""Of the `--json` document: bumped whenever a field changes meaning or goes away."""
+SCHEMA_VERSION = 2
+"""Of the `--json` document: bumped whenever a field changes meaning or goes away. 2: a crash
+before the code under test's first step is status 'error' (verdict ERROR), no longer 'fail';
+'skipped' marks an asked-for check not run."""
 
 
 def format_outcomes(outcomes: Sequence[Outcome], *, verbose: bool = False) -> str:
@@ -24,6 +26,8 @@ def format_outcomes(outcomes: Sequence[Outcome], *, verbose: bool = False) -> st
             parts.append(format_result(o.figures, verbose=verbose))
             if o.figures.comm or o.figures.verdict == "PASS":
                 parts.append(format_comm(o.figures.comm))
+        elif o.skipped:
+            parts.append(f"{o.check}: skipped: {o.detail}")
         elif o.status == "n/a" and o.figures is None:
             parts.append(f"{o.check}: not applicable: {o.detail}")
         else:
@@ -45,8 +49,8 @@ def _plain(x: Any) -> Any:
 
 def outcomes_json(outcomes: Sequence[Outcome]) -> dict:
     return {"schema_version": SCHEMA_VERSION,
-            "outcomes": [dict(check=o.check, status=o.status, caught_by=o.caught_by, detail=o.detail, repro=o.repro,
-                              figures=_plain(o.figures)) for o in outcomes]}
+            "outcomes": [dict(check=o.check, status=o.status, skipped=o.skipped, caught_by=o.caught_by, detail=o.detail,
+                              repro=o.repro, figures=_plain(o.figures)) for o in outcomes]}
 
 
 def check_writable(path: str, what: str = "--json") -> None:

@@ -21,6 +21,7 @@ from sp_harness.config.case import Case, Sharded
 from sp_harness.config.check_config import CheckConfig
 from sp_harness.config.rank_context import RankContext
 from sp_harness.config.registry import get_case
+from sp_harness.launch import announce
 from sp_harness.step.context import make_context, rank_device, reference_context
 from sp_harness.step.params import LocalParam, map_params
 
@@ -82,16 +83,21 @@ def build(config: CheckConfig, *, reference_dtype: torch.dtype = torch.float64,
           around_shard: contextlib.AbstractContextManager | None = None) -> Built:
     """`around_shard`: a context the case's sharded factory runs in (the check's collective
     accounting: collectives issued while sharding are the system under test's too)."""
+    # the phases say where a failure came before the code under test stepped (verdict ERROR)
+    announce.phase("loading the case")
     case = get_case(config.case)
     config = case.resolve(config)  # idempotent: a job handed an unresolved config runs what a check would
     device = rank_device()
     ctx = make_context(config, device)
     ref_ctx = reference_context(config, device)
+    announce.phase("building the reference")
     reference = cast_floating(new_reference(case, config, ref_ctx).to(device=device), reference_dtype)
     # the sharded factory starts from the reference's weights, cast to the run dtype (a model
     # made outside `around_shard`: building it is the reference's business, not the sharded code's)
     copy = reference_copy(case, config, ref_ctx, reference, config.torch_dtype, device)
+    announce.phase("shard()")
     with around_shard or contextlib.nullcontext():
         sharded = case.shard(copy, ctx)
+    announce.phase("mapping the params")
     params = map_params(sharded, {n for n, _ in reference.named_parameters()}, case.name)
     return Built(case=case, config=config, ctx=ctx, device=device, reference=reference, sharded=sharded, params=params)

@@ -84,8 +84,9 @@ class MutantOutcome:
     mutant: str
     models_bug: str
     status: str
-    """KILLED, SURVIVED, or BATTERY-ERROR (the correct twin failed an entry it must pass: the
-    battery, not the mutant, is broken there, and the kill would not mean what it says)."""
+    """KILLED, SURVIVED, or BATTERY-ERROR (the correct twin failed an entry it must pass, or the
+    twin or the mutant could not run it, verdict ERROR: the battery, not the mutant, is broken
+    there, and a kill would not mean what it says)."""
     killed_by: str = ""
     entry: str = ""
     config: str = ""
@@ -125,12 +126,17 @@ class Battery:
         twin_failures = []
         for entry in entries:
             twin = self.twin_outcome(case.twin, entry)
-            if twin.passed is False:
-                twin_failures.append(f"{case.twin} fails entry {entry.name}: {twin.detail}")
+            if twin.passed is False or twin.status == "error":
+                verb = "fails" if twin.passed is False else "could not run (ERROR)"
+                twin_failures.append(f"{case.twin} {verb} entry {entry.name}: {twin.detail}")
                 continue
             if twin.passed is None:
                 continue
             outcome = self.evaluate(mutant, entry)
+            if outcome.status == "error":
+                # a mutant that cannot be set up proves nothing about the entry: never a kill
+                twin_failures.append(f"{mutant} could not run (ERROR) entry {entry.name}: {outcome.detail}")
+                break
             if outcome.passed is False:
                 if twin_failures:
                     break

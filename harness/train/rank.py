@@ -20,6 +20,8 @@ import torch.distributed as dist
 from sp_harness.config.case import Batch
 from sp_harness.config.registry import get_case
 from sp_harness.config.step_protocol import TrainStep
+from sp_harness.launch import announce
+from sp_harness.launch.wire import STEPS
 from sp_harness.step.build import Built, build, cast_floating, new_reference
 from sp_harness.step.context import rank_device, reference_context
 from sp_harness.step.inputs import batch_to, call, global_loss
@@ -101,6 +103,7 @@ class _Trainer:
         self.ref_opt = make_optimizer(config.optimizer, config.lr, self.ref.parameters())
         self.ref_params = dict(self.ref.named_parameters())
         self.step = 0
+        announce.phase(STEPS)
 
     def advance(self) -> StepResult:
         step, spec = self.step, self.spec

@@ -1,0 +1,71 @@
+"""A verdict means what it says (issue 61): ERROR for a check that could not run (a crash before
+the code under test's first step), its own exit code and JSON status; FAIL only for the code's
+own defects; `--also` accumulates, and a check it asks for that is not run is named."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from sp_harness.checks import Outcome
+from sp_harness.cli import EXIT_ERROR, EXIT_FAIL, EXIT_OK, _check_names, build_parser, exit_code
+from sp_harness.launch.failure import RankError, RankFailure
+from sp_harness.launch.wire import STEPS
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+FAULTY = "tests/faulty_cases.py"
+
+
+@pytest.mark.parametrize("argv", [["--also", "lockstep", "--also", "accumulation-invariance"],
+                                  ["--also", "lockstep", "accumulation-invariance"]])
+def test_also_accumulates_repeated_and_space_separated(argv):
+    args = build_parser().parse_args(["check", "--case", "seed-mlp", *argv])
+    assert _check_names(args)[-2:] == ["lockstep", "accumulation-invariance"]
+
+
+def test_exit_codes_rank_fail_over_error_over_ok():
+    def outcome(status):
+        return Outcome(check="x", status=status)
+
+    assert exit_code([outcome("pass"), outcome("n/a")]) == EXIT_OK
+    assert exit_code([outcome("error"), outcome("n/a")]) == EXIT_ERROR
+    assert exit_code([outcome("error"), outcome("fail")]) == EXIT_FAIL
+    assert len({EXIT_OK, EXIT_FAIL, 2, EXIT_ERROR}) == 4
+
+
+@pytest.mark.parametrize("kind", ["raised", "exited", "signal"])
+def test_a_crash_is_setup_only_before_the_steps(kind):
+    def failure(phase):
+        return RankFailure("case x", [RankError(rank=1, kind=kind, exc_type="ValueError", phase=phase)])
+
+    assert failure("shard()").in_setup and failure("building the reference").in_setup
+    assert not failure(STEPS).in_setup
+    assert not failure("").in_setup  # a job that marks no phase is never judged to be setting up
+
+
+@pytest.mark.parametrize("kind", ["timeout", "desync"])
+def test_a_hang_or_desync_in_setup_stays_the_codes_own(kind):
+    assert not RankFailure("case x", [RankError(rank=0, kind=kind, phase="shard()")], timeout_s=5).in_setup
+
+
+def test_cli_error_verdict_its_exit_code_json_and_the_skipped_checks(tmp_path):
+    out_json = tmp_path / "verdict.json"
+    proc = subprocess.run([sys.executable, "-m", "sp_harness.cli", "check", "--case", f"{FAULTY}:RAISING",
+                           "--world-size", "2", "--also", "lockstep", "--json", str(out_json)],
+                          cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == EXIT_ERROR, proc.stdout + proc.stderr
+    error_lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("ERROR: ")]
+    assert len(error_lines) == 1, proc.stdout
+    assert "rank 1 raised RuntimeError while setting up (shard()): boom on purpose in rank 1" in error_lines[0]
+    assert "FAIL" not in proc.stdout
+    # the checks asked for after it are named as skipped, with why, in the text and the JSON
+    assert "lockstep: skipped: the side-by-side check did not pass (ERROR)" in proc.stdout, proc.stdout
+    doc = json.loads(out_json.read_text())
+    rows = {o["check"]: o for o in doc["outcomes"]}
+    assert rows["side-by-side"]["status"] == "error" and rows["side-by-side"]["figures"]["verdict"] == "ERROR"
+    assert rows["lockstep"]["status"] == "n/a" and rows["lockstep"]["skipped"] is True
+    assert doc["schema_version"] == 2
