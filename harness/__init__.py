@@ -11,7 +11,7 @@ from sp_harness.config.registry import mutant, register
 
 
 def check(config: CheckConfig, runner=None):
-    """Run one side-by-side check; returns a CheckResult (verdict PASS / FAIL / UNSUPPORTED)."""
+    """Run one side-by-side check; returns a CheckResult (verdict PASS / FAIL / UNSUPPORTED / ERROR)."""
     from sp_harness.checks.side_by_side import check as _check
 
     return _check(config, runner)

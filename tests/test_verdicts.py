@@ -69,3 +69,30 @@ def test_cli_error_verdict_its_exit_code_json_and_the_skipped_checks(tmp_path):
     assert rows["side-by-side"]["status"] == "error" and rows["side-by-side"]["figures"]["verdict"] == "ERROR"
     assert rows["lockstep"]["status"] == "n/a" and rows["lockstep"]["skipped"] is True
     assert doc["schema_version"] == 2
+
+
+def _failed(grad_factor):
+    from sp_harness.compare.tensor_check import TensorCheck
+    from sp_harness.config.check_config import CheckConfig
+    from sp_harness.judge.verdict import RankResult, merge, record
+
+    result = RankResult(rank=0)
+    record(result, TensorCheck(kind="grad", name="w", step=0, rank=0, max_abs=1.0, max_rel=1.0, allowed=0.5,
+                               ratio=2.0, worst_index=(0,), got=1.0, want=2.0, ok=False))
+    result.grad_factor = grad_factor
+    return merge(CheckConfig(case="seed-mlp", world_size=2, steps=1), [result])
+
+
+def test_the_report_prints_the_uniform_grad_factor_the_json_knows():
+    from sp_harness.report.result_text import format_result
+
+    text = format_result(_failed(0.334))
+    assert "every param grad is 0.334x the reference's" in text
+    assert _failed(0.334).to_json()["grad_factor"] == 0.334
+    assert "every param grad" not in format_result(_failed(None))  # no uniform fit: nothing said
+
+
+def test_the_table_states_what_its_ratio_column_means():
+    from sp_harness.report.result_text import RATIO_LEGEND, format_result
+
+    assert RATIO_LEGEND in format_result(_failed(None)).splitlines()

@@ -21,6 +21,12 @@ def _encloses(module: str, divergence: Divergence | None) -> bool:
     return found == module or found.startswith(module + ".") or module.startswith(found + ".")
 
 
+RATIO_LEGEND = ("(ratio: the worst element's error over its own bound, `allowed` that element's bound, while `max abs "
+                "err` is the tensor's largest error, wherever it is; piece: the whole piece's error norm over its "
+                "bound; above 1 fails)")
+"""Under the table: `ratio` is not `max abs err` / `allowed` (each element has its own bound)."""
+
+
 def format_result(res: CheckResult, *, verbose: bool = False) -> str:
     """The human verdict table for one check."""
     cfg = res.config
@@ -54,6 +60,7 @@ def format_result(res: CheckResult, *, verbose: bool = False) -> str:
         lines.append(f"{kind:<11} {chk.name[:34]:<34} {chk.max_abs:>12.3g} {chk.allowed:>11.3g} {chk.ratio:>9.3g} {piece}  {status}")
     drift_status = "ok (bit-identical)" if not res.drift else f"FAIL ({len(res.drift)})"
     lines.append(f"{'replicas':<11} {'replicated params across ranks':<34} {max((d.max_abs for d in res.drift), default=0.0):>12.3g} {0.0:>11.3g} {'':>9} {'':>7}  {drift_status}")
+    lines.append(RATIO_LEGEND)
     if res.losses:
         lines.append("loss per step: " + " ".join(f"{x:.6f}" for x in res.losses))
     if res.verdict == FAIL:
@@ -69,6 +76,10 @@ def format_result(res: CheckResult, *, verbose: bool = False) -> str:
                           else div is None or div.could_cause(i.module, backward=i.where == "backward"))]
         if candidates:
             lines.append(summary(candidates, str(cfg.dtype), "candidate cause, precision islands"))
+        if res.grad_factor is not None:
+            # the JSON's grad_factor, set only where one factor fits every param grad
+            lines.append(f"every param grad is {res.grad_factor:.3f}x the reference's (one factor fits them all): "
+                         f"a loss normalisation or averaging error")
         if res.divergence is not None:
             lines.append(res.divergence.describe())
         names = res.failing_names
