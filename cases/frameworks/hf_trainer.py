@@ -20,7 +20,9 @@ as a system under test, judged by the training-step check (`sp-harness check --t
   `_clip_grad_norm` / `_get_grad_norm`, `optimizer.step()`, `lr_scheduler.step()`,
   `model.zero_grad()`, the callbacks and `_maybe_log_save_evaluate` (the log every step). The
   loss it reports is what that log reports: the ranks' tr_loss gathered and averaged
-  (`nested_gather(tr_loss).mean()`, trainer.py 2249), per step.
+  (`nested_gather(tr_loss).mean()`, trainer.py 2249), per step. `zero_grad` drops an
+  accumulation without stepping (the invariance checks' second run from the same params): the
+  grads, and the loop's running tr_loss, micro-batch index and flos, which only the log resets.
 - Labels: the engine's target IS HF's `labels` (input_ids with -100 on the prompt and the right
   padding); HF's causal LMs shift them inside (`ForCausalLMLoss`: logits[:, t] predicts
   labels[:, t + 1]) and the Trainer counts `labels[..., 1:]`. The case's loss is the same
@@ -219,6 +221,7 @@ class TrainerStep:
         inner = getattr(t.optimizer, "optimizer", t.optimizer)
         # the torch optimizer over the model's own params, whose state the engine reads
         self.optimizer = inner
+        self._step_begun = (self.step_index, t.current_flos)
 
     def accumulate(self, micro_batches: Sequence[MicroBatch]) -> float:
         from transformers.trainer import DistributedType  # accelerate's, as trainer.py imports it
@@ -226,6 +229,12 @@ class TrainerStep:
 
         t, args, model = self.trainer, self.trainer.args, self.model
         batches = [{**mb.inputs, "labels": mb.target} for mb in micro_batches]
+        self._step_begun = (self.step_index, t.current_flos)
+        if len(batches) < args.gradient_accumulation_steps:
+            # the Trainer hands fewer than gradient_accumulation_steps micro-batches only to an
+            # epoch's last optimizer step (its `remainder`): ending the epoch here makes the last
+            # one a sync step, as there, so accelerate does not skip the optimizer step after it
+            self.steps_in_epoch = self.step_index + 1 + len(batches)
         # trainer.py 5.23.0 lines 1873-1926 and 1960-1961, verbatim but `self` -> `t`, `step` -> `self.step_index`
         batch_samples, num_items_in_batch = t.get_batch_samples(iter(batches), len(batches), args.device)
         t.current_gradient_accumulation_steps = len(batch_samples)
@@ -258,6 +267,16 @@ class TrainerStep:
         # what the step's log will report (trainer.py 2249, 2255: gathered, averaged, per step)
         gathered = nested_gather(t._tr_loss.detach().clone(), args.parallel_mode)
         return gathered.mean().item() / (t.state.global_step + 1 - t._globalstep_last_logged)
+
+    def zero_grad(self) -> None:
+        """This optimizer step's accumulation dropped without stepping (the invariance checks run
+        a second one from the same params): the grads, as the loop's `model.zero_grad()` after a
+        step, and the loop's running sums, which only the step's log resets (`tr_loss -= tr_loss`
+        in `_maybe_log_save_evaluate`): kept, the next accumulation would report the dropped
+        one's loss plus its own, and run as the next micro-batches of the epoch."""
+        self.model.zero_grad()
+        self.trainer._tr_loss.zero_()
+        self.step_index, self.trainer.current_flos = self._step_begun
 
     def grad_norm(self) -> torch.Tensor:
         """The Trainer's own unclipped norm (`_get_grad_norm`: accelerate's clip_grad_norm_ at an

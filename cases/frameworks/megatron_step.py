@@ -242,13 +242,17 @@ def megatron_step_shard(kwargs: Mapping[str, Any], step: MegatronStepConfig = Me
     as `step` says) with megatron's own training step attached. `loss`, `smoothing`: as
     `megatron_case`'s (a label-smoothed loss on the vocab-parallel logits)."""
     kwargs = {**kwargs, "calculate_per_token_loss": step.calculate_per_token_loss}
-    shard = megatron_shard(kwargs, edit_model=edit_model, ddp_config=_ddp_config(step), gpt_kwargs=gpt_kwargs,
-                           layer_spec=layer_spec, loss=loss, smoothing=smoothing)
+    shard, shard_tp1 = (megatron_shard(config, edit_model=edit_model, ddp_config=_ddp_config(step),
+                                       gpt_kwargs=gpt_kwargs, layer_spec=layer_spec, loss=loss, smoothing=smoothing)
+                        for config in (kwargs, {**kwargs, "sequence_parallel": False}))
     losses = per_token_losses(loss, vocab_parallel_loss=True, model_loss=False, smoothing=smoothing) \
         if loss.label_smoothing else None
 
     def sharded_with_step(reference: nn.Module, ctx: RankContext) -> Sharded:
-        sharded = shard(reference, ctx)
+        # Megatron-LM's validate_args turns sequence parallelism off at TP 1 ("disable sequence
+        # parallelism when tp=1"), where megatron-core's TransformerConfig refuses it: the same
+        # training run on one rank, as degree-invariance compares it
+        sharded = (shard if ctx.tp > 1 else shard_tp1)(reference, ctx)
         return dataclasses.replace(sharded, train_step=MegatronTrainStep(sharded.module, ctx, step, losses))
 
     return sharded_with_step
