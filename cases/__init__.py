@@ -1,13 +1,15 @@
 """Systems under test, registered lazily: importing this package imports no case. `BUILTIN`
 names the module that registers each built-in case; the registry (sp_harness.config.registry)
 imports a case's module on the first lookup of its name, and every module on `all_cases()`.
-The built-in cases of a framework are listed only where it is installed (`FRAMEWORK_CASES`).
-A module listed here must register exactly the names listed for it (tests/test_registry.py).
+A framework's built-in cases are listed only where what they need can be imported
+(`FRAMEWORK_CASES`; `unavailable()` names the others and why). A module listed here must register
+the names listed for it (tests/test_registry.py); a framework's may register more (those it
+cannot run here), which the registry does not count.
 """
 
 from __future__ import annotations
 
-from sp_harness.cases.frameworks import FRAMEWORK_CASES, installed
+from sp_harness.cases.frameworks import FRAMEWORK_CASES, unavailable
 
 BUILTIN: dict[str, tuple[str, ...]] = {
     "sp_harness.cases.dtensor_mutants": (
@@ -57,10 +59,8 @@ probes, tagged 'scaled': not in the battery)."""
 
 
 def builtin_modules() -> dict[str, str]:
-    """Case name -> the module registering it: every built-in case, and the built-in cases of
-    every installed framework."""
-    listed = dict(BUILTIN)
-    for framework, (module, names) in FRAMEWORK_CASES.items():
-        if installed(framework):
-            listed[module] = names
-    return {name: module for module, names in listed.items() for name in names}
+    """Case name -> the module registering it: every built-in case but those `unavailable()` names."""
+    missing = unavailable()
+    listed = {**BUILTIN, **{module: names for module, names in FRAMEWORK_CASES.values()}}
+    return {name: module for module, names in listed.items() for name in names if name not in missing}
+

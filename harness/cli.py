@@ -37,9 +37,10 @@ def config_from_args(args) -> CheckConfig:
 
 
 def cmd_list(args) -> int:
-    from sp_harness.config.registry import all_cases
+    from sp_harness.config.registry import all_cases, unavailable_cases
 
-    cases = all_cases()
+    # a case that cannot run here is listed, its description saying why ("unavailable: needs ...")
+    cases = {**all_cases(), **unavailable_cases()}
     width = max(len(n) for n in cases)
     for name, case in sorted(cases.items(), key=lambda kv: ("mutant" in kv[1].tags, kv[0])):
         kind = "mutant" if "mutant" in case.tags else "case"
@@ -86,10 +87,11 @@ def cmd_check(args) -> int:
         # the other checks build on a passing first check (after a crash they would only repeat
         # it, after a FAIL they would judge a known-wrong model): named as skipped, with why
         if not first.passed:
-            why = f"the {first.check} check did not pass ({first.status.upper()})"
-            outcomes.append(Outcome(check=c.name, status="n/a", detail=why, skipped=True))
-        elif (why := c.applies(case, config)) is not None:
-            outcomes.append(Outcome(check=c.name, status="n/a", detail=why))
+            verdict = getattr(first.figures, "verdict", first.status.upper())  # UNSUPPORTED, not 'N/A'
+            outcomes.append(Outcome(check=c.name, status="n/a", skipped=True,
+                                    detail=f"the {first.check} check did not pass ({verdict})"))
+        elif (not_for := c.applies(case, config)) is not None:
+            outcomes.append(Outcome(check=c.name, status="n/a", detail=not_for))
         else:
             outcomes.append(run_check(c, config, runner))
     if _is_leader():

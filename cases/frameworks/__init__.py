@@ -4,12 +4,17 @@ A user imports the module they need (`from sp_harness.cases.frameworks.megatron_
 megatron_case`); each needs its framework installed (`pip install sp-harness[megatron]`).
 
 Each framework also has a `*_cases` module of built-in cases (a correct configuration, its
-mutants through the framework's own knobs, the main job's examples). Those are registered only
-where the framework is installed: `FRAMEWORK_CASES` maps the module that must be importable to
-the module that registers them and their names (the registry imports that module on the first
-lookup of one of them: sp_harness.cases). Registering imports no framework code: the framework
-is imported in the rank processes that run its cases (`Case.setup`), and its cases share rank
-processes only with each other (`Case.isolation` names the framework).
+mutants through the framework's own knobs, the main job's examples). `FRAMEWORK_CASES` maps the
+framework's module to the module that registers them and their names (the registry imports that
+module on the first lookup of one of them: sp_harness.cases). Registering imports no framework
+code: the framework is imported in the rank processes that run its cases (`Case.setup`), and its
+cases share rank processes only with each other (`Case.isolation` names the framework).
+
+A case runs only where every module it needs (`needed`: its framework's, then `ALSO_NEEDED`'s)
+can be found; `unavailable()` says why the others cannot, naming the module and the pip extra
+(`EXTRAS`) that installs it. The registry leaves them out of `all_cases()` and answers a lookup
+of one with a case that is UNSUPPORTED for that reason (sp_harness.config.registry): a framework
+missing or broken never stops another case from running, nor a rank from starting.
 """
 
 from __future__ import annotations
@@ -53,11 +58,59 @@ FRAMEWORK_CASES: dict[str, tuple[str, tuple[str, ...]]] = {
 }
 """importable framework module -> (the module registering its built-in cases, their names)."""
 
+EXTRAS: dict[str, str] = {"megatron.core": "megatron", "yunchang": "yunchang", "torchtitan": "torchtitan",
+                          "deepspeed": "deepspeed", "accelerate": "hf"}
+"""framework module -> the pip extra of sp-harness (pyproject.toml) that installs it and every module
+its cases need."""
+
+ALSO_NEEDED: dict[str, tuple[str, ...]] = {
+    # torchtitan's models and its spmd_types backend's sharded twins import it themselves
+    "spmd_types": FRAMEWORK_CASES["torchtitan"][1],
+    # UlyssesSPAttentionHF runs on transformers' models; the Trainer is transformers' own
+    "transformers": ("ds-ulysses-hf-llama", "ds-ulysses-hf-qwen2", "mutant-ds-ulysses-hf-local-position-ids",
+                     "mutant-ds-ulysses-hf-exchange-detached", *FRAMEWORK_CASES["accelerate"][1]),
+}
+"""module -> the framework cases that need it besides their framework's own module."""
+
+
+def import_problem(module: str) -> str | None:
+    """None where `module` (dotted) can be found, without importing it (its parent packages are
+    imported); else what stops it, worded to follow "needs MODULE, ": it is not installed, or
+    finding it raised (a parent package's `__init__` or an import hook: any exception)."""
+    try:
+        if importlib.util.find_spec(module) is not None:
+            return None
+    except ModuleNotFoundError as exc:
+        if exc.name is None or not (module == exc.name or module.startswith(exc.name + ".")):
+            return f"whose import fails ({type(exc).__name__}: {exc})"  # a module it imports is missing
+    except Exception as exc:  # a broken install raises whatever it raises
+        return f"whose import fails ({type(exc).__name__}: {exc})"
+    return "which is not installed"
+
 
 def installed(module: str) -> bool:
     """Whether `module` (dotted) can be imported, without importing it (its parent package's
     `__init__` aside)."""
-    try:
-        return importlib.util.find_spec(module) is not None
-    except ModuleNotFoundError:
-        return False
+    return import_problem(module) is None
+
+
+def needed(framework: str, name: str) -> tuple[str, ...]:
+    """The modules framework case `name` (of `framework`'s cases) needs, its framework's first."""
+    return (framework, *(module for module, names in ALSO_NEEDED.items() if name in names))
+
+
+def unavailable() -> dict[str, str]:
+    """Framework case name -> why it cannot run here, worded to follow "case NAME ": the first
+    module it needs that cannot be imported, and the extra that installs it. Each module is asked
+    once."""
+    problems: dict[str, str | None] = {}
+    why = {}
+    for framework, (_, names) in FRAMEWORK_CASES.items():
+        for name in names:
+            for module in needed(framework, name):
+                if module not in problems:
+                    problems[module] = import_problem(module)
+                if problems[module] is not None:
+                    why[name] = f"needs {module}, {problems[module]} (pip install 'sp-harness[{EXTRAS[framework]}]')"
+                    break
+    return why

@@ -7,7 +7,6 @@ own engine training step (`ds-ulysses-step*`: ZeRO 0/1/2/3, CPU optimizer offloa
 training-step check, with two of its ZeRO-Offload bugs put back into its optimizer and a user's
 loss divided by the accumulation steps twice."""
 
-from sp_harness.cases.frameworks import installed
 from sp_harness.cases.frameworks.deepspeed_hf import hf_ulysses_case
 from sp_harness.cases.frameworks.deepspeed_step import DeepSpeedStepConfig, ds_step_case, ds_step_shard
 from sp_harness.cases.frameworks.deepspeed_ulysses import detached, sdpa_attention, ulysses_case, ulysses_shard
@@ -120,34 +119,35 @@ def detached_exchange(group, tensor):
     return _dim_zero_all_to_all(group, tensor.detach())
 
 
-if installed("transformers"):
-    DS_ULYSSES_HF = register(hf_ulysses_case(
-        "ds-ulysses-hf-llama", isolation=ISOLATION,
-        examples=(Example(fields=(("world_size", 2),), note="UlyssesSPAttentionHF (sdpa) on a tiny HF Llama, SP 2"),
-                  Example(fields=(("world_size", 4), ("dtype", "bfloat16")), note="SP 4: one head per rank, bfloat16"))))
-    """DeepSpeed's Arctic (ALST) Ulysses for HF transformers: registered over transformers' sdpa."""
+# these four run only where transformers is installed too (ALSO_NEEDED in sp_harness.cases.frameworks);
+# registering them imports none of it
+DS_ULYSSES_HF = register(hf_ulysses_case(
+    "ds-ulysses-hf-llama", isolation=ISOLATION,
+    examples=(Example(fields=(("world_size", 2),), note="UlyssesSPAttentionHF (sdpa) on a tiny HF Llama, SP 2"),
+              Example(fields=(("world_size", 4), ("dtype", "bfloat16")), note="SP 4: one head per rank, bfloat16"))))
+"""DeepSpeed's Arctic (ALST) Ulysses for HF transformers: registered over transformers' sdpa."""
 
-    DS_ULYSSES_HF_QWEN2 = register(hf_ulysses_case(
-        "ds-ulysses-hf-qwen2", dict(num_key_value_heads=2), model_type="qwen2", grad_sync="all-reduce",
-        isolation=ISOLATION,
-        examples=(Example(fields=(("world_size", 2),), note="UlyssesSPAttentionHF on a tiny HF Qwen2 (GQA 4/2), float64"),)))
-    """An HF Qwen2 in float64 (q/k/v biases, GQA), the engine's sums written out."""
+DS_ULYSSES_HF_QWEN2 = register(hf_ulysses_case(
+    "ds-ulysses-hf-qwen2", dict(num_key_value_heads=2), model_type="qwen2", grad_sync="all-reduce",
+    isolation=ISOLATION,
+    examples=(Example(fields=(("world_size", 2),), note="UlyssesSPAttentionHF on a tiny HF Qwen2 (GQA 4/2), float64"),)))
+"""An HF Qwen2 in float64 (q/k/v biases, GQA), the engine's sums written out."""
 
-    mutant(DS_ULYSSES_HF, name="mutant-ds-ulysses-hf-local-position-ids",
-           summary="each rank hands the HF model position_ids 0..S/sp-1 of its own shard",
-           bug="RoPE rotates every shard as if it began the sequence, and UlyssesSPAttentionHF all-gathers the local "
-               "ids into what looks like sp packed documents: wrong attention from rank 1's tokens on",
-           source="huggingface/trl#6812 (Ulysses batches without global position_ids); deepspeedai/DeepSpeed "
-                  "ulysses_sp.py's position_ids assert names the failure",
-           shard=hf_ulysses_case("local-position-ids", position_ids="local").shard, killed_by=("forward", "even"))
+mutant(DS_ULYSSES_HF, name="mutant-ds-ulysses-hf-local-position-ids",
+       summary="each rank hands the HF model position_ids 0..S/sp-1 of its own shard",
+       bug="RoPE rotates every shard as if it began the sequence, and UlyssesSPAttentionHF all-gathers the local "
+           "ids into what looks like sp packed documents: wrong attention from rank 1's tokens on",
+       source="huggingface/trl#6812 (Ulysses batches without global position_ids); deepspeedai/DeepSpeed "
+              "ulysses_sp.py's position_ids assert names the failure",
+       shard=hf_ulysses_case("local-position-ids", position_ids="local").shard, killed_by=("forward", "even"))
 
-    mutant(DS_ULYSSES_HF, name="mutant-ds-ulysses-hf-exchange-detached",
-           summary="UlyssesSPAttentionHF's sequence <-> heads exchange returns a tensor detached from its input",
-           bug="no grad reaches the attention's q/k/v projections (or anything before them through attention) while "
-               "the forward, the loss, o_proj and the MLPs are right: a torch.compile'd Ulysses job whose attention "
-               "stops learning",
-           source="deepspeedai/DeepSpeed#8491 (_DimZeroAllToAll silently fails to send grads under torch.compile)",
-           shard=hf_ulysses_case("exchange-detached", exchange=detached_exchange).shard, killed_by=("grad", "even"))
+mutant(DS_ULYSSES_HF, name="mutant-ds-ulysses-hf-exchange-detached",
+       summary="UlyssesSPAttentionHF's sequence <-> heads exchange returns a tensor detached from its input",
+       bug="no grad reaches the attention's q/k/v projections (or anything before them through attention) while "
+           "the forward, the loss, o_proj and the MLPs are right: a torch.compile'd Ulysses job whose attention "
+           "stops learning",
+       source="deepspeedai/DeepSpeed#8491 (_DimZeroAllToAll silently fails to send grads under torch.compile)",
+       shard=hf_ulysses_case("exchange-detached", exchange=detached_exchange).shard, killed_by=("grad", "even"))
 
 
 # --- DeepSpeed's engine training step (the training-step check: sp-harness check --train-step) ---

@@ -2,9 +2,12 @@
 a mutant.
 
 A built-in case registers itself when its module is imported; `BUILTIN` in sp_harness.cases names
-that module, so a lookup imports only the module that holds the name. A user's case is found by
-`path.py:NAME` and stays out of the registry. The registry also hands `CheckConfig` its resolver
-(`RESOLVE`, `CASE_DEFAULTS`): check_config cannot import the registry back.
+that module, so a lookup imports only the module that holds the name. A built-in case that needs
+a module that cannot be imported here (sp_harness.cases' `unavailable()`: a framework missing or
+broken) is no case of `all_cases()`, and a lookup of it answers a stand-in that is UNSUPPORTED
+for that reason, before any rank starts. A user's case is found by `path.py:NAME` and stays out
+of the registry. The registry also hands `CheckConfig` its resolver (`RESOLVE`, `CASE_DEFAULTS`):
+check_config cannot import the registry back.
 """
 
 from __future__ import annotations
@@ -13,9 +16,10 @@ import dataclasses
 import importlib
 from typing import Any
 
-from sp_harness.config.case import Case
+from sp_harness.config.case import Case, Unsupported
 from sp_harness.config.check_config import CASE_DEFAULTS, ENGINE_DEFAULTS, RESOLVE
 from sp_harness.config.loading import load_case_file
+from sp_harness.config.step_protocol import TrainLoss
 
 
 def mutant(base: Case, *, name: str, summary: str, bug: str, source: str, tags: tuple[str, ...] = (),
@@ -50,10 +54,23 @@ def register(case: Case) -> Case:
     return case
 
 
+_TABLES: tuple[dict[str, str], dict[str, str]] | None = None
+
+
+def _tables() -> tuple[dict[str, str], dict[str, str]]:
+    """(case name -> the module registering it, case name -> why it cannot run here), read by name
+    from sp_harness.cases (the engine names no case module), once a process: what can be imported
+    does not change under a running check."""
+    global _TABLES
+    if _TABLES is None:
+        cases = importlib.import_module("sp_harness.cases")
+        _TABLES = cases.builtin_modules(), cases.unavailable()
+    return _TABLES
+
+
 def _load_builtin(name: str | None = None) -> None:
-    """Imports the module registering built-in case `name` (None: every built-in case's), by the
-    table in sp_harness.cases, read by name: the engine names no case module."""
-    table: dict[str, str] = importlib.import_module("sp_harness.cases").builtin_modules()
+    """Imports the module registering built-in case `name` (None: every built-in case's)."""
+    table = _tables()[0]
     modules = dict.fromkeys(table.values()) if name is None else [table[name]] if name in table else []
     for module in modules:
         importlib.import_module(module)
@@ -64,8 +81,35 @@ def _load_builtin(name: str | None = None) -> None:
 
 
 def all_cases() -> dict[str, Case]:
+    """Every registered case that can run here (none of `unavailable_cases()`)."""
     _load_builtin()
-    return dict(_REGISTRY)
+    unavailable = _tables()[1]
+    return {name: case for name, case in _REGISTRY.items() if name not in unavailable}
+
+
+def unavailable_cases() -> dict[str, Case]:
+    """The built-in cases that cannot run here, as their stand-ins (`get_case`'s)."""
+    return {name: _stand_in(name) for name in _tables()[1]}
+
+
+_STAND_INS: dict[str, Case] = {}
+
+
+def _stand_in(name: str) -> Case:
+    """Built-in case `name`, which cannot run here, as a case that says why: UNSUPPORTED from its
+    `validate` (and from anything else it is asked) for every config. It declares a training step
+    (`train_loss`) whether its case does or not, so that `--train-step` reaches the same line."""
+    if name not in _STAND_INS:
+        why = f"case {name} {_tables()[1][name]}"
+
+        def unsupported(*_: Any) -> Any:
+            raise Unsupported(why)
+
+        _STAND_INS[name] = Case(
+            name=name, description=f"unavailable: {_tables()[1][name]}", build_reference=unsupported,
+            make_batch=unsupported, loss_sum=unsupported, tokens=unsupported, shard=unsupported,
+            validate=unsupported, train_loss=TrainLoss(), tags=("mutant",) if name.startswith("mutant-") else ())
+    return _STAND_INS[name]
 
 
 def get_case(name: str) -> Case:
@@ -79,6 +123,10 @@ def get_case(name: str) -> Case:
             raise ValueError(f"{path} has no Case named {attr!r}; Cases there: {found}")
         # keep the user's name (path:NAME) so ranks can load it the same way
         return case if case.name == name else _rename(case, name)
+    if name in _tables()[1]:
+        # even where its module registered it (deepspeed_cases registers its HF cases without
+        # transformers): its ranks would import what is missing
+        return _stand_in(name)
     if name not in _REGISTRY:
         _load_builtin(name)
     if name not in _REGISTRY:
