@@ -197,3 +197,16 @@ def test_a_module_is_missing_only_where_it_is_the_one_not_found(monkeypatch, exc
     assert import_problem("sp_harness_demo_pkg") == problem
     assert import_problem("sp_harness_demo_pkg.core") == problem  # through its parent package
     assert import_problem("sp_harness_no_such_package") == "which is not installed"
+
+
+@pytest.mark.exhaustive("it starts ranks (12-45 s); the fast tier runs the broken-megatron lookup, found before "
+                        "any rank starts, and test_verdicts' unit test of the preload's Unsupported")
+def test_a_framework_found_but_broken_at_import_is_unsupported_on_its_ranks(tmp_path):
+    # found without being imported, it is listed as runnable; its ranks' preload imports it, and
+    # the raise there is the case's UNSUPPORTED (naming the module), not an ERROR of the check
+    hidden = Hidden(tmp_path, broken=("transformers",))
+    res, started = hidden.run("check", "--case", "ds-ulysses-hf-llama", "--world-size", "2", "--no-compare-comm")
+    line = next((ln for ln in res.stdout.splitlines() if ln.startswith(("PASS", "FAIL", "ERROR", "UNSUPPORTED"))), "")
+    assert line.startswith("UNSUPPORTED: case ds-ulysses-hf-llama needs transformers"), res.stdout + res.stderr[-3000:]
+    assert "whose import fails here (RuntimeError: transformers's import raised" in line, line
+    assert res.returncode == EXIT_OK and started, res.stdout

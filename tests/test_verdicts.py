@@ -96,3 +96,26 @@ def test_the_table_states_what_its_ratio_column_means():
     from sp_harness.report.result_text import RATIO_LEGEND, format_result
 
     assert RATIO_LEGEND in format_result(_failed(None)).splitlines()
+
+
+class _BrokenModule:
+    """A meta-path finder under which importing `name` raises, as a broken install's import does."""
+
+    def __init__(self, name: str):
+        self.name = name
+
+    def find_spec(self, name, path=None, target=None):
+        if name == self.name:
+            raise RuntimeError(f"{name}'s import raised")
+        return None
+
+
+def test_a_preload_broken_at_import_is_the_cases_unsupported(monkeypatch):
+    from sp_harness.config.case import Unsupported
+    from sp_harness.launch.case_setup import load_preload
+
+    module = "megatron.core.sp_harness_broken_demo"
+    monkeypatch.setattr(sys, "meta_path", [_BrokenModule(module), *sys.meta_path])
+    with pytest.raises(Unsupported, match=rf"needs {module}, whose import fails here \(RuntimeError: "
+                                          rf"{module}'s import raised\) \(pip install 'sp-harness\[megatron\]'\)"):
+        load_preload([module])

@@ -13,7 +13,7 @@ from sp_harness.checks.train_step import require_train_step
 from sp_harness.config.case import Case, Unsupported
 from sp_harness.config.check_config import CheckConfig
 from sp_harness.config.registry import get_case
-from sp_harness.launch.failure import RankFailure
+from sp_harness.launch.failure import RankFailure, SetupError
 from sp_harness.launch.runner import Runner
 
 
@@ -107,9 +107,17 @@ class InvarianceCheck:
             return Outcome(check=self.name, status="n/a", detail=ready)
         try:
             figures = self.compare_runs(case, ready, runner, f"case {config.case} [{ready.short()}] ({self.name})")
+        except SetupError as exc:  # Case.setup: nothing of the step ran
+            cause = exc.__cause__
+            if isinstance(cause, RankFailure) and cause.every_rank_unsupported(ready.world_size):
+                return Outcome(check=self.name, status="n/a", detail=f"case {ready.case} {cause.errors[0].message}")
+            return Outcome(check=self.name, status="error", caught_by="setup", detail=str(exc), repro=ready.repro())
         except RankFailure as exc:
             if all(e.is_unsupported for e in exc.errors):  # the step declared the variant out of reach
                 return Outcome(check=self.name, status="n/a", detail=exc.errors[0].message or exc.one_line())
+            if exc.in_setup:  # before the first accumulation: the check could not run
+                return Outcome(check=self.name, status="error", caught_by="setup", detail=exc.one_line(),
+                               repro=ready.repro())
             return Outcome(check=self.name, status="fail", caught_by="crash", detail=exc.one_line(),
                            repro=ready.repro())
         if isinstance(figures, str):

@@ -26,6 +26,8 @@ from sp_harness.compare.tolerance import RefPieces, check_tensor, eps
 from sp_harness.config.case import Unsupported
 from sp_harness.config.check_config import CheckConfig
 from sp_harness.config.step_protocol import MicroBatch
+from sp_harness.launch import announce
+from sp_harness.launch.wire import STEPS
 from sp_harness.step.anchor import gather_full
 from sp_harness.step.inputs import batch_generator
 from sp_harness.step.params import zero_declared_grads
@@ -133,6 +135,7 @@ class _Invariance(_TrainStepRun):
             # decided by the step alone: before the references and the first accumulation run
             raise Unsupported(f"case {self.config.case}: its training step fixes its micro-batch count when it is "
                               f"built (TrainStep.fixed_micro_batches), so it cannot accumulate one batch after K")
+        announce.phase(STEPS)  # from here on a crash is the step's own (FAIL), not its setup's (ERROR)
         mbs, whole, tokens = self.start_step(0, batch_generator(self.config.seed), self._mask_ctx())
         refs = self._scaled(self.finish_references(), tokens)
         ignore = self.loss_spec.ignore_index

@@ -50,14 +50,17 @@ def run_job(config: CheckConfig, runner: Runner | None, job: Callable[[CheckConf
                                                timeout_s=config.timeout_s, label=label, case=config.case)
     except SetupError as exc:  # the case's per-process setup (Case.setup): nothing of the code ran
         cause = exc.__cause__
+        if isinstance(cause, RankFailure) and cause.every_rank_unsupported(config.world_size):
+            # its framework broken at import on every rank (case_setup.load_preload)
+            return CheckResult(config=config, verdict=UNSUPPORTED, wall_s=time.perf_counter() - t0,
+                               reason=f"case {config.case} {cause.errors[0].message}")
         return CheckResult(config=config, verdict=ERROR, reason=str(exc),
                            error=cause.describe() if isinstance(cause, RankFailure) else str(exc),
                            crash_kind=cause.kind if isinstance(cause, RankFailure) else "",
                            rank_errors=cause.errors if isinstance(cause, RankFailure) else (),
                            wall_s=time.perf_counter() - t0)
     except RankFailure as exc:
-        # UNSUPPORTED only when every rank declared it: one rank alone may be a symptom of a bug
-        if len(exc.errors) == config.world_size and all(e.is_unsupported for e in exc.errors):
+        if exc.every_rank_unsupported(config.world_size):
             return CheckResult(config=config, verdict=UNSUPPORTED, reason=exc.errors[0].message or exc.summary_line(),
                                wall_s=time.perf_counter() - t0)
         # before the first step the code under test has not run: a setup that could not run

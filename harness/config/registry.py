@@ -80,6 +80,16 @@ def _load_builtin(name: str | None = None) -> None:
                           f"which registered no such case")
 
 
+def install_hint(module: str) -> str:
+    """How a user installs what provides `module` (dotted): the sp-harness extra of its framework
+    (sp_harness.cases' EXTRAS, read by name), else a reinstall of the package."""
+    extras: dict[str, str] = importlib.import_module("sp_harness.cases.frameworks").EXTRAS
+    for framework, extra in extras.items():
+        if module == framework or module.startswith(framework + "."):
+            return f"pip install 'sp-harness[{extra}]'"
+    return f"reinstall the package that provides {module.partition('.')[0]}"
+
+
 def all_cases() -> dict[str, Case]:
     """Every registered case that can run here (none of `unavailable_cases()`)."""
     _load_builtin()

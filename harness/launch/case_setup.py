@@ -20,7 +20,17 @@ def load_preload(entries: Iterable[str]) -> None:
     shims are idempotent)."""
     for entry in entries:
         module, _, function = entry.partition(":")
-        imported = importlib.import_module(module)
+        try:
+            imported = importlib.import_module(module)
+        except Exception as exc:
+            # a framework found but broken at import (the registry only finds it, never imports
+            # it): its cases cannot run here, which is not a verdict on them
+            from sp_harness.config.case import Unsupported
+            from sp_harness.config.registry import install_hint
+
+            first = (str(exc).strip().splitlines() or [""])[0]
+            raise Unsupported(f"needs {module}, whose import fails here ({type(exc).__name__}: {first}) "
+                              f"({install_hint(module)})") from exc
         if function:
             getattr(imported, function)()
 

@@ -207,6 +207,11 @@ class RankFailure(Exception):
         first = self.errors[0]
         return first.kind in ("raised", "exited", "signal") and first.in_setup
 
+    def every_rank_unsupported(self, world_size: int) -> bool:
+        """Every rank of the world raised `Unsupported`: the case declared the config out of
+        reach (one rank alone may be a symptom of a bug)."""
+        return len(self.errors) == world_size and all(e.is_unsupported for e in self.errors)
+
     @property
     def first_rank(self) -> int:
         return self.errors[0].rank
