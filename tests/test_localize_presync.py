@@ -24,6 +24,11 @@ def _grads(per_rank: dict[int, dict[str, torch.Tensor]]) -> list[PreSyncGrad]:
     return [PreSyncGrad(rank=r, name=n, piece="whole", grad=g) for r, gs in per_rank.items() for n, g in gs.items()]
 
 
+def _after(grads: dict[str, torch.Tensor | None]):
+    # this rank's grads after the sync, in its piece's shape
+    return lambda name: grads.get(name)
+
+
 def _shares(seed: int, shape=(8, 6)):
     """Two SP ranks' shares of one replicated weight's grad: each its own tokens' terms."""
     g = torch.Generator().manual_seed(seed)
@@ -35,8 +40,9 @@ def test_a_missing_or_wrong_sync_is_placed_in_the_sync_with_the_weights_that_fit
     b0, b1 = _shares(1)
     full = {"norm.weight": a0 + a1, "proj.weight": (b0 + b1) / 2}  # a sum over SP; a mean over DP
     every = _grads({0: {"norm.weight": a0, "proj.weight": b0}, 1: {"norm.weight": a1, "proj.weight": b1}})
+    # the sync left rank 0's own share of the norm grad: never summed
     got = place(step=0, rank=0, every=every, order=["proj.weight", "norm.weight"], failing=["norm.weight"],
-                refs=_refs(full), precision=F64)
+                refs=_refs(full), after=_after({"norm.weight": a0, "proj.weight": (b0 + b1) / 2}), precision=F64)
     assert got.stage == "grad sync" and got.param == "norm.weight"
     assert [r for r, _ in got.weights] == [0, 1]
     assert [w for _, w in got.weights] == pytest.approx([1.0, 1.0], abs=1e-9)
@@ -55,7 +61,9 @@ def test_a_grad_wrong_before_the_sync_is_placed_in_backward_first_in_backward_or
     every = _grads({0: {"embed.weight": a0 + 0.1, "router.weight": b0, "experts.weight": c0},
                     1: {"embed.weight": a1, "router.weight": bad, "experts.weight": c1}})
     got = place(step=0, rank=0, every=every, order=["experts.weight", "router.weight", "embed.weight"],
-                failing=["embed.weight", "router.weight"], refs=_refs(full), precision=F64)
+                failing=["embed.weight", "router.weight"], refs=_refs(full),
+                after=_after({"embed.weight": a0 + 0.1 + a1, "router.weight": b0 + bad, "experts.weight": c0 + c1}),
+                precision=F64)
     assert got.stage == "backward" and got.param == "router.weight" and got.ratio > 1e3
 
 
@@ -63,7 +71,8 @@ def test_zero_grads_from_a_detached_exchange_fit_nowhere():
     a0, a1 = _shares(3)
     full = {"q.weight": a0 + a1}
     every = _grads({0: {"q.weight": torch.zeros_like(a0)}, 1: {"q.weight": torch.zeros_like(a1)}})
-    got = place(step=0, rank=0, every=every, order=["q.weight"], failing=["q.weight"], refs=_refs(full), precision=F64)
+    got = place(step=0, rank=0, every=every, order=["q.weight"], failing=["q.weight"], refs=_refs(full),
+                after=_after({"q.weight": torch.zeros_like(a0)}), precision=F64)
     assert got.stage == "backward"
 
 
@@ -71,19 +80,22 @@ def test_what_cannot_be_judged_is_unknown_not_a_guess():
     # 4 elements over 2 holders: two weights fit most 4-element targets, so nothing is learnt
     a0, a1 = _shares(4, shape=(4,))
     every = _grads({0: {"b": a0}, 1: {"b": a1}})
-    got = place(step=0, rank=0, every=every, order=["b"], failing=["b"], refs=_refs({"b": a0 * 3 - a1}), precision=F64)
+    got = place(step=0, rank=0, every=every, order=["b"], failing=["b"], refs=_refs({"b": a0 * 3 - a1}),
+                after=_after({"b": a0 + a1}), precision=F64)
     assert got.stage == "unknown" and "could not place" in got.describe()
     # no grad after backward on a holder (a ZeRO stage that frees it): unknown, named
     w0, w1 = _shares(5)
     every = _grads({0: {"w": w0}}) + [PreSyncGrad(rank=1, name="w", piece="whole", grad=None)]
-    got = place(step=0, rank=0, every=every, order=["w"], failing=["w"], refs=_refs({"w": w0 + w1}), precision=F64)
+    got = place(step=0, rank=0, every=every, order=["w"], failing=["w"], refs=_refs({"w": w0 + w1}),
+                after=_after({"w": w0}), precision=F64)
     assert got.stage == "unknown" and "w (no grad after backward" in got.note
     # a reference grad of rounding only (a key bias's: zero in exact arithmetic) says nothing
     # (the float32 reference's is its own rounding noise, far above the float64 one's)
     tiny = torch.full((8, 6), 1e-18, dtype=torch.float64)
     refs = RefPieces(r64=tiny, lp=tiny + 1e-9 * w0, alt=None)
     every = _grads({0: {"k.bias": w0}, 1: {"k.bias": w1}})
-    got = place(step=0, rank=0, every=every, order=["k.bias"], failing=["k.bias"], refs=lambda n: refs, precision=F64)
+    got = place(step=0, rank=0, every=every, order=["k.bias"], failing=["k.bias"], refs=lambda n: refs,
+                after=_after({"k.bias": w0 + w1}), precision=F64)
     assert got.stage == "unknown"
 
 
@@ -94,7 +106,8 @@ def test_no_grad_on_any_holder_where_others_have_one_is_backward():
     every = _grads({0: {"mlp.weight": a0}, 1: {"mlp.weight": a1}}) + [
         PreSyncGrad(rank=r, name="q.weight", piece="whole", grad=None) for r in (0, 1)]
     got = place(step=0, rank=0, every=every, order=["mlp.weight", "q.weight"], failing=["q.weight"],
-                refs=_refs({"mlp.weight": a0 + a1, "q.weight": b0 + b1}), precision=F64)
+                refs=_refs({"mlp.weight": a0 + a1, "q.weight": b0 + b1}),
+                after=_after({"mlp.weight": a0 + a1, "q.weight": None}), precision=F64)
     assert got.stage == "backward" and got.param == "q.weight" and "no grad reached q.weight" in got.describe()
 
 
@@ -169,7 +182,8 @@ def test_a_param_right_after_the_sync_that_fits_nowhere_before_it_makes_the_plac
     full = {"pos.weight": a0 + a1 + 1.0, "norm.weight": b0 + b1}
     every = _grads({0: {"pos.weight": a0, "norm.weight": b0 * 2}, 1: {"pos.weight": a1, "norm.weight": b1}})
     got = place(step=0, rank=0, every=every, order=["norm.weight", "pos.weight"], failing=["norm.weight"],
-                refs=_refs(full), precision=F64)
+                refs=_refs(full), after=_after({"norm.weight": b0 * 2 + b1, "pos.weight": full["pos.weight"]}),
+                precision=F64)
     assert got.stage == "unknown" and got.note.startswith("pos.weight's grads before the sync"), got
 
 
@@ -194,7 +208,8 @@ def test_identical_holders_fit_megatrons_position_embedding_at_dp_2_x_tp_2():
     a, b = _shares(10, shape=(16, 32))
     full = {"pos.weight": (a + b) / 2}
     every = _grads({0: {"pos.weight": a}, 1: {"pos.weight": a}, 2: {"pos.weight": b}, 3: {"pos.weight": b}})
+    # the sync never averaged over DP: rank 0 keeps its replica's grad
     got = place(step=0, rank=0, every=every, order=["pos.weight"], failing=["pos.weight"], refs=_refs(full),
-                precision=F64)
+                after=_after({"pos.weight": a}), precision=F64)
     assert got.stage == "grad sync", got.describe()
     assert sum(w for _, w in got.weights) == pytest.approx(1.0)

@@ -52,7 +52,8 @@ class BeforeSync:
 
     def place(self, step: int, refs: dict[str, RefResult], failing: list[str] | None,
               started: list[str]) -> Placement | None:
-        """A collective every rank calls every step of a traced run with a backward. `failing`:
+        """A collective every rank calls every step of a traced run with a backward, after the grad
+        check and before the optimizer step (the declared grads are the sync's result). `failing`:
         this rank's failing param grads at this step where its first failure is one, else None;
         `started`: the modules in the order their forward started (the trace's). None where no
         rank has a param-grad failure to place, or on a rank that has none."""
@@ -82,9 +83,14 @@ class BeforeSync:
         def when(p: LocalParam) -> int:
             return -at.get(p.local_name.rpartition(".")[0][len(self.prefix):], -1)
 
+        def after(name: str) -> torch.Tensor | None:
+            # called before the optimizer step: the declared grads are still the sync's result
+            g = declared_grad(mine[name].param, self.built.sharded.grad_attr)
+            return None if g is None else g.detach().to("cpu", torch.float64).reshape(mine[name].param.shape)
+
         order = [p.spec.ref_name for p in sorted(self.params, key=when)]
         return place(step=step, rank=self.ctx.rank, every=every, order=order, failing=failing, refs=pieces,
-                     precision=precision_of(self.built.config.torch_dtype))
+                     after=after, precision=precision_of(self.built.config.torch_dtype))
 
     def _any_rank(self, flag: bool) -> bool:
         """Whether any rank says `flag`: the engine's bookkeeping collective, outside the comm

@@ -13,10 +13,15 @@ only the sync is wrong (whatever weights the right sync would use), and it canno
 where a holder's grad is already wrong in shape (a wrong router count, a detached all-to-all's
 zeros), since then no weights reproduce the reference. So:
 
-- every informative piece fits within its bound: backward is right, the error enters in the
-  grad sync (the fitted weights say what the sync should have done);
+- every informative piece fits within its bound, and a failing param's grad after the sync is
+  beyond its bound from that fit: backward is right and the sync moved the grad where it should
+  not have, so the error enters in the grad sync (the fitted weights say what it should have done);
 - some piece fits nowhere: the error enters before the sync; the first such param in backward
   order (its module last to start in forward) is named;
+- every piece fits and every failing param's grad after the sync is within its bound of its fit:
+  the sync added nothing the dtype resolves, yet the grads are as wrong before it as after (a
+  bfloat16 loss error below the loss's resolution shows first in the grads: megatron's label
+  smoothing over the local vocab shard). Neither stage is shown: UNKNOWN, with those numbers;
 - no piece can be judged (DTensor grads, which the framework syncs inside backward; pieces with
   no more elements than a few times their holders, where any weights fit): UNKNOWN, never a guess.
 """
@@ -59,11 +64,16 @@ class Placement:
     'backward' (one does not), or 'unknown' (none could be judged: `note` says why)."""
     param: str = ""
     """For 'backward', the first param (backward order) whose pre-sync grads fit nowhere; for
-    'grad sync', the first failing param, with the weights that would have fit it."""
+    'grad sync', the first failing param the sync moved beyond its bound from its fit, with the
+    weights of that fit; for 'unknown' where every failing param fit and none was moved so, the
+    first of them (`note` has its numbers)."""
     ratio: float = 0.0
     """For 'backward': the best fit's max |error| / allowed."""
     weights: tuple[tuple[int, float], ...] = ()
     """For 'grad sync': (rank, weight) of the fit of `param`'s piece on this rank."""
+    moved: float = 0.0
+    """For 'grad sync': how far the sync's result lies from that fit, in units of the grad's bound
+    (above 1: the sync, not backward, put the error there)."""
     note: str = ""
 
     def describe(self) -> str:
@@ -75,10 +85,14 @@ class Placement:
                     f"reference's with no weights ({self.ratio:.3g}x its bound at the best fit): the error enters "
                     f"in backward (or a forward value only backward reads)")
         if self.stage == "grad sync":
-            fit = " + ".join(f"rank {r}'s x {w:.4g}" for r, w in self.weights)
             return (f"before the sync every param's grads, combined over the ranks holding its piece, are the "
-                    f"reference's (backward is right): {self.param}'s = {fit}")
+                    f"reference's (backward is right): {self.param}'s = {_weights(self.weights)}, and the sync's "
+                    f"result is {self.moved:.3g}x its bound away from that")
         return f"the grads before the sync could not place it: {self.note}"
+
+
+def _weights(weights: tuple[tuple[int, float], ...]) -> str:
+    return " + ".join(f"rank {r}'s x {w:.4g}" for r, w in weights)
 
 
 def _informative(want: RefPieces) -> bool:
@@ -112,17 +126,29 @@ def fit(grads: list[torch.Tensor], want: torch.Tensor) -> tuple[torch.Tensor, tu
     return (cols @ w).reshape(want.shape).to(want.device), tuple(float(x) for x in w.view(-1))
 
 
+@dataclass(frozen=True)
+class _Fit:
+    weights: tuple[tuple[int, float], ...]
+    got: torch.Tensor
+    """The fitted combination of the holders' pre-sync grads."""
+    ratio: float
+    """Its max |error| / allowed."""
+    holders: int
+
+
 def place(*, step: int, rank: int, every: list[PreSyncGrad], order: list[str], failing: list[str],
-          refs: Callable[[str], RefPieces | None], precision: Precision) -> Placement:
+          refs: Callable[[str], RefPieces | None], after: Callable[[str], torch.Tensor | None],
+          precision: Precision) -> Placement:
     """`every`: all ranks' pre-sync grads (`gather`); `order`: this rank's reference param names in
     backward order; `failing`: the params whose grad failed after the sync, first failure first;
-    `refs(name)`: this rank's piece of every reference's grad of `name` (None: no piece here)."""
+    `refs(name)`: this rank's piece of every reference's grad of `name` (None: no piece here);
+    `after(name)`: this rank's grad of `name` after the sync, in its piece's shape (None: no grad)."""
     mine = {g.name: g for g in every if g.rank == rank}
     # a param no grad reached on any rank holding it is evidence only where backward does leave
     # grads in the declared attribute (ZeRO's partitioned grads leave none anywhere)
     leaves_grads = any(g.grad is not None for g in every)
     judged, skipped = 0, []
-    fits: dict[str, tuple[tuple[int, float], ...]] = {}
+    fits: dict[str, _Fit] = {}
     wrong: list[Placement] = []
     """Pieces that fit nowhere, in backward order."""
     for name in order:
@@ -148,7 +174,8 @@ def place(*, step: int, rank: int, every: list[PreSyncGrad], order: list[str], f
         if not chk.ok:
             wrong.append(Placement(stage="backward", param=name, ratio=chk.ratio))
             continue
-        fits[name] = tuple(zip((g.rank for g in holders), weights, strict=True))
+        fits[name] = _Fit(weights=tuple(zip((g.rank for g in holders), weights, strict=True)), got=got,
+                          ratio=chk.ratio, holders=len(holders))
     # the test calibrates itself: a param that is right after the sync must fit before it. One
     # that does not (megatron's position embedding at DP 2 x TP 2, in a correct run) says these
     # grads are not what this framework's sync combines, and nothing is placed by them
@@ -164,8 +191,56 @@ def place(*, step: int, rank: int, every: list[PreSyncGrad], order: list[str], f
         why = "; ".join(skipped) or ("no param piece could be judged (each has under 4 elements per rank holding it, "
                                       "a reference grad of rounding only, or DTensor grads)")
         return Placement(stage="unknown", note=why)
-    shown = next((n for n in failing if n in fits), "")
+    shown = [n for n in failing if n in fits]
     if not shown:
         return Placement(stage="unknown", note=f"the params that failed after the sync ({', '.join(failing[:3])}) "
                                                 "have no piece that could be judged before it")
-    return Placement(stage="grad sync", param=shown, weights=fits[shown])
+    # a fit within its bound only says backward's grads are not shown wrong: the sync is shown
+    # wrong only where it moved a grad beyond that bound from the fit. A right sync stays within
+    # it whatever the grads were, so an error already in them (below what the fit's bound
+    # resolves) must not be read as the sync's
+    moves = []
+    for name in shown:
+        want = refs(name)
+        assert want is not None, "a fitted param has its reference piece"
+        move = _moved(name, fits[name], after(name), want, step=step, rank=rank, precision=precision)
+        if move.ratio > 1.0:
+            return Placement(stage="grad sync", param=name, weights=fits[name].weights, moved=move.ratio)
+        moves.append((name, want, move))
+    name, want, move = moves[0]
+    return Placement(stage="unknown", param=name, note=_not_shown(name, fits[name], move, want, precision))
+
+
+@dataclass(frozen=True)
+class _Move:
+    after: torch.Tensor
+    """The grad after the sync, float64 in the fit's shape (zeros where the sync left none)."""
+    ratio: float
+    """max |after - fit| / the grad's allowed error."""
+    size: float
+    """max |after - fit|."""
+
+
+def _moved(name: str, fitted: _Fit, got: torch.Tensor | None, want: RefPieces, *, step: int, rank: int,
+           precision: Precision) -> _Move:
+    """How far the sync's result lies from the fit, judged as an error on the reference with the
+    grad's own bound (no grad after the sync: the sync dropped it all)."""
+    after = torch.zeros_like(fitted.got) if got is None else got.detach().to(fitted.got.device, torch.float64)
+    if after.numel() != fitted.got.numel():
+        return _Move(after=fitted.got, ratio=float("inf"), size=float("inf"))  # the sync changed its shape
+    after = after.reshape(fitted.got.shape)
+    chk = check_tensor(kind="grad", name=name, step=step, rank=rank, got=want.r64 + (after - fitted.got),
+                       refs=want, precision=precision, summed_over=fitted.holders)
+    return _Move(after=after, ratio=chk.ratio, size=chk.max_abs)
+
+
+def _not_shown(name: str, fitted: _Fit, move: _Move, want: RefPieces, precision: Precision) -> str:
+    """Why neither the sync nor backward is named: the numbers that show neither."""
+    ref = want.r64.to(torch.float64)
+    before, after = float((fitted.got - ref).norm()), float((move.after - ref).norm())
+    dtype = str(precision.dtype).removeprefix("torch.")
+    return (f"{name}'s grads before the sync, at their best fit ({_weights(fitted.weights)}), are already off the "
+            f"reference by an error norm of {before:.3g} ({fitted.ratio:.3g}x its bound at the worst element), and "
+            f"by {after:.3g} after it; the sync's result is within {move.ratio:.3g}x that bound of the fit (at most "
+            f"{move.size:.3g} off it): within what {dtype} resolves, the sync added no error and the fit shows none "
+            f"entering in backward")
