@@ -73,12 +73,14 @@ def test_setup_runs_once_per_process_outside_the_jobs_timeout(tmp_path, monkeypa
     assert len(pids) == len(set(pids)) == 4, pids
 
 
-def test_a_failing_setup_is_a_setup_error_exit_2(tmp_path):
+def test_a_failing_setup_is_the_verdict_error_exit_3(tmp_path):
+    # Case.setup raising: the check could not run, which is no verdict on the code (not a FAIL)
     out = subprocess.run([sys.executable, "-m", "sp_harness.cli", "check", "--case", f"{CASES}:SETUP_FAILS",
                           "--world-size", "2"], capture_output=True, text=True, timeout=600, cwd=tmp_path)
-    assert out.returncode == 2, out.stderr
-    lines = [line for line in out.stderr.splitlines() if line.startswith("sp-harness: error:")]
-    assert len(lines) == 1 and "SETUP_FAILS" in lines[0] and "setup" in lines[0], out.stderr
+    assert out.returncode == 3, out.stdout + out.stderr
+    lines = [line for line in out.stdout.splitlines() if line.startswith("ERROR: ")]
+    assert len(lines) == 1 and "SETUP_FAILS" in lines[0] and "setup" in lines[0], out.stdout
+    assert not [line for line in out.stdout.splitlines() if line.startswith("FAIL")], out.stdout
 
 
 def _alive(pid: int) -> bool:

@@ -39,7 +39,12 @@ ENGINE_DEFAULTS: dict[str, object] = dict(batch=2, norm="layernorm", layout="bsh
                                          load_balancer="none", ring_degree=1, prompt_len=0, forward_only=False)
 """What a field left as None becomes when the case sets no default of its own (`Case.resolve`);
 the job timeout is `default_timeout_s()`."""
-DEFAULT_TIMEOUT_S = 30.0
+DEFAULT_TIMEOUT_S = 3600.0
+"""The hard cap on a job nobody gave a timeout: a backstop, not how a hang is found. The pool ends
+a hung job's wait within seconds (no progress) or at the cap its first step sets
+(sp_harness.launch.activity.Liveness); this bounds only a job that computes forever before its
+first step or never reports one. A flat 30 s once timed out a correct megatron-gpt-sp at hidden
+512, seq 1024 (41 s); bench's realistic rows take up to 384 s on 2 cores and use this hour too."""
 _session_timeout_s: float | None = None
 
 
@@ -100,8 +105,10 @@ class RunFields:
     optimizer: Optimizer | None = None
     """The optimizer. None: the case's default."""
     timeout_s: float | None = knob(name="--timeout", positive=True)
-    """Seconds a job may run before it counts as hung; the error names case, config and rank.
-    None: $SP_HARNESS_TIMEOUT, else 30."""
+    """Seconds a job may run at most, a hard cap; the error names case, config and rank. Below it a
+    job whose ranks make no progress for 10 s (asleep, or blocked in a collective their peers
+    never enter), or that runs past 10 x its steps at its first step's pace (at least 120 s),
+    ends sooner, saying which. None: $SP_HARNESS_TIMEOUT, else 3600."""
 
     def run_values(self) -> dict[str, typing.Any]:
         """This object's values of the shared fields: what a convergence run hands its check

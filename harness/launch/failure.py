@@ -178,8 +178,12 @@ def process_ended(rank: int, returncode: int | None, *, stack: str = "", log_tai
 class RankFailure(Exception):
     """A job failed on one or more ranks: raised, timed out, or the rank process died."""
 
-    def __init__(self, label: str, errors: Iterable[RankError], timeout_s: float | None = None):
+    def __init__(self, label: str, errors: Iterable[RankError], timeout_s: float | None = None, rule: str = ""):
+        """`rule`: for a hang the pool judged before the timeout (sp_harness.launch.activity.Liveness),
+        which rule fired and what it saw; it leads the message, and `timeout_s` is then the job's
+        time so far."""
         self.label = label
+        self.rule = rule
         # stable: within a kind, the order the caller saw them in (the first to fail first)
         # the first to fail first: by kind (a dead rank explains its peers' errors), then by the
         # time each failed (a raise before the peer's 'connection reset' it causes)
@@ -191,7 +195,7 @@ class RankFailure(Exception):
         super().__init__(self.describe())
 
     def __reduce__(self):
-        return (type(self), (self.label, self.errors, self.timeout_s))
+        return (type(self), (self.label, self.errors, self.timeout_s, self.rule))
 
     @property
     def kind(self) -> ErrorKind:
@@ -243,6 +247,8 @@ class RankFailure(Exception):
                     + "; ".join(f"rank {e.rank} {e.desync_where()}" for e in ranks))
         if self.kind == "timeout":
             what = f"timed out after {self.timeout_s:g}s; rank(s) {_join(self.culprits)} did not finish"
+            if self.rule:
+                what = f"{self.rule}: {what}"
             what += self.errors[0].setting_up()
             waiting = [r for r in self.ranks if r not in self.culprits]
             if waiting:

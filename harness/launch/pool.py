@@ -7,10 +7,13 @@ production (it runs over the whole world), which a pool carved into subgroups co
 
 Rendezvous uses a TCPStore hosted by the driver on an OS-chosen port, so pools in concurrent
 pytest-xdist workers never collide; start-up has its own budget (sp_harness.launch.rank_start).
-Each job has a timeout; a rank that raises, hangs, exits or is killed by a signal becomes a
-`RankFailure` (sp_harness.launch.failure) naming the job label (case and config), each failing
-rank, what happened to it and its traceback or Python stack (sp_harness.launch.rank_probe), and
-the pool is torn down and rebuilt on next use. A desync (ranks whose collectives cannot pair up)
+Each job has a timeout, a hard cap; a rank that raises, hangs, exits or is killed by a signal
+becomes a `RankFailure` (sp_harness.launch.failure) naming the job label (case and config), each
+failing rank, what happened to it and its traceback or Python stack (sp_harness.launch.rank_probe),
+and the pool is torn down and rebuilt on next use. A job is hung when its ranks make no progress,
+not when it is slow: its wait ends (a `RankFailure` whose `rule` says which rule fired) once no rank
+has moved for seconds, or past a cap its own first step sets (sp_harness.launch.activity.Liveness),
+well before a generous timeout. A desync (ranks whose collectives cannot pair up)
 is found while the job runs (sp_harness.launch.replies), within seconds rather than at the
 timeout. On Linux each rank is forked from a fork server that has imported torch once
 (sp_harness.launch.zygote: milliseconds, where a fresh interpreter took seconds);
@@ -37,8 +40,10 @@ from multiprocessing.connection import Listener
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from sp_harness.launch import zygote_registry
+from sp_harness.launch.activity import Liveness
 from sp_harness.launch.case_setup import SETUP_TIMEOUT_S
-from sp_harness.launch.failure import RankFailure, SetupError
+from sp_harness.launch.desync import DesyncWatch
+from sp_harness.launch.failure import RankError, RankFailure, SetupError
 from sp_harness.launch.rank_probe import RankProbe, rank_path
 from sp_harness.launch.rank_start import await_ready, connect, import_path, spawn_rank
 from sp_harness.launch.replies import collect
@@ -52,6 +57,34 @@ if TYPE_CHECKING:
 
 P = TypeVar("P")
 R = TypeVar("R")
+
+
+def _hang(label: str, hung: list[RankError], live: Liveness, watch: DesyncWatch) -> RankFailure:
+    """The hang of ranks `hung`, still pending when `live` ended the wait: its rule leads the message."""
+    elapsed = round(live.fired_at - live.start, 1)
+    if live.fired == "cap":
+        return RankFailure(label, hung, elapsed, rule=live.cap_text())
+    hung = [dataclasses.replace(e, detail=_idle_where(e, watch)) if e.kind == "timeout" else e for e in hung]
+    # the culprits (asleep elsewhere) first, then the ranks blocked waiting for them
+    said = "; ".join(f"rank {e.rank} {e.detail}" for e in sorted(hung, key=lambda e: e.blocked_in_collective))
+    return RankFailure(label, hung, elapsed, rule=f"no progress for {live.quiet_s:.0f} s ({said})")
+
+
+def _idle_where(error: RankError, watch: DesyncWatch) -> str:
+    """Where an idle rank is: outside any collective, or blocked in one; in its last announced
+    one where a peer of that group never announced it (announcements precede the issue, so that
+    peer never entered it), else in one the announcements do not show."""
+    if not error.traceback:
+        return "asleep (no stack available)"
+    where = "asleep outside any collective" if not error.blocked_in_collective else "blocked in a collective"
+    last = watch.last(error.rank)
+    if error.blocked_in_collective and last is not None and last.group:
+        members = watch.sequences.get(last.group, {})
+        behind = [r for r in last.group if r != error.rank and len(members.get(r, ())) <= last.group_index]
+        if behind:
+            where = (f"blocked in {last.kind} #{last.group_index} on ranks {','.join(map(str, last.group))}, "
+                     f"which rank(s) {', '.join(map(str, behind))} never entered")
+    return where
 
 
 class RankPool:
@@ -156,7 +189,7 @@ class RankPool:
                 progress(f"started {self.world_size} ranks in {self.start_s:.1f}s")
         if setup is not None and setup not in self.set_up:
             self._run_setup(setup, label, progress)
-        return self._run(fn, payload, timeout_s=timeout_s, label=label, progress=progress)
+        return self._run(fn, payload, timeout_s=timeout_s, label=label, progress=progress, judge_progress=True)
 
     def _run_setup(self, case: str, label: str, progress: Callable[[str], None] | None) -> None:
         if progress:
@@ -168,13 +201,18 @@ class RankPool:
         self.set_up.add(case)
 
     def _run(self, fn: Callable[[P], R], payload: P, *, timeout_s: float, label: str,
-             progress: Callable[[str], None] | None = None) -> list[R]:
+             progress: Callable[[str], None] | None = None, judge_progress: bool = False) -> list[R]:
+        """`judge_progress`: the wait also ends when the ranks make no progress or run past the
+        cap their first step sets (a job's own). Start-up and a case's setup keep their flat
+        budgets: neither is the code under test, and a setup may wait without using the CPU (on
+        a download, another process's lock)."""
         fn_ref = job_ref(fn)
         self._job_id += 1
         for conn in self._conns:
             conn.send(Job(job_id=self._job_id, fn_ref=fn_ref, payload=payload))
         probes = self._probes()
-        got = collect(self._conns, probes, job_id=self._job_id, timeout_s=timeout_s, progress=progress)
+        live = Liveness(start=time.monotonic(), timeout_s=timeout_s) if judge_progress else None
+        got = collect(self._conns, probes, job_id=self._job_id, timeout_s=timeout_s, progress=progress, live=live)
         if got.desync:
             # the desynced ranks are blocked or about to fail: say where they are, then rebuild
             found = [dataclasses.replace(e, traceback=probes[e.rank].stack_now()) if e.rank in got.pending else e
@@ -192,6 +230,8 @@ class RankPool:
             self.close()  # the process group's state is unknown: rebuild on next use
         if got.errors:
             raise RankFailure(label, got.errors)
+        if live is not None and live.fired:
+            raise _hang(label, hung, live, got.watch)
         raise RankFailure(label, hung, timeout_s)
 
     def _healthy(self) -> bool:

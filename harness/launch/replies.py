@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from multiprocessing.connection import wait as wait_conns
 from typing import Any
 
-from sp_harness.launch.activity import stopped
+from sp_harness.launch.activity import Liveness, stopped
 from sp_harness.launch.desync import DesyncWatch
 from sp_harness.launch.failure import RankError, raised, stack_frames, waiting_in_collective
 from sp_harness.launch.rank_probe import RankProbe
@@ -44,6 +44,9 @@ class Replies:
     """In the order they came."""
     phases: dict[int, str] = field(default_factory=dict)
     """Rank -> the last phase it announced (sp_harness.launch.announce.phase)."""
+    live: Liveness | None = None
+    """Whether the pending ranks are moving, for a wait that ends when they are not (a job's own;
+    None: start-up's and setup's, on their flat budgets)."""
 
     @property
     def desync(self) -> list[RankError]:
@@ -63,10 +66,11 @@ def interrupt_pending(exc: BaseException | None) -> None:
 
 
 def collect(conns: list[Any], probes: list[RankProbe], *, job_id: int, timeout_s: float,
-            progress: Callable[[str], None] | None) -> Replies:
+            progress: Callable[[str], None] | None, live: Liveness | None = None) -> Replies:
     """Replies to job `job_id` from the ranks on `conns`, the ranks that did not answer in time (or
-    within the grace period after an error), or a desync found in the collectives they announced."""
-    got = Replies(pending=dict(enumerate(conns)), watch=DesyncWatch(stall_s=_STALL_S))
+    within the grace period after an error), or a desync found in the collectives they announced.
+    With `live`, also the ranks pending when it stopped the wait (`live.fired` says why)."""
+    got = Replies(pending=dict(enumerate(conns)), watch=DesyncWatch(stall_s=_STALL_S), live=live)
     now = time.monotonic()
     deadline = now + timeout_s
     for rank in range(len(conns)):
@@ -90,6 +94,9 @@ def collect(conns: list[Any], probes: list[RankProbe], *, job_id: int, timeout_s
                                  {r: stack_frames(stack) for r, stack in stacks.items()})
             else:
                 got.watch.probed(pending, set())
+        if live is not None and pending and not got.watch.found and live.stop(
+                now, {r: probes[r].proc.pid for r in pending}):
+            break
         if now >= deadline:
             break
     return got
@@ -107,13 +114,18 @@ def _receive(probe: RankProbe, got: Replies, job_id: int, progress: Callable[[st
         last = got.watch.last(rank)
         got.errors.append(dataclasses.replace(ended, collective=last) if last is not None else ended)
         return
-    got.watch.heard(rank, time.monotonic())
+    now = time.monotonic()
+    got.watch.heard(rank, now)
+    if got.live is not None:
+        got.live.heard(now)
     current = getattr(msg, "job_id", None) == job_id
     if isinstance(msg, CollectiveIssued) and current:
         got.watch.collective(rank, msg.collective)
     elif isinstance(msg, PhaseEntered) and current:
         got.phases[rank] = msg.phase
     elif isinstance(msg, Progress) and current:
+        if got.live is not None:
+            got.live.progress(now, msg.done, msg.total)
         if progress and rank == 0:  # ranks go in lockstep: one line per step is enough
             progress(f"{msg.what} {msg.done}/{msg.total}")
     elif isinstance(msg, JobDone) and current:
