@@ -52,7 +52,10 @@ def test_the_trainers_own_step_passes(sp_check, case, fields):
     # every stage was judged: the reported loss, the grads, the norm (composition and total), the update
     assert {"loss", "grad", "grad_norm", "param"} <= set(res.worst), set(res.worst)
     if fields["optimizer"] == "sgd":
-        assert "clip" in res.worst, set(res.worst)
+        # a bfloat16 param rounds away an SGD update of lr x coefficient x grad: the coefficient
+        # is listed not judged there (its bound would pass a coefficient of 0), judged elsewhere
+        withheld = any(c.kind == "clip" for c in res.vacuous)
+        assert withheld == (fields["dtype"] == "bfloat16") != ("clip" in res.worst), format_result(res)
 
 
 @pytest.mark.exhaustive("the fast tier runs Llama at float32 and bfloat16, DP 2 and 4, SGD and AdamW")

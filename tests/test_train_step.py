@@ -40,7 +40,10 @@ def test_built_in_steps_pass(sp_pool, case, fields):
     judged = set(res.worst)
     assert {"loss", "grad", "grad_norm", "param"} <= judged, judged
     if fields.get("clip_grad_norm") and fields["optimizer"] == "sgd":
-        assert "clip" in judged
+        # a bfloat16 param rounds away an SGD update of lr x coefficient x grad: the coefficient
+        # is listed not judged there (its bound would pass a coefficient of 0), judged elsewhere
+        withheld = any(c.kind == "clip" for c in res.vacuous)
+        assert withheld == (fields.get("dtype") == "bfloat16") != ("clip" in judged), format_result(res)
 
 
 @given(data=st.data())

@@ -119,3 +119,15 @@ def test_a_preload_broken_at_import_is_the_cases_unsupported(monkeypatch):
     with pytest.raises(Unsupported, match=rf"needs {module}, whose import fails here \(RuntimeError: "
                                           rf"{module}'s import raised\) \(pip install 'sp-harness\[megatron\]'\)"):
         load_preload([module])
+
+
+def test_a_factor_near_one_is_not_offered_as_an_explanation():
+    from sp_harness.checks.train_step_rank import UNIFORM_FIT, uniform_factor
+
+    def sums(factor, noise=0.0):  # got = factor * want + noise (orthogonal), |want| = 1
+        return factor, 1.0, factor * factor + noise * noise
+
+    assert uniform_factor(*sums(0.5)) == 0.5 and uniform_factor(*sums(2.0, noise=0.01)) == 2.0
+    assert uniform_factor(*sums(1.0 + UNIFORM_FIT / 2)) is None  # within the fit's tolerance of 1
+    assert uniform_factor(*sums(1.0, noise=0.001)) is None
+    assert uniform_factor(*sums(0.5, noise=0.5)) is None  # no one factor fits

@@ -18,11 +18,19 @@ arithmetic: docs/tolerance.md, "The training-step check's bounds"):
                    min(1, max_norm / (norm + 1e-6)) of its own grads
 5. param           its update vs the float64 step from its own grads, clipped by that coefficient
 
-Stages 3-5 start from the run's own grads, so a wrong grad fails at stage 2 alone.
+Stages 3-5 start from the run's own grads, so a wrong grad fails at stage 2 alone. A figure whose
+bound cannot tell it from the wrong value its stage exists to catch (a share from 0, a clip
+coefficient from either end of [0, 1]) is not judged and the result says so, never "ok".
+
+Every collective the engine adds here runs on every rank, whatever that rank's own verdict or
+data: a rank's grads may fail alone (at DP 1 the rank holding no valid token is the only one a
+missing sequence-group sync leaves wrong), and a DTensor grad one rank's step left None still
+takes part in its gather (`_whole`).
 """
 
 from __future__ import annotations
 
+import math
 import time
 
 import torch
@@ -30,25 +38,44 @@ import torch.distributed as dist
 
 from sp_harness.checks.references import KINDS, RefResult
 from sp_harness.checks.side_by_side_rank import _expected_step, _loss_allowance, _SideBySide, drive
-from sp_harness.compare.tensor_check import check_bounded
+from sp_harness.compare.tensor_check import TensorCheck, check_bounded
 from sp_harness.compare.tolerance import eps
+from sp_harness.compare.update_scale import sample as scale_sample
+from sp_harness.compare.update_scale import update_scales
 from sp_harness.config.case import Batch
 from sp_harness.config.check_config import CheckConfig
 from sp_harness.config.rank_context import RankContext
 from sp_harness.config.step_protocol import TrainStep, grad_reader
 from sp_harness.judge.verdict import RankResult, record
 from sp_harness.step.inputs import batch_to, target_layout
-from sp_harness.step.optim_ref import StepReference
+from sp_harness.step.optim_ref import StepReference, member_step, raw_state_of
+from sp_harness.step.params import LocalParam
 from sp_harness.step.shadow import ShadowOptimizer, ShadowStep
 from sp_harness.step.train_batches import concatenated, micro_batch, micro_batches
 
 CLIP_EPS = 1e-6
 """The clip coefficient's guard, min(1, max_norm / (norm + CLIP_EPS)): torch.nn.utils.clip_grad_norm_
 and Megatron's clip_grad_by_total_norm_fp32 both add 1e-6."""
+CLIP_NOT_JUDGED = "clip coefficient not judged: its bound reaches the distance from the coefficient to 1"
+"""The not-run line of a clip coefficient too close to 1 for its bound (once per run)."""
 UNIFORM_FIT = 0.05
 """A failing grad set is reported as one factor times the reference's when that factor explains
 every grad to 5% rms: enough to name "grads x 0.5" under bfloat16's own rounding (0.4% per
 element), too tight for a set of unrelated errors to pass as one."""
+
+
+def uniform_factor(gw: float, ww: float, gg: float) -> float | None:
+    """From <got, want>, <want, want> and <got, got> over every param grad: the one factor that
+    maps the reference's grads onto the run's to UNIFORM_FIT rms, or None where none does. A
+    factor within that tolerance of 1 explains nothing (the grads are the reference's in
+    aggregate; the failure is elsewhere: a missing zero_grad, a local clip norm), so it is None."""
+    if ww == 0 or gg == 0:
+        return None
+    factor = gw / ww
+    residual = max(gg - 2 * factor * gw + factor * factor * ww, 0.0)
+    if residual <= (UNIFORM_FIT ** 2) * gg and abs(factor - 1.0) > UNIFORM_FIT:
+        return factor
+    return None
 
 
 def _scalar(x: float) -> torch.Tensor:
@@ -60,6 +87,50 @@ def _global(t: torch.Tensor) -> torch.Tensor:
     if dist.is_initialized() and dist.get_world_size() > 1:
         dist.all_reduce(t)
     return t
+
+
+def _any_rank(flag: bool) -> bool:
+    """Whether any rank says `flag`: what lets every rank take the same branch into a collective."""
+    return bool(_global(torch.tensor([1.0 if flag else 0.0], dtype=torch.float64)).item())
+
+
+def _whole(p: LocalParam, t: torch.Tensor | None) -> torch.Tensor | None:
+    """`p.full(t)`, None kept, with a DTensor's gather run on every rank whether or not this rank
+    holds `t`: a grad or momentum buffer one rank's step left None would otherwise skip a gather
+    the other ranks wait in. Gathered in float64, whatever the dtype each rank holds (the gathers
+    must match byte for byte), and handed back in `t`'s own dtype (exact both ways)."""
+    if not p.dtensor:
+        return t
+    src = torch.zeros_like(p.param.detach(), dtype=torch.float64) if t is None else t.detach().to(torch.float64)
+    full = p.full(src)
+    return None if t is None else full.to(t.dtype)
+
+
+def _judged(*, kind: str, name: str, step: int, rank: int, got: float, want: float, bound: float,
+            apart: float) -> TensorCheck:
+    """One figure within `bound` of `want`, judged only where the bound is below `apart`, the
+    distance from `want` to the wrong value its stage exists to catch (a share's own size: the
+    param left out of the norm, or counted twice). Otherwise withheld (TensorCheck.vacuous: the
+    result lists it as not judged, with the bound over that distance), as the tolerance model
+    withholds a piece whose bounds would pass a zero tensor; a non-finite figure is still judged."""
+    chk = check_bounded(kind=kind, name=name, step=step, rank=rank, got=_scalar(got), want=_scalar(want),
+                        bound=_scalar(bound))
+    if apart > 0 and bound >= apart and math.isfinite(got):
+        chk.vacuous = bound / apart
+        chk.withheld_ratio, chk.ratio, chk.ok = chk.ratio, 0.0, True
+    return chk
+
+
+def _clip_check(*, step: int, rank: int, got: float, coef: float, bound: float) -> tuple[TensorCheck | None, str]:
+    """The clip coefficient the update applied (`got`) against the intended `coef`: judged where
+    `bound` separates `coef` from both ends of its range, withheld (`_judged`) where a coefficient
+    of 0, an update never applied, would pass; where only 1 (never clipped) would, no check and the
+    not-run line why."""
+    if 1.0 - coef <= bound < coef:
+        return None, (f"{CLIP_NOT_JUDGED} (step {step}: bound {bound:.3g} >= 1 - {coef:.3g}): an update never "
+                      f"clipped would pass it; the update stage still judges the step")
+    return _judged(kind="clip", name="clip coefficient", step=step, rank=rank, got=got, want=coef, bound=bound,
+                   apart=coef), ""
 
 
 class _TrainStepRun(_SideBySide):
@@ -78,13 +149,15 @@ class _TrainStepRun(_SideBySide):
         self.loss_spec = self.case.train_loss
         self.step_opt = train.optimizer
         self.read_grad = grad_reader(train)
-        self.norm_dtype = self.precision.step_dtype
+        # frameworks sum the squares in float32 below float32 (megatron's float32 main grads,
+        # torch's norm kernels' float32 accumulator), the run dtype otherwise
+        self.norm_dtype = self.precision.accumulator
         self.shadow: ShadowOptimizer | None = None
         if self.step_opt is None:
             assert config.optimizer is not None and config.lr is not None, "the check resolves optimizer and lr"
             # master copies and state in float32, as the frameworks keep them (float64 in a float64 run)
-            self.shadow = ShadowOptimizer(optimizer=config.optimizer, lr=config.lr, master_dtype=self.norm_dtype,
-                                          param_dtype=self.dtype)
+            self.shadow = ShadowOptimizer(optimizer=config.optimizer, lr=config.lr,
+                                          master_dtype=self.precision.step_dtype, param_dtype=self.dtype)
 
     def grad_of(self, param: torch.Tensor) -> torch.Tensor | None:
         return super().grad_of(param) if self.read_grad is None else self.read_grad(param)
@@ -111,10 +184,10 @@ class _TrainStepRun(_SideBySide):
         local = torch.zeros(len(names), dtype=torch.float64)
         for p in self.params:
             g = grads[id(p.param)]
+            g = _whole(p, None if g is None else g.detach())
             if g is None:
                 continue
-            g = p.full(g.detach()).to(torch.float64)
-            sq = g.pow(2).sum()
+            sq = g.to(torch.float64).pow(2).sum()
             # a replicated param (or a DTensor's whole tensor) is held by every TP rank: its
             # sum over TP counts it tp times; DP replicas are identical and are divided out
             share = sq / self.ctx.tp if (p.replicated_tp or p.dtensor) else sq
@@ -122,13 +195,20 @@ class _TrainStepRun(_SideBySide):
         return dict(zip(names, _global(local).tolist(), strict=True))
 
     def _norm_bound(self, sq: float, numel: int) -> float:
-        """What a correct norm's square may differ by, in any summation order: `numel` squares
-        summed on a rank, the ranks' sums added, the square root and its square, all in the norm's
-        accumulator (Higham's gamma_m = m u / (1 - m u), u = eps / 2, m = numel + world size + 2),
-        and the result rounded once to the run dtype (squared: 2 eps)."""
+        """What a correct norm's square may differ by, in any summation order, from the float64
+        norm of the same grads: `numel` squares summed on a rank, the ranks' sums added, the
+        square root and its square, all in the norm's accumulator (Higham's gamma_m = m u / (1 - m
+        u), u = eps / 2, m = numel + world size + 2); each of those world size + 2 scalar steps
+        done in the run dtype instead, where it is coarser (torch's norm of bfloat16 grads
+        returns bfloat16, and a DTensor's partial norms are squared, all-reduced and rooted in
+        it: at most 2 u_run on the square each, of which gamma already counted 2 u_acc); and the
+        result rounded to the run dtype (2 eps on the square: the per-param norms, then their
+        total). torchtitan's step at TP 2, bfloat16: a share 1.17% off (3 u_run), where the first
+        and last terms alone allow 1.58%."""
         u = eps(self.norm_dtype) / 2
         m_u = min((numel + self.config.world_size + 2) * u, 0.5)
-        return sq * (m_u / (1 - m_u) + 2 * eps(self.dtype))
+        scalar_steps = (self.config.world_size + 2) * (eps(self.dtype) - eps(self.norm_dtype))
+        return sq * (m_u / (1 - m_u) + scalar_steps + 2 * eps(self.dtype))
 
     def judge_composition(self, step: int, grads: dict[int, torch.Tensor | None], shares: dict[str, float]) -> None:
         """Which params the step's norm counts, and how often: its norm of each param alone
@@ -145,36 +225,34 @@ class _TrainStepRun(_SideBySide):
                         g.detach().copy_(kept if p.spec.ref_name == name else torch.zeros_like(g))
                 norm = self.train.grad_norm()
                 assert norm is not None, "a step whose norm was computable a moment ago"
-                got = float(norm) ** 2
                 want = shares[name]
-                record(self.result, check_bounded(
-                    kind="grad_norm", name=f"{name} in the norm", step=step, rank=self.ctx.rank,
-                    got=_scalar(got), want=_scalar(want),
-                    bound=_scalar(self._norm_bound(want, numel[name]))))
+                # left out (0) or counted twice (2x): either is the share itself away
+                record(self.result, _judged(kind="grad_norm", name=f"{name} in the norm", step=step,
+                                            rank=self.ctx.rank, got=float(norm) ** 2, want=want,
+                                            bound=self._norm_bound(want, numel[name]), apart=want))
         finally:
             for p in self.params:
                 g, kept = grads[id(p.param)], saved[id(p.param)]
                 if g is not None and kept is not None:
                     g.detach().copy_(kept)
 
-    def judge_uniform(self, step: int, refs: dict[str, RefResult]) -> None:
-        """Where grads failed: the factor that best maps the reference's grads onto the run's."""
+    def judge_uniform(self, step: int, refs: dict[str, RefResult], failed: bool) -> None:
+        """Where grads failed on any rank (`failed`: on this one): the factor that best maps the
+        reference's grads onto the run's. Every rank calls it every step: its sums are collectives,
+        and a rank's grads may fail alone."""
+        if not _any_rank(failed):
+            return
         sums = torch.zeros(3, dtype=torch.float64)
         for p in self.params:
             g = self.grad_of(p.param)
+            got = _whole(p, None if g is None else g.detach())
             want = refs["r64"].grads[p.spec.ref_name]
-            if g is None or want is None:
+            if got is None or want is None:
                 continue
-            got, w64, _, _ = p.full_or_piece(g.detach(), want, want, self.ctx)
-            got = got.to(torch.float64)
+            got, w64 = got.to(torch.float64), p.piece_of(want, self.ctx)
             sums += torch.stack([(got * w64).sum(), (w64 * w64).sum(), (got * got).sum()])
         gw, ww, gg = _global(sums).tolist()
-        if ww == 0 or gg == 0:
-            return
-        factor = gw / ww
-        residual = max(gg - 2 * factor * gw + factor * factor * ww, 0.0)
-        if residual <= (UNIFORM_FIT ** 2) * gg:
-            self.result.grad_factor = factor
+        self.result.grad_factor = uniform_factor(gw, ww, gg)
 
     def clip_coefficient(self, norm_sq: float) -> float:
         limit = self.config.clip_grad_norm
@@ -193,28 +271,29 @@ class _TrainStepRun(_SideBySide):
         assert self.config.lr is not None, "the check resolves lr"
         sums = torch.zeros(3, dtype=torch.float64)
         for p in self.params:
-            g = grads[id(p.param)]
-            if g is None:
-                continue
-            # a DTensor's whole tensor (gathered: a collective every rank runs alike) is on every TP
+            # a DTensor's whole tensor (gathered on every rank alike, `_whole`) is on every TP
             # rank, as a replicated param is
             after = p.full(p.param.detach()).to(torch.float64)
+            prev = _whole(p, buffers[id(p.param)])
+            g = _whole(p, grads[id(p.param)])
+            if g is None:
+                continue
             applied = (before[id(p.param)] - after) / self.config.lr
-            prev = buffers[id(p.param)]
             if prev is not None:
-                applied = applied - SGD_MOMENTUM * p.full(prev)
-            g = p.full(g).to(torch.float64)
+                applied = applied - SGD_MOMENTUM * prev
+            g = g.to(torch.float64)
             weight = 1.0 / self.ctx.tp if (p.replicated_tp or p.dtensor) else 1.0
             slack = (g.abs() * bounds[id(p.param)]).sum() / self.config.lr
             sums += weight * torch.stack([(applied * g).sum(), (g * g).sum(), slack])
         ag, gg, slack = _global(sums).tolist()
         if gg == 0:
             return
-        got = ag / gg
-        bound = coef * coef_rel + slack / gg
-        record(self.result, check_bounded(kind="clip", name="clip coefficient", step=step, rank=self.ctx.rank,
-                                          got=_scalar(got), want=_scalar(coef),
-                                          bound=_scalar(bound)))
+        chk, why = _clip_check(step=step, rank=self.ctx.rank, got=ag / gg, coef=coef,
+                               bound=coef * coef_rel + slack / gg)
+        if chk is not None:
+            record(self.result, chk)
+        elif not any(n.startswith(CLIP_NOT_JUDGED) for n in self.result.not_run):
+            self.result.not_run.append(why)
 
     def start_step(self, step: int, gen: torch.Generator, mask_ctx: RankContext) -> tuple[list[Batch], Batch, int]:
         """Step `step`'s micro-batches (masked as `mask_ctx`'s mesh holds them), the global batch they
@@ -247,8 +326,7 @@ class _TrainStepRun(_SideBySide):
                    extra=_loss_allowance(r64, r_lp, r_alt, self.dtype) + summed)
         failures = len(self.result.failures)
         self.judge_grads(step, tokens, refs)
-        if any(f.kind == "grad" for f in self.result.failures[failures:]):
-            self.judge_uniform(step, refs)
+        self.judge_uniform(step, refs, failed=any(f.kind == "grad" for f in self.result.failures[failures:]))
         self.norm_and_update(step)
 
     def norm_and_update(self, step: int) -> None:
@@ -284,10 +362,9 @@ class _TrainStepRun(_SideBySide):
             reported = self.train.step()
         self.compute_s += time.perf_counter() - t0
         got_sq = float(torch.as_tensor(reported, dtype=torch.float64)) ** 2
-        record(self.result, check_bounded(kind="grad_norm", name="reported grad norm (squared)", step=step,
-                                          rank=self.ctx.rank, got=_scalar(got_sq),
-                                          want=_scalar(norm_sq),
-                                          bound=_scalar(self._norm_bound(norm_sq, numel))))
+        record(self.result, _judged(kind="grad_norm", name="reported grad norm (squared)", step=step,
+                                    rank=self.ctx.rank, got=got_sq, want=norm_sq,
+                                    bound=self._norm_bound(norm_sq, numel), apart=norm_sq))
         if clipping and self.config.optimizer == "sgd":
             self.judge_clip(step, before, buffers, own64, coef, coef_rel, bounds)
         self.judge_update(step, expected)
@@ -300,20 +377,50 @@ class _TrainStepRun(_SideBySide):
         before = {id(p.param): p.full(p.param.detach()).to(torch.float64, copy=True) for p in self.params}
         buffers = {id(p.param): _momentum(opt, p.param) for p in self.params}
         self.loop.load_grads()
-        expected = []
+        expected, slacks = [], []
+        # global conditions only: the slack's state and grad gathers run on every rank
+        scaled = coef < 1.0 and self.precision.update_scale
         for p in self.params:
             g = p.param.grad
             if g is None or coef >= 1.0:
                 expected.append(_expected_step(p, opt, self.config, self.dtype))
-                continue
-            kept = g.detach().clone()
-            g.mul_(coef)  # in the grad's dtype, as the step's clipping does
-            expected.append(_expected_step(p, opt, self.config, self.dtype))
-            g.copy_(kept)
-        for ref, p in zip(expected, self.params, strict=True):
+            else:
+                kept = g.detach().clone()
+                g.mul_(coef)  # in the grad's dtype, as the step's clipping does
+                expected.append(_expected_step(p, opt, self.config, self.dtype))
+                g.copy_(kept)
+            slacks.append(self._scale_slack(p, opt, expected[-1], g, coef, coef_rel) if scaled else coef_rel)
+        for ref, p, slack in zip(expected, self.params, slacks, strict=True):
             ref.bound = ref.bound + (ref.param - before[id(p.param)]).abs() * coef_rel
-            ref.scale_slack = coef_rel
+            ref.scale_slack = slack
         return expected, before, buffers
+
+    def _scale_slack(self, p: LocalParam, opt: torch.optim.Optimizer, ref: StepReference,
+                     grad: torch.Tensor | None, coef: float, coef_rel: float) -> float:
+        """How far the update-scale check must let the run's step sit from the member's for a
+        coefficient anywhere in coef (1 +- coef_rel): the unfused member stepped at both ends, and
+        the larger move of its coherent scale from the member's at `coef` (at least coef_rel).
+        Where the final rounding dithers the step that move is coef_rel; where bfloat16 grads put
+        many elements' steps on one rounding boundary (or a few near it carry the weight) a
+        coefficient 0.4% off flips them together: megatron-gpt-sp's correct step at TP 2,
+        bfloat16, SGD, clip 0.01, seed 26 had its tok_emb step 1.62x the exact one (coefficient
+        rounded to bfloat16 first). Each element's rounding is monotone in the coefficient, so a
+        run whose coefficient lies in the interval lands between the ends. A collective for a
+        DTensor (its state, value and grad gathered): every rank calls it for every param."""
+        to_full = (lambda t: t.full_tensor()) if p.dtensor else (lambda t: t)
+        raw = raw_state_of(opt, p.param, to_full)
+        value = p.full(p.param.detach())
+        grad = _whole(p, None if grad is None else grad.detach())
+        if ref.member is None or ref.before is None or grad is None:
+            return coef_rel
+        assert self.config.optimizer is not None and self.config.lr is not None, "the check resolves them"
+        state = {k: scale_sample(v) if isinstance(v, torch.Tensor) and v.dim() else v for k, v in raw.items()}
+        ends = [member_step(optimizer=self.config.optimizer, lr=self.config.lr, param=scale_sample(value),
+                            grad=scale_sample(grad).clone().mul_(coef * f), raw_state=state)
+                for f in (1.0 - coef_rel, 1.0 + coef_rel)]
+        at, *moved = update_scales(before=ref.before, exact=scale_sample(ref.param), gots=[ref.member, *ends],
+                                   dtype=value.dtype)
+        return max(coef_rel, *(abs(m.beta - at.beta) for m in moved))
 
     def expected_from_shadow(self, grads: dict[int, torch.Tensor | None], coef: float,
                              coef_rel: float) -> list[ShadowStep]:
@@ -324,7 +431,7 @@ class _TrainStepRun(_SideBySide):
         for p in self.params:
             g = grads[id(p.param)]
             steps.append(self.shadow.expect(id(p.param), p.full(p.param.detach()),
-                                            None if g is None else p.full(g.detach()),
+                                            _whole(p, None if g is None else g.detach()),
                                             coef=coef, coef_err=coef * coef_rel))
         return steps
 

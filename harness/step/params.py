@@ -103,8 +103,10 @@ class LocalParam:
     def full_or_piece(self, t: torch.Tensor | None, ref64: torch.Tensor, ref_lp: torch.Tensor, ctx: RankContext):
         """(value to judge, matching ref64 piece, ref_lp piece, offset)."""
         if self.dtensor:
-            value = None if t is None else cast("DTensor", t).full_tensor()
-            return value, ref64, ref_lp, ()
+            # the gather is a collective: every rank runs it, a rank without a grad on zeros
+            # (the engine's judging must not desync the ranks where only one rank's grads are off)
+            whole = cast("DTensor", torch.zeros_like(self.param) if t is None else t).full_tensor()
+            return (None if t is None else whole), ref64, ref_lp, ()
         piece64, offset = param_piece(ref64, self.spec, ctx, self.shape)
         piece_lp, _ = param_piece(ref_lp, self.spec, ctx, self.shape)
         return t, piece64, piece_lp, offset

@@ -70,10 +70,10 @@ class Precision:
     and float64's elementwise bound already sees 1e-6 relative (docs/sensitivity.md)."""
 
     step_dtype: torch.dtype
-    """What the training-step check models a framework's step keeping in: the grad norm's sum of
-    squares (its bound's unit roundoff) and, for a step whose optimizer cannot be read, the
-    shadow optimizer's master params and state (sp_harness.step.shadow). The run dtype itself:
-    for bfloat16 a wider bound than the float32 masters and sums frameworks keep would need
+    """What the training-step check models a step whose optimizer cannot be read keeping its
+    master params and state in (the shadow optimizer: sp_harness.step.shadow). The run dtype
+    itself. The grad norm's sum of squares is modelled in `accumulator` (float32 below float32,
+    as frameworks sum it), with the run dtype's roundings of its scalar steps on top
     (docs/tolerance.md, "The training-step check's bounds")."""
 
     @property
