@@ -102,6 +102,8 @@ def test_the_timeout_flags_help_states_the_rules_constants():
 
 
 @linux
+@pytest.mark.exhaustive("10 s of the real window; the fast tier ends the same sleeping rank by the same rule at a "
+                        "1 s window, and asserts its wording: test_a_rank_computing_in_silence_is_not_hung")
 def test_a_rank_asleep_while_stepping_is_named_within_the_window(sp_check):
     # the suite's job timeout (120 s) is far off: only the no-progress rule ends this one soon
     res = sp_check(CheckConfig(case=f"{CASES}:ASLEEP", world_size=2))
@@ -123,7 +125,9 @@ def test_a_rank_computing_in_silence_is_not_hung(sp_check, monkeypatch):
     res = sp_check(CheckConfig(case=f"{CASES}:BURNING", world_size=2, steps=1))
     assert res.verdict == PASS and res.crash_kind == "", res.reason
     res = sp_check(CheckConfig(case=f"{CASES}:ASLEEP", world_size=2, steps=1))
-    assert res.crash_kind == "timeout" and "no progress for" in res.reason, res.reason
+    assert res.verdict == FAIL and res.crash_kind == "timeout" and "no progress for" in res.reason, res.reason
+    assert "rank 1 asleep outside any collective" in res.reason, res.reason
+    assert [(e.rank, e.detail.split(" ")[0]) for e in res.rank_errors] == [(1, "asleep"), (0, "blocked")]
 
 
 @linux

@@ -138,6 +138,8 @@ def test_without_transformers_and_with_megatron_broken_every_other_case_runs(tmp
     _passes(hidden, "megatron-gpt-sp", "--world-size", "2", "--no-compare-comm")
 
 
+@pytest.mark.exhaustive("a second hidden environment; the fast tier hides transformers and breaks megatron, which "
+                        "take the same registry path (listed, UNSUPPORTED naming the extra, no process started)")
 def test_without_deepspeed_its_cases_are_listed_and_unsupported_naming_its_extra(tmp_path):
     # before, a missing framework's cases were not listed at all, and a check of one was an
     # unknown case (exit 2)
