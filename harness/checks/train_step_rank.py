@@ -251,8 +251,9 @@ class _TrainStepRun(_SideBySide):
                 continue
             got, w64 = got.to(torch.float64), p.piece_of(want, self.ctx)
             sums += torch.stack([(got * w64).sum(), (w64 * w64).sum(), (got * got).sum()])
-        gw, ww, gg = _global(sums).tolist()
-        self.result.grad_factor = uniform_factor(gw, ww, gg)
+        factor = uniform_factor(*_global(sums).tolist())
+        if factor is not None:  # a later step's failed fit does not erase an earlier step's factor
+            self.result.grad_factor = factor
 
     def clip_coefficient(self, norm_sq: float) -> float:
         limit = self.config.clip_grad_norm
