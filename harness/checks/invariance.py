@@ -108,9 +108,8 @@ class InvarianceCheck:
         try:
             figures = self.compare_runs(case, ready, runner, f"case {config.case} [{ready.short()}] ({self.name})")
         except SetupError as exc:  # Case.setup: nothing of the step ran
-            cause = exc.__cause__
-            if isinstance(cause, RankFailure) and cause.every_rank_unsupported(ready.world_size):
-                return Outcome(check=self.name, status="n/a", detail=f"case {ready.case} {cause.errors[0].message}")
+            if why := exc.unsupported(ready.world_size):
+                return Outcome(check=self.name, status="n/a", detail=f"case {ready.case} {why}")
             return Outcome(check=self.name, status="error", caught_by="setup", detail=str(exc), repro=ready.repro())
         except RankFailure as exc:
             if all(e.is_unsupported for e in exc.errors):  # the step declared the variant out of reach

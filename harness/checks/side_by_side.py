@@ -49,16 +49,13 @@ def run_job(config: CheckConfig, runner: Runner | None, job: Callable[[CheckConf
         results: list[RankResult] = runner.run(config.world_size, job, config,
                                                timeout_s=config.timeout_s, label=label, case=config.case)
     except SetupError as exc:  # the case's per-process setup (Case.setup): nothing of the code ran
-        cause = exc.__cause__
-        if isinstance(cause, RankFailure) and cause.every_rank_unsupported(config.world_size):
-            # its framework broken at import on every rank (case_setup.load_preload)
-            return CheckResult(config=config, verdict=UNSUPPORTED, wall_s=time.perf_counter() - t0,
-                               reason=f"case {config.case} {cause.errors[0].message}")
+        if why := exc.unsupported(config.world_size):
+            return CheckResult(config=config, verdict=UNSUPPORTED, reason=f"case {config.case} {why}",
+                               wall_s=time.perf_counter() - t0)
+        failure = exc.failure
         return CheckResult(config=config, verdict=ERROR, reason=str(exc),
-                           error=cause.describe() if isinstance(cause, RankFailure) else str(exc),
-                           crash_kind=cause.kind if isinstance(cause, RankFailure) else "",
-                           rank_errors=cause.errors if isinstance(cause, RankFailure) else (),
-                           wall_s=time.perf_counter() - t0)
+                           error=failure.describe() if failure else str(exc), crash_kind=failure.kind if failure else "",
+                           rank_errors=failure.errors if failure else (), wall_s=time.perf_counter() - t0)
     except RankFailure as exc:
         if exc.every_rank_unsupported(config.world_size):
             return CheckResult(config=config, verdict=UNSUPPORTED, reason=exc.errors[0].message or exc.summary_line(),

@@ -399,9 +399,7 @@ def _expected_step(p: LocalParam, opt: torch.optim.Optimizer, config: CheckConfi
     below float32 also the unfused member's step (sp_harness.compare.update_scale)."""
     to_full = (lambda t: t.full_tensor()) if p.dtensor else (lambda t: t)
     value = to_full(p.param.detach())
-    # a DTensor's gather is a collective: run on every rank, on zeros where this rank has no grad
-    grad = to_full(p.param.grad if p.param.grad is not None else torch.zeros_like(p.param)) if p.dtensor else p.param.grad
-    grad = None if p.param.grad is None else grad
+    grad = p.gathered(p.param.grad)  # a gather every rank runs, with or without its grad
     assert config.optimizer is not None and config.lr is not None, "the check resolves optimizer and lr"
     raw = raw_state_of(opt, p.param, to_full)  # a DTensor's state gathered once, for both
     ref = reference_step(optimizer=config.optimizer, lr=config.lr, param=value, grad=grad,

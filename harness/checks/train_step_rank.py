@@ -25,7 +25,7 @@ coefficient from either end of [0, 1]) is not judged and the result says so, nev
 Every collective the engine adds here runs on every rank, whatever that rank's own verdict or
 data: a rank's grads may fail alone (at DP 1 the rank holding no valid token is the only one a
 missing sequence-group sync leaves wrong), and a DTensor grad one rank's step left None still
-takes part in its gather (`_whole`).
+takes part in its gather (`LocalParam.gathered`, in float64: a buffer's dtype may differ by rank).
 """
 
 from __future__ import annotations
@@ -92,18 +92,6 @@ def _global(t: torch.Tensor) -> torch.Tensor:
 def _any_rank(flag: bool) -> bool:
     """Whether any rank says `flag`: what lets every rank take the same branch into a collective."""
     return bool(_global(torch.tensor([1.0 if flag else 0.0], dtype=torch.float64)).item())
-
-
-def _whole(p: LocalParam, t: torch.Tensor | None) -> torch.Tensor | None:
-    """`p.full(t)`, None kept, with a DTensor's gather run on every rank whether or not this rank
-    holds `t`: a grad or momentum buffer one rank's step left None would otherwise skip a gather
-    the other ranks wait in. Gathered in float64, whatever the dtype each rank holds (the gathers
-    must match byte for byte), and handed back in `t`'s own dtype (exact both ways)."""
-    if not p.dtensor:
-        return t
-    src = torch.zeros_like(p.param.detach(), dtype=torch.float64) if t is None else t.detach().to(torch.float64)
-    full = p.full(src)
-    return None if t is None else full.to(t.dtype)
 
 
 def _judged(*, kind: str, name: str, step: int, rank: int, got: float, want: float, bound: float,
@@ -184,7 +172,7 @@ class _TrainStepRun(_SideBySide):
         local = torch.zeros(len(names), dtype=torch.float64)
         for p in self.params:
             g = grads[id(p.param)]
-            g = _whole(p, None if g is None else g.detach())
+            g = p.gathered(g, via=torch.float64)
             if g is None:
                 continue
             sq = g.to(torch.float64).pow(2).sum()
@@ -245,7 +233,7 @@ class _TrainStepRun(_SideBySide):
         sums = torch.zeros(3, dtype=torch.float64)
         for p in self.params:
             g = self.grad_of(p.param)
-            got = _whole(p, None if g is None else g.detach())
+            got = p.gathered(g, via=torch.float64)
             want = refs["r64"].grads[p.spec.ref_name]
             if got is None or want is None:
                 continue
@@ -272,11 +260,11 @@ class _TrainStepRun(_SideBySide):
         assert self.config.lr is not None, "the check resolves lr"
         sums = torch.zeros(3, dtype=torch.float64)
         for p in self.params:
-            # a DTensor's whole tensor (gathered on every rank alike, `_whole`) is on every TP
+            # a DTensor's whole tensor (gathered on every rank alike, `LocalParam.gathered`) is on every TP
             # rank, as a replicated param is
             after = p.full(p.param.detach()).to(torch.float64)
-            prev = _whole(p, buffers[id(p.param)])
-            g = _whole(p, grads[id(p.param)])
+            prev = p.gathered(buffers[id(p.param)], via=torch.float64)
+            g = p.gathered(grads[id(p.param)], via=torch.float64)
             if g is None:
                 continue
             applied = (before[id(p.param)] - after) / self.config.lr
@@ -411,7 +399,7 @@ class _TrainStepRun(_SideBySide):
         to_full = (lambda t: t.full_tensor()) if p.dtensor else (lambda t: t)
         raw = raw_state_of(opt, p.param, to_full)
         value = p.full(p.param.detach())
-        grad = _whole(p, None if grad is None else grad.detach())
+        grad = p.gathered(grad, via=torch.float64)
         if ref.member is None or ref.before is None or grad is None:
             return coef_rel
         assert self.config.optimizer is not None and self.config.lr is not None, "the check resolves them"
@@ -432,7 +420,7 @@ class _TrainStepRun(_SideBySide):
         for p in self.params:
             g = grads[id(p.param)]
             steps.append(self.shadow.expect(id(p.param), p.full(p.param.detach()),
-                                            _whole(p, None if g is None else g.detach()),
+                                            p.gathered(g, via=torch.float64),
                                             coef=coef, coef_err=coef * coef_rel))
         return steps
 

@@ -333,6 +333,20 @@ class SetupError(ValueError):
     ERROR (sp_harness.checks.side_by_side.run_job); where nothing turns it into a verdict it is a
     ValueError: one line, exit 2."""
 
+    def __init__(self, message: str, failure: RankFailure | None = None):
+        super().__init__(message)
+        self.failure = failure
+        """The ranks' failure in the setup, where it came from ranks."""
+
+    def __reduce__(self):
+        return (type(self), (str(self), self.failure))
+
     @classmethod
     def of(cls, case: str, failure: RankFailure) -> SetupError:
-        return cls(f"case {case}: its setup failed, so nothing was checked ({failure.summary_line()})")
+        return cls(f"case {case}: its setup failed, so nothing was checked ({failure.summary_line()})", failure)
+
+    def unsupported(self, world_size: int) -> str:
+        """Where every rank raised `Unsupported` in the setup (its framework broken at import:
+        sp_harness.launch.case_setup.load_preload), that message; else ''."""
+        failure = self.failure
+        return failure.errors[0].message if failure is not None and failure.every_rank_unsupported(world_size) else ""

@@ -86,6 +86,19 @@ class LocalParam:
         """The whole tensor for a DTensor param, this rank's piece otherwise."""
         return cast("DTensor", t).full_tensor() if self.dtensor else t
 
+    def gathered(self, t: torch.Tensor | None, *, via: torch.dtype | None = None) -> torch.Tensor | None:
+        """`full(t)`, None kept, where a DTensor's gather (a collective) runs on every rank whether
+        or not this rank holds `t`: on zeros where it does not, so that a grad or buffer one rank's
+        step left None cannot desync the engine's judging. Exchanged in `via` (default the param's
+        dtype, a grad's own; a buffer whose dtype may differ passes float64: every rank's gather
+        must match byte for byte), handed back in `t`'s own dtype (exact both ways)."""
+        if not self.dtensor:
+            return t
+        dtype = via or self.param.dtype
+        src = torch.zeros_like(self.param.detach(), dtype=dtype) if t is None else t.detach().to(dtype)
+        whole = cast("DTensor", src).full_tensor()
+        return None if t is None else whole.to(t.dtype)
+
     @overload
     def piece_of(self, ref: torch.Tensor, ctx: RankContext) -> torch.Tensor: ...
     @overload
@@ -103,10 +116,7 @@ class LocalParam:
     def full_or_piece(self, t: torch.Tensor | None, ref64: torch.Tensor, ref_lp: torch.Tensor, ctx: RankContext):
         """(value to judge, matching ref64 piece, ref_lp piece, offset)."""
         if self.dtensor:
-            # the gather is a collective: every rank runs it, a rank without a grad on zeros
-            # (the engine's judging must not desync the ranks where only one rank's grads are off)
-            whole = cast("DTensor", torch.zeros_like(self.param) if t is None else t).full_tensor()
-            return (None if t is None else whole), ref64, ref_lp, ()
+            return self.gathered(t), ref64, ref_lp, ()
         piece64, offset = param_piece(ref64, self.spec, ctx, self.shape)
         piece_lp, _ = param_piece(ref_lp, self.spec, ctx, self.shape)
         return t, piece64, piece_lp, offset
