@@ -11,8 +11,7 @@ sp-harness (pip install -e ".[deepspeed]"):
 import torch.nn.functional as F
 
 from sp_harness import mutant
-from sp_harness.cases.frameworks.deepspeed_hf import hf_ulysses_case
-from sp_harness.cases.frameworks.deepspeed_ulysses import detached, ulysses_case
+from sp_harness.cases.frameworks.deepspeed import detached, hf_ulysses_case, ulysses_case
 
 
 def my_attention(q, k, v, *, causal):  # (B, S, heads, d) -> (B, S, heads, d), my heads only

@@ -5,7 +5,7 @@
     sp-harness check --case examples/deepspeed_hf_qwen2.py:QWEN2_F64 --world-size 2 --dtype float64
 """
 
-from sp_harness.cases.frameworks.deepspeed_hf import hf_ulysses_case
+from sp_harness.cases.frameworks.deepspeed import hf_ulysses_case
 
 # Qwen2Config keywords (its shapes become the case's defaults: --hidden, --num-heads, ... override them)
 MY_QWEN2 = dict(num_key_value_heads=2, rope_theta=10000.0)

@@ -9,7 +9,7 @@
 import torch.nn.functional as F
 from torch import nn
 
-from sp_harness.cases.frameworks.deepspeed_module import ulysses_module_case
+from sp_harness.cases.frameworks.deepspeed import ulysses_module_case
 
 
 class CoreAttention(nn.Module):  # (B, S, my heads, d): every token, this rank's heads

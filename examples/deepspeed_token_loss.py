@@ -14,8 +14,7 @@ the same loss on the whole batch in float64.
 import torch.nn.functional as F
 from deepspeed_own_module import MyLM  # examples/deepspeed_own_module.py: my model, DistributedAttention inside
 
-from sp_harness.cases.frameworks.deepspeed_hf import hf_ulysses_case
-from sp_harness.cases.frameworks.deepspeed_module import ulysses_module_case
+from sp_harness.cases.frameworks.deepspeed import hf_ulysses_case, ulysses_module_case
 from sp_harness.cases.frameworks.token_loss import TokenLoss
 
 SFT = TokenLoss(label_smoothing=0.1, masked_fraction=0.25, padding=2)

@@ -12,7 +12,7 @@ DistributedAttention, checked stage by stage by sp-harness's training-step check
 """
 
 from sp_harness import mutant
-from sp_harness.cases.frameworks.deepspeed_step import DeepSpeedStepConfig, ds_step_case, ds_step_shard
+from sp_harness.cases.frameworks.deepspeed import DeepSpeedStepConfig, ds_step_case, ds_step_shard
 
 PLAIN = ds_step_case("my-ds-step", {"zero_optimization": {"stage": 0}})
 ZERO2 = ds_step_case("my-ds-step-zero2", {"zero_optimization": {"stage": 2}})

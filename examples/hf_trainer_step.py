@@ -15,7 +15,7 @@ hf_trainer_cases), each FAILing at the reported loss while its twin passes:
 import torch.nn.functional as F
 from transformers import Trainer
 
-from sp_harness.cases.frameworks.hf_trainer import HFTrainerSetup, hf_trainer_case
+from sp_harness.cases.frameworks.hf import HFTrainerSetup, hf_trainer_case
 
 
 def token_sum(outputs, labels, num_items_in_batch):  # HF's shift: logits[:, t] predicts labels[:, t + 1]

@@ -7,7 +7,7 @@
 """
 
 from sp_harness import mutant
-from sp_harness.cases.frameworks.megatron_core import drop_sequence_parallel_flag, megatron_case, megatron_shard
+from sp_harness.cases.frameworks.megatron import drop_sequence_parallel_flag, megatron_case, megatron_shard
 from sp_harness.cases.frameworks.token_loss import TokenLoss
 
 CONFIG = dict(num_layers=2, hidden_size=32, num_attention_heads=4, sequence_parallel=True)

@@ -7,7 +7,7 @@ with sequence parallelism, checked by sp-harness (pip install sp-harness[megatro
 
 import torch.nn.functional as F
 
-from sp_harness.cases.frameworks.megatron_core import megatron_case
+from sp_harness.cases.frameworks.megatron import megatron_case
 
 # SwiGLU: linear_fc1 is the fused [gate; up] weight, TP-split with megatron's partition_stride 2
 CONFIG = dict(num_layers=2, hidden_size=32, num_attention_heads=4, num_query_groups=2, ffn_hidden_size=64,

@@ -10,7 +10,7 @@
 import torch
 import torch.nn.functional as F
 
-from sp_harness.cases.frameworks.megatron_core import megatron_case
+from sp_harness.cases.frameworks.megatron import megatron_case
 from sp_harness.cases.frameworks.token_loss import TokenLoss
 
 CONFIG = dict(num_layers=2, hidden_size=32, num_attention_heads=4, num_query_groups=2, ffn_hidden_size=64,

@@ -6,7 +6,7 @@ that reads them instead of its pg_collection FAILs at DP > 1:
     sp-harness check --case examples/megatron_module_case.py:XATTN_MEGATRON --world-size 4 --dp 2       # FAIL
 """
 
-from sp_harness.cases.frameworks.megatron_module import cross_attention, megatron_module_case
+from sp_harness.cases.frameworks.megatron import cross_attention, megatron_module_case
 
 CONFIG = dict(num_layers=1, hidden_size=32, num_attention_heads=4, sequence_parallel=True)
 INPUTS = ("hidden_states", "key_value_states")  # [s, b, h] each, sequence-parallel

@@ -7,7 +7,7 @@ sp-harness (pip install sp-harness[megatron]):
 
 import torch.nn.functional as F
 
-from sp_harness.cases.frameworks.megatron_core import megatron_case
+from sp_harness.cases.frameworks.megatron import megatron_case
 
 # expert biases need expert TP 1 in megatron: none here, as in Mixtral
 CONFIG = dict(num_layers=2, hidden_size=32, num_attention_heads=4, ffn_hidden_size=64, add_bias_linear=False,

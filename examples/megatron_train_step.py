@@ -9,7 +9,7 @@ under the training-step check (pip install sp-harness[megatron]):
 """
 
 from sp_harness import mutant
-from sp_harness.cases.frameworks import megatron_step as ms
+from sp_harness.cases.frameworks.megatron import step as ms
 from sp_harness.cases.frameworks.token_loss import TokenLoss
 
 CONFIG = dict(num_layers=2, hidden_size=32, num_attention_heads=4, sequence_parallel=True)

@@ -10,7 +10,7 @@
 
 from sp_harness import mutant
 from sp_harness.cases.frameworks.torchtitan import torchtitan_case, torchtitan_shard
-from sp_harness.cases.frameworks.torchtitan_cases import embedding_partial_declared_replicate
+from sp_harness.cases.frameworks.torchtitan.cases import embedding_partial_declared_replicate
 
 SHAPES = dict(dim=32, n_layers=2, n_heads=4, vocab_size=64)
 

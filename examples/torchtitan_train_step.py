@@ -10,7 +10,7 @@ TP + SP plan (and FSDP2 at --dp 2), under the training-step check (pip install s
 """
 
 from sp_harness import mutant
-from sp_harness.cases.frameworks.torchtitan_step import TitanStepConfig, titan_step_shard, titan_train_case
+from sp_harness.cases.frameworks.torchtitan import TitanStepConfig, titan_step_shard, titan_train_case
 
 SHAPES = dict(dim=32, n_layers=2, n_heads=4, vocab_size=64)
 

@@ -112,6 +112,7 @@ def exit_code(outcomes) -> int:
 
 _EXAMPLES = """examples:
   sp-harness list                                               the cases and mutants
+  sp-harness env                                                frameworks installed, their releases, in range?
   sp-harness check --case megatron-gpt-sp --world-size 3 --seq-len 10
   sp-harness check --case path/to/my_case.py:MY_CASE --world-size 2 --json verdict.json
   sp-harness converge --case megatron-gpt-sp --steps 200 --out reports/latest
@@ -151,10 +152,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _extra_commands():
     """Subcommands living in their own modules (converge, gate, golden, nightly, mutants, bench,
-    sensitivity)."""
+    sensitivity, releases)."""
     import importlib
 
-    suites = ("converge", "nightly", "battery", "bench", "sensitivity")
+    suites = ("converge", "nightly", "battery", "bench", "sensitivity", "releases")
     return [importlib.import_module(f"sp_harness.suites.{name}").add_subcommands for name in suites]
 
 

@@ -1,4 +1,4 @@
-"""DeepSpeed 0.19.8 Ulysses as a system under test (sp_harness.cases.frameworks.deepspeed_ulysses),
+"""DeepSpeed 0.19.8 Ulysses as a system under test (sp_harness.cases.frameworks.deepspeed.case),
 on real gloo ranks: DeepSpeed's own DistributedAttention around a user's local attention (SDPA)
 in the reference GPT, its grads reduced by DeepSpeed's engine (float32, bfloat16) or the same sums
 written out (float64, which the engine refuses), against the same GPT unsharded; and a bug from
@@ -107,7 +107,7 @@ def test_zero_stage_2_passes_and_stage_3_is_unsupported_before_any_rank(sp_check
     from types import SimpleNamespace
 
     from sp_harness import Unsupported
-    from sp_harness.cases.frameworks.deepspeed_ulysses import ulysses_case
+    from sp_harness.cases.frameworks.deepspeed.case import ulysses_case
 
     zero3 = ulysses_case("x", ds_config={"zero_optimization": {"stage": 3}})
     cfg = SimpleNamespace(world_size=2, dp=1, num_heads=4, num_kv_heads=None, hidden=32, ring_degree=None,
@@ -125,8 +125,8 @@ def test_hf_qwen2_passes_in_float64_with_the_sums_written_out(sp_check):
 
 
 def test_bad_engine_arguments_are_value_errors_naming_the_value():
-    from sp_harness.cases.frameworks.deepspeed_hf import hf_ulysses_case
-    from sp_harness.cases.frameworks.deepspeed_module import ulysses_module_case
+    from sp_harness.cases.frameworks.deepspeed.hf import hf_ulysses_case
+    from sp_harness.cases.frameworks.deepspeed.module import ulysses_module_case
 
     with pytest.raises(ValueError, match="grad_sync='engine'"):
         ulysses_module_case("x", lambda cfg, attention: None, grad_sync="all-reduce",
@@ -170,8 +170,8 @@ def test_a_token_loss_the_run_cannot_honour_is_refused_before_any_rank():
     from types import SimpleNamespace
 
     from sp_harness import Unsupported
-    from sp_harness.cases.frameworks.deepspeed_loss import sp_local_loss
-    from sp_harness.cases.frameworks.deepspeed_ulysses import ulysses_case
+    from sp_harness.cases.frameworks.deepspeed.case import ulysses_case
+    from sp_harness.cases.frameworks.deepspeed.loss import sp_local_loss
     from sp_harness.cases.frameworks.token_loss import TokenLoss
 
     case = ulysses_case("x", loss=TokenLoss(padding=2))

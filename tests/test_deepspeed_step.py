@@ -1,4 +1,4 @@
-"""DeepSpeed 0.19.8's own engine training step (sp_harness.cases.frameworks.deepspeed_step) under the
+"""DeepSpeed 0.19.8's own engine training step (sp_harness.cases.frameworks.deepspeed.step) under the
 training-step check, on real gloo ranks: deepspeed.initialize, engine.backward and engine.step per
 micro-batch over K = 3 uneven micro-batches, ZeRO 0/1/2/3 and CPU optimizer offload, clipping
 active, around DeepSpeed's Ulysses DistributedAttention. The correct user loop PASSes every stage;
@@ -10,7 +10,7 @@ from installed import skip_unless_installed
 
 skip_unless_installed("deepspeed", "DeepSpeed is not installed (pip install -e '.[deepspeed]')")
 
-import sp_harness.cases.frameworks.deepspeed_cases  # noqa: E402,F401  (registers the cases)
+import sp_harness.cases.frameworks.deepspeed.cases  # noqa: E402,F401  (registers the cases)
 from sp_harness.config.check_config import CheckConfig  # noqa: E402
 from sp_harness.judge.verdict import FAIL, PASS, UNSUPPORTED  # noqa: E402
 
@@ -71,7 +71,7 @@ def test_deepspeeds_limits_are_unsupported_before_any_rank_runs(sp_check):
     res = sp_check(_train("ds-ulysses-step", world_size=2, dtype="float64"))
     assert res.verdict == UNSUPPORTED and "torch.float64" in res.reason, res.reason
     from sp_harness import Unsupported
-    from sp_harness.cases.frameworks.deepspeed_step import ds_step_case
+    from sp_harness.cases.frameworks.deepspeed.step import ds_step_case
     from sp_harness.config.registry import get_case
 
     # ZeRO-3's default reduce_scatter averages over SP too; a param above the persistence threshold
@@ -89,7 +89,7 @@ def test_deepspeeds_limits_are_unsupported_before_any_rank_runs(sp_check):
 def test_the_engine_config_is_the_users_plus_the_runs():
     import torch
 
-    from sp_harness.cases.frameworks.deepspeed_step import engine_config
+    from sp_harness.cases.frameworks.deepspeed.step import engine_config
 
     user = {"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}}}
     made = engine_config(user, batch=2, k=3, dtype=torch.bfloat16, clip=0.01)

@@ -1,4 +1,4 @@
-"""The Hugging Face transformers Trainer's own training step (sp_harness.cases.frameworks.hf_trainer)
+"""The Hugging Face transformers Trainer's own training step (sp_harness.cases.frameworks.hf.case)
 under the training-step check, on real gloo ranks: its gradient accumulation over K = 3 uneven
 micro-batches, `num_items_in_batch` gathered over the DP ranks, DDP through accelerate, clipping
 and its optimizer PASS against the same HF model in float64 on one device (Llama and Qwen2, a
@@ -22,7 +22,7 @@ from sp_harness.report.result_text import format_result  # noqa: E402
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 EXAMPLE = os.path.join(ROOT, "examples", "hf_trainer_step.py")
-CASES = os.path.join(ROOT, "cases", "frameworks", "hf_trainer_cases.py")
+CASES = os.path.join(ROOT, "cases", "frameworks", "hf", "cases.py")
 TIMEOUT_S = 120.0
 """Generous for a loaded runner; transformers' and accelerate's imports are the case's setup."""
 CLIPPED_SGD = dict(optimizer="sgd", clip_grad_norm=0.01)

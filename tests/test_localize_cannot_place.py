@@ -122,8 +122,8 @@ def _one_param_grad_row_wrong(gpt):
 
 
 def _probe():
-    from sp_harness.cases.frameworks.megatron_cases import ISOLATION, LOSS, PER_TOKEN
-    from sp_harness.cases.frameworks.megatron_core import megatron_case
+    from sp_harness.cases.frameworks.megatron.case import megatron_case
+    from sp_harness.cases.frameworks.megatron.cases import ISOLATION, LOSS, PER_TOKEN
 
     return megatron_case("probe-mcore-gpt-sp-loss-one-grad-row", PER_TOKEN, loss=LOSS, smoothing="global",
                          isolation=ISOLATION, edit_model=_one_param_grad_row_wrong)

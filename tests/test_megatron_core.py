@@ -1,4 +1,4 @@
-"""megatron-core 0.16.1 as a system under test (sp_harness.cases.frameworks.megatron_core), on real
+"""megatron-core 0.16.1 as a system under test (sp_harness.cases.frameworks.megatron.case), on real
 gloo ranks: its GPTModel with sequence_parallel=True at TP 2 and 4 against the same model at TP=1,
 its own DDP (`main_grad`) and `finalize_model_grads`, and GPT-NeoX #1257 expressed through
 megatron's own `sequence_parallel` param flag, which must FAIL at the grads."""
@@ -129,7 +129,7 @@ def test_the_llama_style_model_passes_at_dp2_tp2(sp_check):
     (dict(moe_aux_loss_coeff=0.01, dp=2), "each DP replica's tokens")])
 def test_what_megatron_cannot_run_here_is_unsupported_from_the_config(changes, words):
     # decided by validate, before any rank starts (no megatron import)
-    from sp_harness.cases.frameworks.megatron_core import megatron_case
+    from sp_harness.cases.frameworks.megatron.case import megatron_case
     from sp_harness.config.case import Unsupported
 
     moe = dict(num_layers=2, hidden_size=32, num_attention_heads=4, add_bias_linear=False, num_moe_experts=4,
@@ -142,7 +142,7 @@ def test_what_megatron_cannot_run_here_is_unsupported_from_the_config(changes, w
 
 
 def test_gpt_model_arguments_the_run_owns_are_refused_naming_the_valid_ones():
-    from sp_harness.cases.frameworks.megatron_core import megatron_case
+    from sp_harness.cases.frameworks.megatron.case import megatron_case
 
     with pytest.raises(ValueError, match="vocab_size.*rotary_base"):
         megatron_case("bad", dict(num_layers=2), gpt_kwargs=dict(vocab_size=10))
@@ -155,7 +155,7 @@ def test_the_strided_index_is_megatrons_own_split():
     # weight_list[r::tp]; the index is a view of the reference with those elements in that order
     import torch
 
-    from sp_harness.cases.frameworks.megatron_core import strided_index
+    from sp_harness.cases.frameworks.megatron.case import strided_index
 
     full = torch.arange(8 * 3).reshape(8, 3)
     for dim in (0, 1):
@@ -210,7 +210,7 @@ def test_token_loss_is_the_dense_target_distribution_and_masks_every_sequence_al
 
 
 def test_a_loss_megatron_cannot_express_is_refused_naming_why():
-    from sp_harness.cases.frameworks.megatron_core import megatron_case
+    from sp_harness.cases.frameworks.megatron.case import megatron_case
     from sp_harness.cases.frameworks.token_loss import TokenLoss
 
     with pytest.raises(ValueError, match="no label smoothing"):

@@ -1,5 +1,5 @@
 """megatron-core 0.16.1's OWN training step under the training-step check
-(sp_harness.cases.frameworks.megatron_step): its schedule (`forward_backward_no_pipelining`) over
+(sp_harness.cases.frameworks.megatron.step): its schedule (`forward_backward_no_pipelining`) over
 K = 3 uneven micro-batches with pretrain_gpt.py's loss function (`calculate_per_token_loss`),
 `finalize_model_grads`, `get_megatron_optimizer` (plain and distributed, fp32 master weights in
 bfloat16) and its clipping PASS against the token mean over the global batch, clipping active;

@@ -1,4 +1,4 @@
-"""torchtitan 0.3.0 as a system under test (sp_harness.cases.frameworks.torchtitan), on real gloo
+"""torchtitan 0.3.0 as a system under test (sp_harness.cases.frameworks.torchtitan.case), on real gloo
 ranks: its llama3 under its own TP + SP sharding config (`Module.parallelize`, DTensor backend)
 at TP 2 and 4, and DP 2 x TP 2 under its own FSDP2, against the same model unsharded, and a plan bug expressed through torchtitan's
 own `ShardingConfig`, which must FAIL at the forward; its spmd_types backend and its qwen3 (the
@@ -133,7 +133,7 @@ def test_your_loss_mask_and_loss_function_pass(sp_check, name, fields):
 ])
 def test_a_loss_torchtitan_cannot_compute_is_refused_at_construction(loss, message):
     from sp_harness.cases.frameworks.token_loss import TokenLoss
-    from sp_harness.cases.frameworks.torchtitan import torchtitan_case
+    from sp_harness.cases.frameworks.torchtitan.case import torchtitan_case
 
     with pytest.raises(ValueError, match=re.escape(message)):
         torchtitan_case("titan-loss", dict(dim=32, n_layers=2, n_heads=4, vocab_size=64), loss=TokenLoss(**loss))
@@ -159,7 +159,7 @@ def test_what_cannot_run_here_is_unsupported_before_ranks_start(sp_check, exampl
 ])
 def test_flex_attention_is_unsupported_with_torchs_reason_outside_a_forward_only_run(fields, reason):
     from sp_harness import Unsupported
-    from sp_harness.cases.frameworks.torchtitan import torchtitan_case
+    from sp_harness.cases.frameworks.torchtitan.case import torchtitan_case
 
     case = torchtitan_case("titan-flex", dict(dim=32, n_layers=2, n_heads=4, vocab_size=64), tp=2, attn_backend="flex")
     assert case.validate is not None
@@ -174,8 +174,8 @@ def test_the_reference_document_mask_is_torchtitans(monkeypatch):
     # runs it)
     from torch.nn.attention.flex_attention import create_mask
 
-    from sp_harness.cases.frameworks.torchtitan import _build, model_config
-    from sp_harness.cases.frameworks.torchtitan_flex import document_mask, document_positions
+    from sp_harness.cases.frameworks.torchtitan.case import _build, model_config
+    from sp_harness.cases.frameworks.torchtitan.flex import document_mask, document_positions
 
     model = _build(model_config("llama3", dict(dim=32, n_layers=1, n_heads=4, vocab_size=64), attn_backend="flex"),
                    torch.float32)
@@ -248,8 +248,8 @@ def test_spmd_types_declared_complete_outputs_are_traced():
     # type from placements: the case hands it the modules whose declared output type on TP is
     # complete (the embedding's and the row-parallel linears' reduce-scatter to S(1)), and the
     # #3468 mutant on this backend is placed at tok_embeddings (tests/test_mutants.py kills it)
-    from sp_harness.cases.frameworks.torchtitan import _build, model_config
-    from sp_harness.cases.frameworks.torchtitan_spmd import _whole_outputs
+    from sp_harness.cases.frameworks.torchtitan.case import _build, model_config
+    from sp_harness.cases.frameworks.torchtitan.spmd import _whole_outputs
 
     model = _build(model_config("qwen3", dict(dim=32, n_layers=1, n_heads=4, n_kv_heads=2, vocab_size=64)),
                    torch.float32)
@@ -288,7 +288,7 @@ def test_deepseek_v3_mla_and_moe_pass_under_its_sharding_config(sp_check, dtype)
 ])
 def test_deepseek_v3_what_cannot_run_is_unsupported_before_ranks_start(fields, kwargs, reason):
     from sp_harness import Unsupported
-    from sp_harness.cases.frameworks.torchtitan import torchtitan_case
+    from sp_harness.cases.frameworks.torchtitan.case import torchtitan_case
 
     def case_of(**kw):
         cp = kw.pop("context_parallel", 1)
@@ -308,7 +308,7 @@ def test_deepseek_v3_builds_as_torchtitan_builds_it():
     # one process, no ranks: the config torchtitan's sharding config was set on (SDPA swapped in
     # before it, so the inner attention keeps its local map), and a float32 forward and backward
     # through MLA, the dense layer and the MoE layer's router, grouped experts and shared experts
-    from sp_harness.cases.frameworks.torchtitan import _build, model_config
+    from sp_harness.cases.frameworks.torchtitan.case import _build, model_config
 
     config = model_config("deepseek_v3", DSV3_SHAPES)
     from torchtitan.models.common.attention import ScaledDotProductAttention  # after model_config's CPU shim
@@ -334,8 +334,8 @@ def test_every_registry_model_is_wired_or_unsupported_with_its_reason():
     from torchtitan.models import _supported_models
 
     from sp_harness import Unsupported
-    from sp_harness.cases.frameworks.torchtitan import registry_models, torchtitan_case
-    from sp_harness.cases.frameworks.torchtitan_models import UNWIRED
+    from sp_harness.cases.frameworks.torchtitan.case import registry_models, torchtitan_case
+    from sp_harness.cases.frameworks.torchtitan.models import UNWIRED
 
     assert set(_supported_models) == set(registry_models()) | set(UNWIRED), sorted(set(_supported_models))
     assert not set(registry_models()) & set(UNWIRED)

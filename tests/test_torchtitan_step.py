@@ -1,4 +1,4 @@
-"""torchtitan 0.3.0's own trainer step (sp_harness.cases.frameworks.torchtitan_step) under the
+"""torchtitan 0.3.0's own trainer step (sp_harness.cases.frameworks.torchtitan.step) under the
 training-step check, on real gloo ranks: `Trainer.train_step` (K = 3 uneven micro-batches, the
 loss over the global valid-token count), `clip_grad_norm_` (active: max_norm 0.01) and its
 `OptimizersContainer` on llama3 under its TP + SP plan, at TP 2 and DP 2 x TP 2 (its FSDP2).
@@ -65,7 +65,7 @@ def test_float64_step_is_unsupported_naming_the_float32_loss(sp_check):
 def test_context_parallel_is_unsupported_before_ranks_start():
     # torchtitan's CP for SDPA is torch's CP dispatcher: no CPU kernel has a sharding rule there
     from sp_harness import Unsupported
-    from sp_harness.cases.frameworks.torchtitan_step import titan_train_case
+    from sp_harness.cases.frameworks.torchtitan.step import titan_train_case
 
     case = titan_train_case("titan-cp-step", dict(dim=32, n_layers=2, n_heads=4, vocab_size=64), context_parallel=2)
     assert case.validate is not None

@@ -1,4 +1,4 @@
-"""yunchang 0.6.4 as a system under test (sp_harness.cases.frameworks.yunchang), on real gloo
+"""yunchang 0.6.4 as a system under test (sp_harness.cases.frameworks.yunchang.case), on real gloo
 ranks: its LongContextAttention (USP, zigzag ring) inside the reference GPT against the same GPT
 with plain attention, on yunchang's own process groups and token placement; the exact flash-attn
 stand-in it runs over on CPU; and what was found (docs/frameworks/yunchang.md)."""
@@ -15,7 +15,7 @@ skip_unless_installed("yunchang", "yunchang is not installed (pip install -e '.[
 import torch  # noqa: E402
 
 from sp_harness.cases.frameworks import flash_attn_standin as fa  # noqa: E402
-from sp_harness.cases.frameworks.yunchang_layout import extract_positions  # noqa: E402
+from sp_harness.cases.frameworks.yunchang.layout import extract_positions  # noqa: E402
 from sp_harness.config.check_config import CheckConfig  # noqa: E402
 from sp_harness.judge.verdict import FAIL, PASS, UNSUPPORTED  # noqa: E402
 
@@ -216,7 +216,7 @@ def test_ulysses_attention_passes(sp_check, case, world_size, dtype):
 def test_attn_types_are_yunchangs():
     from yunchang.kernels import AttnType
 
-    from sp_harness.cases.frameworks.yunchang import ATTN_TYPES, ulysses_case, usp_case
+    from sp_harness.cases.frameworks.yunchang.case import ATTN_TYPES, ulysses_case, usp_case
 
     assert sorted(ATTN_TYPES) == sorted(t.value for t in AttnType)
     for factory in (usp_case, ulysses_case):
@@ -253,7 +253,7 @@ def test_a_users_model_under_long_context_attention_declares_its_float32_islands
     import importlib.util
 
     from sp_harness import Unsupported
-    from sp_harness.cases.frameworks.yunchang import usp_case
+    from sp_harness.cases.frameworks.yunchang.case import usp_case
 
     spec = importlib.util.spec_from_file_location("yc_ulysses_example", ULYSSES_EXAMPLE)
     example = importlib.util.module_from_spec(spec)

@@ -1,6 +1,6 @@
 """Framework integrations: a framework's own configuration turned into a `Case`.
 
-A user imports the module they need (`from sp_harness.cases.frameworks.megatron_core import
+A user imports the module they need (`from sp_harness.cases.frameworks.megatron.case import
 megatron_case`); each needs its framework installed (`pip install sp-harness[megatron]`).
 
 Each framework also has a `*_cases` module of built-in cases (a correct configuration, its
@@ -20,28 +20,29 @@ missing or broken never stops another case from running, nor a rank from startin
 from __future__ import annotations
 
 import importlib.util
+from dataclasses import dataclass
 
 FRAMEWORK_CASES: dict[str, tuple[str, tuple[str, ...]]] = {
-    "megatron.core": ("sp_harness.cases.frameworks.megatron_cases", (
+    "megatron.core": ("sp_harness.cases.frameworks.megatron.cases", (
         "mcore-gpt-tp", "mcore-gpt-sp", "mutant-mcore-norm-flag-dropped", "mutant-mcore-row-bias-flag-dropped",
         "mutant-mcore-ddp-sync-only", "mcore-gpt-sp-step", "mcore-gpt-sp-step-distopt", "mutant-mcore-step-local-token-mean",
         "mutant-mcore-step-clip-norm-tp-rank0", "mcore-llama-sp", "mutant-mcore-llama-final-norm-flag-dropped",
         "mutant-mcore-llama-swiglu-contiguous-split", "mcore-moe-sp", "mutant-mcore-moe-router-counts-over-dp",
         "mcore-gpt-sp-loss", "mutant-mcore-label-smoothing-local-vocab", "mcore-gpt-sp-labels",
         "mutant-mcore-gathered-logits-labels", "mcore-xattn-sp", "mutant-mcore-xattn-global-tp-group")),
-    "yunchang": ("sp_harness.cases.frameworks.yunchang_cases", (
+    "yunchang": ("sp_harness.cases.frameworks.yunchang.cases", (
         "yc-usp", "yc-usp-torch-flash", "mutant-yc-zigzag-contiguous-shards", "mutant-yc-ring-merge-overwrites",
         "mutant-yc-grad-sync-ulysses-only", "mutant-yc-causal-mask-on-received-blocks", "yc-ulysses",
         "mutant-yc-ulysses-a2a-default-indices", "mutant-yc-ring-backward-stale-kv",
         "mutant-yc-groups-across-dp-replicas", "mutant-yc-ring-backward-grad-count")),
-    "torchtitan": ("sp_harness.cases.frameworks.torchtitan_cases", (
+    "torchtitan": ("sp_harness.cases.frameworks.torchtitan.cases", (
         "titan-llama3-sp", "mutant-titan-embedding-partial-as-replicate", "mutant-titan-norm-sp-dropped",
         "mutant-titan-fsdp-grads-summed-over-dp", "titan-qwen3-spmd-sp", "mutant-titan-spmd-norm-declared-invariant",
         "mutant-titan-spmd-embedding-partial-as-replicate", "titan-llama3-sp-step",
         "mutant-titan-step-per-micro-batch-mean", "mutant-titan-step-fsdp-divides-twice",
         "mutant-titan-step-clip-norm-local-shard", "titan-llama3-cp", "mutant-titan-cp-positions-not-sharded",
         "titan-llama3-sp-loss", "mutant-titan-loss-counts-masked-tokens", "mutant-titan-cp-fsdp-grads-summed-over-dp")),
-    "deepspeed": ("sp_harness.cases.frameworks.deepspeed_cases", (
+    "deepspeed": ("sp_harness.cases.frameworks.deepspeed.cases", (
         "ds-ulysses", "ds-ulysses-f64", "ds-ulysses-hf-llama", "mutant-ds-ulysses-detached-a2a",
         "mutant-ds-ulysses-batch-dim-idx", "mutant-ds-ulysses-scatter-gather-swapped",
         "mutant-ds-ulysses-engine-without-sp-group", "ds-ulysses-step", "ds-ulysses-step-zero1", "ds-ulysses-step-zero2",
@@ -51,7 +52,7 @@ FRAMEWORK_CASES: dict[str, tuple[str, tuple[str, ...]]] = {
         "mutant-ds-ulysses-uneven-heads-without-mpu", "mutant-ds-ulysses-hf-local-position-ids",
         "mutant-ds-ulysses-stale-kv-heads", "ds-ulysses-token-loss", "mutant-ds-ulysses-loss-per-shard-mean",
         "mutant-ds-ulysses-hf-exchange-detached")),
-    "accelerate": ("sp_harness.cases.frameworks.hf_trainer_cases", (
+    "accelerate": ("sp_harness.cases.frameworks.hf.cases", (
         "hf-trainer-llama", "hf-trainer-qwen2", "hf-trainer-llama-user-loss",
         "mutant-hf-trainer-mean-of-micro-batch-means", "mutant-hf-trainer-4470-training-step",
         "hf-trainer-llama-label-smoothing", "mutant-hf-trainer-label-smoother-per-micro-batch")),
@@ -62,6 +63,14 @@ EXTRAS: dict[str, str] = {"megatron.core": "megatron", "yunchang": "yunchang", "
                           "deepspeed": "deepspeed", "accelerate": "hf"}
 """framework module -> the pip extra of sp-harness (pyproject.toml) that installs it and every module
 its cases need."""
+
+COMPAT: dict[str, str] = {
+    "megatron.core": "sp_harness.cases.frameworks.megatron.compat", "yunchang": "sp_harness.cases.frameworks.yunchang.compat",
+    "torchtitan": "sp_harness.cases.frameworks.torchtitan.compat", "deepspeed": "sp_harness.cases.frameworks.deepspeed.compat",
+    "accelerate": "sp_harness.cases.frameworks.hf.compat",
+}
+"""framework module -> its package's `compat` module: the supported releases (`RELEASES`) and the
+APIs the installed one lacks (`missing()`), sp_harness.cases.frameworks.releases."""
 
 ALSO_NEEDED: dict[str, tuple[str, ...]] = {
     # torchtitan's models and its spmd_types backend's sharded twins import it themselves
@@ -99,10 +108,18 @@ def needed(framework: str, name: str) -> tuple[str, ...]:
     return (framework, *(module for module, names in ALSO_NEEDED.items() if name in names))
 
 
+def out_of_range(framework: str) -> str | None:
+    """None where `framework`'s installed releases are in its package's supported range; else why,
+    worded to follow "needs " (read from the distributions' metadata: nothing is imported)."""
+    from sp_harness.cases.frameworks.releases import outside
+
+    return outside(importlib.import_module(COMPAT[framework]).RELEASES)
+
+
 def unavailable() -> dict[str, str]:
     """Framework case name -> why it cannot run here, worded to follow "case NAME ": the first
-    module it needs that cannot be imported, and the extra that installs it. Each module is asked
-    once."""
+    module it needs that cannot be imported, and the extra that installs it; or its framework's
+    installed release outside the supported range. Each module is asked once."""
     problems: dict[str, str | None] = {}
     why = {}
     for framework, (_, names) in FRAMEWORK_CASES.items():
@@ -110,7 +127,43 @@ def unavailable() -> dict[str, str]:
             for module in needed(framework, name):
                 if module not in problems:
                     problems[module] = import_problem(module)
+                    if problems[module] is None and module in COMPAT and (reason := out_of_range(module)):
+                        problems[module] = f"whose supported releases are {reason}"
                 if problems[module] is not None:
                     why[name] = f"needs {module}, {problems[module]} (pip install 'sp-harness[{EXTRAS[framework]}]')"
                     break
     return why
+
+
+@dataclass(kw_only=True, frozen=True)
+class InstalledFramework:
+    """One framework as `sp-harness env` shows it."""
+
+    framework: str
+    """Its importable module (sp_harness.cases.frameworks' keys): 'megatron.core', 'accelerate', ..."""
+    releases: tuple[tuple[str, str | None, str], ...]
+    """(distribution, the installed release or None, the supported range) for each it runs on."""
+    verdict: str
+    """'ok', 'not installed', or why its cases are UNSUPPORTED here (out of range, an API missing)."""
+
+
+def installed_frameworks(*, probe_apis: bool = True) -> list[InstalledFramework]:
+    """Each framework integration, its installed releases and whether its cases can run on them;
+    `probe_apis` also asks `missing()` of each one installed and in range (one child import each)."""
+    from sp_harness.cases.frameworks.releases import installed_release, outside, probe
+
+    rows = []
+    for framework, compat_module in COMPAT.items():
+        ranges = importlib.import_module(compat_module).RELEASES
+        found = tuple((r.distribution, installed_release(r.distribution), f"{r.oldest} to {r.newest}") for r in ranges)
+        problem = import_problem(framework)
+        if problem is not None:
+            verdict = "not installed" if problem == "which is not installed" else f"broken: {problem}"
+        elif (reason := outside(ranges)) is not None:
+            verdict = f"out of range: needs {reason}"
+        elif probe_apis and (gaps := probe(compat_module)):
+            verdict = f"missing: {'; '.join(gaps)}"
+        else:
+            verdict = "ok"
+        rows.append(InstalledFramework(framework=framework, releases=found, verdict=verdict))
+    return rows

@@ -14,7 +14,7 @@ yunchang's FA path (`AttnType.FA`, its default) reaches flash-attn through these
 alone: `yunchang.kernels.attention.flash_attn_forward` / `flash_attn_backward`, once per ring
 step and block. flash-attn has no CPU kernels (and computes only float16 / bfloat16), so on a
 CPU-only torch the case hands this module to yunchang in flash-attn's place
-(`sp_harness.cases.frameworks.yunchang_shims.cpu_shims`); everything around the kernel (the ring's
+(`sp_harness.cases.frameworks.yunchang.shims.cpu_shims`); everything around the kernel (the ring's
 p2p loop, its LSE merge `update_out_and_lse`, its buffers and casts, the Ulysses all-to-alls) is
 yunchang's own code.
 

@@ -46,8 +46,8 @@ from torch import nn
 
 from sp_harness import Layout, ParamSpec, RankContext, Sharded
 from sp_harness.cases.frameworks.token_loss import TokenLoss
-from sp_harness.cases.frameworks.torchtitan_loss import titan_local_loss
-from sp_harness.cases.frameworks.torchtitan_models import retie
+from sp_harness.cases.frameworks.torchtitan.loss import titan_local_loss
+from sp_harness.cases.frameworks.torchtitan.models import retie
 
 
 def spmd_parallel_dims(tp: int, world_size: int):

@@ -2,7 +2,7 @@
 own tensor + sequence parallel sharding config turned into a `Case`, verified against the same
 model unsharded.
 
-    from sp_harness.cases.frameworks.torchtitan import torchtitan_case
+    from sp_harness.cases.frameworks.torchtitan.case import torchtitan_case
     LLAMA3_SP = torchtitan_case("llama3-sp", dict(dim=32, n_layers=2, n_heads=4, vocab_size=64), tp=2)
 
 - The model is torchtitan 0.3.0's `Llama3Model`, its config built the way torchtitan builds its
@@ -48,23 +48,23 @@ from torch import nn
 from sp_harness import Batch, Case, Layout, RankContext, Sharded, Unsupported
 from sp_harness.cases.frameworks.common import require_tp
 from sp_harness.cases.frameworks.token_loss import TokenLoss
-from sp_harness.cases.frameworks.torchtitan_cp import cp_limits, titan_cp_shard
-from sp_harness.cases.frameworks.torchtitan_flex import (
+from sp_harness.cases.frameworks.torchtitan.cp import cp_limits, titan_cp_shard
+from sp_harness.cases.frameworks.torchtitan.flex import (
     document_positions,
     flex_limits,
     reference_documents,
     titan_documents,
     use_inductor_cache,
 )
-from sp_harness.cases.frameworks.torchtitan_loss import (
+from sp_harness.cases.frameworks.torchtitan.loss import (
     case_loss_fields,
     check_loss,
     check_unsupported,
     titan_batch,
     titan_local_loss,
 )
-from sp_harness.cases.frameworks.torchtitan_models import MODELS, UNWIRED, RegistryModel, retie
-from sp_harness.cases.frameworks.torchtitan_spmd import spmd_limits, spmd_types_shard
+from sp_harness.cases.frameworks.torchtitan.models import MODELS, UNWIRED, RegistryModel, retie
+from sp_harness.cases.frameworks.torchtitan.spmd import spmd_limits, spmd_types_shard
 
 if TYPE_CHECKING:  # imported where its cases run (Case.setup): torchtitan may not be installed
     from torchtitan.protocols.module import Module as TitanModule

@@ -4,7 +4,7 @@ its `UlyssesAttention` over the SP group (`ulysses_case`), inside the user's mod
 reference GPT), verified against the same model with exact attention on one device. This module
 is the user's side: the Case factories (their validation, their expected verdicts) and the
 sharded factory `yunchang_shard`; the pieces it assembles live beside it.
-    from sp_harness.cases.frameworks.yunchang import usp_case
+    from sp_harness.cases.frameworks.yunchang.case import usp_case
     USP_2X2 = usp_case("yc-usp-2x2", ulysses_degree=2, ring_degree=2, ring_impl_type="zigzag")
 
 - The reference is `model(config, attention)` (`yunchang_model.ModelFactory`; None: the
@@ -52,9 +52,9 @@ from torch import nn
 
 from sp_harness import Case, Layout, Sharded, Unsupported
 from sp_harness.cases.common import GPT_DEFAULTS, gpt_fields, known, sum_replicated_grads, with_defaults
-from sp_harness.cases.frameworks.deepspeed_loss import gpt_loss_fields, loss_limits
+from sp_harness.cases.frameworks.deepspeed.loss import gpt_loss_fields, loss_limits
 from sp_harness.cases.frameworks.token_loss import TokenLoss
-from sp_harness.cases.frameworks.yunchang_attn_types import (
+from sp_harness.cases.frameworks.yunchang.attn_types import (
     CPU_ATTN_TYPES,
     GPU_ONLY_ATTN_TYPES,
     NO_BACKWARD_ATTN_TYPES,
@@ -62,7 +62,7 @@ from sp_harness.cases.frameworks.yunchang_attn_types import (
     refuse_on_cpu_tensors,
     validate_attn_type,
 )
-from sp_harness.cases.frameworks.yunchang_layout import (
+from sp_harness.cases.frameworks.yunchang.layout import (
     default_ring_degree,
     degrees,
     extract_positions,
@@ -70,14 +70,14 @@ from sp_harness.cases.frameworks.yunchang_layout import (
     seq_order,
     yunchang_groups,
 )
-from sp_harness.cases.frameworks.yunchang_model import (
+from sp_harness.cases.frameworks.yunchang.model import (
     ModelFactory,
     ReferenceAttention,
     YunchangCore,
     build_reference,
     core_names,
 )
-from sp_harness.cases.frameworks.yunchang_shims import cpu_shims
+from sp_harness.cases.frameworks.yunchang.shims import cpu_shims
 from sp_harness.config.check_config import CheckConfig
 
 YUNCHANG_VERSION = "0.6.4"

@@ -7,9 +7,9 @@ own engine training step (`ds-ulysses-step*`: ZeRO 0/1/2/3, CPU optimizer offloa
 training-step check, with two of its ZeRO-Offload bugs put back into its optimizer and a user's
 loss divided by the accumulation steps twice."""
 
-from sp_harness.cases.frameworks.deepspeed_hf import hf_ulysses_case
-from sp_harness.cases.frameworks.deepspeed_step import DeepSpeedStepConfig, ds_step_case, ds_step_shard
-from sp_harness.cases.frameworks.deepspeed_ulysses import detached, sdpa_attention, ulysses_case, ulysses_shard
+from sp_harness.cases.frameworks.deepspeed.case import detached, sdpa_attention, ulysses_case, ulysses_shard
+from sp_harness.cases.frameworks.deepspeed.hf import hf_ulysses_case
+from sp_harness.cases.frameworks.deepspeed.step import DeepSpeedStepConfig, ds_step_case, ds_step_shard
 from sp_harness.cases.frameworks.token_loss import TokenLoss
 from sp_harness.config.case import Example
 from sp_harness.config.registry import mutant, register

@@ -1,5 +1,5 @@
 """Stage: step. megatron-core's process state for a rank, and its CPU shims: what a megatron-core
-case sets up before building a model (sp_harness.cases.frameworks.megatron_core). `cpu_shims` is
+case sets up before building a model (sp_harness.cases.frameworks.megatron.case). `cpu_shims` is
 the only place the integration changes what megatron does, and only what CUDA would do; each
 shim says why the math is unchanged (docs/frameworks/megatron-core.md, "CPU shims").
 """

@@ -7,15 +7,15 @@ from typing import Any
 
 import torch.nn.functional as F
 
-from sp_harness.cases.frameworks.megatron_core import (
+from sp_harness.cases.frameworks.megatron.case import (
     drop_sequence_parallel_flag,
     megatron_case,
     megatron_shard,
     partition_stride_one,
     router_counts_over_dp_group,
 )
-from sp_harness.cases.frameworks.megatron_module import cross_attention, megatron_module_case
-from sp_harness.cases.frameworks.megatron_step import (
+from sp_harness.cases.frameworks.megatron.module import cross_attention, megatron_module_case
+from sp_harness.cases.frameworks.megatron.step import (
     MegatronStepConfig,
     drop_tensor_parallel_flag,
     megatron_step_shard,

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch.nn.functional as F
 
-from sp_harness.cases.frameworks.hf_trainer import HFTrainerSetup, hf_trainer_case, hf_trainer_shard
+from sp_harness.cases.frameworks.hf.case import HFTrainerSetup, hf_trainer_case, hf_trainer_shard
 from sp_harness.config.case import Example
 from sp_harness.config.registry import mutant, register
 

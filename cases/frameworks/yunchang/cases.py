@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-from sp_harness.cases.frameworks.yunchang import ulysses_case, usp_case, yunchang_shard
+from sp_harness.cases.frameworks.yunchang.case import ulysses_case, usp_case, yunchang_shard
 from sp_harness.config.case import Example
 from sp_harness.config.registry import mutant, register
 

@@ -1,0 +1,164 @@
+"""Stage: step. The releases each framework integration supports, and the two questions asked of
+the installed one before any rank starts.
+
+Each framework package holds its release differences in one module, `compat` (docs/frameworks/
+README.md): `RELEASES`, the supported range of each distribution it runs on, and `missing()`,
+the APIs the integration needs that the installed release lacks, found by asking for them
+(`hasattr`, `inspect.signature`), never by comparing version strings. Everything else in the
+package asks `compat` for a capability.
+
+1. In range? `outside()` reads the installed release from the distribution's metadata
+   (importlib.metadata: no import of the framework), so `sp-harness list` and the registry's
+   `unavailable()` can answer it for every framework at no cost.
+2. The APIs there? `missing()` imports the framework. The driver asks it in a child interpreter
+   (`probe`), once per framework per process, so that no framework is imported into the driver
+   (whose memory and threads the rank processes' fork server must not inherit) and a release
+   whose import crashes is a reason, not a crash.
+
+Either answer is the case's `Unsupported` (`require`), raised from the case's `validate`: before
+any rank starts, naming the API or the release and the range, exit 0, never FAIL.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import importlib
+import importlib.metadata
+import json
+import re
+import subprocess
+import sys
+from dataclasses import dataclass
+from typing import Any
+
+from sp_harness.config.case import Case, Example, Unsupported
+from sp_harness.config.registry import register
+
+PROBE_TIMEOUT_S = 600
+"""A cold import of DeepSpeed or megatron-core on a loaded 2-core machine has taken over a minute;
+the probe is one import, so ten minutes means the install is broken, not slow."""
+
+
+@dataclass(kw_only=True, frozen=True)
+class ReleaseRange:
+    """The releases of one distribution an integration supports, both ends included."""
+
+    distribution: str
+    """Its name on PyPI (importlib.metadata's), e.g. 'transformers'."""
+    oldest: str
+    """The oldest release supported, e.g. '4.45.0'."""
+    newest: str
+    """The newest release supported, e.g. '5.23.0'."""
+    note: str = ""
+    """What a user must know to get a release of the range (megatron-core 0.19: Python 3.12)."""
+
+    def __post_init__(self) -> None:
+        if release_key(self.oldest) > release_key(self.newest):
+            raise ValueError(f"{self.distribution}: oldest {self.oldest} is newer than newest {self.newest}")
+
+    def describe(self) -> str:
+        return f"{self.distribution} {self.oldest} to {self.newest}" + (f" ({self.note})" if self.note else "")
+
+
+def release_key(release: str) -> tuple[int, ...]:
+    """'0.19.0rc1' -> (0, 19, 0): the numeric release, as the ranges are written (final releases;
+    a pre-release counts as its final)."""
+    match = re.match(r"\d+(\.\d+)*", release)
+    if match is None:
+        raise ValueError(f"release {release!r} does not start with a numeric version like 4.45.0")
+    return tuple(int(part) for part in match.group(0).split("."))
+
+
+def installed_release(distribution: str) -> str | None:
+    """The installed release of `distribution`, from its metadata; None where it is not installed."""
+    try:
+        return importlib.metadata.version(distribution)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def outside(ranges: tuple[ReleaseRange, ...]) -> str | None:
+    """None where every installed distribution of `ranges` is in its range (one not installed is
+    the import question's, not this one's); else why, worded to follow "needs ": the first one
+    out of range."""
+    for r in ranges:
+        release = installed_release(r.distribution)
+        if release is None:
+            continue
+        key = release_key(release)
+        if not release_key(r.oldest) <= key[:len(release_key(r.newest))] <= release_key(r.newest):
+            return f"{r.describe()}; {r.distribution} {release} is installed"
+    return None
+
+
+@functools.cache
+def probe(compat_module: str) -> tuple[str, ...]:
+    """`compat_module.missing()`, asked in a child interpreter (see the module docstring); a child
+    that fails answers why, as one missing item."""
+    try:
+        done = subprocess.run([sys.executable, "-m", __name__, compat_module], capture_output=True, text=True,
+                              timeout=PROBE_TIMEOUT_S, check=False)
+    except subprocess.TimeoutExpired:
+        return (f"an import of the framework that finishes ({compat_module}'s probe ran past {PROBE_TIMEOUT_S} s)",)
+    if done.returncode != 0:
+        tail = (done.stderr.strip().splitlines() or ["no output"])[-1]
+        return (f"an import of the framework that works (it raised here: {tail})",)
+    return tuple(json.loads(done.stdout.strip().splitlines()[-1]))
+
+
+def require(compat_module: str, what: str) -> None:
+    """Raises Unsupported where the installed releases cannot run `what` (a case's name): out of
+    range, or an API this integration needs missing. Called from a case's `validate`."""
+    compat = importlib.import_module(compat_module)
+    reason = outside(compat.RELEASES)
+    if reason is not None:
+        raise Unsupported(f"{what} needs {reason}")
+    missing = probe(compat_module)
+    if missing:
+        installed = ", ".join(f"{r.distribution} {installed_release(r.distribution)}" for r in compat.RELEASES
+                              if installed_release(r.distribution) is not None)
+        raise Unsupported(f"{what} needs {'; '.join(missing)}, which {installed} lacks "
+                          f"(supported: {', '.join(r.describe() for r in compat.RELEASES)})")
+
+
+@dataclass(kw_only=True, frozen=True)
+class ShippedBug:
+    """A training-step bug a framework shipped in a release, and the release that fixed it."""
+
+    distribution: str
+    """The distribution that shipped it, e.g. 'transformers'."""
+    first: str
+    """The oldest release of the supported range that has it (the bug may be older)."""
+    fixed: str
+    """The first release without it."""
+    stage: str
+    """Where the check catches it on a release that has it (`Outcome.caught_by`: 'grad',
+    'reported loss', 'grad norm', ...)."""
+    summary: str
+    """What the bug does, in a line."""
+    source: str
+    """Its public report or fix (an issue or PR URL)."""
+
+    def present(self) -> bool:
+        """Whether the installed release has it (False where the distribution is not installed)."""
+        release = installed_release(self.distribution)
+        return release is not None and release_key(self.first) <= release_key(release) < release_key(self.fixed)
+
+
+def release_case(base: Case, *, name: str, bug: ShippedBug, fields: tuple[tuple[str, Any], ...], note: str) -> Case:
+    """A release case: correct case `base` on the config (`fields`) that shows `bug`, registered
+    under `name`, whose expected verdict follows the installed release: FAIL (at `bug.stage`,
+    its `killed_by`) where the release has the bug, PASS where it is fixed. The main job checks
+    it on the pinned release; the release matrix on each (`sp-harness releases`)."""
+    if not name.startswith("release-"):
+        raise ValueError(f"release case names start with 'release-', got {name!r}")
+    return register(dataclasses.replace(
+        base, name=name, description=f"RELEASE {bug.distribution} {bug.first} to before {bug.fixed}: {bug.summary}",
+        models_bug=bug.summary, source=bug.source, tags=tuple(dict.fromkeys((*base.tags, "release"))),
+        killed_by=(bug.stage,), expect=lambda config: "FAIL" if bug.present() else "PASS",
+        examples=(Example(fields=fields, note=note),)))
+
+
+if __name__ == "__main__":  # the probe's child: prints missing() as one JSON line
+    print(json.dumps(list(importlib.import_module(sys.argv[1]).missing())))
