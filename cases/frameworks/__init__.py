@@ -120,18 +120,24 @@ def unavailable() -> dict[str, str]:
     """Framework case name -> why it cannot run here, worded to follow "case NAME ": the first
     module it needs that cannot be imported, and the extra that installs it; or its framework's
     installed release outside the supported range. Each module is asked once."""
-    problems: dict[str, str | None] = {}
+    problems: dict[str, str | None] = {}  # module -> why it cannot be imported
+    ranges: dict[str, str | None] = {}  # framework module -> why its releases are out of range
     why = {}
     for framework, (_, names) in FRAMEWORK_CASES.items():
+        hint = f"pip install 'sp-harness[{EXTRAS[framework]}]'"
         for name in names:
             for module in needed(framework, name):
                 if module not in problems:
                     problems[module] = import_problem(module)
-                    if problems[module] is None and module in COMPAT and (reason := out_of_range(module)):
-                        problems[module] = f"whose supported releases are {reason}"
                 if problems[module] is not None:
-                    why[name] = f"needs {module}, {problems[module]} (pip install 'sp-harness[{EXTRAS[framework]}]')"
+                    why[name] = f"needs {module}, {problems[module]} ({hint})"
                     break
+                if module in COMPAT:
+                    if module not in ranges:
+                        ranges[module] = out_of_range(module)
+                    if ranges[module] is not None:
+                        why[name] = f"needs {ranges[module]} ({hint} installs the tested releases)"
+                        break
     return why
 
 
@@ -141,10 +147,13 @@ class InstalledFramework:
 
     framework: str
     """Its importable module (sp_harness.cases.frameworks' keys): 'megatron.core', 'accelerate', ..."""
+    package: str
+    """Its integration's package here: 'megatron', 'hf', ... (sp_harness.cases.frameworks.<package>)."""
     releases: tuple[tuple[str, str | None, str], ...]
     """(distribution, the installed release or None, the supported range) for each it runs on."""
     verdict: str
-    """'ok', 'not installed', or why its cases are UNSUPPORTED here (out of range, an API missing)."""
+    """'ok' (in range, every API there), 'in range' (APIs not asked), 'not installed', or why its
+    cases are UNSUPPORTED here (out of range, an API missing)."""
 
 
 def installed_frameworks(*, probe_apis: bool = True) -> list[InstalledFramework]:
@@ -164,6 +173,7 @@ def installed_frameworks(*, probe_apis: bool = True) -> list[InstalledFramework]
         elif probe_apis and (gaps := probe(compat_module)):
             verdict = f"missing: {'; '.join(gaps)}"
         else:
-            verdict = "ok"
-        rows.append(InstalledFramework(framework=framework, releases=found, verdict=verdict))
+            verdict = "ok" if probe_apis else "in range"
+        rows.append(InstalledFramework(framework=framework, package=compat_module.split(".")[-2], releases=found,
+                                       verdict=verdict))
     return rows

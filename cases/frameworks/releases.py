@@ -26,6 +26,7 @@ import functools
 import importlib
 import importlib.metadata
 import json
+import os
 import re
 import subprocess
 import sys
@@ -88,7 +89,7 @@ def outside(ranges: tuple[ReleaseRange, ...]) -> str | None:
             continue
         key = release_key(release)
         if not release_key(r.oldest) <= key[:len(release_key(r.newest))] <= release_key(r.newest):
-            return f"{r.describe()}; {r.distribution} {release} is installed"
+            return f"{r.describe()} (the supported range), and {r.distribution} {release} is installed"
     return None
 
 
@@ -96,9 +97,11 @@ def outside(ranges: tuple[ReleaseRange, ...]) -> str | None:
 def probe(compat_module: str) -> tuple[str, ...]:
     """`compat_module.missing()`, asked in a child interpreter (see the module docstring); a child
     that fails answers why, as one missing item."""
+    # the child sees what this process sees (a user's case folder, a test's fakes), before its own
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [*sys.path, os.environ.get("PYTHONPATH")]))}
     try:
         done = subprocess.run([sys.executable, "-m", __name__, compat_module], capture_output=True, text=True,
-                              timeout=PROBE_TIMEOUT_S, check=False)
+                              timeout=PROBE_TIMEOUT_S, check=False, env=env)
     except subprocess.TimeoutExpired:
         return (f"an import of the framework that finishes ({compat_module}'s probe ran past {PROBE_TIMEOUT_S} s)",)
     if done.returncode != 0:

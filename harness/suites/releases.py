@@ -59,7 +59,9 @@ def run_release_cases(out: Path | None, only: str | None = None) -> int:
         pinned = case.killed_by[0] if case.killed_by else ""
         ok = res.verdict == expected and (res.verdict != "FAIL" or caught == pinned)
         bad += not ok
-        record = {"case": config.case, "config": res.config.short(), "releases": releases, "expected": expected,
+        own = _distributions(config.case)
+        record = {"case": config.case, "config": res.config.short(),
+                  "releases": {d: v for d, v in releases.items() if d in own}, "expected": expected,
                   "verdict": res.verdict, "caught_by": caught, "pinned": pinned, "ok": ok, "bug": case.models_bug,
                   "source": case.source, "reason": res.reason.splitlines()[0] if res.reason else "",
                   "repro": res.config.repro(), "env": os.environ.get("TOX_ENV_NAME", "")}
@@ -78,14 +80,14 @@ def table(paths: list[Path]) -> str:
     lines = ["| release case | bug (source) | installed | expected | verdict | caught by | as expected |",
              "|---|---|---|---|---|---|---|"]
     for r in sorted(rows, key=lambda r: (r["case"], sorted(r["releases"].items()))):
-        installed = ", ".join(f"{d} {v}" for d, v in sorted(r["releases"].items()) if d in _distributions(r["case"]))
+        installed = ", ".join(f"{d} {v}" for d, v in sorted(r["releases"].items()))
         lines.append(f"| `{r['case']}` | {r['bug']} ([source]({r['source']})) | {installed or '-'} | {r['expected']} | "
                      f"{r['verdict']} | {r['caught_by'] or '-'} | {'yes' if r['ok'] else 'NO'} |")
     return "\n".join(lines)
 
 
 def _distributions(case_name: str) -> tuple[str, ...]:
-    """The distributions a case's framework runs on (the table shows only those)."""
+    """The distributions a release case's framework runs on (its records carry only those)."""
     import importlib
 
     frameworks = importlib.import_module("sp_harness.cases.frameworks")
@@ -96,15 +98,16 @@ def _distributions(case_name: str) -> tuple[str, ...]:
 
 
 def cmd_env(args) -> int:
-    """Prints each framework integration's installed releases against its supported range."""
+    """Prints each framework integration's installed releases against its supported range: one
+    line per distribution, the framework's status on its first."""
     import importlib
 
     installed_frameworks = importlib.import_module("sp_harness.cases.frameworks").installed_frameworks
-    print(f"{'framework':<15} {'release':<32} {'supported':<34} status")
+    print(f"{'integration':<14} {'distribution':<14} {'installed':<10} {'supported':<18} status")
     for row in installed_frameworks(probe_apis=args.probe):
-        installed = ", ".join(f"{d} {v or '-'}" for d, v, _ in row.releases)
-        supported = ", ".join(f"{rng}" for _, _, rng in row.releases)
-        print(f"{row.framework:<15} {installed:<32} {supported:<34} {row.verdict}")
+        for i, (distribution, release, supported) in enumerate(row.releases):
+            print(f"{row.package if i == 0 else '':<14} {distribution:<14} {release or '-':<10} {supported:<18} "
+                  f"{row.verdict if i == 0 else ''}".rstrip())
     return 0
 
 

@@ -1,0 +1,159 @@
+"""Release ranges (issue 62): a framework installed outside the range its integration supports, or
+missing an API the integration needs, makes its cases UNSUPPORTED before any rank starts, naming
+the release and the range; `sp-harness env` says the same per framework; a release case's
+expected verdict follows the installed release. Releases are faked with a distribution's metadata
+(a `.dist-info` folder ahead of site-packages on PYTHONPATH): the question is asked of the
+metadata, so the installed framework's code is the real one throughout."""
+
+from __future__ import annotations
+
+import importlib
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from test_optional_frameworks import Hidden
+
+from sp_harness.cases.frameworks import COMPAT, FRAMEWORK_CASES, installed, unavailable
+from sp_harness.cases.frameworks.releases import (
+    ReleaseRange,
+    ShippedBug,
+    installed_release,
+    outside,
+    probe,
+    release_key,
+    require,
+)
+from sp_harness.cli import EXIT_OK
+from sp_harness.config.case import Unsupported
+
+
+def _fake_release(folder: Path, distribution: str, release: str) -> None:
+    info = folder / f"{distribution.replace('-', '_')}-{release}.dist-info"
+    info.mkdir(parents=True)
+    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {distribution}\nVersion: {release}\n")
+
+
+@pytest.fixture
+def fakes(tmp_path, monkeypatch):
+    """A folder on sys.path (first) for fake distributions' metadata."""
+    folder = tmp_path / "fakes"
+    folder.mkdir()
+    monkeypatch.syspath_prepend(str(folder))
+    importlib.invalidate_caches()
+    return folder
+
+
+def test_release_keys_compare_as_releases():
+    assert release_key("0.19.0rc1") == (0, 19, 0)
+    assert release_key("4.45.2") < release_key("4.46.0") < release_key("4.100.0")
+    with pytest.raises(ValueError, match="'main'"):
+        release_key("main")
+    with pytest.raises(ValueError, match="oldest 2.0 is newer than newest 1.0"):
+        ReleaseRange(distribution="x", oldest="2.0", newest="1.0")
+
+
+def test_outside_names_the_release_and_the_range(fakes):
+    _fake_release(fakes, "spfake-framework", "1.2.3")
+    below = ReleaseRange(distribution="spfake-framework", oldest="1.3.0", newest="2.0.0")
+    assert outside((below,)) == ("spfake-framework 1.3.0 to 2.0.0 (the supported range), "
+                                 "and spfake-framework 1.2.3 is installed")
+    assert outside((ReleaseRange(distribution="spfake-framework", oldest="1.2.0", newest="1.2.3"),)) is None
+    # a newest end of fewer parts admits its patch releases: "0.19" is 0.19.x
+    assert outside((ReleaseRange(distribution="spfake-framework", oldest="1.0", newest="1.2"),)) is None
+    assert outside((ReleaseRange(distribution="spfake-not-installed", oldest="1.0", newest="2.0"),)) is None
+
+
+def test_a_shipped_bug_is_present_only_on_its_releases(fakes):
+    _fake_release(fakes, "spfake-framework", "4.47.0")
+    bug = ShippedBug(distribution="spfake-framework", first="4.47.0", fixed="4.47.1", stage="reported loss",
+                     summary="s", source="https://example.invalid/1")
+    assert bug.present()
+    assert not ShippedBug(**{**bug.__dict__, "first": "4.45.0", "fixed": "4.47.0"}).present()
+    assert not ShippedBug(**{**bug.__dict__, "distribution": "spfake-not-installed"}).present()
+
+
+def test_a_missing_api_is_unsupported_naming_it(tmp_path, monkeypatch):
+    """`require` asks the compat module's `missing()` in a child interpreter (which sees this
+    process's sys.path) and names what it lacks."""
+    (tmp_path / "spfake_compat.py").write_text(
+        "from sp_harness.cases.frameworks.releases import ReleaseRange\n"
+        "RELEASES = (ReleaseRange(distribution='pytest', oldest='1.0', newest='99.0'),)\n"
+        "def missing():\n    return ('spfake.Trainer._inner_loop',)\n")
+    (tmp_path / "spfake_broken.py").write_text("RELEASES = ()\nraise RuntimeError('broken on import')\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with pytest.raises(Unsupported, match=r"my-case needs spfake\.Trainer\._inner_loop, which pytest \S+ lacks "
+                                          r"\(supported: pytest 1\.0 to 99\.0\)"):
+        require("spfake_compat", "my-case")
+    assert probe("spfake_broken") == ("an import of the framework that works (it raised here: "
+                                      "RuntimeError: broken on import)",)
+
+
+@pytest.mark.parametrize("framework", sorted(COMPAT))
+def test_every_integration_is_in_range_here_and_lacks_nothing(framework):
+    """What the default suite installs is in every declared range, and each `missing()` finds
+    every API its integration calls there (the release matrix asks the other releases)."""
+    if not installed(framework):
+        pytest.skip(f"{framework} is not installed")
+    compat = COMPAT[framework]
+    assert outside(importlib.import_module(compat).RELEASES) is None
+    assert probe(compat) == ()
+
+
+def test_a_framework_below_its_range_is_unsupported_before_any_rank_starts(tmp_path):
+    if not installed("accelerate") or not installed("transformers"):
+        pytest.skip("the HF Trainer integration is not installed")
+    hidden = Hidden(tmp_path)  # hides nothing: records every process a command starts
+    _fake_release(tmp_path / "site", "transformers", "4.44.2")
+    reason = ("needs transformers 4.45.0 to 5.23.0 (the supported range), and transformers 4.44.2 is installed "
+              "(pip install 'sp-harness[hf]' installs the tested releases)")
+    res, _ = hidden.run("list")
+    assert res.returncode == EXIT_OK, res.stderr[-2000:]
+    listed = {line.split()[0]: line for line in res.stdout.splitlines() if line.strip()}
+    assert listed["hf-trainer-llama"].endswith(f"unavailable: {reason}"), listed["hf-trainer-llama"]
+    assert "unavailable" not in listed["ds-ulysses"]
+
+    res, started = hidden.run("check", "--case", "hf-trainer-llama", "--train-step")
+    assert f"UNSUPPORTED: case hf-trainer-llama {reason}" in res.stdout.splitlines(), res.stdout + res.stderr[-2000:]
+    assert res.returncode == EXIT_OK
+    assert started == [], f"processes started: {started}"
+
+    res, _ = hidden.run("env", "--no-probe")
+    assert res.returncode == EXIT_OK, res.stderr[-2000:]
+    hf = next(line for line in res.stdout.splitlines() if line.startswith("hf "))
+    assert "4.44.2" in hf and hf.endswith("out of range: needs transformers 4.45.0 to 5.23.0 (the supported range), "
+                                          "and transformers 4.44.2 is installed"), hf
+
+
+def test_unavailable_names_the_range_for_every_case_of_the_framework(fakes):
+    _fake_release(fakes, "megatron-core", "0.9.0")
+    if not installed("megatron.core"):
+        pytest.skip("megatron-core is not installed")
+    assert installed_release("megatron-core") == "0.9.0"
+    why = unavailable()
+    names = FRAMEWORK_CASES["megatron.core"][1]
+    assert all("megatron-core 0.9.0 is installed" in why[name] for name in names), {n: why.get(n) for n in names}
+    assert not any("megatron-core" in why.get(name, "") for name in FRAMEWORK_CASES["yunchang"][1])
+
+
+def test_the_release_table_renders_records(tmp_path):
+    from sp_harness.suites.releases import table
+
+    records = tmp_path / "hf-4.45.2.jsonl"
+    rows = [{"case": "release-hf-x", "config": "ws=2", "releases": {"transformers": "4.45.2", "accelerate": "1.0.1"},
+             "expected": "FAIL", "verdict": "FAIL", "caught_by": "reported loss", "pinned": "reported loss", "ok": True,
+             "bug": "the bug", "source": "https://example.invalid/2", "reason": "", "repro": "", "env": "hf-4.45.2"}]
+    records.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    lines = table([records]).splitlines()
+    assert lines[2] == ("| `release-hf-x` | the bug ([source](https://example.invalid/2)) | accelerate 1.0.1, "
+                        "transformers 4.45.2 | FAIL | FAIL | reported loss | yes |")
+
+
+def test_the_releases_command_refuses_a_missing_record_file(tmp_path):
+    res = subprocess.run([sys.executable, "-m", "sp_harness.cli", "releases", "--table", str(tmp_path / "none.jsonl")],
+                         capture_output=True, text=True, timeout=300)
+    assert res.returncode == 2
+    assert res.stderr.strip() == (f"sp-harness: error: --table: no such record file {tmp_path / 'none.jsonl'} "
+                                  "(sp-harness releases --out FILE writes one)")
