@@ -54,8 +54,10 @@ def run_release_cases(out: Path | None, only: str | None = None) -> int:
     bad = 0
     for config, case in configs:
         expected = expected_verdict(config)
-        res = (train_step.check if config.train_step else side_by_side.check)(config, runner)
-        caught = side_by_side.outcome_of(res).caught_by if res.verdict == "FAIL" else ""
+        # the check's own Outcome: its caught_by is the stage a mutant's killed_by pins
+        outcome = (train_step.CHECK if config.train_step else side_by_side.CHECK).run(config, runner)
+        res = outcome.figures
+        caught = outcome.caught_by if res.verdict == "FAIL" else ""
         pinned = case.killed_by[0] if case.killed_by else ""
         ok = res.verdict == expected and (res.verdict != "FAIL" or caught == pinned)
         bad += not ok
