@@ -1,4 +1,5 @@
-"""DeepSpeed 0.19.8 Ulysses as a system under test (sp_harness.cases.frameworks.deepspeed.case),
+"""DeepSpeed-Ulysses as a system under test (sp_harness.cases.frameworks.deepspeed.case; 0.19.8 pinned,
+each release of compat.RELEASES in the release matrix),
 on real gloo ranks: DeepSpeed's own DistributedAttention around a user's local attention (SDPA)
 in the reference GPT, its grads reduced by DeepSpeed's engine (float32, bfloat16) or the same sums
 written out (float64, which the engine refuses), against the same GPT unsharded; and a bug from
@@ -12,6 +13,8 @@ from installed import skip_unless_installed
 
 skip_unless_installed("deepspeed", "DeepSpeed is not installed (pip install -e '.[deepspeed]')")
 
+from sp_harness.cases.frameworks.deepspeed import compat  # noqa: E402
+from sp_harness.cases.frameworks.deepspeed.cases import BUG_6774, BUG_8317  # noqa: E402
 from sp_harness.config.check_config import CheckConfig  # noqa: E402
 from sp_harness.judge.verdict import FAIL, PASS, UNSUPPORTED  # noqa: E402
 
@@ -34,6 +37,13 @@ def test_distributed_attention_with_the_engine_passes_at_float32(sp_check, field
 
 def test_four_heads_over_sp4_pass_at_bfloat16_in_seq_first_layout(sp_check):
     res = sp_check(_config("DS_ULYSSES", world_size=4, dtype="bfloat16", layout="sbh"))
+    # one local head over SP 4: the releases with #6774 take the uneven path and assert; those with
+    # #8317 reshape the seq-first output to a zero-sized head dim and raise
+    shipped = [bug for bug in (BUG_6774, BUG_8317) if bug.present()]
+    if shipped:
+        assert res.verdict == FAIL and res.first_check == "crash", res.reason + res.error
+        assert ("Number of heads" if shipped[0] is BUG_6774 else "is invalid for input") in res.reason, res.reason
+        return
     assert res.verdict == PASS, res.reason + res.error
 
 
@@ -60,6 +70,9 @@ def test_ulysses_sp_attention_hf_on_a_tiny_llama_passes(sp_check):
     skip_unless_installed("transformers", "transformers is not installed (the deepspeed extra installs it)")
     # 4 query heads, 2 k/v heads over SP 2; DeepSpeed registers itself over transformers' sdpa
     res = sp_check(_config("HF_LLAMA", world_size=2, dtype="float32"))
+    if compat.lacks(compat.ULYSSES_HF):  # before 0.17.0: UNSUPPORTED before any rank, naming the API
+        assert res.verdict == UNSUPPORTED and compat.ULYSSES_HF in res.reason, res.reason
+        return
     assert res.verdict == PASS, res.reason + res.error
 
 
@@ -72,7 +85,8 @@ def test_the_built_in_cases_reach_their_nightly_verdict(sp_check, case):
 
     config = get_case(case).examples[0].config(case)
     res = sp_check(config)
-    assert res.verdict == expected_verdict(config) == PASS, res.reason + res.error
+    runs = not (case.startswith("ds-ulysses-hf") and compat.lacks(compat.ULYSSES_HF))
+    assert res.verdict == expected_verdict(config) == (PASS if runs else UNSUPPORTED), res.reason + res.error
 
 
 def test_the_bench_runs_the_hf_case_bare_after_its_check(sp_check, sp_pool):
@@ -81,6 +95,9 @@ def test_the_bench_runs_the_hf_case_bare_after_its_check(sp_check, sp_pool):
     # UlyssesSPAttentionHF in transformers' attention table; it now computes where a check's does
     from sp_harness.suites.bench_bare import timed_bare
     from sp_harness.suites.bench_realistic import realistic_config, runnable
+
+    if compat.lacks(compat.ULYSSES_HF):
+        pytest.skip(f"this DeepSpeed lacks {compat.ULYSSES_HF} (0.17.0 added it)")
 
     config = runnable(realistic_config("ds-ulysses-hf-llama", 2, 256, 32))
     assert config is not None and config.hidden == 256
@@ -103,7 +120,10 @@ def test_the_users_own_module_with_distributed_attention_passes(sp_check):
 def test_zero_stage_2_passes_and_stage_3_is_unsupported_before_any_rank(sp_check):
     # SP 2: ZeRO-2 partitions over the sequence-data-parallel group (both ranks); DP 2 x SP 2: full tier
     res = sp_check(CheckConfig(case="ds-ulysses-zero2", world_size=2, timeout_s=TIMEOUT_S))
-    assert res.verdict == PASS, res.reason + res.error
+    if compat.lacks(compat.ZERO_TORCH_BACKWARD):  # before 0.17.2: ZeRO reduces only inside engine.backward
+        assert res.verdict == UNSUPPORTED and "IPGBucket" in res.reason, res.reason
+    else:
+        assert res.verdict == PASS, res.reason + res.error
     from types import SimpleNamespace
 
     from sp_harness import Unsupported
@@ -118,6 +138,8 @@ def test_zero_stage_2_passes_and_stage_3_is_unsupported_before_any_rank(sp_check
 
 def test_hf_qwen2_passes_in_float64_with_the_sums_written_out(sp_check):
     skip_unless_installed("transformers", "transformers is not installed (the deepspeed extra installs it)")
+    if compat.lacks(compat.ULYSSES_HF):
+        pytest.skip(f"this DeepSpeed lacks {compat.ULYSSES_HF} (test_ulysses_sp_attention_hf_... checks the reason)")
     res = sp_check(CheckConfig(case="ds-ulysses-hf-qwen2", world_size=2, dtype="float64", timeout_s=TIMEOUT_S))
     assert res.verdict == PASS, res.reason + res.error
     res = sp_check(CheckConfig(case=f"{HF_QWEN2}:QWEN2", world_size=2, dtype="float64", timeout_s=TIMEOUT_S))
@@ -160,7 +182,7 @@ def test_your_labels_padding_smoothing_and_loss_function_pass(sp_check):
     # masks and a z-loss of the user's own. Each SP rank's loss is its shard's sum over the
     # sequence's valid tokens
     skip_unless_installed("transformers", "transformers is not installed (the deepspeed extra installs it)")
-    for name in ("QWEN2_SFT", "OWN_Z_LOSS"):
+    for name in ("QWEN2_SFT", "OWN_Z_LOSS")[compat.lacks(compat.ULYSSES_HF):]:
         res = sp_check(CheckConfig(case=f"{TOKEN_LOSS}:{name}", world_size=2, dtype="float32", timeout_s=TIMEOUT_S))
         assert res.verdict == PASS, name + res.reason + res.error
         assert res.worst["loss"].ratio < 1, name

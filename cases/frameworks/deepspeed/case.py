@@ -50,6 +50,8 @@ from sp_harness.cases.common import (
     gpt_tokens,
     with_positions,
 )
+from sp_harness.cases.frameworks import releases
+from sp_harness.cases.frameworks.deepspeed import compat
 from sp_harness.cases.frameworks.deepspeed.loss import case_loss_fields, loss_limits, sp_local_loss, token_batch
 from sp_harness.cases.frameworks.deepspeed.model import (
     DeepSpeedUlyssesAttention,
@@ -144,14 +146,19 @@ def grad_sync_of(model: nn.Module, ctx: RankContext, *, grad_sync: str, mpu: Any
     stage = zero_stage(ds_config)
     config = {"train_micro_batch_size_per_gpu": cfg.batch, "gradient_accumulation_steps": 1,
               "zero_optimization": {"stage": 0}, **(ds_config or {})}
+    params = [p for p in model.parameters() if p.requires_grad]
+    # never stepped (the harness steps its own): ZeRO needs one to wrap, and before 0.19.x
+    # `allreduce_gradients` tells the engine's optimizer the accumulation boundary unguarded, so
+    # an engine without one cannot reduce; at stage 0 it is held unwrapped and the reduction is
+    # the same `buffered_allreduce_fallback` either way
+    optimizer = torch.optim.SGD(params, lr=0.0)
     if stage == 0:
-        engine, *_ = deepspeed.initialize(model=model, config=config, mpu=mpu)
+        engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=config, mpu=mpu)
         return engine.allreduce_gradients
     # ZeRO keeps bfloat16 params with fp32 partitions only when told the run is bf16
     config.setdefault("bf16", {"enabled": cfg.torch_dtype == torch.bfloat16})
     config.setdefault("zero_allow_untested_optimizer", True)
-    params = [p for p in model.parameters() if p.requires_grad]
-    engine, *_ = deepspeed.initialize(model=model, optimizer=torch.optim.SGD(params, lr=0.0), config=config, mpu=mpu)
+    engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=config, mpu=mpu)
 
     def sync() -> None:
         engine.allreduce_gradients()
@@ -178,7 +185,6 @@ def ulysses_shard(*, local_attention: LocalAttentionFn, scatter_idx: int = 2, ga
     local_loss = None if loss is None else sp_local_loss(loss, normalise)
 
     def shard(reference: nn.Module, ctx: RankContext) -> Sharded:
-        from deepspeed.sequence.layer import DistributedAttention
         from deepspeed.utils import groups
 
         cfg = ctx.config
@@ -195,9 +201,9 @@ def ulysses_shard(*, local_attention: LocalAttentionFn, scatter_idx: int = 2, ga
             attn = block.attn
             assert isinstance(attn, UserAttention)  # build_reference's
             local = LocalAttention(local_attention, attn.causal, layout_bdi)
-            dist_attn = DistributedAttention(local, ctx.tp_group, scatter_idx=scatter_idx,
-                                             gather_idx=seq_dim if gather_idx is None else gather_idx,
-                                             num_kv_heads=num_kv_heads)
+            dist_attn = compat.distributed_attention(local, ctx.tp_group, scatter_idx=scatter_idx,
+                                                     gather_idx=seq_dim if gather_idx is None else gather_idx,
+                                                     num_kv_heads=num_kv_heads)
             block.attn = DeepSpeedUlyssesAttention(attn, dist_attn, layout_bdi, told_bdi)
         model = UlyssesGPT(as_gpt(reference))
         sync = grad_sync_of(model, ctx, grad_sync=grad_sync, mpu=ps if mpu else None, ds_config=ds_config)
@@ -252,6 +258,34 @@ def ulysses_limits(cfg, *, grad_sync: str, ds_config: Mapping[str, Any] | None =
     engine_limits(cfg, grad_sync=grad_sync, ds_config=ds_config)
 
 
+def zero_release_limits(name: str, ds_config: Mapping[str, Any] | None) -> None:
+    """ZeRO-1/2 in a side-by-side case (torch's `loss.backward()`, ZeRO's grad hooks) where the
+    installed release reduces only inside `engine.backward`, as `Unsupported` naming it."""
+    if zero_stage(ds_config) in (1, 2) and compat.lacks(compat.ZERO_TORCH_BACKWARD):
+        raise Unsupported(compat.unsupported_without(
+            compat.ZERO_TORCH_BACKWARD, f"{name} (ZeRO-{zero_stage(ds_config)} in the side-by-side check, which "
+                                        f"backpropagates with loss.backward(); its engine step: ds_step_case)"))
+
+
+def release_limits(cfg, name: str, *, num_kv_heads: int | None, ds_config: Mapping[str, Any] | None = None) -> None:
+    """What the installed DeepSpeed release cannot run, as `Unsupported` before any rank starts:
+    out of `compat.RELEASES` or an API every case needs missing (`releases.require`);
+    DistributedAttention's `num_kv_heads` where this config needs it and the release lacks it (an
+    explicit count, or grouped-query heads its per-tensor split would tear:
+    `compat.gqa_without_num_kv_heads`); ZeRO-1/2 under torch's `loss.backward()` where the release
+    reduces only inside `engine.backward` (`compat.ZERO_TORCH_BACKWARD`)."""
+    releases.require(compat.__name__, name)
+    zero_release_limits(name, ds_config)
+    sp = cfg.world_size // cfg.dp
+    a, a_kv = cfg.num_heads, cfg.num_kv_heads or cfg.num_heads
+    if num_kv_heads is not None and compat.lacks(compat.NUM_KV_HEADS):
+        raise Unsupported(compat.unsupported_without(compat.NUM_KV_HEADS, f"{name} (num_kv_heads={num_kv_heads})"))
+    if sp > 1 and not compat.gqa_without_num_kv_heads(a, a_kv, sp) and compat.lacks(compat.NUM_KV_HEADS):
+        raise Unsupported(compat.unsupported_without(
+            compat.NUM_KV_HEADS, f"{name}'s grouped-query heads ({a} query, {a_kv} k/v over sp {sp}: without the "
+                                 f"count each all-to-all splits its own tensor's heads, which tears a k/v group)"))
+
+
 def engine_limits(cfg, *, grad_sync: str, ds_config: Mapping[str, Any] | None) -> None:
     """What DeepSpeed's engine cannot run in the side-by-side check, as `Unsupported`: float64
     through its reduction, ZeRO-3 (`ZERO3_UNSUPPORTED`)."""
@@ -281,6 +315,7 @@ def ulysses_case(name: str, *, local_attention: LocalAttentionFn = sdpa_attentio
 
     def validate(cfg) -> None:
         ulysses_limits(cfg, grad_sync=grad_sync, ds_config=ds_config)
+        release_limits(cfg, name, num_kv_heads=num_kv_heads, ds_config=ds_config)
         if loss is not None:
             loss_limits(cfg, loss)
 
@@ -308,5 +343,5 @@ def ulysses_case(name: str, *, local_attention: LocalAttentionFn = sdpa_attentio
                 tags=("deepspeed", "ulysses", "framework", *case_fields.pop("tags", ())), **case_fields)
 
 
-__all__ = ["ZERO3_UNSUPPORTED", "check_engine_args", "engine_limits", "detached", "grad_sync_of", "sdpa_attention", "ulysses_case",
-           "ulysses_limits", "ulysses_shard", "zero_stage"]
+__all__ = ["ZERO3_UNSUPPORTED", "check_engine_args", "engine_limits", "detached", "grad_sync_of", "release_limits",
+           "sdpa_attention", "zero_release_limits", "ulysses_case", "ulysses_limits", "ulysses_shard", "zero_stage"]

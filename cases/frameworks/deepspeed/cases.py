@@ -10,6 +10,7 @@ loss divided by the accumulation steps twice."""
 from sp_harness.cases.frameworks.deepspeed.case import detached, sdpa_attention, ulysses_case, ulysses_shard
 from sp_harness.cases.frameworks.deepspeed.hf import hf_ulysses_case
 from sp_harness.cases.frameworks.deepspeed.step import DeepSpeedStepConfig, ds_step_case, ds_step_shard
+from sp_harness.cases.frameworks.releases import ShippedBug, release_case
 from sp_harness.cases.frameworks.token_loss import TokenLoss
 from sp_harness.config.case import Example
 from sp_harness.config.registry import mutant, register
@@ -216,3 +217,68 @@ DS_STEP_GAS_TWICE = mutant(DS_STEP_ZERO2, name="mutant-ds-step-loss-scaled-by-ga
               "deepspeedai/DeepSpeed#7439",
        shard=ds_step_shard(ZERO2, DeepSpeedStepConfig(undo_gas_scaling=False)), train_loss=DS_STEP_ZERO2.train_loss,
        tags=("train-step",), killed_by=("grads before clipping", "train-step"))
+
+
+# --- release cases: DeepSpeed's own shipped bugs, on the releases that shipped them (sp-harness releases) ---
+
+_ONE_STEP = (("world_size", 2), ("dtype", "float32"), ("train_step", True), ("micro_batches", 3),
+             ("optimizer", "sgd"), ("clip_grad_norm", 0.01), ("steps", 1))
+"""SP 2, K 3, one step with clipping active: each engine-step bug shows in the first step's grads."""
+
+BUG_7967 = ShippedBug(
+    distribution="deepspeed", first="0.16.0", fixed="0.19.0", stage="grads before clipping",
+    summary="ZeRO-2 + CPU optimizer offload, gradient accumulation K >= 3: micro-batches 1..K-2 never reach the CPU "
+            "accumulator (async_accumulate_grad_in_cpu_via_gpu copies to the CPU at micro-step 0 only; shipped "
+            "from 0.15.2, #6550)",
+    source="deepspeedai/DeepSpeed#7967 (fixed in 0.19.0)")
+RELEASE_7967 = release_case(DS_STEP_OFFLOAD, name="release-ds-7967-offload-ga3-drops-middle", bug=BUG_7967,
+                            fields=_ONE_STEP, note="the correct user loop, ZeRO-2 offload, K 3")
+
+BUG_7981 = ShippedBug(
+    distribution="deepspeed", first="0.16.0", fixed="0.19.0", stage="grads before clipping",
+    summary="ZeRO-1/2 + CPU optimizer offload, several backwards per step at gradient_accumulation_steps 1 "
+            "(set_gradient_accumulation_boundary): only the last backward's grads reach the fp32 partition "
+            "(copy_grads_in_partition accumulated on the CPU only with gradient_accumulation_steps > 1)",
+    source="deepspeedai/DeepSpeed#7981 (fixed in 0.19.0)")
+RELEASE_7981 = release_case(DS_STEP_OFFLOAD_MULTI, name="release-ds-7981-offload-multi-backward-keeps-last",
+                            bug=BUG_7981, fields=_ONE_STEP, note="GA 1, K 3 backwards and one engine.step, ZeRO-2 offload")
+
+BUG_8317 = ShippedBug(
+    distribution="deepspeed", first="0.16.3", fixed="0.19.7", stage="crash",
+    summary="DistributedAttention in the seq-first layout (batch_dim_idx 1): the output all-to-all reshapes to "
+            "[b, sp*s, heads/sp, d] instead of [s/sp, b, sp*heads, d]: a mis-strided attention output (silent in a "
+            "forward alone) whose grad autograd refuses in the backward ('returned an invalid gradient'), or a "
+            "reshape error where the local heads do not divide sp; from #6750's refactor",
+    source="deepspeedai/DeepSpeed#8317 (fixed in 0.19.7)")
+RELEASE_8317 = release_case(DS_ULYSSES, name="release-ds-8317-seq-first-output-layout", bug=BUG_8317,
+                            fields=(("world_size", 2), ("layout", "sbh"), ("num_heads", 8)),
+                            note="[s, b, h, d] tensors (Megatron-DeepSpeed's layout), 8 heads over SP 2: the "
+                                 "forward's reshape succeeds, the backward hands autograd a [b, sp*s, ...] grad")
+
+BUG_6774 = ShippedBug(
+    distribution="deepspeed", first="0.16.0", fixed="0.16.2", stage="crash",
+    summary="DistributedAttention's output all-to-all takes the uneven-heads path whenever its local head count "
+            "does not divide sp (4 heads over SP 4: 1 local head), and asserts 'Number of heads (1) must be larger "
+            "than sequence parallel size (4)' on an even split",
+    source="deepspeedai/DeepSpeed#6774 (fixed by #6797 in 0.16.2)")
+RELEASE_6774 = release_case(DS_ULYSSES, name="release-ds-6774-output-a2a-uneven-path", bug=BUG_6774,
+                            fields=(("world_size", 4),), note="4 heads over SP 4, one head per rank")
+
+BUG_7649 = ShippedBug(
+    distribution="deepspeed", first="0.17.0", fixed="0.18.2", stage="crash",
+    summary="ZeRO stage 0 in float32 with gradient_clipping and DeepSpeed's own Ulysses mpu (parallel_state_sp): "
+            "engine.step's clip_fp32_gradients calls clip_grad_norm_(mpu=...), which asks the slim mpu for "
+            "get_model_parallel_rank, which it lacks: AttributeError at the first clipped step",
+    source="deepspeedai/DeepSpeed#7649 (the slim mpu's get_model_parallel_* API, added for save_checkpoint; 0.18.2)")
+RELEASE_7649 = release_case(DS_STEP, name="release-ds-7649-stage0-clip-slim-mpu", bug=BUG_7649, fields=_ONE_STEP,
+                            note="stage 0, float32, clipping active: DeepSpeed clips with its own clip_grad_norm_")
+
+BUG_7509 = ShippedBug(
+    distribution="deepspeed", first="0.17.6", fixed="0.18.3", stage="grads before clipping",
+    summary="ZeRO-2 without offload, gradient accumulation K >= 2: the epilogue decides whether to start or add to "
+            "its accumulator by `averaged_gradients` (set only at the boundary) instead of `all_grad_tensors`, so "
+            "the micro-batches are not accumulated (measured on CPU: every grad and the grad norm 0 at the "
+            "boundary); from #7509 (Muon)",
+    source="deepspeedai/DeepSpeed#7665 (the condition fixed in 0.18.3; introduced by #7509 in 0.17.6)")
+RELEASE_7509 = release_case(DS_STEP_ZERO2, name="release-ds-7509-zero2-ga-accumulator", bug=BUG_7509,
+                            fields=_ONE_STEP, note="ZeRO-2, no offload, K 3: the plainest accumulation there is")

@@ -25,7 +25,14 @@ from torch import nn
 
 from sp_harness import Batch, Case, Layout, RankContext, Sharded, Unsupported
 from sp_harness.cases.common import GPT_DEFAULTS, gpt_batch, gpt_tokens, known, with_positions
-from sp_harness.cases.frameworks.deepspeed.case import check_engine_args, engine_limits, grad_sync_of
+from sp_harness.cases.frameworks import releases
+from sp_harness.cases.frameworks.deepspeed import compat
+from sp_harness.cases.frameworks.deepspeed.case import (
+    check_engine_args,
+    engine_limits,
+    grad_sync_of,
+    zero_release_limits,
+)
 from sp_harness.cases.frameworks.deepspeed.loss import case_loss_fields, loss_limits, sp_local_loss, token_batch
 from sp_harness.cases.frameworks.deepspeed.runtime import (
     DEEPSPEED_PRELOAD,
@@ -64,6 +71,12 @@ def _install_exchange(exchange: Callable | None) -> None:
     warm process."""
     from deepspeed.runtime.sequence_parallel import ulysses_sp
 
+    if not hasattr(ulysses_sp, "_dim_zero_all_to_all"):
+        # before 0.19.7 the exchange is `_DimZeroAllToAll.apply`, not a module function: nothing
+        # to put back (a replacement is refused in the case's validate: compat.MODULE_EXCHANGE)
+        if exchange is not None:
+            raise Unsupported(compat.unsupported_without(compat.MODULE_EXCHANGE, "a replaced exchange"))
+        return
     own = _ORIGINAL_EXCHANGE.setdefault("a2a", ulysses_sp._dim_zero_all_to_all)
     ulysses_sp._dim_zero_all_to_all = exchange or own
 
@@ -74,16 +87,12 @@ def _register_ulysses_hf(model: nn.Module, *, core: str, sp: int, batch: int, se
     groups; a warm rank process's next job first puts back transformers' own function and
     releases the groups, so every job registers exactly once over the plain attention, as a
     new process would (the references run in processes this never touches)."""
-    from deepspeed.runtime.sequence_parallel import parallel_state_sp as ps
-    from deepspeed.runtime.sequence_parallel.ulysses_sp import UlyssesSPAttentionHF
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
     _ORIGINAL_ATTENTION.setdefault(core, ALL_ATTENTION_FUNCTIONS[core])
     ALL_ATTENTION_FUNCTIONS[core] = _ORIGINAL_ATTENTION[core]
-    ps._release_sequence_parallel_groups()
-    return UlyssesSPAttentionHF.register_with_transformers(
-        model_name_or_path=model, core_attn_implementation=core, sequence_parallel_size=sp,
-        micro_batch_size=batch, seq_length=seq_len, seq_length_is_variable=False)
+    compat.release_sp_groups(compat.sp_groups_module())
+    return compat.register_ulysses_hf(model, core=core, sp=sp, batch=batch, seq_len=seq_len)
 
 
 MODEL_TYPES = ("llama", "qwen2", "mistral")
@@ -142,6 +151,12 @@ def hf_ulysses_case(name: str, model_config: Mapping[str, Any] | None = None, *,
         return CausalLMLogits(AutoModelForCausalLM.from_config(config).to(dtype))
 
     def validate(cfg) -> None:
+        releases.require(compat.__name__, name)
+        if compat.lacks(compat.ULYSSES_HF):
+            raise Unsupported(compat.unsupported_without(compat.ULYSSES_HF, name))
+        if exchange is not None and compat.lacks(compat.MODULE_EXCHANGE):
+            raise Unsupported(compat.unsupported_without(compat.MODULE_EXCHANGE, f"{name} (its replaced exchange)"))
+        zero_release_limits(name, ds_config)
         sp = cfg.world_size // cfg.dp
         a, a_kv = cfg.num_heads, cfg.num_kv_heads or cfg.num_heads
         if cfg.seq_len % sp or (cfg.seq_shards is not None and len(set(cfg.seq_shards)) > 1):

@@ -116,9 +116,9 @@ class SequenceParallelAttention(nn.Module):
         object.__setattr__(self, "dist_attn", None)  # not a submodule: local_attn's params keep one name
 
     def distribute(self, group) -> None:
-        from deepspeed.sequence.layer import DistributedAttention
+        from sp_harness.cases.frameworks.deepspeed import compat
 
-        object.__setattr__(self, "dist_attn", DistributedAttention(
+        object.__setattr__(self, "dist_attn", compat.distributed_attention(
             self.local_attn, group, scatter_idx=self.scatter_idx, gather_idx=self.gather_idx,
             num_kv_heads=self.num_kv_heads))
 
@@ -126,7 +126,8 @@ class SequenceParallelAttention(nn.Module):
                 **kwargs) -> torch.Tensor:
         if self.dist_attn is None:
             return self.local_attn(query, key, value, **kwargs)
-        return self.dist_attn(query, key, value, batch_dim_idx, None, **kwargs)
+        # no rotary_pos_emb (None, its default): 0.16.0-0.16.1's forward has no such parameter
+        return self.dist_attn(query, key, value, batch_dim_idx, **kwargs)
 
 
 __all__ = ["DeepSpeedUlyssesAttention", "LocalAttention", "LocalAttentionFn", "SequenceParallelAttention", "UlyssesGPT",

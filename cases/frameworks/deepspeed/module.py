@@ -35,7 +35,7 @@ from torch import nn
 
 from sp_harness import Batch, Case, Layout, ParamSpec, RankContext, Sharded
 from sp_harness.cases.common import GPT_DEFAULTS, gpt_batch, gpt_tokens, with_positions
-from sp_harness.cases.frameworks.deepspeed.case import check_engine_args, grad_sync_of, ulysses_limits
+from sp_harness.cases.frameworks.deepspeed.case import check_engine_args, grad_sync_of, release_limits, ulysses_limits
 from sp_harness.cases.frameworks.deepspeed.loss import case_loss_fields, loss_limits, sp_local_loss, token_batch
 from sp_harness.cases.frameworks.deepspeed.model import SequenceParallelAttention
 from sp_harness.cases.frameworks.deepspeed.runtime import (
@@ -126,6 +126,7 @@ def ulysses_module_case(name: str, build_model: ModelFactory, *, scatter_idx: in
 
     def validate(cfg) -> None:
         ulysses_limits(cfg, grad_sync=grad_sync, ds_config=ds_config)
+        release_limits(cfg, name, num_kv_heads=num_kv_heads, ds_config=ds_config)
         if loss is not None:
             loss_limits(cfg, loss)
 

@@ -42,16 +42,18 @@ def init_distributed() -> None:
 
 def sp_groups(ctx: RankContext):
     """DeepSpeed's own sequence-parallel groups (`parallel_state_sp.initialize_sequence_parallel`,
-    made once per mesh in a rank process), checked to be the harness's SP group; None at SP 1
-    (DeepSpeed refuses a sequence_parallel_size of 1: the engine is then plain DP)."""
-    from deepspeed.runtime.sequence_parallel import parallel_state_sp as ps
+    made once per mesh in a rank process; 0.16.x: `compat.SLIM_MPU`), checked to be the harness's
+    SP group; None at SP 1 (DeepSpeed refuses a sequence_parallel_size of 1: the engine is then
+    plain DP)."""
+    from sp_harness.cases.frameworks.deepspeed import compat
 
     if ctx.tp == 1:
         return None
+    ps = compat.sp_groups_module()
     made = ps._SEQUENCE_PARALLEL_GROUP
     if made is None or tuple(dist.get_process_group_ranks(made)) != ctx.tp_ranks or \
             ps.get_sequence_data_parallel_world_size() != ctx.world_size:
-        ps._release_sequence_parallel_groups()
+        compat.release_sp_groups(ps)
         ps.initialize_sequence_parallel(ctx.tp)
     theirs = tuple(dist.get_process_group_ranks(ps.get_sequence_parallel_group()))
     if theirs != ctx.tp_ranks:

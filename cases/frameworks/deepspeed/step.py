@@ -46,8 +46,9 @@ partitions instead. Everything else of the offload path (the CPU grad accumulati
 copies into the fp32 partition, the norm from them) is DeepSpeed's own. The math is unchanged:
 DeepSpeedCPUAdam is the same Adam(W) update (fused, vectorised) on the same fp32 partitions.
 
-Mutants reintroduce upstream bugs into this engine's own ZeRO optimizer (`regress`): the 0.19.8
-method's source with the upstream fix's diff reverted, bound to that one optimizer instance.
+Mutants reintroduce upstream bugs into this engine's own ZeRO optimizer (`regress`): the installed
+release's method source with the upstream fix's diff reverted, bound to that one optimizer instance
+(on a release that shipped the bug, its own method: `regressed`).
 """
 
 from __future__ import annotations
@@ -68,7 +69,6 @@ from torch import nn
 from sp_harness import Case, Sharded, Unsupported
 from sp_harness.cases.common import known
 from sp_harness.cases.frameworks.deepspeed.case import sdpa_attention, ulysses_case, ulysses_shard
-from sp_harness.cases.frameworks.deepspeed.runtime import DEEPSPEED_VERSION
 from sp_harness.config.rank_context import RankContext
 from sp_harness.config.step_protocol import MicroBatch, TrainLoss
 from sp_harness.reference.gpt import token_loss_sum
@@ -77,21 +77,23 @@ from sp_harness.step.optim_ref import make_optimizer
 IGNORE_INDEX = -100
 """The target with no loss (`TrainLoss`'s default): torch's cross entropy skips it."""
 
-REGRESSIONS: dict[str, tuple[str, str, str]] = {
+REGRESSIONS: dict[str, tuple[str, tuple[str, ...], str]] = {
     # deepspeedai/DeepSpeed#7967 (introduced by #6550, 0.15.2): the CPU accumulation buffer was
     # written only at micro-step 0, so micro-steps 1..K-2 were added to the GPU grad once and lost
     "7967": ("async_accumulate_grad_in_cpu_via_gpu",
-             "    if self.micro_step_id > 0:\n        accumulate_gradients()\n    copy_gradients_to_cpu()\n",
+             ("    if self.micro_step_id > 0:\n        accumulate_gradients()\n    copy_gradients_to_cpu()\n",),
              "    if self.micro_step_id > 0:\n        accumulate_gradients()\n    else:\n"
              "        copy_gradients_to_cpu()\n"),
     # deepspeedai/DeepSpeed#7981: the CPU accumulation ran only with gradient_accumulation_steps
-    # > 1, so several backwards per step at GA 1 kept the last backward's grads alone
+    # > 1, so several backwards per step at GA 1 kept the last backward's grads alone; the fix's
+    # text in 0.19.0 reads the boundary as a property, later releases call it
     "7981": ("copy_grads_in_partition",
-             "if self.micro_step_id > 0 or not self.is_gradient_accumulation_boundary():",
+             ("if self.micro_step_id > 0 or not self.is_gradient_accumulation_boundary():",
+              "if self.micro_step_id > 0 or not self.is_gradient_accumulation_boundary:"),
              "if self.gradient_accumulation_steps > 1:"),
 }
-"""Upstream fix -> (the DeepSpeedZeroOptimizer method it changed, the 0.19.8 text, the text before
-the fix)."""
+"""Upstream fix -> (the DeepSpeedZeroOptimizer method it changed, its text with the fix in each
+release that has it, the text before the fix: what the releases that shipped the bug hold)."""
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -120,15 +122,20 @@ class DeepSpeedStepConfig:
 
 
 def regressed(optimizer: Any, fix: str) -> None:
-    """Undo upstream fix `fix` on this one ZeRO optimizer: its method's 0.19.8 source with the
-    fix's diff reverted, compiled in DeepSpeed's module and bound to the instance. Refuses a
-    DeepSpeed whose source does not hold the fixed text exactly once."""
-    method, fixed, buggy = REGRESSIONS[fix]
+    """Undo upstream fix `fix` on this one ZeRO optimizer: its method's source with the fix's diff
+    reverted, compiled in DeepSpeed's module and bound to the instance. On a release that shipped
+    the bug (its source holds the text before the fix) nothing is undone: the release runs its
+    own buggy method. Refuses a DeepSpeed whose source holds neither text exactly once."""
+    method, fixes, buggy = REGRESSIONS[fix]
     func = getattr(type(optimizer), method)
     source = textwrap.dedent(inspect.getsource(func))
-    if source.count(fixed) != 1:
-        raise RuntimeError(f"DeepSpeed {DEEPSPEED_VERSION}'s {method} does not hold #{fix}'s fix once: "
-                           f"this DeepSpeed's source differs from the one the mutant reverts")
+    held = [text for text in fixes if source.count(text) == 1]
+    if not held and source.count(buggy) == 1:
+        return  # this release shipped the bug
+    if len(held) != 1:
+        raise RuntimeError(f"this DeepSpeed's {method} holds neither #{fix}'s fix nor the text before it "
+                           f"once: its source differs from the ones the mutant reverts")
+    fixed = held[0]
     namespace: dict[str, Any] = {}
     exec(compile(source.replace(fixed, buggy), f"<{method} before #{fix}>", "exec"),  # noqa: S102
          vars(inspect.getmodule(func)), namespace)
