@@ -7,9 +7,14 @@ against the same model in float64 on one device (pip install -e ".[hf]"):
     sp-harness check --case examples/hf_trainer_step.py:LOSS_FUNC --train-step --world-size 2 --dp 2 --micro-batches 3 --optimizer adamw
 
 The Trainer's own gradient-accumulation bugs are built-in mutants (sp_harness.cases.frameworks.
-hf_trainer_cases), each FAILing at the reported loss while its twin passes:
+hf.cases), each FAILing at the reported loss while its twin passes; on the releases that shipped
+them, the release cases FAIL there too (`sp-harness releases --only release-hf`):
 
     sp-harness check --case mutant-hf-trainer-mean-of-micro-batch-means --train-step --world-size 2 --dp 2 --micro-batches 3 --optimizer sgd --clip-grad-norm 0.01
+
+Any transformers of 4.45.0 to 5.23.0 runs these (docs/frameworks/hf-trainer.md, Releases): on
+4.45 the Trainer has no `num_items_in_batch` and no `compute_loss_func`, so MY_LOSS and LOSS_FUNC
+are UNSUPPORTED there, naming what is missing.
 """
 
 import torch.nn.functional as F

@@ -4,10 +4,21 @@ micro-batches, `num_items_in_batch` gathered over the DP ranks, DDP through acce
 and its optimizer PASS against the same HF model in float64 on one device (Llama and Qwen2, a
 user's compute_loss override and compute_loss_func); the Trainer's two shipped gradient-
 accumulation bugs, reintroduced through a Trainer subclass, FAIL at the reported loss on the
-same config while their twin passes."""
+same config while their twin passes.
 
+On whichever release of the supported range is installed (the release matrix runs this file on
+each, tox.ini's hf block): where that release shipped one of the accumulation bugs
+(sp_harness.cases.frameworks.hf.cases.SHIPPED) a correct case FAILs at the reported loss (the
+grads at bfloat16, whose loss bound is wider), or its user code, written for `num_items_in_batch`, raises on the None the release hands it; where the
+release lacks an API the user's code relies on, the case is UNSUPPORTED naming it; else it
+PASSes."""
+
+import functools
+import json
 import os
 import pathlib
+import subprocess
+import sys
 
 import pytest
 from installed import skip_unless_installed
@@ -16,6 +27,7 @@ skip_unless_installed("transformers", "transformers is not installed (pip instal
 skip_unless_installed("accelerate", "accelerate is not installed (pip install -e '.[hf]')")
 
 from sp_harness.cases import builtin_modules  # noqa: E402
+from sp_harness.cases.frameworks.hf.cases import DOUBLED_LOSS_BUG, MEAN_OF_MEANS_BUG  # noqa: E402
 from sp_harness.config.check_config import CheckConfig  # noqa: E402
 from sp_harness.judge.verdict import FAIL, PASS, UNSUPPORTED  # noqa: E402
 from sp_harness.report.result_text import format_result  # noqa: E402
@@ -29,6 +41,82 @@ CLIPPED_SGD = dict(optimizer="sgd", clip_grad_norm=0.01)
 """Clipping active: the Trainer's grad norm is ~1 here, so every step clips."""
 
 
+@functools.cache
+def _capabilities() -> dict:
+    """What the installed Trainer has (sp_harness.cases.frameworks.hf.compat), asked in a child
+    interpreter: this process imports no framework (the rank processes' fork server must not
+    inherit transformers' threads)."""
+    code = ("import json; from sp_harness.cases.frameworks.hf import compat as c; print(json.dumps(dict("
+            "num_items_in_batch=c.passes_num_items_in_batch(), compute_loss_func=c.takes_compute_loss_func())))")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600, check=True)
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+PERTURBED_MASK_PROBE = """
+import torch, transformers
+from sp_harness.cases.frameworks.hf.case import PAD_ID, TINY_CONFIG
+from sp_harness.step.rounding import RoundingNoise
+config_cls, model_cls = {"llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
+                         "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM)}[MODEL]
+torch.manual_seed(0)
+lm = model_cls(config_cls(**TINY_CONFIG, attn_implementation="sdpa")).double()
+ids = torch.randint(1, 64, (2, 12))
+mask = torch.ones_like(ids)
+mask[0, 9:] = 0
+with RoundingNoise(torch.finfo(torch.float32).eps, torch.Generator().manual_seed(1)):
+    logits = lm(input_ids=ids.masked_fill(mask == 0, PAD_ID), attention_mask=mask, use_cache=False).logits
+print(bool(torch.isnan(logits).any()))
+"""
+"""A padded batch through the installed release's model under the perturbed reference's noise."""
+
+
+@functools.cache
+def _perturbed_reference_is_nan(model: str) -> bool:
+    """Whether the check's perturbed float64 reference (sp_harness.step.rounding.RoundingNoise)
+    turns the installed release's `model` into NaN logits, asked in a child interpreter: some 4.4x
+    releases' Qwen2 builds its additive mask as `full(finfo(float64).min) * allowed`, and the noise,
+    a factor (1 + u), overflows a min to -inf, which x 0 makes NaN (measured: 4.46.3, 4.47.1; not
+    4.45.2, 4.57.1, 5.23.0). The reported loss's bound is then NaN: a harness limit, not the
+    Trainer's."""
+    code = PERTURBED_MASK_PROBE.replace("[MODEL]", f"[{model!r}]")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600, check=True)
+    return done.stdout.strip().splitlines()[-1] == "True"
+
+
+@functools.cache
+def _release_note() -> str:
+    from sp_harness.cases.frameworks.releases import installed_release
+
+    return f"transformers {installed_release('transformers')}, accelerate {installed_release('accelerate')}"
+
+
+def _expected(*, needs: str = "", raises: bool = False) -> str:
+    """The verdict a correct case has on the installed release: UNSUPPORTED where the release lacks
+    `needs` (a capability of `_capabilities`); FAIL where it shipped one of the accumulation bugs
+    (at the reported loss or the grads, or, `raises`, in the user's code, on the None
+    `num_items_in_batch` 4.47.0 hands compute_loss); else PASS."""
+    if needs and not _capabilities()[needs]:
+        return UNSUPPORTED
+    if DOUBLED_LOSS_BUG.present() or (not raises and MEAN_OF_MEANS_BUG.present()):
+        return FAIL
+    return PASS
+
+
+def _assert_as_the_release_shipped(res, expected: str, *, needs: str = "", raises: bool = False) -> bool:
+    """Asserts `res` is `expected` (see `_expected`), with the reason that names the bug or the
+    missing API; True where it PASSed (its stages are then the caller's to check)."""
+    note = f"on {_release_note()}: {format_result(res)}"
+    assert res.verdict == expected, note
+    if expected == UNSUPPORTED:
+        assert needs in res.reason, note
+    elif expected == FAIL and raises:
+        assert "NoneType" in note, note  # the user's `/ num_items_in_batch` on the release's None
+    elif expected == FAIL:
+        # the reported loss first, or, where its bound is a bfloat16 one, the grads; both are off
+        assert res.first_check in ("loss", "grad") and any(f.kind == "grad" for f in res.failures), note
+    return expected == PASS
+
+
 def _builtin(name: str, attr: str) -> str:
     """A built-in case by its registry name where sp_harness.cases lists it, else by its file."""
     return name if name in builtin_modules() else f"{CASES}:{attr}"
@@ -38,17 +126,27 @@ def _train(case: str, **fields) -> CheckConfig:
     return CheckConfig(case=case, train_step=True, micro_batches=3, timeout_s=TIMEOUT_S, **fields)
 
 
-@pytest.mark.parametrize("case, fields", [
-    (_builtin("hf-trainer-llama", "HF_TRAINER_LLAMA"), dict(world_size=2, dp=2, dtype="float32", **CLIPPED_SGD)),
-    (_builtin("hf-trainer-qwen2", "HF_TRAINER_QWEN2"), dict(world_size=4, dp=4, dtype="bfloat16", optimizer="adamw")),
+@pytest.mark.parametrize("case, fields, user", [
+    (_builtin("hf-trainer-llama", "HF_TRAINER_LLAMA"), dict(world_size=2, dp=2, dtype="float32", **CLIPPED_SGD), {}),
+    (_builtin("hf-trainer-qwen2", "HF_TRAINER_QWEN2"), dict(world_size=4, dp=4, dtype="bfloat16", optimizer="adamw"),
+     {}),
     (_builtin("hf-trainer-llama-user-loss", "HF_TRAINER_USER_LOSS"), dict(world_size=2, dp=2, dtype="bfloat16",
-                                                                        **CLIPPED_SGD)),
-    (f"{EXAMPLE}:LOSS_FUNC", dict(world_size=4, dp=4, dtype="float32", optimizer="adamw", clip_grad_norm=0.01)),
+                                                                        **CLIPPED_SGD),
+     dict(needs="num_items_in_batch", raises=True)),
+    (f"{EXAMPLE}:LOSS_FUNC", dict(world_size=4, dp=4, dtype="float32", optimizer="adamw", clip_grad_norm=0.01),
+     dict(needs="compute_loss_func", raises=True)),
 ], ids=["llama-dp2-f32-sgd-clip", "qwen2-dp4-bf16-adamw", "user-compute-loss-dp2-bf16-sgd-clip",
         "compute-loss-func-dp4-f32-adamw-clip"])
-def test_the_trainers_own_step_passes(sp_check, case, fields):
+def test_the_trainers_own_step_passes(sp_check, case, fields, user):
     res = sp_check(_train(case, steps=2, **fields))
-    assert res.verdict == PASS, format_result(res)
+    if "qwen2" in case and _expected(**user) == PASS and _perturbed_reference_is_nan("qwen2"):
+        # that limit and nothing else: only the reported loss fails, against a NaN bound
+        assert res.verdict == FAIL and {f.kind for f in res.failures} == {"loss"}, format_result(res)
+        assert "allowed nan" in format_result(res), format_result(res)
+        pytest.xfail(f"{_release_note()}: the perturbed reference's noise overflows this release's Qwen2 mask "
+                     f"(finfo(float64).min x (1 + u) = -inf, x 0 = NaN): the reported loss's bound is NaN")
+    if not _assert_as_the_release_shipped(res, _expected(**user), **user):
+        return  # FAIL or UNSUPPORTED as the installed release shipped, asserted with its reason
     # every stage was judged: the reported loss, the grads, the norm (composition and total), the update
     assert {"loss", "grad", "grad_norm", "param"} <= set(res.worst), set(res.worst)
     if fields["optimizer"] == "sgd":
@@ -65,8 +163,9 @@ def test_the_trainers_own_step_passes(sp_check, case, fields):
     (f"{EXAMPLE}:LLAMA", dict(world_size=4, dp=4, dtype="bfloat16", optimizer="sgd", clip_grad_norm=0.01)),
 ], ids=["llama-dp2-f64-sgd-clip", "example-qwen2-compute-loss-dp4-f32-sgd-clip", "llama-dp4-bf16-sgd-clip"])
 def test_more_configs_pass(sp_check, case, fields):
+    user = dict(needs="num_items_in_batch", raises=True) if "MY_LOSS" in case else {}
     res = sp_check(_train(case, **fields))
-    assert res.verdict == PASS, format_result(res)
+    _assert_as_the_release_shipped(res, _expected(**user), **user)
 
 
 @pytest.mark.exhaustive("the fast tier kills each of them at its pinned 'reported loss' in test_mutants")
@@ -76,6 +175,9 @@ def test_more_configs_pass(sp_check, case, fields):
     ("mutant-hf-trainer-label-smoother-per-micro-batch", "SMOOTHER_PER_MICRO_BATCH"),
 ], ids=["mean-of-micro-batch-means", "4.47.0-training-step", "label-smoother-per-micro-batch"])
 def test_shipped_accumulation_bugs_fail_at_the_reported_loss(sp_check, mutant, attr):
+    if attr == "TRAINING_STEP_4470" and not _capabilities()["num_items_in_batch"]:
+        pytest.skip(f"{_release_note()}: 4.47.0's training_step reads model_accepts_loss_kwargs and "
+                    f"num_items_in_batch, which this release's Trainer has not")
     res = sp_check(_train(_builtin(mutant, attr), world_size=2, dp=2, dtype="float32", steps=1, **CLIPPED_SGD))
     assert res.verdict == FAIL and res.first_check == "loss", format_result(res)
     assert "reported loss" in res.reason

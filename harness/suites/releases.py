@@ -77,15 +77,25 @@ def run_release_cases(out: Path | None, only: str | None = None) -> int:
 
 
 def table(paths: list[Path]) -> str:
-    """The release x verdict table of the records in `paths` (one row per case and release set)."""
+    """The release x verdict table of the records in `paths`: one row per case and installed
+    release set (the latest record where several ran the same), then each case's bug and source."""
     rows = [json.loads(line) for path in paths for line in path.read_text().splitlines() if line.strip()]
-    lines = ["| release case | bug (source) | installed | expected | verdict | caught by | as expected |",
-             "|---|---|---|---|---|---|---|"]
-    for r in sorted(rows, key=lambda r: (r["case"], sorted(r["releases"].items()))):
-        installed = ", ".join(f"{d} {v}" for d, v in sorted(r["releases"].items()))
-        lines.append(f"| `{r['case']}` | {r['bug']} ([source]({r['source']})) | {installed or '-'} | {r['expected']} | "
-                     f"{r['verdict']} | {r['caught_by'] or '-'} | {'yes' if r['ok'] else 'NO'} |")
+    latest = {(r["case"], tuple(sorted(r["releases"].items()))): r for r in rows}
+    lines = ["| release case | installed | expected | verdict | caught by | as expected |", "|---|---|---|---|---|---|"]
+    for (case, releases), r in sorted(latest.items(), key=lambda kv: (kv[0][0], [_release_sort(v) for _, v in kv[0][1]])):
+        installed = ", ".join(f"{d} {v}" for d, v in releases)
+        lines.append(f"| `{case}` | {installed or '-'} | {r['expected']} | {r['verdict']} | {r['caught_by'] or '-'} | "
+                     f"{'yes' if r['ok'] else 'NO'} |")
+    bugs = {r["case"]: r for r in rows}
+    lines += ["", "| release case | the bug | source |", "|---|---|---|"]
+    lines += [f"| `{case}` | {r['bug']} | {r['source']} |" for case, r in sorted(bugs.items())]
     return "\n".join(lines)
+
+
+def _release_sort(release: str) -> tuple[int, ...]:
+    import re
+
+    return tuple(int(x) for x in re.findall(r"\d+", release))
 
 
 def _distributions(case_name: str) -> tuple[str, ...]:

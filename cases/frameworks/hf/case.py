@@ -8,21 +8,26 @@ as a system under test, judged by the training-step check (`sp-harness check --t
   the run's shapes), float64 on one device for the reference, in the run dtype on every rank.
 - Each rank builds a `transformers.Trainer` (or the user's subclass) over its copy with
   `TrainingArguments` from the check's config: `gradient_accumulation_steps` = K,
-  `average_tokens_across_devices`, `max_grad_norm` = the clip (0: none), a constant schedule,
-  SGD (momentum 0.9) through `optimizers=` or AdamW through `optim="adamw_torch"` (weight decay
-  on every param: `get_decay_parameter_names` returns them all). The Trainer's own
-  `_prepare_for_training` wraps the model in DDP over the harness's gloo world (accelerate's
-  MULTI_CPU) and builds the optimizer and scheduler.
-- `TrainerStep` runs one optimizer step of `Trainer._inner_training_loop` (its `_run_epoch` body,
-  trainer.py 5.23.0 lines 1873-1961): `get_batch_samples` (num_items_in_batch over the K
-  micro-batches, gathered over the ranks), `training_step` per micro-batch under
-  `accelerator.no_sync` but for the last, the loop's tr_loss sum (with its NaN filter), then
-  `_clip_grad_norm` / `_get_grad_norm`, `optimizer.step()`, `lr_scheduler.step()`,
+  `average_tokens_across_devices` (where the release has it), `max_grad_norm` = the clip (0:
+  none), a constant schedule, SGD (momentum 0.9) through `optimizers=` or AdamW through
+  `optim="adamw_torch"` (weight decay on every param: `get_decay_parameter_names` returns them
+  all). The Trainer's own set-up wraps the model in DDP over the harness's gloo world
+  (accelerate's MULTI_CPU) and builds the optimizer and scheduler.
+- `TrainerStep` (sp_harness.cases.frameworks.hf.step) runs one optimizer step of the installed
+  release's own loop, the shape `compat.trainer_loop()` names (transformers 4.45's per-batch
+  `accelerator.accumulate`, 4.46 to 5.2's inline `get_batch_samples` loop, 5.3 on's `_run_epoch`):
+  the token count over the K micro-batches (gathered over the ranks), `training_step` per
+  micro-batch under `accelerator.no_sync` but for the last, the loop's tr_loss sum (with its NaN
+  filter), then the clipping and the norm, `optimizer.step()`, `lr_scheduler.step()`,
   `model.zero_grad()`, the callbacks and `_maybe_log_save_evaluate` (the log every step). The
-  loss it reports is what that log reports: the ranks' tr_loss gathered and averaged
-  (`nested_gather(tr_loss).mean()`, trainer.py 2249), per step. `zero_grad` drops an
-  accumulation without stepping (the invariance checks' second run from the same params): the
-  grads, and the loop's running tr_loss, micro-batch index and flos, which only the log resets.
+  loss it reports is what that log reports: the ranks' tr_loss gathered and averaged, per step.
+  `zero_grad` drops an accumulation without stepping (the invariance checks' second run from the
+  same params): the grads, and the loop's running tr_loss, micro-batch index and flos.
+- Releases: `compat.RELEASES` (transformers 4.45.0 to 5.23.0, accelerate 0.26.0 to 1.15.0);
+  `validate` asks `releases.require`, so a release outside it, or an API the step calls missing,
+  is UNSUPPORTED before any rank starts; a user's code that needs what the installed release
+  lacks (`compute_loss_func`, a `compute_loss` that takes `num_items_in_batch` on 4.45) is
+  UNSUPPORTED on the ranks, naming it.
 - Labels: the engine's target IS HF's `labels` (input_ids with -100 on the prompt and the right
   padding); HF's causal LMs shift them inside (`ForCausalLMLoss`: logits[:, t] predicts
   labels[:, t + 1]) and the Trainer counts `labels[..., 1:]`. The case's loss is the same
@@ -42,11 +47,7 @@ as a system under test, judged by the training-step check (`sp-harness check --t
 
 from __future__ import annotations
 
-import contextlib
-import functools
-import os
-import tempfile
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -55,13 +56,15 @@ from torch import nn
 
 from sp_harness import Batch, Case, Layout, RankContext, Sharded, Unsupported
 from sp_harness.cases.common import GPT_DEFAULTS, known
-from sp_harness.config.step_protocol import MicroBatch, TrainLoss
+from sp_harness.cases.frameworks import releases
+from sp_harness.cases.frameworks.hf.step import TrainerStep, launcher_env
+from sp_harness.config.step_protocol import TrainLoss
 from sp_harness.reference.gpt import token_loss_sum
-from sp_harness.step.optim_ref import ADAMW_BETAS, ADAMW_EPS, WEIGHT_DECAY, make_optimizer
 
 TRANSFORMERS_VERSION = "5.23.0"
 ACCELERATE_VERSION = "1.15.0"
-"""The releases this module is tested with (the `hf` extra pins them)."""
+"""The releases the `hf` extra pins, the newest of the supported range (`compat.RELEASES`: the
+step follows whichever release of the range is installed)."""
 
 IGNORE_INDEX = -100
 PAD_ID = 0
@@ -153,161 +156,6 @@ def build_lm(setup: HFTrainerSetup, cfg, dtype: torch.dtype) -> CausalLMLogits:
         return CausalLMLogits(model_cls(config).to(dtype))
 
 
-def launcher_env(ctx: RankContext) -> None:
-    """What torchrun sets and accelerate's PartialState reads to find its MULTI_CPU world (it
-    then uses the harness's already-initialised gloo group); OMP_NUM_THREADS as this rank runs,
-    where unset, or PartialState resets the rank's thread count."""
-    os.environ.update(RANK=str(ctx.rank), WORLD_SIZE=str(ctx.world_size), LOCAL_RANK=str(ctx.rank),
-                      LOCAL_WORLD_SIZE=str(ctx.world_size))
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("OMP_NUM_THREADS", str(torch.get_num_threads()))
-
-
-def trainer_class(user: type | None, optimizer: str) -> type:
-    """The Trainer class a rank builds: the user's (a subclass, or a mixin put before
-    transformers.Trainer), with weight decay on every param where AdamW is the Trainer's own
-    (the engine's AdamW decays biases and norms too; the Trainer exempts them by name)."""
-    from transformers import Trainer
-
-    base = Trainer if user is None else user if issubclass(user, Trainer) else type(user.__name__, (user, Trainer), {})
-    if optimizer != "adamw":
-        return base
-
-    def get_decay_parameter_names(self, model: nn.Module) -> list[str]:
-        return [name for name, _ in model.named_parameters()]
-
-    return type(base.__name__, (base,), {"get_decay_parameter_names": get_decay_parameter_names})
-
-
-class TrainerStep:
-    """One optimizer step of the Trainer's own loop on this rank (a `TrainStep`)."""
-
-    def __init__(self, lm: nn.Module, ctx: RankContext, setup: HFTrainerSetup):
-        from transformers import PrinterCallback, TrainingArguments
-
-        config = ctx.config
-        assert config.optimizer is not None and config.lr is not None, "the check resolves optimizer and lr"
-        launcher_env(ctx)
-        # the pool's own temporary folder (TMPDIR): the Trainer writes nothing there with saving off
-        args = TrainingArguments(
-            output_dir=tempfile.gettempdir(), per_device_train_batch_size=known(config.batch, "batch"),
-            gradient_accumulation_steps=config.micro_batches, learning_rate=config.lr,
-            lr_scheduler_type="constant", max_grad_norm=config.clip_grad_norm or 0.0,
-            optim="adamw_torch", adam_beta1=ADAMW_BETAS[0], adam_beta2=ADAMW_BETAS[1], adam_epsilon=ADAMW_EPS,
-            weight_decay=WEIGHT_DECAY, average_tokens_across_devices=True, use_cpu=True, ddp_backend="gloo",
-            report_to="none", logging_steps=1, save_strategy="no", eval_strategy="no", disable_tqdm=True,
-            seed=config.seed, max_steps=known(config.steps, "steps"), label_smoothing_factor=setup.label_smoothing)
-        # SGD through `optimizers=`, AdamW the Trainer's own (`optim`): each as a user sets it
-        sgd = make_optimizer("sgd", config.lr, lm.parameters()) if config.optimizer == "sgd" else None
-        cls = trainer_class(setup.trainer_class, config.optimizer)
-        self.trainer = t = cls(model=lm, args=args, optimizers=(sgd, None), compute_loss_func=setup.compute_loss_func)
-        t.remove_callback(PrinterCallback)
-        # train()'s and _inner_training_loop's set-up (trainer.py 5.23.0 lines 1480, 1592-1671), no dataloader:
-        # the engine hands each rank its micro-batches
-        t.is_in_train = True
-        t._train_batch_size = args.train_batch_size
-        max_steps = args.max_steps
-        t._init_training_state(max_steps, max_steps, 1, None, None)
-        self.model, _ = t._prepare_for_training(max_steps, None, None)
-        t._tr_loss = torch.tensor(0.0, device=args.device)
-        t._total_loss_scalar = 0.0
-        t._globalstep_last_logged = t.state.global_step
-        t._initial_global_step = t.state.global_step
-        self.model.zero_grad()
-        t.control = t.callback_handler.on_train_begin(args, t.state, t.control)
-        t.control = t.callback_handler.on_epoch_begin(args, t.state, t.control)
-        self.steps_in_epoch = max_steps * args.gradient_accumulation_steps
-        self.step_index = -1
-        inner = getattr(t.optimizer, "optimizer", t.optimizer)
-        # the torch optimizer over the model's own params, whose state the engine reads
-        self.optimizer = inner
-        self._step_begun = (self.step_index, t.current_flos)
-
-    def accumulate(self, micro_batches: Sequence[MicroBatch]) -> float:
-        from transformers.trainer import DistributedType  # accelerate's, as trainer.py imports it
-        from transformers.trainer_pt_utils import nested_gather
-
-        t, args, model = self.trainer, self.trainer.args, self.model
-        batches = [{**mb.inputs, "labels": mb.target} for mb in micro_batches]
-        self._step_begun = (self.step_index, t.current_flos)
-        if len(batches) < args.gradient_accumulation_steps:
-            # the Trainer hands fewer than gradient_accumulation_steps micro-batches only to an
-            # epoch's last optimizer step (its `remainder`): ending the epoch here makes the last
-            # one a sync step, as there, so accelerate does not skip the optimizer step after it
-            self.steps_in_epoch = self.step_index + 1 + len(batches)
-        # trainer.py 5.23.0 lines 1873-1926 and 1960-1961, verbatim but `self` -> `t`, `step` -> `self.step_index`
-        batch_samples, num_items_in_batch = t.get_batch_samples(iter(batches), len(batches), args.device)
-        t.current_gradient_accumulation_steps = len(batch_samples)
-        for i, inputs in enumerate(batch_samples):
-            self.step_index += 1
-            step = self.step_index
-            do_sync_step = (step + 1) % args.gradient_accumulation_steps == 0 or (step + 1) == self.steps_in_epoch
-            t.accelerator.gradient_state._set_sync_gradients(do_sync_step)
-            if step % args.gradient_accumulation_steps == 0:
-                t.control = t.callback_handler.on_step_begin(args, t.state, t.control)
-            sync_context: Callable[[], contextlib.AbstractContextManager[Any]]
-            if (
-                t.accelerator.gradient_state.plugin_kwargs.get("sync_each_batch", False)
-                or t.accelerator.distributed_type == DistributedType.DEEPSPEED
-                or i == len(batch_samples) - 1
-            ):
-                sync_context = contextlib.nullcontext
-            else:
-                sync_context = functools.partial(t.accelerator.no_sync, model=model)
-            with sync_context():
-                tr_loss_step = t.training_step(model, inputs, num_items_in_batch)
-            if args.logging_nan_inf_filter and (torch.isnan(tr_loss_step) or torch.isinf(tr_loss_step)):
-                t._tr_loss += t._tr_loss / (1 + t.state.global_step - t._globalstep_last_logged)
-            else:
-                t._tr_loss += tr_loss_step
-            t.current_flos += float(t.floating_point_ops(inputs))
-            t._track_num_input_tokens(inputs)
-            if not do_sync_step:
-                t.control = t.callback_handler.on_substep_end(args, t.state, t.control)
-        # what the step's log will report (trainer.py 2249, 2255: gathered, averaged, per step)
-        gathered = nested_gather(t._tr_loss.detach().clone(), args.parallel_mode)
-        return gathered.mean().item() / (t.state.global_step + 1 - t._globalstep_last_logged)
-
-    def zero_grad(self) -> None:
-        """This optimizer step's accumulation dropped without stepping (the invariance checks run
-        a second one from the same params): the grads, as the loop's `model.zero_grad()` after a
-        step, and the loop's running sums, which only the step's log resets (`tr_loss -= tr_loss`
-        in `_maybe_log_save_evaluate`): kept, the next accumulation would report the dropped
-        one's loss plus its own, and run as the next micro-batches of the epoch."""
-        self.model.zero_grad()
-        self.trainer._tr_loss.zero_()
-        self.step_index, self.trainer.current_flos = self._step_begun
-
-    def grad_norm(self) -> torch.Tensor:
-        """The Trainer's own unclipped norm (`_get_grad_norm`: accelerate's clip_grad_norm_ at an
-        infinite max norm, a coefficient of exactly 1)."""
-        return self.trainer._get_grad_norm(self.model)
-
-    def step(self) -> torch.Tensor:
-        from transformers.optimization import GreedyLR
-
-        t, args, model = self.trainer, self.trainer.args, self.model
-        # trainer.py 5.23.0 lines 1928-1959, verbatim but `self` -> `t`, `step` -> `self.step_index`, epoch 0,
-        # trial and eval keys None, start_time 0 (the log's throughput figures only)
-        grad_norm = None
-        if args.max_grad_norm > 0:
-            grad_norm = t._clip_grad_norm(model)
-        grad_norm = t._get_grad_norm(model, grad_norm=grad_norm)
-        t.control = t.callback_handler.on_pre_optimizer_step(args, t.state, t.control)
-        t.optimizer.step()
-        t.control = t.callback_handler.on_optimizer_step(args, t.state, t.control)
-        learning_rate = t._get_learning_rate()
-        if not t.accelerator.optimizer_step_was_skipped:
-            if not isinstance(t.lr_scheduler, (torch.optim.lr_scheduler.ReduceLROnPlateau, GreedyLR)):
-                t.lr_scheduler.step()
-        model.zero_grad()
-        t.state.global_step += 1
-        t.state.epoch = (self.step_index + 1) / self.steps_in_epoch
-        t.control = t.callback_handler.on_step_end(args, t.state, t.control)
-        t._maybe_log_save_evaluate(t._tr_loss, grad_norm, model, None, 0, None, 0.0, learning_rate=learning_rate)
-        return grad_norm
-
-
 def hf_trainer_shard(setup: HFTrainerSetup = HFTrainerSetup()) -> Callable[[nn.Module, RankContext], Sharded]:
     """The sharded factory of a `hf_trainer_case`: this rank's copy of the LM with a `TrainerStep`."""
 
@@ -353,6 +201,7 @@ def hf_trainer_case(name: str, setup: HFTrainerSetup = HFTrainerSetup(), **case_
     case_fields.setdefault("isolation", "hf-trainer")
 
     def validate(cfg) -> None:
+        releases.require("sp_harness.cases.frameworks.hf.compat", name)
         if not cfg.train_step:
             raise Unsupported("this case checks the transformers Trainer's own training step: run the training-step "
                               "check (--train-step); the side-by-side check would run the engine's step instead")
@@ -375,8 +224,9 @@ def hf_trainer_case(name: str, setup: HFTrainerSetup = HFTrainerSetup(), **case_
                   num_kv_heads=config["num_key_value_heads"])
     defaults = {**GPT_DEFAULTS, **shapes, "dtype": "float32", "prompt_len": 2,
                 **case_fields.pop("defaults", {})}
-    return Case(name=name, description=f"transformers {TRANSFORMERS_VERSION} Trainer's own training step "
-                                       f"({setup.model}, DDP over accelerate {ACCELERATE_VERSION})",
+    installed = {d: releases.installed_release(d) or "(not installed)" for d in ("transformers", "accelerate")}
+    return Case(name=name, description=f"transformers {installed['transformers']} Trainer's own training step "
+                                       f"({setup.model}, DDP over accelerate {installed['accelerate']})",
                 build_reference=lambda cfg: build_lm(setup, cfg, torch.float64), make_batch=make_batch(setup),
                 shard=hf_trainer_shard(setup), tokens=shifted_tokens,
                 loss_sum=smoothed_shifted_loss_sum(setup.label_smoothing) if setup.label_smoothing else shifted_loss_sum,

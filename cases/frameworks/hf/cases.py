@@ -1,13 +1,18 @@
 """Stage: config and step. The transformers Trainer's built-in cases (registered where
 transformers and accelerate are installed): its own training step on a tiny Llama and a tiny
 Qwen2, with a user's `compute_loss` override, and the gradient-accumulation bugs the Trainer has
-shipped, reintroduced through a Trainer subclass as a user (or an upstream release) wrote them."""
+shipped, reintroduced through a Trainer subclass as a user (or an upstream release) wrote them;
+and the release cases, the same correct cases whose expected verdict follows the installed
+release: FAIL where it shipped one of those bugs (`SHIPPED`), PASS where it is fixed."""
 
 from __future__ import annotations
+
+from dataclasses import dataclass, fields
 
 import torch.nn.functional as F
 
 from sp_harness.cases.frameworks.hf.case import HFTrainerSetup, hf_trainer_case, hf_trainer_shard
+from sp_harness.cases.frameworks.releases import ShippedBug, release_case
 from sp_harness.config.case import Example
 from sp_harness.config.registry import mutant, register
 
@@ -129,3 +134,73 @@ SMOOTHER_PER_MICRO_BATCH = mutant(HF_TRAINER_SMOOTHING, name="mutant-hf-trainer-
        source="huggingface/transformers#46731 (LabelSmoother ignores num_items_in_batch), fixed by PR #47261",
        shard=hf_trainer_shard(HFTrainerSetup(label_smoothing=0.1, trainer_class=LabelSmootherPerMicroBatch)),
        train_loss=HF_TRAINER_SMOOTHING.train_loss, tags=("train-step",), killed_by=("reported loss", "train-step-dp"))
+
+
+@dataclass(kw_only=True, frozen=True)
+class ShownWith(ShippedBug):
+    """A `ShippedBug` as its release case's config shows it: that config also FAILs, at the same
+    stage, on the releases of the other bugs it shows (`also`), so its expected verdict is FAIL
+    wherever any of them is present (the engine's uneven micro-batches show every one of the
+    Trainer's accumulation bugs: no config shows one and hides another)."""
+
+    also: tuple[ShippedBug, ...] = ()
+    """The other bugs (same distribution, same stage) the case's config shows."""
+
+    def __post_init__(self) -> None:
+        for bug in self.also:
+            if (bug.distribution, bug.stage) != (self.distribution, self.stage):
+                raise ValueError(f"{self.source}: a bug shown with it must be of {self.distribution} at {self.stage}, "
+                                 f"got {bug.distribution} at {bug.stage} ({bug.source})")
+
+    def present(self) -> bool:
+        return super().present() or any(bug.present() for bug in self.also)
+
+
+def shown_with(bug: ShippedBug, *also: ShippedBug) -> ShownWith:
+    """`bug`, expected to FAIL its release case also where any of `also` is present."""
+    return ShownWith(**{f.name: getattr(bug, f.name) for f in fields(ShippedBug)}, also=also)
+
+
+STAGE = "reported loss"
+"""Where the check catches each of them first on their release cases' config: the reported loss
+(the training-step check's first stage). The grads fail too."""
+
+MEAN_OF_MEANS_BUG = ShippedBug(
+    distribution="transformers", first="4.45.0", fixed="4.46.0", stage=STAGE,
+    summary="gradient accumulation as the mean of micro-batch means: the loop counts no tokens, each micro-batch's "
+            "loss is its own token mean, divided by K and averaged over the DDP ranks",
+    source="https://github.com/huggingface/transformers/pull/34191")
+DOUBLED_LOSS_BUG = ShippedBug(
+    distribution="transformers", first="4.47.0", fixed="4.47.1", stage=STAGE,
+    summary="training_step calls compute_loss without num_items_in_batch where the model accepts loss kwargs: each "
+            "micro-batch's own token mean, times the ranks, never divided by K (loss and grads ~K x W x the mean)",
+    source="https://github.com/huggingface/transformers/pull/35207")
+LABEL_SMOOTHER_BUG = ShippedBug(
+    distribution="transformers", first="4.46.0", fixed="5.15.0", stage=STAGE,
+    summary="compute_loss calls the LabelSmoother without num_items_in_batch: with label_smoothing_factor > 0 each "
+            "micro-batch's smoothed loss is its own token mean, which the Trainer no longer divides by K",
+    source="https://github.com/huggingface/transformers/issues/46731")
+SHIPPED = (MEAN_OF_MEANS_BUG, DOUBLED_LOSS_BUG, LABEL_SMOOTHER_BUG)
+"""The Trainer's shipped accumulation bugs the release cases catch, oldest first."""
+
+_DP2_K3 = (("world_size", 2), ("dp", 2), ("train_step", True), ("micro_batches", 3), ("optimizer", "sgd"),
+           ("clip_grad_norm", 0.01), ("dtype", "float32"))
+"""DP 2, K = 3 (the engine's micro-batches hold different token counts, the last none), SGD with
+clipping active: every one of these bugs moves the reported loss (and the grads) by a multiple of
+its bound."""
+
+RELEASE_34191 = release_case(
+    HF_TRAINER_LLAMA, name="release-hf-34191-mean-of-micro-batch-means", fields=_DP2_K3,
+    bug=shown_with(MEAN_OF_MEANS_BUG, DOUBLED_LOSS_BUG),
+    note="transformers 4.45.x: the mean of micro-batch means (3.609 reported against a token mean of 5.402); "
+         "4.46.0 on: the token mean over every micro-batch of every rank; 4.47.0 FAILs it too, through #35207")
+RELEASE_35207 = release_case(
+    HF_TRAINER_LLAMA, name="release-hf-35207-loss-times-k-and-ranks", fields=_DP2_K3,
+    bug=shown_with(DOUBLED_LOSS_BUG, MEAN_OF_MEANS_BUG),
+    note="transformers 4.47.0: 21.65 reported against a token mean of 5.40 (each micro-batch's mean x W, summed, the "
+         "empty one's NaN filtered as the running sum again); 4.47.1: fixed; 4.45.x FAILs it too, through #34191")
+RELEASE_46731 = release_case(
+    HF_TRAINER_SMOOTHING, name="release-hf-46731-label-smoother-per-micro-batch", fields=_DP2_K3,
+    bug=shown_with(LABEL_SMOOTHER_BUG, MEAN_OF_MEANS_BUG, DOUBLED_LOSS_BUG),
+    note="transformers 4.46.0 to 5.14.x: each micro-batch's smoothed token mean, not divided by K; 5.15.0: over "
+         "num_items_in_batch; 4.45.x FAILs it too, through #34191")
