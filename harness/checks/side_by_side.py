@@ -11,7 +11,7 @@ from collections.abc import Callable
 
 from sp_harness.checks.base import Outcome, status_line
 from sp_harness.checks.side_by_side_rank import run_rank
-from sp_harness.config.case import Case, Unsupported
+from sp_harness.config.case import Case, ParamMappingError, Unsupported
 from sp_harness.config.check_config import CheckConfig
 from sp_harness.config.registry import get_case
 from sp_harness.judge.verdict import ERROR, FAIL, UNSUPPORTED, CheckResult, RankResult, merge
@@ -57,6 +57,12 @@ def run_job(config: CheckConfig, runner: Runner | None, job: Callable[[CheckConf
                            error=failure.describe() if failure else str(exc), crash_kind=failure.kind if failure else "",
                            rank_errors=failure.errors if failure else (), wall_s=time.perf_counter() - t0)
     except RankFailure as exc:
+        if exc.errors[0].kind == "raised" and exc.errors[0].exc_type == ParamMappingError.__name__:
+            # a param the shapes cannot place (sp_harness.step.params.checked_spec): the user's
+            # mapping to fix, not a verdict; one line, as the CLI reports a ValueError (the lowest
+            # rank's: each rank names its own piece, and the first to raise varies run to run)
+            first = min((e for e in exc.errors if e.exc_type == ParamMappingError.__name__), key=lambda e: e.rank)
+            raise ParamMappingError(f"case {config.case}: {first.message}") from None
         if exc.every_rank_unsupported(config.world_size):
             return CheckResult(config=config, verdict=UNSUPPORTED, reason=exc.errors[0].message or exc.summary_line(),
                                wall_s=time.perf_counter() - t0)

@@ -109,7 +109,7 @@ class _SideBySide:
         computes = (Inline(self.inline, self.case) if self.inline is not None
                     else Remote(config, self.built.reference, self.built.device))
         self.refs = Shared(computes, self.built.device, self.dtype, self._linear_pieces())
-        self.result = RankResult(rank=self.ctx.rank)
+        self.result = RankResult(rank=self.ctx.rank, findings=[p.spec.finding for p in self.params if p.spec.finding])
         self.counter = CommCounter(self.ctx.group_label)
         self.loop = ShardedLoop(self.built, phase=self._phase)
         self.opt = self.loop.opt

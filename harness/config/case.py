@@ -31,6 +31,14 @@ class Unsupported(Exception):
     """Raised by `Case.validate` for a config the case declares it cannot handle."""
 
 
+class ParamMappingError(ValueError):
+    """A local param whose shape contradicts its mapping (`ParamSpec`, or the framework's own
+    sharding metadata) where the shape alone does not say where it lives: a user error, raised on
+    a rank while the params are mapped, before anything is judged. The check raises it again in
+    the driver with the rank's one-line message (sp_harness.checks.side_by_side.run_job, by its
+    class name): one line naming the param, exit 2."""
+
+
 @dataclass(kw_only=True, frozen=True)
 class Layout:
     """Where a tensor's sequence and batch dims are, and whether the sequence is sharded."""
@@ -113,12 +121,51 @@ class ParamSpec:
     """Whether this local param must stay bit-identical across the TP group; None: replicated
     exactly when it is neither split (`dim`) nor indexed (`index`). Set True for an indexed
     param that every TP rank holds whole (a permuted copy, say), so it keeps its replica check."""
+    finding: str = ""
+    """Where this spec was read off the param's shape because the declared mapping (the case's
+    spec, the framework's sharding metadata) contradicts it (`by_shape`): what the metadata says
+    and what the shape says, naming the param. Reported in the result (`CheckResult.findings`),
+    not judged: the check goes on with this spec."""
 
     @property
     def replicated_tp(self) -> bool:
         if self.replicated is not None:
             return self.replicated
         return self.dim is None and self.index is None
+
+
+def split_dim_by_shape(name: str, local: tuple[int, ...], whole: tuple[int, ...], tp: int, declared: str) -> int:
+    """The dim along which local shape `local` is one contiguous TP chunk of the reference's
+    `whole` (torch.chunk's split over `tp` ranks, rank r's chunk r), read from the shapes alone:
+    exactly one dim differs and local x tp == whole along it. Else `ParamMappingError` naming
+    param `name` and what its metadata says (`declared`): the shapes do not say where it lives."""
+    why = ""
+    differ = [d for d, (a, b) in enumerate(zip(local, whole, strict=False)) if a != b]
+    if len(local) != len(whole):
+        why = f"{len(local)} dims against {len(whole)}"
+    elif tp == 1:
+        why = "no TP group to be a piece of (TP 1)"
+    elif len(differ) != 1:
+        why = f"{len(differ)} dims differ"
+    elif local[differ[0]] * tp != whole[differ[0]]:
+        why = f"dim {differ[0]} is {local[differ[0]]} of {whole[differ[0]]}, not 1/{tp} (TP {tp})"
+    if why:
+        raise ParamMappingError(
+            f"param {name}: local {tuple(local)} of the reference's {tuple(whole)}, but {declared}; its shape does not "
+            f"say which piece it is ({why}): declare its split (ParamSpec dim, sizes or index)")
+    return differ[0]
+
+
+def by_shape(ref_name: str, local: tuple[int, ...], whole: tuple[int, ...], tp: int, declared: str) -> ParamSpec:
+    """A spec for a param whose declared mapping (`declared`: what the case's spec or the
+    framework's metadata says, e.g. "not flagged tensor-parallel: megatron treats it as
+    replicated in the clip norm") contradicts its shape: split where `split_dim_by_shape` says,
+    the contradiction kept as its `finding`. The engine's judging then says whether the
+    contiguous chunk it assumed is the param's (its init and forward checks)."""
+    dim = split_dim_by_shape(ref_name, local, whole, tp, declared)
+    return ParamSpec(ref_name=ref_name, dim=dim, finding=(
+        f"{ref_name}: local {tuple(local)} of {tuple(whole)} but {declared}; mapped by its shape as a "
+        f"contiguous TP chunk of dim {dim}"))
 
 
 @dataclass

@@ -59,6 +59,9 @@ class RankResult:
     grad_factor: float | None = None
     """Training-step check, where its grads failed: the one factor that maps the reference's grads
     onto the run's to 5% rms (sp_harness.checks.train_step_rank.UNIFORM_FIT); None where none does."""
+    findings: list[str] = field(default_factory=list)
+    """Params whose declared mapping (the case's, the framework's sharding metadata) contradicts
+    their shape, mapped by the shape instead (`ParamSpec.finding`): reported, not judged."""
 
 
 def record(result: RankResult, chk: TensorCheck) -> None:
@@ -121,6 +124,9 @@ class CheckResult:
     grad_factor: float | None = None
     """Training-step check: every param grad is this factor times the reference's (a loss
     normalisation or averaging error); None where the grads passed or no one factor fits."""
+    findings: list[str] = field(default_factory=list)
+    """Each param whose declared mapping contradicts its shape, over all ranks (RankResult.findings):
+    the check mapped it by its shape and went on judging."""
 
     @property
     def not_judged(self) -> tuple[str, ...]:
@@ -189,6 +195,7 @@ class CheckResult:
             "divergence": conv(self.divergence), "not_judged": list(self.not_judged),
             "islands": conv(self.islands), "not_run": list(self.not_run), "vacuous": conv(self.vacuous),
             "withheld_worst": conv(self.withheld_worst), "grad_factor": self.grad_factor,
+            "findings": list(self.findings),
         }
 
 
@@ -240,7 +247,8 @@ def merge(config: CheckConfig, results: list[RankResult], *, wall_s: float = 0.0
                       not_run=list(dict.fromkeys(n for r in results for n in r.not_run)),
                       vacuous=_one_per_tensor(withheld),
                       withheld_worst=_one_per_tensor(withheld, by_withheld_ratio=True),
-                      grad_factor=next((r.grad_factor for r in results if r.grad_factor is not None), None))
+                      grad_factor=next((r.grad_factor for r in results if r.grad_factor is not None), None),
+                      findings=list(dict.fromkeys(f for r in results for f in r.findings)))
     if verdict == FAIL:
         n = len({(f.step, f.kind, f.name) for f in failures})
         res.reason = f"{n} tensor mismatch(es), {len(drifts)} replica drift(s); first: {res.first_failure}"

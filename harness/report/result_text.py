@@ -98,6 +98,8 @@ def format_result(res: CheckResult, *, verbose: bool = False) -> str:
         lines.append(f"forward only: not judged: {', '.join(res.not_judged)}")
     for why in res.not_run:
         lines.append(f"not run: {why}")
+    for finding in res.findings:
+        lines.append(f"finding (mapped by shape, judged): {finding}")
     if res.vacuous:
         shown = res.vacuous[: (50 if verbose else 6)]
         more = f" and {len(res.vacuous) - len(shown)} more" if len(res.vacuous) > len(shown) else ""

@@ -99,5 +99,5 @@ def build(config: CheckConfig, *, reference_dtype: torch.dtype = torch.float64,
     with around_shard or contextlib.nullcontext():
         sharded = case.shard(copy, ctx)
     announce.phase("mapping the params")
-    params = map_params(sharded, {n for n, _ in reference.named_parameters()}, case.name)
+    params = map_params(sharded, {n: p.shape for n, p in reference.named_parameters()}, case.name, ctx)
     return Built(case=case, config=config, ctx=ctx, device=device, reference=reference, sharded=sharded, params=params)

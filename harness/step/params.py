@@ -4,10 +4,17 @@ parameters that must stay replicated did.
 Every plain (non-DTensor) parameter is mapped by its `ParamSpec` or declared replicated in
 `Sharded.replicated`; the engine never guesses a mapping, so a renamed or forgotten parameter is
 an error naming it, not a silently skipped check.
+
+A declared mapping whose piece does not have the local param's shape (a param the framework's
+metadata calls replicated that holds a TP chunk: megatron's unflagged attention sinks) is not a
+guess the engine may skip either: where the shapes say it unambiguously (one dim differs, local x
+TP = the reference's) the param is mapped by its shape and the contradiction reported as the
+spec's `finding`; where they do not, a `ParamMappingError` names it before anything is judged.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, cast, overload
 
@@ -16,7 +23,7 @@ import torch.distributed as dist
 from torch import nn
 
 from sp_harness.config import shards as sh
-from sp_harness.config.case import ParamSpec, Sharded
+from sp_harness.config.case import ParamMappingError, ParamSpec, Sharded, by_shape
 from sp_harness.config.rank_context import RankContext
 from sp_harness.step.context import is_dtensor
 
@@ -122,11 +129,14 @@ class LocalParam:
         return t, piece64, piece_lp, offset
 
 
-def map_params(sharded: Sharded, ref_names: set[str], case_name: str) -> list[LocalParam]:
-    """Every local parameter with its spec; an unmapped, unknown or uncovered name is an error."""
+def map_params(sharded: Sharded, ref_shapes: Mapping[str, torch.Size], case_name: str,
+               ctx: RankContext | None = None) -> list[LocalParam]:
+    """Every local parameter with its spec; an unmapped, unknown or uncovered name is an error.
+    `ref_shapes`: the reference's param shapes by name; `ctx`: this rank's (its TP degree and
+    rank), where a declared piece is checked against the local shape (`checked_spec`)."""
     specs = dict(sharded.params)
     everything = "*" in sharded.replicated
-    params, undeclared = [], []
+    found, undeclared = [], []
     for name, p in sharded.module.named_parameters():
         spec = specs.get(name)
         if spec is None and (is_dtensor(p) or everything or name in sharded.replicated):
@@ -134,17 +144,43 @@ def map_params(sharded: Sharded, ref_names: set[str], case_name: str) -> list[Lo
         if spec is None:
             undeclared.append(name)
             continue
-        params.append(LocalParam(name, p, spec))
+        found.append((name, p, spec))
     if undeclared:
         raise RuntimeError(f"case {case_name}: plain params with no ParamSpec and not in Sharded.replicated: "
                            f"{sorted(undeclared)}")
-    unknown = sorted({p.spec.ref_name for p in params} - ref_names)
+    unknown = sorted({spec.ref_name for _, _, spec in found} - set(ref_shapes))
     if unknown:
         raise RuntimeError(f"case {case_name} maps local params to names the reference lacks: {unknown}")
-    missing = sorted(ref_names - {p.spec.ref_name for p in params})
+    missing = sorted(set(ref_shapes) - {spec.ref_name for _, _, spec in found})
     if missing:
         raise RuntimeError(f"case {case_name}: reference params with no sharded counterpart: {missing}")
-    return params
+    if ctx is not None:
+        found = [(name, p, spec if is_dtensor(p) else checked_spec(spec, p.shape, ref_shapes[spec.ref_name], ctx))
+                 for name, p, spec in found]
+    return [LocalParam(name, p, spec) for name, p, spec in found]
+
+
+def checked_spec(spec: ParamSpec, local: torch.Size, whole: torch.Size, ctx: RankContext,
+                 declared: str = "") -> ParamSpec:
+    """`spec` where its piece of the reference has the local param's shape (an index view: its
+    element count); else the spec the shape says, carrying the contradiction as its finding
+    (`by_shape`), or `ParamMappingError` where the shape does not say it. An index that selects
+    another count of elements has no shape-only reading: always the error. `declared`: what the
+    metadata behind `spec` says, in the framework's words (default: the spec's own)."""
+    meta = torch.empty(whole, device="meta")
+    if spec.index is not None:
+        piece = spec.index(meta)
+        if piece.numel() == local.numel():
+            return spec
+        raise ParamMappingError(f"param {spec.ref_name}: local {tuple(local)} ({local.numel()} elements) of the "
+                                f"reference's {tuple(whole)}, but {declared or 'its ParamSpec.index'} selects "
+                                f"{tuple(piece.shape)} ({piece.numel()} elements)")
+    piece_shape = param_piece(meta, spec, ctx)[0].shape
+    if piece_shape == local:
+        return spec
+    said = declared or ("declared replicated" if spec.dim is None
+                        else f"declared split on dim {spec.dim} (a piece {tuple(piece_shape)})")
+    return by_shape(spec.ref_name, tuple(local), tuple(whole), ctx.tp, said)
 
 
 def declared_grad(param: torch.Tensor, attr: str) -> torch.Tensor | None:

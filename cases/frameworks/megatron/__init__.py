@@ -14,6 +14,7 @@ from sp_harness.cases.frameworks.megatron.case import (
     POSITION_EMBEDDINGS,
     GradSync,
     drop_sequence_parallel_flag,
+    flagged_attention_sinks,
     load_shard,
     megatron_case,
     megatron_shard,
@@ -24,4 +25,4 @@ from sp_harness.cases.frameworks.megatron.case import (
 from sp_harness.cases.frameworks.megatron.module import cross_attention, megatron_module_case
 from sp_harness.cases.frameworks.megatron.step import MegatronStepConfig, megatron_train_case
 
-__all__ = ['GPT_KWARGS', 'GradSync', 'MEGATRON_CORE_VERSION', 'MegatronStepConfig', 'POSITION_EMBEDDINGS', 'cross_attention', 'drop_sequence_parallel_flag', 'load_shard', 'megatron_case', 'megatron_module_case', 'megatron_shard', 'megatron_train_case', 'partition_stride_one', 'router_counts_over_dp_group', 'strided_index']
+__all__ = ['GPT_KWARGS', 'GradSync', 'MEGATRON_CORE_VERSION', 'MegatronStepConfig', 'POSITION_EMBEDDINGS', 'cross_attention', 'drop_sequence_parallel_flag', 'flagged_attention_sinks', 'load_shard', 'megatron_case', 'megatron_module_case', 'megatron_shard', 'megatron_train_case', 'partition_stride_one', 'router_counts_over_dp_group', 'strided_index']

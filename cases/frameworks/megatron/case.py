@@ -38,6 +38,8 @@ from torch import nn
 from sp_harness import Batch, Case, Layout, ParamSpec, Sharded, Unsupported
 from sp_harness.cases.common import gpt_memory_floor
 from sp_harness.cases.frameworks.common import require_tp
+from sp_harness.cases.frameworks.megatron.compat import gated_fc1_stride, initialise_sinks, reference_parallel_state
+from sp_harness.cases.frameworks.megatron.cp import CP_KEYS, cp_limits, cp_size, megatron_cp_shard
 from sp_harness.cases.frameworks.megatron.loss import (
     ShardedLoss,
     SmoothingStats,
@@ -53,10 +55,15 @@ from sp_harness.cases.frameworks.megatron.runtime import (
     one_rank_groups,
     parallel_state,
 )
+from sp_harness.cases.frameworks.releases import require
 from sp_harness.cases.frameworks.token_loss import TokenLoss, valid_tokens
+from sp_harness.step.params import checked_spec
 
 MEGATRON_CORE_VERSION = "0.16.1"
-"""The release this module is tested with (the `megatron` extra pins it)."""
+"""The release this module is tested with (the `megatron` extra pins it; the supported range:
+`compat.RELEASES`)."""
+COMPAT = "sp_harness.cases.frameworks.megatron.compat"
+"""This package's `compat` module, as `releases.require` names it."""
 
 _DROPOUTS = ("hidden_dropout", "attention_dropout")
 def _transformer_config(kwargs: Mapping[str, Any], cfg, *, tp: int, sequence_parallel: bool,
@@ -94,11 +101,13 @@ def _layer_spec(tconfig, layer_spec):
     """The user's layer spec (a `ModuleSpec`, or a function of the `TransformerConfig` returning
     one), else megatron's local spec for the config (its norm, experts and qk norm)."""
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.transformer.spec_utils import ModuleSpec
 
     if layer_spec is None:
         return get_gpt_layer_local_spec(num_experts=tconfig.num_moe_experts, normalization=tconfig.normalization,
                                         qk_layernorm=tconfig.qk_layernorm)
-    return layer_spec(tconfig) if callable(layer_spec) else layer_spec
+    # a ModuleSpec is callable too (it builds its module): only a function is called with the config
+    return layer_spec if isinstance(layer_spec, ModuleSpec) or not callable(layer_spec) else layer_spec(tconfig)
 
 
 def _gpt(tconfig, cfg, pg_collection, *, parallel_output: bool, gpt_kwargs: Mapping[str, Any], layer_spec):
@@ -123,25 +132,44 @@ def strided_index(dim: int, stride: int, tp: int, tp_rank: int) -> Callable[[tor
     return index
 
 
+UNFLAGGED = ("not flagged tensor-parallel: megatron treats it as replicated, its grad norm and clipping "
+             "counting it on TP rank 0 alone (param_is_not_tensor_parallel_duplicate)")
+"""What megatron does with a TP-sharded param that lacks `tensor_model_parallel` (a finding's words)."""
+
+
+def shard_spec(name: str, p: torch.Tensor, whole: torch.Size, ctx) -> ParamSpec:
+    """Where this rank's megatron param `name` lives in the TP=1 reference's (shape `whole`),
+    from megatron's own attributes: `tensor_model_parallel` with `partition_dim` (a contiguous
+    chunk) and `partition_stride` (a strided split: `strided_index`); unflagged, replicated.
+    Metadata that contradicts the param's shape is read off the shape where the shape says it
+    (an unflagged TP chunk: learnable attention sinks' `softmax_offset`, head-sharded, Megatron-LM
+    #7452 finding 8), the contradiction kept as the spec's finding; one the shape cannot place is
+    a `ParamMappingError` (sp_harness.step.params.checked_spec, the engine's own rule)."""
+    stride = getattr(p, "partition_stride", 1)
+    if not getattr(p, "tensor_model_parallel", False):
+        return checked_spec(ParamSpec(ref_name=name), p.shape, whole, ctx, UNFLAGGED)
+    dim: int = p.partition_dim  # type: ignore[attr-defined]  # megatron's own attribute
+    if stride != 1:
+        spec = ParamSpec(ref_name=name, index=strided_index(dim, stride, ctx.tp, ctx.tp_rank))
+        return checked_spec(spec, p.shape, whole, ctx, f"flagged tensor-parallel on dim {dim}, partition_stride {stride}")
+    return checked_spec(ParamSpec(ref_name=name, dim=dim), p.shape, whole, ctx,
+                        f"flagged tensor-parallel on partition_dim {dim}")
+
+
 def load_shard(model: nn.Module, reference: nn.Module, ctx, prefix: str = "module.") -> dict[str, ParamSpec]:
     """Each param of this rank's megatron `model` loaded from the TP=1 reference's and mapped by
-    megatron's own attributes (`tensor_model_parallel`, `partition_dim`, `partition_stride`);
-    `prefix`: the local names' wrapper (megatron's DDP: "module.")."""
+    megatron's own attributes (`shard_spec`); `prefix`: the local names' wrapper (megatron's DDP:
+    "module.")."""
     full = reference.state_dict()
     specs: dict[str, ParamSpec] = {}
     with torch.no_grad():
         for name, p in model.named_parameters():
-            stride = getattr(p, "partition_stride", 1)
-            if getattr(p, "tensor_model_parallel", False) and stride != 1:
-                index = strided_index(p.partition_dim, stride, ctx.tp, ctx.tp_rank)  # type: ignore[attr-defined]
-                specs[prefix + name] = ParamSpec(ref_name=name, index=index)
-                p.copy_(index(full[name]).reshape(p.shape))
-            elif getattr(p, "tensor_model_parallel", False):
-                dim = p.partition_dim  # type: ignore[attr-defined]  # megatron's own attribute
-                specs[prefix + name] = ParamSpec(ref_name=name, dim=dim)
-                p.copy_(full[name].chunk(ctx.tp, dim=dim)[ctx.tp_rank])
+            spec = specs[prefix + name] = shard_spec(name, p, full[name].shape, ctx)
+            if spec.index is not None:
+                p.copy_(spec.index(full[name]).reshape(p.shape))
+            elif spec.dim is not None:
+                p.copy_(full[name].chunk(ctx.tp, dim=spec.dim)[ctx.tp_rank])
             else:
-                specs[prefix + name] = ParamSpec(ref_name=name)
                 p.copy_(full[name])
     return specs
 
@@ -169,14 +197,21 @@ def megatron_shard(kwargs: Mapping[str, Any], *, edit_model: Callable[[nn.Module
     run (a bfloat16 run's training loop reduces grads in float32). `gpt_kwargs`, `layer_spec`: as
     `megatron_case`'s. `edit_params(gpt)` runs before the params are mapped and loaded: a change
     to the param attributes megatron's checkpoint loading reads (`partition_dim`,
-    `partition_stride`), a mutant's. `loss`, `model_loss`, `smoothing`: as `megatron_case`'s."""
+    `partition_stride`), a mutant's. `loss`, `model_loss`, `smoothing`: as `megatron_case`'s.
+    At `context_parallel_size` > 1 it is `megatron/cp.py`'s `megatron_cp_shard` (megatron TP 1,
+    its CP over the engine's sequence group)."""
     gpt_kwargs = dict(gpt_kwargs or {})
     check_loss("megatron_shard", loss, vocab_parallel_loss=vocab_parallel_loss, model_loss=model_loss,
                smoothing=smoothing)
-    losses = per_token_losses(loss, vocab_parallel_loss=vocab_parallel_loss, model_loss=model_loss,
-                              smoothing=smoothing)
     if grad_sync not in ("finalize_model_grads", "ddp"):
         raise ValueError(f"grad_sync {grad_sync!r}: 'finalize_model_grads' or 'ddp'")
+    if cp_size(kwargs) > 1:
+        return megatron_cp_shard(kwargs, edit_model=edit_model, vocab_parallel_loss=vocab_parallel_loss,
+                                 grad_sync=grad_sync, ddp_config=ddp_config, gpt_kwargs=gpt_kwargs,
+                                 layer_spec=layer_spec, edit_params=edit_params, loss=loss, model_loss=model_loss,
+                                 smoothing=smoothing)
+    losses = per_token_losses(loss, vocab_parallel_loss=vocab_parallel_loss, model_loss=model_loss,
+                              smoothing=smoothing)
 
     def shard(reference: nn.Module, ctx) -> Sharded:
         from megatron.core.distributed import (
@@ -194,6 +229,7 @@ def megatron_shard(kwargs: Mapping[str, Any], *, edit_model: Callable[[nn.Module
         # its torch norms and position embedding are made in the default dtype, not params_dtype
         # (megatron casts half models with Float16Module); the run dtype for every floating tensor
         gpt._apply(lambda t: t.to(cfg.torch_dtype) if t.is_floating_point() else t)
+        gated_fc1_stride(gpt)  # 0.15's gated fc1 says its layout in its checkpoint code alone
         if edit_params is not None:
             edit_params(gpt)
         specs = load_shard(gpt, reference, ctx)
@@ -218,6 +254,24 @@ def megatron_shard(kwargs: Mapping[str, Any], *, edit_model: Callable[[nn.Module
                        sync_grads=finalize if grad_sync == "finalize_model_grads" else ddp.finish_grad_sync)
 
     return shard
+
+
+NOT_APPLIED: Mapping[str, Any] = {
+    "pipeline_model_parallel_size": 1, "virtual_pipeline_model_parallel_size": None,
+    "hybrid_context_parallel": False, "max_seqlen_per_dp_cp_rank": None, "moe_extended_tp": False}
+"""`TransformerConfig` keywords (with the only value this integration applies) that megatron
+would accept and this integration would not apply: its parallel_state is set up at pipeline
+parallel 1, static CP, no extended expert TP. Any other value is UNSUPPORTED, never a run that
+silently leaves the knob out."""
+
+
+def not_applied(kwargs: Mapping[str, Any]) -> None:
+    """Unsupported naming the first keyword of `NOT_APPLIED` set to a value this integration
+    would not apply."""
+    for key, applied in NOT_APPLIED.items():
+        if key in kwargs and kwargs[key] != applied:
+            raise Unsupported(f"{key}={kwargs[key]!r}: not applied by this integration (megatron's groups are set up "
+                              f"with {key}={applied!r}), so the check would run without it")
 
 
 def _moe_supported(kwargs: Mapping[str, Any], tp: int, dp: int) -> None:
@@ -281,12 +335,18 @@ def megatron_case(name: str, transformer_config_kwargs: Mapping[str, Any], *, tp
     for key in ("tensor_model_parallel_size", "params_dtype"):
         if key in kwargs:
             raise ValueError(f"megatron_case({name!r}): {key} comes from the run (tp= and --dtype), not the kwargs")
+    cp = cp_size(kwargs)
     hidden = kwargs.get("hidden_size", 32)
     shapes = dict(num_layers=kwargs.get("num_layers", 2), hidden=hidden, num_heads=kwargs.get("num_attention_heads", 4),
                   ffn=kwargs.get("ffn_hidden_size") or 4 * hidden)
 
     def validate(cfg):
-        run_tp = require_tp(cfg, tp, name, "megatron-core")
+        # the installed release: in range, its APIs there (a child interpreter asks, once a process)
+        require(COMPAT, name)
+        not_applied(kwargs)
+        if cp > 1:
+            cp_limits(kwargs, cfg, tp=tp, loss=loss)
+        run_tp = 1 if cp > 1 else require_tp(cfg, tp, name, "megatron-core")
         if cfg.seq_shards is not None:
             raise Unsupported("megatron-core's sequence parallelism splits the sequence evenly; no explicit seq_shards")
         for what, n in (("seq_len", cfg.seq_len), ("vocab", cfg.vocab), ("num_attention_heads", cfg.num_heads),
@@ -306,11 +366,15 @@ def megatron_case(name: str, transformer_config_kwargs: Mapping[str, Any], *, tp
 
     def build_reference(cfg, ctx):
         ctx.once("megatron-core-cpu-shims", cpu_shims)
+        reference_parallel_state()  # a one-rank reference process, where the release asks for it (0.15)
         global_memory_buffer()
         torch.manual_seed(cfg.seed)
-        tconfig = _transformer_config(kwargs, cfg, tp=1, sequence_parallel=False, dtype=torch.float64, initialize=True)
+        # the reference runs the whole sequence on one rank: no CP (its keywords dropped)
+        tconfig = _transformer_config({k: v for k, v in kwargs.items() if k not in CP_KEYS}, cfg, tp=1,
+                                      sequence_parallel=False, dtype=torch.float64, initialize=True)
         gpt = _gpt(tconfig, cfg, one_rank_groups(ctx.tp_group), parallel_output=True, gpt_kwargs=gpt_kwargs,
                    layer_spec=layer_spec)
+        initialise_sinks(gpt)  # 0.15 leaves learnable attention sinks uninitialised (torch.empty)
         if model_loss:
             reference_language_model_loss(gpt)
         return gpt
@@ -376,6 +440,34 @@ def partition_stride_one(param_name: str) -> Callable[[nn.Module], None]:
     return edit
 
 
-__all__ = ["GPT_KWARGS", "MEGATRON_CORE_VERSION", "POSITION_EMBEDDINGS", "GradSync",
-           "drop_sequence_parallel_flag", "load_shard", "megatron_case", "megatron_shard", "partition_stride_one",
+def flagged_attention_sinks(layer_spec: Any = None) -> Callable[[Any], Any]:
+    """A `layer_spec` (a function of the `TransformerConfig`) whose core attention flags its
+    learnable attention sinks tensor-parallel, as the fix does (NVIDIA/Megatron-LM PR #7530):
+    `DotProductAttention` makes `softmax_offset` (one per local head, so head-sharded over TP),
+    then `set_tensor_model_parallel_attributes(softmax_offset, True, 0, 1)`, so megatron's grad
+    norm counts every TP rank's sinks. `layer_spec`: the spec whose core attention is replaced
+    (None: megatron's local spec for the config)."""
+
+    def spec(tconfig):
+        import copy
+
+        from megatron.core.tensor_parallel import set_tensor_model_parallel_attributes
+        from megatron.core.transformer.dot_product_attention import DotProductAttention
+
+        class SinksFlaggedAttention(DotProductAttention):
+            def __init__(self, *args, **kwargs):
+                super().__init__(*args, **kwargs)
+                sinks = getattr(self, "softmax_offset", None)
+                if isinstance(sinks, nn.Parameter) and not hasattr(sinks, "tensor_model_parallel"):
+                    set_tensor_model_parallel_attributes(sinks, True, 0, 1)
+
+        fixed = copy.deepcopy(_layer_spec(tconfig, layer_spec))
+        fixed.submodules.self_attention.submodules.core_attention = SinksFlaggedAttention
+        return fixed
+
+    return spec
+
+
+__all__ = ["GPT_KWARGS", "MEGATRON_CORE_VERSION", "NOT_APPLIED", "POSITION_EMBEDDINGS", "GradSync",
+           "drop_sequence_parallel_flag", "flagged_attention_sinks", "load_shard", "megatron_case", "megatron_shard", "not_applied", "partition_stride_one",
            "router_counts_over_dp_group", "strided_index"]

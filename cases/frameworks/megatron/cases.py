@@ -9,11 +9,13 @@ import torch.nn.functional as F
 
 from sp_harness.cases.frameworks.megatron.case import (
     drop_sequence_parallel_flag,
+    flagged_attention_sinks,
     megatron_case,
     megatron_shard,
     partition_stride_one,
     router_counts_over_dp_group,
 )
+from sp_harness.cases.frameworks.megatron.cp import cp_kv_not_gathered, megatron_cp_shard
 from sp_harness.cases.frameworks.megatron.module import cross_attention, megatron_module_case
 from sp_harness.cases.frameworks.megatron.step import (
     MegatronStepConfig,
@@ -21,6 +23,7 @@ from sp_harness.cases.frameworks.megatron.step import (
     megatron_step_shard,
     megatron_train_case,
 )
+from sp_harness.cases.frameworks.releases import ShippedBug, release_case
 from sp_harness.cases.frameworks.token_loss import TokenLoss
 from sp_harness.config.case import Example
 from sp_harness.config.registry import mutant, register
@@ -187,7 +190,7 @@ mutant(MCORE_GPT_SP_STEP, name="mutant-mcore-step-local-token-mean",
        bug="each rank's loss divided by its own valid-token count (per micro-batch, then by K) and the grads "
            "averaged over DP, where the case means the token mean over the global batch: megatron's legacy "
            "normalisation, the same local-count bug as context-parallel ranks normalising by their own tokens "
-           "(context parallelism needs TransformerEngine's attention, not on CPU: modelled at DP). The logged "
+           "(here at DP; at CP: release-mcore-7452-f9-cp-local-token-count). The logged "
            "loss stays the token mean. Caught at the grads before clipping",
        source="NVIDIA/Megatron-LM#7452 finding 9 (CP ranks normalise by their local token count; PR #7513)",
        shard=megatron_step_shard(CONFIG, MegatronStepConfig(calculate_per_token_loss=False)),
@@ -204,3 +207,63 @@ mutant(MCORE_GPT_SP_STEP, name="mutant-mcore-step-clip-norm-tp-rank0",
        shard=megatron_step_shard(CONFIG, edit_model=drop_tensor_parallel_flag(
            "decoder.layers.1.self_attention.linear_qkv.bias")),
        train_loss=MCORE_GPT_SP_STEP.train_loss, tags=("train-step",), killed_by=("grad norm", "train-step"))
+
+CP = dict(num_layers=2, hidden_size=32, num_attention_heads=4, context_parallel_size=2, calculate_per_token_loss=True)
+"""megatron's own context parallelism at TP 1 (megatron/cp.py): its load-balanced split, K/V all-gathered
+over its CP group by the exact CPU stand-in for TransformerEngine's CP attention, its DDP over DP x CP."""
+CP_STEP = (("world_size", 4), ("dp", 2), ("optimizer", "sgd"), *TRAIN_STEP)
+"""DP 2 x CP 2, K = 3 uneven micro-batches (the last CP rank of the last replica holds no valid token)."""
+
+MCORE_GPT_CP = register(megatron_case(
+    "mcore-gpt-cp", CP, tp=1, isolation=ISOLATION,
+    # CP 2 alone (float64 too) is the battery's even entry for its mutant's twin (tests/test_mutants.py)
+    examples=(Example(fields=(("world_size", 4), ("dp", 2), ("dtype", "float32")),
+                      note="megatron-core DP 2 x CP 2 (TP 1): get_batch_on_this_cp_rank, K/V all-gathered over its "
+                           "CP group, its DDP and finalize_model_grads over DP x CP"),)))
+
+mutant(MCORE_GPT_CP, name="mutant-mcore-cp-kv-not-gathered",
+       summary="CP attention without its K/V exchange: each CP rank's queries attend to its own chunks only",
+       bug="context-parallel attention run on each rank's local K/V (causal by global position), as TransformerEngine's "
+           "attention runs when its CP group was never set: every query misses the keys of the other ranks' chunks",
+       source="NVIDIA/Megatron-LM megatron/core/extensions/transformer_engine.py (TEDotProductAttention: cp_group is "
+              "None until set_context_parallel_group is called)",
+       shard=megatron_cp_shard(CP, attention=cp_kv_not_gathered), killed_by=("forward", "even"))
+
+MCORE_GPT_CP_STEP = register(megatron_train_case(
+    "mcore-gpt-cp-step", CP, tp=1, isolation=ISOLATION,
+    examples=(Example(fields=CP_STEP, note="megatron's own step at DP 2 x CP 2, calculate_per_token_loss=True: the "
+                                           "control of release-mcore-7452-f9-cp-local-token-count"),)))
+
+# every release from the range's oldest (compat.RELEASES: 0.15.0) to the newest (0.19.2, read in its wheel)
+# divides the legacy 3-tuple loss by each CP rank's own count (schedules.forward_step_calc_loss); the fix (PR
+# #7513) is unmerged: `fixed` is the release after the newest, a placeholder the release matrix re-checks
+BUG_7452_F9 = ShippedBug(
+    distribution="megatron-core", first="0.15.0", fixed="0.19.3", stage="grads before clipping",
+    summary="context parallelism, calculate_per_token_loss=False: each CP rank's loss sum divided by its own "
+            "valid-token count, the grads then averaged over DP x CP, so uneven counts across CP ranks change "
+            "the objective (0.500x the grads at CP 2 when one rank holds every valid token)",
+    source="https://github.com/NVIDIA/Megatron-LM/issues/7452 (finding 9; fix proposed in PR #7513)")
+RELEASE_7452_F9 = release_case(
+    megatron_train_case("mcore-gpt-cp-step-legacy", {**CP, "calculate_per_token_loss": False}, tp=1,
+                        isolation=ISOLATION),
+    name="release-mcore-7452-f9-cp-local-token-count", bug=BUG_7452_F9, fields=CP_STEP,
+    note="megatron's own step at DP 2 x CP 2, its legacy normalisation (calculate_per_token_loss=False)")
+
+SINKS = {**CONFIG, "softmax_type": "learnable"}
+"""Learnable attention sinks: `softmax_offset`, one per head, head-sharded over TP."""
+SINKS_STEP = (("world_size", 2), ("optimizer", "sgd"), *TRAIN_STEP)
+MCORE_GPT_SP_STEP_SINKS = register(megatron_train_case(
+    "mcore-gpt-sp-step-sinks", SINKS, layer_spec=flagged_attention_sinks(), isolation=ISOLATION,
+    examples=(Example(fields=SINKS_STEP, note="megatron's own step, learnable attention sinks flagged tensor-parallel "
+                                              "as PR #7530 does: the control of release-mcore-7452-f8-sinks-clip-norm"),)))
+# unfixed in every release to the newest (0.19.2's DotProductAttention, read in its wheel): `fixed` is the
+# release after it, a placeholder that the release matrix re-checks when one ships
+BUG_7452_F8 = ShippedBug(
+    distribution="megatron-core", first="0.15.0", fixed="0.19.3", stage="grad norm",
+    summary="learnable attention sinks (softmax_type='learnable'): softmax_offset is head-sharded over TP but not "
+            "flagged tensor_model_parallel, so the clip norm counts TP rank 0's sinks alone",
+    source="https://github.com/NVIDIA/Megatron-LM/issues/7452 (finding 8; fix proposed in PR #7530)")
+RELEASE_7452_F8 = release_case(
+    megatron_train_case("mcore-gpt-sp-step-sinks-unflagged", SINKS, isolation=ISOLATION),
+    name="release-mcore-7452-f8-sinks-clip-norm", bug=BUG_7452_F8, fields=SINKS_STEP,
+    note="megatron's own step at TP 2 + SP, learnable attention sinks as megatron builds them (unflagged)")

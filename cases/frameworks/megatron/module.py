@@ -37,7 +37,8 @@ from torch import nn
 
 from sp_harness import Batch, Case, Layout, Sharded, Unsupported
 from sp_harness.cases.frameworks.common import require_tp
-from sp_harness.cases.frameworks.megatron.case import MEGATRON_CORE_VERSION, _transformer_config, load_shard
+from sp_harness.cases.frameworks.megatron.case import COMPAT, MEGATRON_CORE_VERSION, _transformer_config, load_shard
+from sp_harness.cases.frameworks.megatron.compat import gated_fc1_stride, reference_parallel_state
 from sp_harness.cases.frameworks.megatron.runtime import (
     TRANSPOSED_ORDER,
     cpu_shims,
@@ -46,6 +47,7 @@ from sp_harness.cases.frameworks.megatron.runtime import (
     one_rank_groups,
     parallel_state,
 )
+from sp_harness.cases.frameworks.releases import require
 
 ModuleBuilder = Callable[[Any, Any], nn.Module]
 """(TransformerConfig, ProcessGroupCollection) -> the user's `MegatronModule`."""
@@ -109,6 +111,7 @@ def megatron_module_case(name: str, transformer_config_kwargs: Mapping[str, Any]
     layout = Layout(seq_dim=0, batch_dim=1, seq_sharded=sp)  # megatron's [s, b, h]
 
     def validate(cfg) -> None:
+        require(COMPAT, name)  # the installed release: in range, its APIs there
         run_tp = require_tp(cfg, tp, name, "megatron-core")
         if cfg.seq_shards is not None:
             raise Unsupported("megatron-core's sequence parallelism splits the sequence evenly; no explicit seq_shards")
@@ -121,6 +124,7 @@ def megatron_module_case(name: str, transformer_config_kwargs: Mapping[str, Any]
 
     def build_reference(cfg, ctx):
         ctx.once("megatron-core-cpu-shims", cpu_shims)
+        reference_parallel_state()  # a one-rank reference process, where the release asks for it (0.15)
         global_memory_buffer()
         torch.manual_seed(cfg.seed)
         tconfig = _transformer_config(kwargs, cfg, tp=1, sequence_parallel=False, dtype=torch.float64, initialize=True)
@@ -142,6 +146,7 @@ def megatron_module_case(name: str, transformer_config_kwargs: Mapping[str, Any]
                                       initialize=True)
         module = first_output(build(tconfig, groups))
         module._apply(lambda t: t.to(cfg.torch_dtype) if t.is_floating_point() else t)
+        gated_fc1_stride(module)  # 0.15's gated fc1 says its layout in its checkpoint code alone
         specs = load_shard(module, reference, ctx)
         if edit_model is not None:
             edit_model(module)

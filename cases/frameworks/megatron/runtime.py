@@ -7,10 +7,12 @@ shim says why the math is unchanged (docs/frameworks/megatron-core.md, "CPU shim
 from __future__ import annotations
 
 import contextlib
+import functools
 
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.overrides import TorchFunctionMode
 
 _SHIMMED = False
 
@@ -34,6 +36,10 @@ def cpu_shims() -> None:
     5. The MoE router's gating linear: without TransformerEngine `moe_utils` never binds
        `te_general_gemm` (its import fallback forgets it), so the router's `is not None` test raises
        NameError; bound to None, megatron takes its own `torch.mm` branch in the router dtype.
+    6. RoPE under context parallelism: `get_pos_emb_on_this_cp_rank` makes its two-element chunk
+       index (CP rank r's chunks r and 2CP-1-r) pinned on the host and moves it with `.cuda()`;
+       megatron's own function runs under `cpu_index` (the index made on the CPU, unpinned), every
+       module that imported it given the wrapped one. The same index selects the same rows.
     """
     global _SHIMMED
     if _SHIMMED or torch.cuda.is_available():
@@ -86,7 +92,48 @@ def cpu_shims() -> None:
 
     if not hasattr(moe_utils, "te_general_gemm"):
         moe_utils.te_general_gemm = None  # the name its non-TE branch tests
+    _cp_rope_index_on_cpu()
     _SHIMMED = True
+
+
+class _IndexOnCPU(TorchFunctionMode):
+    """`cpu_index`'s mode: `pin_memory=True` made False and `Tensor.cuda()` answered with the
+    tensor itself (a CPU-only torch can do neither)."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is torch.Tensor.cuda:
+            return args[0]
+        if kwargs.get("pin_memory"):
+            kwargs = {**kwargs, "pin_memory": False}
+        return func(*args, **kwargs)
+
+
+def cpu_index() -> contextlib.AbstractContextManager:
+    """While entered (where CUDA is absent), megatron's small host-to-device index copies stay on
+    the CPU: the CP chunk index `get_pos_emb_on_this_cp_rank` (and, in older releases,
+    `get_batch_on_this_cp_rank`) pins and moves with `.cuda()`. The same values, one device."""
+    return contextlib.nullcontext() if torch.cuda.is_available() else _IndexOnCPU()
+
+
+def _cp_rope_index_on_cpu() -> None:
+    """Shim 6: megatron's `get_pos_emb_on_this_cp_rank` run under `cpu_index`, in every megatron
+    module that bound the name."""
+    import sys
+
+    from megatron.core.models.common.embeddings import rope_utils
+
+    original = rope_utils.get_pos_emb_on_this_cp_rank
+
+    @functools.wraps(original)
+    def get_pos_emb_on_this_cp_rank(*args, **kwargs):
+        with cpu_index():
+            return original(*args, **kwargs)
+
+    # the modules that import it (rotary_pos_embedding, yarn, ...) are imported by the GPT model's
+    for name, module in list(sys.modules.items()):
+        if name.startswith("megatron.") and getattr(module, "get_pos_emb_on_this_cp_rank", None) is original:
+            setattr(module, "get_pos_emb_on_this_cp_rank", get_pos_emb_on_this_cp_rank)  # noqa: B010  # a ModuleType
 
 
 def one_rank_groups(group: dist.ProcessGroup):
@@ -105,23 +152,34 @@ TRANSPOSED_ORDER = "dp-tp-cp-ep-pp"
 """DP varies fastest: at DP > 1 megatron's TP groups are the harness's DP groups (a second TP layout)."""
 
 
-def parallel_state(tp: int, tp_ranks: tuple[int, ...], *, order: str = ORDER) -> None:
-    """megatron's global groups for TP `tp` in rank order `order`, this rank's TP group expected
-    to be `tp_ranks` (made once per rank process and layout; a warm pool's job on another mesh or
-    order rebuilds them: `new_group` is a collective every rank runs alike)."""
+def parallel_state(tp: int, tp_ranks: tuple[int, ...], *, order: str = ORDER, cp: int = 1,
+                   cp_ranks: tuple[int, ...] = ()) -> None:
+    """megatron's global groups for TP `tp` and CP `cp` in rank order `order`, this rank's TP
+    group expected to be `tp_ranks` and its CP group `cp_ranks` (at CP > 1: the engine's sequence
+    group; megatron's default order puts CP next to TP, so at TP 1 its CP groups are consecutive
+    ranks, the engine's). Made once per rank process and layout; a warm pool's job on another mesh
+    or order rebuilds them (`new_group` is a collective every rank runs alike)."""
     from megatron.core import parallel_state as ps
 
+    def ranks(group) -> tuple[int, ...]:
+        return tuple(dist.get_process_group_ranks(group))
+
     if ps.model_parallel_is_initialized():
-        if ps.get_tensor_model_parallel_world_size() == tp and ps.get_data_parallel_world_size() * tp == \
-                dist.get_world_size() and tuple(dist.get_process_group_ranks(ps.get_tensor_model_parallel_group())) \
-                == tp_ranks:
+        if ps.get_tensor_model_parallel_world_size() == tp and ps.get_context_parallel_world_size() == cp and \
+                ps.get_data_parallel_world_size() * tp * cp == dist.get_world_size() and \
+                ranks(ps.get_tensor_model_parallel_group()) == tp_ranks and \
+                (cp == 1 or ranks(ps.get_context_parallel_group()) == cp_ranks):
             return
         ps.destroy_model_parallel()
     ps.destroy_global_memory_buffer()  # a TP=1 reference built in this process made one; megatron makes its own
-    ps.initialize_model_parallel(tensor_model_parallel_size=tp, create_gloo_process_groups=False, order=order)
-    theirs = tuple(dist.get_process_group_ranks(ps.get_tensor_model_parallel_group()))
+    ps.initialize_model_parallel(tensor_model_parallel_size=tp, context_parallel_size=cp,
+                                 create_gloo_process_groups=False, order=order)
+    theirs = ranks(ps.get_tensor_model_parallel_group())
     if theirs != tp_ranks:
         raise RuntimeError(f"megatron's TP group {theirs} is not the expected {tp_ranks} (order {order})")
+    if cp > 1 and ranks(ps.get_context_parallel_group()) != cp_ranks:
+        raise RuntimeError(f"megatron's CP group {ranks(ps.get_context_parallel_group())} is not the engine's "
+                           f"sequence group {cp_ranks} (order {order})")
 
 
 @contextlib.contextmanager
@@ -152,4 +210,4 @@ def global_memory_buffer() -> None:
 
 
 
-__all__ = ["ORDER", "TRANSPOSED_ORDER", "cpu_shims", "global_memory_buffer", "global_tp_group", "one_rank_groups", "parallel_state"]
+__all__ = ["ORDER", "TRANSPOSED_ORDER", "cpu_index", "cpu_shims", "global_memory_buffer", "global_tp_group", "one_rank_groups", "parallel_state"]

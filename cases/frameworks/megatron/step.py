@@ -10,9 +10,12 @@ Each optimizer step is what Megatron-LM's `train_step` does with `pretrain_gpt.p
 - `get_forward_backward_func()` (no pipelining) over the K micro-batches, with a forward-step
   function that calls the GPTModel with `labels` and a loss function over `loss_mask` (the
   engine's valid tokens) returning megatron's 3-tuple (local loss sum, local token count,
-  report); `calculate_per_token_loss=True`, so the schedule hands the summed token count to
-  `finalize_model_grads` (the DP all-reduce, the TP sum of the `sequence_parallel` params, the
-  1 / global tokens scaling); `no_sync_func` / `grad_sync_func` set as the training loop sets them;
+  report); with `calculate_per_token_loss=True` (the default; the case's `TransformerConfig`
+  keywords or `MegatronStepConfig` may say False: megatron's legacy per-rank normalisation) the
+  schedule hands the summed token count to `finalize_model_grads` (the DP all-reduce, the TP sum
+  of the `sequence_parallel` params, the 1 / global tokens scaling); `no_sync_func` /
+  `grad_sync_func` set as the training loop sets them. At `context_parallel_size` > 1 the model is
+  megatron/cp.py's (its batch cut per CP rank before the schedule, its grads reduced over DP x CP);
 - `get_megatron_optimizer(OptimizerConfig(...), [ddp_model], config_overrides={})` (every param
   decayed alike) with megatron's constant `OptimizerParamScheduler`; `optimizer.step()` (prepare
   grads, clip by `clip_grad_by_total_norm_fp32`, step, copy master weights back) then
@@ -49,6 +52,7 @@ from torch.overrides import TorchFunctionMode
 
 from sp_harness import Case, Sharded, Unsupported
 from sp_harness.cases.frameworks.megatron.case import megatron_case, megatron_shard
+from sp_harness.cases.frameworks.megatron.compat import every_param_decayed
 from sp_harness.cases.frameworks.megatron.loss import PerTokenLosses, SmoothingStats, loss_func, per_token_losses
 from sp_harness.cases.frameworks.token_loss import TokenLoss
 from sp_harness.config.rank_context import RankContext
@@ -71,11 +75,13 @@ class MegatronStepConfig:
     """megatron's `DistributedOptimizer` (ZeRO-1: grads reduce-scattered over DP, each replica
     stepping its shard of fp32 main params, params all-gathered back). Adam only (megatron asserts
     it); SGD is UNSUPPORTED with it."""
-    calculate_per_token_loss: bool = True
-    """The loss function's sum is divided by the global valid-token count (`finalize_model_grads`
-    with `num_tokens`), the token mean the case declares. False: megatron's legacy mode, each
-    micro-batch's sum divided by its own count and by K, grads averaged over DP: a mean of
-    per-micro-batch, per-replica means (a mutant's knob)."""
+    calculate_per_token_loss: bool | None = None
+    """True: the loss function's sum is divided by the global valid-token count
+    (`finalize_model_grads` with `num_tokens`), the token mean the case declares. False: megatron's
+    legacy mode, each micro-batch's sum divided by its own count and by K, grads averaged over DP
+    (and CP): a mean of per-micro-batch, per-rank means. None: the `TransformerConfig` keywords'
+    `calculate_per_token_loss` where they set it, else True; set in both places, the two must agree
+    (`per_token_loss`)."""
     overlap_grad_reduce: bool = False
     """megatron's DDP launches each bucket's DP reduction from the backward hooks as its grads are
     ready (the training loop then sets `no_sync_func` and `grad_sync_func`)."""
@@ -157,8 +163,9 @@ class MegatronTrainStep:
             sgd_momentum=SGD_MOMENTUM, bf16=bf16, params_dtype=run.torch_dtype,
             use_distributed_optimizer=step.use_distributed_optimizer, clip_grad=run.clip_grad_norm or 0.0)
         with cuda_on_cpu():
-            # config_overrides={}: no weight-decay exemption (biases, norms), as the engine's AdamW decays every param
-            self.megatron_optimizer = get_megatron_optimizer(opt_config, [ddp], config_overrides={},
+            # no weight-decay exemption (biases, norms), as the engine's AdamW decays every param: config_overrides={}
+            # on 0.16, no_weight_decay_cond on 0.15 (compat.every_param_decayed)
+            self.megatron_optimizer = get_megatron_optimizer(opt_config, [ddp], **every_param_decayed(),
                                                              use_gloo_process_groups=False)  # checkpointing only
             self.scheduler = OptimizerParamScheduler(
                 self.megatron_optimizer, init_lr=run.lr, max_lr=run.lr, min_lr=run.lr, lr_warmup_steps=0,
@@ -234,6 +241,20 @@ class MegatronTrainStep:
         return norm
 
 
+def per_token_loss(kwargs: Mapping[str, Any], step: MegatronStepConfig) -> bool:
+    """The `calculate_per_token_loss` megatron's step runs with: the step config's, else the
+    `TransformerConfig` keywords', else True. A ValueError where both set it and disagree: a
+    keyword the step would override is a knob silently not applied."""
+    given = kwargs.get("calculate_per_token_loss")
+    if step.calculate_per_token_loss is None:
+        return True if given is None else bool(given)
+    if given is not None and bool(given) != step.calculate_per_token_loss:
+        raise ValueError(f"calculate_per_token_loss={given!r} in the TransformerConfig keywords and "
+                         f"MegatronStepConfig(calculate_per_token_loss={step.calculate_per_token_loss}): "
+                         f"set it in one of the two")
+    return step.calculate_per_token_loss
+
+
 def megatron_step_shard(kwargs: Mapping[str, Any], step: MegatronStepConfig = MegatronStepConfig(), *,
                         edit_model: Callable[[nn.Module], None] | None = None,
                         gpt_kwargs: Mapping[str, Any] | None = None, layer_spec: Any = None,
@@ -241,7 +262,7 @@ def megatron_step_shard(kwargs: Mapping[str, Any], step: MegatronStepConfig = Me
     """The sharded factory of a `megatron_train_case`: `megatron_shard`'s model and DDP (configured
     as `step` says) with megatron's own training step attached. `loss`, `smoothing`: as
     `megatron_case`'s (a label-smoothed loss on the vocab-parallel logits)."""
-    kwargs = {**kwargs, "calculate_per_token_loss": step.calculate_per_token_loss}
+    kwargs = {**kwargs, "calculate_per_token_loss": per_token_loss(kwargs, step)}
     shard, shard_tp1 = (megatron_shard(config, edit_model=edit_model, ddp_config=_ddp_config(step),
                                        gpt_kwargs=gpt_kwargs, layer_spec=layer_spec, loss=loss, smoothing=smoothing)
                         for config in (kwargs, {**kwargs, "sequence_parallel": False}))
@@ -275,6 +296,9 @@ def megatron_train_case(name: str, transformer_config_kwargs: Mapping[str, Any],
                          f"vocab-parallel logits")
     # megatron's optimizer is float32 (or bfloat16 with float32 master weights): float64 is UNSUPPORTED
     case_fields["defaults"] = {"dtype": "float32", **case_fields.get("defaults", {})}
+    # the side-by-side check normalises as the step does
+    step = dataclasses.replace(step, calculate_per_token_loss=per_token_loss(transformer_config_kwargs, step))
+    transformer_config_kwargs = {**transformer_config_kwargs, "calculate_per_token_loss": step.calculate_per_token_loss}
     base = megatron_case(name, transformer_config_kwargs, tp=tp, edit_model=edit_model, gpt_kwargs=gpt_kwargs,
                          layer_spec=layer_spec, loss=loss, smoothing=smoothing, **case_fields)
 
@@ -309,4 +333,4 @@ def drop_tensor_parallel_flag(param_name: str) -> Callable[[nn.Module], None]:
 
 
 __all__ = ["MegatronStepConfig", "MegatronTrainStep", "cuda_on_cpu", "drop_tensor_parallel_flag",
-           "megatron_step_shard", "megatron_train_case"]
+           "megatron_step_shard", "megatron_train_case", "per_token_loss"]
