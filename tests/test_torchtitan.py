@@ -342,3 +342,40 @@ def test_every_registry_model_is_wired_or_unsupported_with_its_reason():
     case = torchtitan_case("titan-gpt-oss", {}, model="gpt_oss")
     with pytest.raises(Unsupported, match=r"gpt_oss is not wired here: its attention sinks .* \(wired: llama3, "):
         case.validate(CheckConfig(case="titan-gpt-oss", world_size=2))
+
+
+def test_a_release_outside_the_range_is_unsupported_before_any_rank(monkeypatch):
+    # the case's validate asks the package's compat (releases.require): a release outside its
+    # RELEASES is refused by name and range, before any rank (0.2.2 is, on a real install)
+    from sp_harness import Unsupported
+    from sp_harness.cases.frameworks.releases import ReleaseRange
+    from sp_harness.cases.frameworks.torchtitan import compat
+    from sp_harness.cases.frameworks.torchtitan.case import torchtitan_case
+
+    case = torchtitan_case("titan-range", dict(dim=32, n_layers=2, n_heads=4, vocab_size=64), tp=2)
+    cfg = case.resolve(CheckConfig(case="titan-range", world_size=2, dtype="float32"))
+    assert case.validate is not None
+    case.validate(cfg)  # the installed release: in range, every API there
+    monkeypatch.setattr(compat, "RELEASES", (ReleaseRange(distribution="torchtitan", oldest="99.0", newest="99.1"),))
+    with pytest.raises(Unsupported, match=r"titan-range needs torchtitan 99.0 to 99.1\b.*torchtitan \S+ is installed"):
+        case.validate(cfg)
+
+
+def test_missing_names_each_api_the_release_lacks():
+    # compat.missing() asks for what the integration calls (hasattr, inspect.signature): in a
+    # child interpreter (the driver's probe imports no framework either), with two APIs taken away
+    # as an older release lacks them, it names those two and nothing else
+    import subprocess
+    import sys
+
+    child = ("from sp_harness.cases.frameworks.torchtitan import compat, case\n"
+             "case.cpu_shims()\n"
+             "import torchtitan.models.llama3.sharding as s, torchtitan.distributed.utils as u\n"
+             "assert compat.missing() == (), compat.missing()\n"
+             "del s.set_llama3_sharding_config, u.set_spmd_backend\n"
+             "print(list(compat.missing()))\n")
+    done = subprocess.run([sys.executable, "-c", child], capture_output=True, text=True, timeout=600, check=False)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip().splitlines()[-1] == str([
+        "torchtitan.models.llama3.sharding.set_llama3_sharding_config(enable_sp=)",
+        "torchtitan.distributed.utils.set_spmd_backend"])

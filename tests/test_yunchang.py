@@ -1,7 +1,8 @@
-"""yunchang 0.6.4 as a system under test (sp_harness.cases.frameworks.yunchang.case), on real gloo
-ranks: its LongContextAttention (USP, zigzag ring) inside the reference GPT against the same GPT
-with plain attention, on yunchang's own process groups and token placement; the exact flash-attn
-stand-in it runs over on CPU; and what was found (docs/frameworks/yunchang.md)."""
+"""yunchang (0.6.4 pinned; every release of its range in the release matrix) as a system under
+test (sp_harness.cases.frameworks.yunchang.case), on real gloo ranks: its LongContextAttention
+(USP, zigzag ring) inside the reference GPT against the same GPT with plain attention, on
+yunchang's own process groups and token placement; the exact flash-attn stand-in it runs over on
+CPU; the releases it runs on (compat); and what was found (docs/frameworks/yunchang.md)."""
 
 import math
 import os
@@ -16,6 +17,7 @@ import torch  # noqa: E402
 
 from sp_harness.cases.frameworks import flash_attn_standin as fa  # noqa: E402
 from sp_harness.cases.frameworks.yunchang.layout import extract_positions  # noqa: E402
+from sp_harness.cases.frameworks.yunchang.shims import import_yunchang  # noqa: E402
 from sp_harness.config.check_config import CheckConfig  # noqa: E402
 from sp_harness.judge.verdict import FAIL, PASS, UNSUPPORTED  # noqa: E402
 
@@ -137,6 +139,7 @@ def test_usp_on_torchs_flash_kernels_passes_in_bfloat16(sp_check, world_size):
 def test_placement_is_yunchangs_extract_function():
     # basic_extract_local takes the rank as an argument; the zigzag placement (which reads the
     # ranks from yunchang's process groups) is checked against zigzag_extract_local on every rank
+    import_yunchang()
     from yunchang import EXTRACT_FUNC_DICT
 
     pieces = extract_positions("basic", 16, 2, 2, True)
@@ -214,11 +217,25 @@ def test_ulysses_attention_passes(sp_check, case, world_size, dtype):
 
 
 def test_attn_types_are_yunchangs():
-    from yunchang.kernels import AttnType
+    # every value of the installed release's enum (AttnType; FlashAttentionImpl before 0.6.0) is
+    # one the cases classify; a value of another release in range that this one lacks is
+    # UNSUPPORTED naming this release's values, never a crash
+    from sp_harness import Unsupported
+    from sp_harness.cases.frameworks.yunchang import compat
+    from sp_harness.cases.frameworks.yunchang.case import ATTN_TYPES, attn_type_of, ulysses_case, usp_case
 
-    from sp_harness.cases.frameworks.yunchang.case import ATTN_TYPES, ulysses_case, usp_case
-
-    assert sorted(ATTN_TYPES) == sorted(t.value for t in AttnType)
+    enum = compat.attn_type_enum()
+    installed = {t.value for t in enum}
+    assert installed <= set(ATTN_TYPES), installed - set(ATTN_TYPES)
+    assert "fa" in installed
+    for value in ATTN_TYPES:
+        if value in installed:
+            assert attn_type_of(value) is enum(value)
+        else:
+            with pytest.raises(Unsupported, match=f"{value!r} is not one of the installed release's {enum.__name__}"):
+                attn_type_of(value)
+    with pytest.raises(ValueError, match="'flash9'"):
+        attn_type_of("flash9")
     for factory in (usp_case, ulysses_case):
         with pytest.raises(ValueError, match="'flash9'"):
             factory("x", attn_type="flash9")
@@ -240,8 +257,17 @@ def test_attn_types_that_cannot_run_here_are_unsupported(sp_check, name, fields,
 @pytest.mark.parametrize("ring_degree,verdict", [(1, PASS), (2, FAIL)])
 def test_torch_math_merges_a_ring_by_zero_lses(sp_check, ring_degree, verdict):
     # finding: yunchang's math path returns an LSE of zeros, so a ring of 2 averages its blocks
-    # (forward FAIL, pinned by the case's expect); one block per query (ring 1) is right
+    # (forward FAIL, pinned by the case's expect); one block per query (ring 1) is right. A
+    # release without the value (the torch path was 'torch' before 0.6.4) says so, in the ranks
+    from sp_harness.cases.frameworks.yunchang import compat
+
+    values = [t.value for t in compat.attn_type_enum()]
     res = sp_check(_example("USP_TORCH_MATH", world_size=2, ring_degree=ring_degree, forward_only=True))
+    if "torch_math" not in values:
+        assert res.verdict == UNSUPPORTED, res.reason + res.error
+        assert f"'torch_math' is not one of the installed release's {compat.attn_type_enum().__name__} values" \
+               in res.reason, res.reason
+        return
     assert res.verdict == verdict, res.reason + res.error
     if verdict == FAIL:
         assert res.first_check == "forward"
@@ -282,3 +308,39 @@ def test_your_labels_padding_and_smoothing_pass(sp_check, name, world_size, dtyp
     res = sp_check(CheckConfig(case=f"{TOKEN_LOSS}:{name}", world_size=world_size, dtype=dtype))
     assert res.verdict == PASS, res.reason + res.error
     assert res.worst["loss"].ratio < 1
+
+
+def test_a_release_outside_the_range_is_unsupported_before_any_rank(monkeypatch):
+    # each case's validate asks the package's compat (releases.require): a release outside its
+    # RELEASES is refused by name and range, before any rank
+    from sp_harness import Unsupported
+    from sp_harness.cases.frameworks.releases import ReleaseRange
+    from sp_harness.cases.frameworks.yunchang import compat
+    from sp_harness.cases.frameworks.yunchang.case import ulysses_case, usp_case
+
+    cfg = CheckConfig(case="yc-range", world_size=2, dp=1, dtype="bfloat16", ring_degree=2, seq_len=12, hidden=32,
+                      ffn=64, num_heads=4, num_layers=2, vocab=64, causal=True)  # resolved, as the engine's
+    usp, ulysses = usp_case("yc-range"), ulysses_case("yc-range")
+    usp.validate(cfg)  # the installed release: in range, every API there
+    ulysses.validate(cfg.replace(ring_degree=1))
+    monkeypatch.setattr(compat, "RELEASES", (ReleaseRange(distribution="yunchang", oldest="99.0", newest="99.1"),))
+    for case, run in ((usp, cfg), (ulysses, cfg.replace(ring_degree=1))):
+        with pytest.raises(Unsupported, match=r"yc-range needs yunchang 99.0 to 99.1\b.*yunchang \S+ is installed"):
+            case.validate(run)
+
+
+def test_missing_names_each_api_the_release_lacks(monkeypatch):
+    # compat.missing() asks for what the integration calls (hasattr, inspect.signature): with a
+    # set_seq_parallel_pg that takes no use_ulysses_low and no UlyssesAttention, it names those two
+    # and nothing else
+    import yunchang
+    import yunchang.globals
+
+    from sp_harness.cases.frameworks.yunchang import compat
+
+    assert compat.missing() == ()
+    monkeypatch.setattr(yunchang.globals, "set_seq_parallel_pg", lambda sp_ulysses_degree, sp_ring_degree, rank,
+                        world_size: None)
+    monkeypatch.delattr(yunchang, "UlyssesAttention")
+    assert compat.missing() == ("yunchang.globals.set_seq_parallel_pg(..., use_ulysses_low=)",
+                                "yunchang.UlyssesAttention(attn_type=, sequence_process_group=)")

@@ -29,7 +29,10 @@ FRAMEWORK_CASES: dict[str, tuple[str, tuple[str, ...]]] = {
         "mutant-mcore-step-clip-norm-tp-rank0", "mcore-llama-sp", "mutant-mcore-llama-final-norm-flag-dropped",
         "mutant-mcore-llama-swiglu-contiguous-split", "mcore-moe-sp", "mutant-mcore-moe-router-counts-over-dp",
         "mcore-gpt-sp-loss", "mutant-mcore-label-smoothing-local-vocab", "mcore-gpt-sp-labels",
-        "mutant-mcore-gathered-logits-labels", "mcore-xattn-sp", "mutant-mcore-xattn-global-tp-group")),
+        "mutant-mcore-gathered-logits-labels", "mcore-xattn-sp", "mutant-mcore-xattn-global-tp-group",
+        "mcore-gpt-cp", "mutant-mcore-cp-kv-not-gathered", "mcore-gpt-cp-step",
+        "release-mcore-7452-f9-cp-local-token-count", "mcore-gpt-sp-step-sinks",
+        "release-mcore-7452-f8-sinks-clip-norm")),
     "yunchang": ("sp_harness.cases.frameworks.yunchang.cases", (
         "yc-usp", "yc-usp-torch-flash", "mutant-yc-zigzag-contiguous-shards", "mutant-yc-ring-merge-overwrites",
         "mutant-yc-grad-sync-ulysses-only", "mutant-yc-causal-mask-on-received-blocks", "yc-ulysses",
@@ -51,11 +54,16 @@ FRAMEWORK_CASES: dict[str, tuple[str, tuple[str, ...]]] = {
         "mutant-ds-step-loss-scaled-by-gas-twice", "ds-ulysses-uneven-heads", "ds-ulysses-zero2", "ds-ulysses-hf-qwen2",
         "mutant-ds-ulysses-uneven-heads-without-mpu", "mutant-ds-ulysses-hf-local-position-ids",
         "mutant-ds-ulysses-stale-kv-heads", "ds-ulysses-token-loss", "mutant-ds-ulysses-loss-per-shard-mean",
-        "mutant-ds-ulysses-hf-exchange-detached")),
+        "mutant-ds-ulysses-hf-exchange-detached", "release-ds-7967-offload-ga3-drops-middle",
+        "release-ds-7981-offload-multi-backward-keeps-last", "release-ds-8317-seq-first-output-layout",
+        "release-ds-6774-output-a2a-uneven-path", "release-ds-7649-stage0-clip-slim-mpu",
+        "release-ds-7509-zero2-ga-accumulator")),
     "accelerate": ("sp_harness.cases.frameworks.hf.cases", (
         "hf-trainer-llama", "hf-trainer-qwen2", "hf-trainer-llama-user-loss",
         "mutant-hf-trainer-mean-of-micro-batch-means", "mutant-hf-trainer-4470-training-step",
-        "hf-trainer-llama-label-smoothing", "mutant-hf-trainer-label-smoother-per-micro-batch")),
+        "hf-trainer-llama-label-smoothing", "mutant-hf-trainer-label-smoother-per-micro-batch",
+        "release-hf-34191-mean-of-micro-batch-means", "release-hf-35207-loss-times-k-and-ranks",
+        "release-hf-46731-label-smoother-per-micro-batch")),
 }
 """importable framework module -> (the module registering its built-in cases, their names)."""
 

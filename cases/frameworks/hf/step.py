@@ -73,7 +73,7 @@ def trainer_class(user: type | None, optimizer: str) -> type:
     return type(base.__name__, (base,), {"get_decay_parameter_names": get_decay_parameter_names})
 
 
-def _unsupported_here(setup: Any, cls: type) -> str | None:
+def _unsupported_here(setup: Any, cls: Any) -> str | None:
     """Why the installed Trainer cannot run `setup` as written, where it cannot: an argument or a
     token count the user's code relies on that this release does not have."""
     from transformers import Trainer

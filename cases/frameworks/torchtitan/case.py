@@ -47,6 +47,7 @@ from torch import nn
 
 from sp_harness import Batch, Case, Layout, RankContext, Sharded, Unsupported
 from sp_harness.cases.frameworks.common import require_tp
+from sp_harness.cases.frameworks.releases import require
 from sp_harness.cases.frameworks.token_loss import TokenLoss
 from sp_harness.cases.frameworks.torchtitan.cp import cp_limits, titan_cp_shard
 from sp_harness.cases.frameworks.torchtitan.flex import (
@@ -71,6 +72,8 @@ if TYPE_CHECKING:  # imported where its cases run (Case.setup): torchtitan may n
 
 TORCHTITAN_VERSION = "0.3.0"
 """The release this module is tested with (the `torchtitan` extra pins it)."""
+COMPAT = "sp_harness.cases.frameworks.torchtitan.compat"
+"""The package's releases module (`RELEASES`, `missing()`): asked by each case's validate."""
 
 _KERNELS = "torchtitan.distributed.minimal_async_ep.kernels"
 _SHAPE_KEYS = ("dim", "n_layers", "n_heads", "n_kv_heads", "vocab_size", "hidden_dim", "multiple_of",
@@ -415,6 +418,7 @@ def torchtitan_case(name: str, model_kwargs: Mapping[str, Any], *, tp: int | Non
                     num_kv_heads=shapes.get("n_kv_heads"), vocab=shapes["vocab_size"], seq_len=seq_len, batch=batch)
 
     def validate(cfg):
+        require(COMPAT, name)  # the installed release: in range, its APIs there
         if context_parallel > 1 and torch.cuda.is_available():
             raise Unsupported("torchtitan's context parallelism on CUDA is not wired into this case (unverified here)")
         if context_parallel > 1 and (why := cp_limits(cfg, context_parallel, tp, spmd_backend, attn_backend)):

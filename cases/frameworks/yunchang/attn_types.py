@@ -24,6 +24,10 @@ GPU_ONLY_ATTN_TYPES = {
     "sage_fp16_triton": "SageAttention's Triton GPU kernels", "sage_fp8": "SageAttention's CUDA kernels",
     "sage_fp8_sm90": "SageAttention's Hopper CUDA kernels", "sparse_sage": "SpargeAttn's CUDA kernels",
     "npu": "torch_npu's Ascend NPU kernels",
+    # the name of the torch path before 0.6.4 split it into torch_math / torch_flash / ...
+    "torch": "aten's fused SDPA kernels (_scaled_dot_product_efficient_attention, from yunchang 0.6.2 "
+             "_scaled_dot_product_flash_attention), which have no CPU kernel (0.5.0's torch SDPA returns no LSE for "
+             "its ring to merge)",
 }
 """The other `AttnType` values, each with the kernel it runs: UNSUPPORTED on this harness's CPU ranks."""
 NO_BACKWARD_ATTN_TYPES = ("torch_math",)
@@ -32,13 +36,21 @@ types"): these run forward only."""
 
 
 def attn_type_of(name: str):
-    """yunchang's `AttnType` member for its value `name` (ValueError naming the valid ones)."""
-    from yunchang.kernels import AttnType
+    """The installed yunchang's attention-type member for its value `name` (its `AttnType`;
+    `FlashAttentionImpl` before 0.6.0: yunchang_compat.attn_type_enum). A value of another
+    release (`ATTN_TYPES`: every release in range) that this one lacks is Unsupported, naming
+    this release's values; any other name a ValueError."""
+    from sp_harness.cases.frameworks.yunchang import compat
 
+    enum = compat.attn_type_enum()
     try:
-        return AttnType(name)
+        return enum(name)
     except ValueError:
-        raise ValueError(f"attn_type {name!r}: one of {[t.value for t in AttnType]}") from None
+        values = [t.value for t in enum]
+        if name in (*CPU_ATTN_TYPES, *GPU_ONLY_ATTN_TYPES):
+            raise Unsupported(f"yunchang attn_type {name!r} is not one of the installed release's "
+                              f"{enum.__name__} values ({', '.join(values)})") from None
+        raise ValueError(f"attn_type {name!r}: one of {values}") from None
 
 
 def refuse_on_cpu_tensors(attn_type: str, device: torch.device | None) -> None:

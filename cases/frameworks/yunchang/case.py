@@ -53,6 +53,7 @@ from torch import nn
 from sp_harness import Case, Layout, Sharded, Unsupported
 from sp_harness.cases.common import GPT_DEFAULTS, gpt_fields, known, sum_replicated_grads, with_defaults
 from sp_harness.cases.frameworks.deepspeed.loss import gpt_loss_fields, loss_limits
+from sp_harness.cases.frameworks.releases import installed_release, require
 from sp_harness.cases.frameworks.token_loss import TokenLoss
 from sp_harness.cases.frameworks.yunchang.attn_types import (
     CPU_ATTN_TYPES,
@@ -77,11 +78,21 @@ from sp_harness.cases.frameworks.yunchang.model import (
     build_reference,
     core_names,
 )
-from sp_harness.cases.frameworks.yunchang.shims import cpu_shims
+from sp_harness.cases.frameworks.yunchang.shims import cpu_shims, import_yunchang, ulysses_layer
 from sp_harness.config.check_config import CheckConfig
 
 YUNCHANG_VERSION = "0.6.4"
-"""The release this module is tested with (the `yunchang` extra pins it)."""
+"""The release this module is tested with (the `yunchang` extra pins it; the supported range:
+yunchang_compat.RELEASES)."""
+COMPAT = "sp_harness.cases.frameworks.yunchang.compat"
+"""The package's releases module (`RELEASES`, `missing()`): asked by each case's validate."""
+
+
+def _release() -> str:
+    """The installed yunchang release (its metadata: no import), else the pinned one: what a
+    case's description names."""
+    return installed_release("yunchang") or YUNCHANG_VERSION
+
 
 RING_IMPLS = ("basic", "zigzag", "strip")
 """yunchang's flash-attention ring implementations (`RING_IMPL_DICT` keys) this case runs."""
@@ -118,6 +129,7 @@ def yunchang_shard(*, ring_impl_type: str = "zigzag", use_ulysses_low: bool = Tr
     placement = extract or ("basic" if ulysses_only else ring_impl_type)
 
     def shard(reference: nn.Module, ctx) -> Sharded:
+        import_yunchang()  # the case's setup has, unless a user's case replaced it
         from yunchang import EXTRACT_FUNC_DICT, LongContextAttention, UlyssesAttention
 
         ctx.once("yunchang-cpu-shims", lambda: cpu_shims(ctx.device))
@@ -155,7 +167,7 @@ def yunchang_shard(*, ring_impl_type: str = "zigzag", use_ulysses_low: bool = Tr
 
         def make_layer() -> nn.Module:
             if ulysses_only:
-                return UlyssesAttention(sequence_process_group=ctx.tp_group, attn_type=kind)
+                return ulysses_layer(lambda: UlyssesAttention(sequence_process_group=ctx.tp_group, attn_type=kind))
             return LongContextAttention(ring_impl_type=ring_impl_type, attn_type=kind)
 
         cores = [name for name, m in reference.named_modules() if isinstance(m, ReferenceAttention)]
@@ -192,7 +204,7 @@ def refuse_gloo_ring_of_one(cfg: CheckConfig, ring: int, backend: str) -> None:
 
 def _import_yunchang() -> None:
     """The case's per-process setup: yunchang's modules imported before any job's clock."""
-    import yunchang  # noqa: F401
+    import_yunchang()
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -225,7 +237,10 @@ def expect_float32_alias(config: CheckConfig) -> str:
 
 
 ATTN_TYPES = (*CPU_ATTN_TYPES, *GPU_ONLY_ATTN_TYPES)
-"""Every `AttnType` value of yunchang 0.6.4 (tests/test_yunchang.py checks the list against it)."""
+"""Every attention-type value of the releases in range (`AttnType`, `FlashAttentionImpl` before
+0.6.0): 0.6.4's, and 'torch', its torch path's name before (tests/test_yunchang.py checks the
+installed release's against it). A value the installed release lacks is UNSUPPORTED in the ranks
+(`attn_type_of`)."""
 
 
 def expect_torch_math(config: CheckConfig) -> str:
@@ -333,6 +348,7 @@ def usp_case(name: str, *, ulysses_degree: int | None = None, ring_degree: int |
         islands = {f"blocks.{i}.attn.core": "float32" for i in range(MAX_LAYERS)} if model is None else {}
 
     def validate(cfg: CheckConfig) -> None:
+        require(COMPAT, name)  # the installed release: in range, its APIs there
         ulysses, ring = degrees(cfg)
         sp = cfg.tp
         if sp % ring:
@@ -361,7 +377,7 @@ def usp_case(name: str, *, ulysses_degree: int | None = None, ring_degree: int |
 
     fields = _case_fields(case_fields, model, "usp", loss)
     fields.setdefault("expect", expect_torch_math if attn_type == "torch_math" else expect_float32_alias)
-    desc = (f"yunchang {YUNCHANG_VERSION} LongContextAttention (USP), ring_impl_type={ring_impl_type!r}, "
+    desc = (f"yunchang {_release()} LongContextAttention (USP), ring_impl_type={ring_impl_type!r}, "
             f"{'' if kernel == 'exact' else f'kernel={kernel!r}, '}"
             f"{'' if attn_type == 'fa' else f'attn_type={attn_type!r}, '}"
             f"ulysses x ring = {ulysses_degree or 'sp/R'} x {ring_degree or 'R'}"
@@ -394,6 +410,7 @@ def ulysses_case(name: str, *, attn_type: str = "fa", model: ModelFactory | None
     _check_choices("ulysses_case", name, attn_type, kernel)
 
     def validate(cfg: CheckConfig) -> None:
+        require(COMPAT, name)
         if cfg.ring_degree not in (None, 1):
             raise Unsupported(f"UlyssesAttention has no ring: ring_degree {cfg.ring_degree} asked (1, or usp_case's "
                               "LongContextAttention)")
@@ -405,7 +422,7 @@ def ulysses_case(name: str, *, attn_type: str = "fa", model: ModelFactory | None
             loss_limits(cfg, loss)
 
     fields = _case_fields(case_fields, model, "ulysses", loss)
-    desc = (f"yunchang {YUNCHANG_VERSION} UlyssesAttention over the SP group"
+    desc = (f"yunchang {_release()} UlyssesAttention over the SP group"
             f"{'' if kernel == 'exact' else f', kernel={kernel!r}'}"
             f"{'' if attn_type == 'fa' else f', attn_type={attn_type!r}'}"
             f"{'' if model is None else ', model ' + _model_name(model)}")

@@ -55,13 +55,14 @@ def overwriting_merge(out, lse, block_out, block_lse, slice_=None):
     return out, lse
 
 
-def diagonal_mask_on_every_block(impl_type, stage: str = "fwd-bwd", attn_processor=None):
+def diagonal_mask_on_every_block(impl_type, *args, **kwargs):
     """A `select_flash_attn_impl` whose kernels apply the causal mask to every block, received
     k/v blocks included (where yunchang passes causal=False: they lie wholly before or after the
-    queries): the ring-block masking error of zhuzilin/ring-flash-attention#54."""
+    queries): the ring-block masking error of zhuzilin/ring-flash-attention#54. Its arguments go
+    to yunchang's as given (`stage`, and from 0.6.2 `attn_processor`)."""
     from yunchang.kernels import select_flash_attn_impl
 
-    fn = select_flash_attn_impl(impl_type, stage, attn_processor)
+    fn = select_flash_attn_impl(impl_type, *args, **kwargs)
 
     def masked(*args, **kwargs):
         kwargs["causal"] = True
@@ -123,10 +124,10 @@ class StaleKVBackward:
     def __init__(self):
         self.local: tuple | None = None
 
-    def __call__(self, impl_type, stage: str = "fwd-bwd", attn_processor=None):
+    def __call__(self, impl_type, stage: str = "fwd-bwd", *args, **kwargs):
         from yunchang.kernels import select_flash_attn_impl
 
-        fn = select_flash_attn_impl(impl_type, stage, attn_processor)
+        fn = select_flash_attn_impl(impl_type, stage, *args, **kwargs)  # `attn_processor` from 0.6.2
         if stage != "bwd-only":
             return fn
 

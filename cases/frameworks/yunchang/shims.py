@@ -1,10 +1,18 @@
-"""Stage: step. yunchang's one CPU shim: its flash-attention kernels pointed at
-`flash_attn_standin`, only where the ranks run on the CPU (docs/frameworks/yunchang.md, "The CPU
-shim"). yunchang's pure-torch attention types have no backward and no CPU path, so its default
-FA path is the one that runs (LongContextAttention's ring kernels and UlyssesAttention's
-`flash_attn_func`); nothing else of yunchang is touched."""
+"""Stage: step. yunchang's CPU shims, each only where no GPU is visible (docs/frameworks/
+yunchang.md, "The CPU shims"):
+- `cpu_shims`: its flash-attention kernels pointed at `flash_attn_standin`. yunchang's
+  pure-torch attention types have no backward and no CPU path, so its default FA path is the one
+  that runs (LongContextAttention's ring kernels and UlyssesAttention's `flash_attn_func`);
+- `import_yunchang` and `ulysses_layer`: two GPU probes some releases make (at import, and in
+  `UlyssesAttention.__init__`) answered as a GPU would, their answers unused by the math.
+Nothing else of yunchang is touched."""
 
 from __future__ import annotations
+
+import contextlib
+import sys
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import torch
 
@@ -46,4 +54,51 @@ def cpu_shims(device: torch.device | None = None) -> None:
     _SHIMMED = True
 
 
-__all__ = ["cpu_shims"]
+@contextlib.contextmanager
+def _answered(owner: Any, name: str, answer: Callable[..., Any]) -> Iterator[None]:
+    """`owner.name` replaced by `answer` for the block, where no GPU is visible (else untouched)."""
+    if torch.cuda.is_available():
+        yield
+        return
+    old = getattr(owner, name)
+    setattr(owner, name, answer)
+    try:
+        yield
+    finally:
+        setattr(owner, name, old)
+
+
+def import_yunchang() -> None:
+    """`import yunchang`, which on a CPU-only torch crashes for yunchang 0.6.2 and 0.6.3.post1:
+    their `yunchang.ring.ring_flashinfer_attn` calls `torch.utils.cpp_extension.
+    _get_cuda_arch_flags()` at import and discards the result (it warms FlashInfer's JIT arch
+    list). On CUDA that call returns the visible GPUs' `-gencode` flags; with no device to read it
+    raises IndexError (`arch_list[-1]` of an empty list). For the import alone, where no GPU is
+    visible, it answers no flags: the value was discarded, so nothing yunchang computes changes,
+    and yunchang's FlashInfer path stays unusable here (its CUDA kernels; the attn_type is
+    UNSUPPORTED on CPU ranks). A release that makes no such call is imported as it is."""
+    if "yunchang" in sys.modules:
+        return
+    import torch.utils.cpp_extension as cpp_extension
+
+    with _answered(cpp_extension, "_get_cuda_arch_flags", lambda *args, **kwargs: []):
+        import yunchang  # noqa: F401
+
+
+CPU_DEVICE_NAME = "cpu (no CUDA device: sp-harness's CPU ranks)"
+"""What `torch.cuda.get_device_name` answers during `ulysses_layer` where no GPU is visible."""
+
+
+def ulysses_layer(make: Callable[[], Any]) -> Any:
+    """`make()` (a `UlyssesAttention(...)`), whose `__init__` in yunchang 0.5.0 to 0.6.3.post1
+    reads `torch.cuda.get_device_name(device)` to swap its attention type for the torch path on
+    a Turing / Tesla / T4 GPU (flash-attn 2 has no kernels there); a CPU-only torch raises
+    ("Torch not compiled with CUDA enabled"). During the construction alone, where no GPU is
+    visible, the name is `CPU_DEVICE_NAME`, which none of those match: the attention type the
+    case asks for is kept, as yunchang keeps it on every GPU flash-attn 2 runs on. The layer's
+    computation is unchanged; 0.6.4 reads no device name."""
+    with _answered(torch.cuda, "get_device_name", lambda *args, **kwargs: CPU_DEVICE_NAME):
+        return make()
+
+
+__all__ = ["CPU_DEVICE_NAME", "cpu_shims", "import_yunchang", "ulysses_layer"]
