@@ -157,3 +157,21 @@ def test_the_releases_command_refuses_a_missing_record_file(tmp_path):
     assert res.returncode == 2
     assert res.stderr.strip() == (f"sp-harness: error: --table: no such record file {tmp_path / 'none.jsonl'} "
                                   "(sp-harness releases --out FILE writes one)")
+
+
+@pytest.mark.parametrize("name", ["release-hf-34191-mean-of-micro-batch-means", "release-hf-35207-loss-times-k-and-ranks",
+                                  "release-hf-46731-label-smoother-per-micro-batch", "mcore-gpt-cp-step"])
+def test_the_pinned_releases_are_the_fixed_ones(name):
+    """On what the default suite pins, every release case expects PASS at its examples (its bug is
+    fixed there) and pins the stage that catches it where it is not; the main job and the release
+    matrix run them (`sp-harness releases`)."""
+    from sp_harness.config.registry import get_case
+    from sp_harness.judge.expect import expected_verdict
+
+    case = get_case(name)
+    if "unavailable" in case.description:
+        pytest.skip(case.description)
+    assert case.examples
+    assert {expected_verdict(ex.config(name)) for ex in case.examples} == {"PASS"}
+    if "release" in case.tags:
+        assert case.killed_by and case.killed_by[0]

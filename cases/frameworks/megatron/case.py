@@ -40,6 +40,7 @@ from sp_harness.cases.common import gpt_memory_floor
 from sp_harness.cases.frameworks.common import require_tp
 from sp_harness.cases.frameworks.megatron.compat import gated_fc1_stride, initialise_sinks, reference_parallel_state
 from sp_harness.cases.frameworks.megatron.cp import CP_KEYS, cp_limits, cp_size, megatron_cp_shard
+from sp_harness.cases.frameworks.megatron.gpt import DROPOUTS, build_gpt, resolve_layer_spec, transformer_config
 from sp_harness.cases.frameworks.megatron.loss import (
     ShardedLoss,
     SmoothingStats,
@@ -65,19 +66,6 @@ MEGATRON_CORE_VERSION = "0.16.1"
 COMPAT = "sp_harness.cases.frameworks.megatron.compat"
 """This package's `compat` module, as `releases.require` names it."""
 
-_DROPOUTS = ("hidden_dropout", "attention_dropout")
-def _transformer_config(kwargs: Mapping[str, Any], cfg, *, tp: int, sequence_parallel: bool,
-                        dtype: torch.dtype, initialize: bool):
-    from megatron.core.transformer.transformer_config import TransformerConfig
-
-    shapes = dict(num_layers=cfg.num_layers, hidden_size=cfg.hidden, num_attention_heads=cfg.num_heads,
-                  ffn_hidden_size=cfg.ffn)
-    return TransformerConfig(**{**{d: 0.0 for d in _DROPOUTS}, **kwargs, **shapes,
-                                "tensor_model_parallel_size": tp, "sequence_parallel": sequence_parallel,
-                                "params_dtype": dtype, "use_cpu_initialization": True,
-                                "perform_initialization": initialize})
-
-
 GPT_KWARGS = ("position_embedding_type", "rotary_percent", "rotary_base", "rope_scaling", "rope_scaling_factor",
               "share_embeddings_and_output_weights", "seq_len_interpolation_factor")
 """The `GPTModel` keywords a case may set (`gpt_kwargs`): the rest are the run's (sizes, the
@@ -95,27 +83,6 @@ def _check_gpt_kwargs(name: str, gpt_kwargs: Mapping[str, Any]) -> None:
     kind = gpt_kwargs.get("position_embedding_type", "learned_absolute")
     if kind not in POSITION_EMBEDDINGS:
         raise ValueError(f"megatron_case({name!r}): position_embedding_type {kind!r}; valid: {list(POSITION_EMBEDDINGS)}")
-
-
-def _layer_spec(tconfig, layer_spec):
-    """The user's layer spec (a `ModuleSpec`, or a function of the `TransformerConfig` returning
-    one), else megatron's local spec for the config (its norm, experts and qk norm)."""
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
-    from megatron.core.transformer.spec_utils import ModuleSpec
-
-    if layer_spec is None:
-        return get_gpt_layer_local_spec(num_experts=tconfig.num_moe_experts, normalization=tconfig.normalization,
-                                        qk_layernorm=tconfig.qk_layernorm)
-    # a ModuleSpec is callable too (it builds its module): only a function is called with the config
-    return layer_spec if isinstance(layer_spec, ModuleSpec) or not callable(layer_spec) else layer_spec(tconfig)
-
-
-def _gpt(tconfig, cfg, pg_collection, *, parallel_output: bool, gpt_kwargs: Mapping[str, Any], layer_spec):
-    from megatron.core.models.gpt import GPTModel
-
-    return GPTModel(config=tconfig, transformer_layer_spec=_layer_spec(tconfig, layer_spec), vocab_size=cfg.vocab,
-                    max_sequence_length=cfg.seq_len, parallel_output=parallel_output, pg_collection=pg_collection,
-                    **gpt_kwargs)
 
 
 def strided_index(dim: int, stride: int, tp: int, tp_rank: int) -> Callable[[torch.Tensor], torch.Tensor]:
@@ -222,9 +189,9 @@ def megatron_shard(kwargs: Mapping[str, Any], *, edit_model: Callable[[nn.Module
         ctx.once("megatron-core-cpu-shims", cpu_shims)
         cfg = ctx.config
         parallel_state(ctx.tp, ctx.tp_ranks)
-        tconfig = _transformer_config(kwargs, cfg, tp=ctx.tp, sequence_parallel=kwargs.get("sequence_parallel", False),
+        tconfig = transformer_config(kwargs, cfg, tp=ctx.tp, sequence_parallel=kwargs.get("sequence_parallel", False),
                                       dtype=cfg.torch_dtype, initialize=True)
-        gpt = _gpt(tconfig, cfg, None, parallel_output=vocab_parallel_loss,  # None: megatron's parallel_state groups
+        gpt = build_gpt(tconfig, cfg, None, parallel_output=vocab_parallel_loss,  # None: megatron's parallel_state groups
                    gpt_kwargs=gpt_kwargs, layer_spec=layer_spec)
         # its torch norms and position embedding are made in the default dtype, not params_dtype
         # (megatron casts half models with Float16Module); the run dtype for every floating tensor
@@ -360,7 +327,7 @@ def megatron_case(name: str, transformer_config_kwargs: Mapping[str, Any], *, tp
         _moe_supported(kwargs, run_tp, cfg.dp)
         if loss.padding >= cfg.seq_len:
             raise ValueError(f"TokenLoss.padding {loss.padding} leaves no position of a {cfg.seq_len}-token sequence")
-        wet = {d: kwargs[d] for d in _DROPOUTS if kwargs.get(d)}
+        wet = {d: kwargs[d] for d in DROPOUTS if kwargs.get(d)}
         if wet:
             raise Unsupported(f"dropout {wet}: each rank draws its own masks, which no reference reproduces; set 0")
 
@@ -370,9 +337,9 @@ def megatron_case(name: str, transformer_config_kwargs: Mapping[str, Any], *, tp
         global_memory_buffer()
         torch.manual_seed(cfg.seed)
         # the reference runs the whole sequence on one rank: no CP (its keywords dropped)
-        tconfig = _transformer_config({k: v for k, v in kwargs.items() if k not in CP_KEYS}, cfg, tp=1,
+        tconfig = transformer_config({k: v for k, v in kwargs.items() if k not in CP_KEYS}, cfg, tp=1,
                                       sequence_parallel=False, dtype=torch.float64, initialize=True)
-        gpt = _gpt(tconfig, cfg, one_rank_groups(ctx.tp_group), parallel_output=True, gpt_kwargs=gpt_kwargs,
+        gpt = build_gpt(tconfig, cfg, one_rank_groups(ctx.tp_group), parallel_output=True, gpt_kwargs=gpt_kwargs,
                    layer_spec=layer_spec)
         initialise_sinks(gpt)  # 0.15 leaves learnable attention sinks uninitialised (torch.empty)
         if model_loss:
@@ -461,7 +428,7 @@ def flagged_attention_sinks(layer_spec: Any = None) -> Callable[[Any], Any]:
                 if isinstance(sinks, nn.Parameter) and not hasattr(sinks, "tensor_model_parallel"):
                     set_tensor_model_parallel_attributes(sinks, True, 0, 1)
 
-        fixed = copy.deepcopy(_layer_spec(tconfig, layer_spec))
+        fixed = copy.deepcopy(resolve_layer_spec(tconfig, layer_spec))
         fixed.submodules.self_attention.submodules.core_attention = SinksFlaggedAttention
         return fixed
 

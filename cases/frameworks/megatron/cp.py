@@ -332,7 +332,7 @@ def megatron_cp_shard(kwargs: Mapping[str, Any], *, edit_model: Callable[[nn.Mod
     """`megatron_shard` at `context_parallel_size` > 1 (the module docstring): the same knobs;
     `attention()`: the stand-in class for the core-attention slot (None: `CPUContextParallelAttention`;
     a mutant's otherwise)."""
-    from sp_harness.cases.frameworks.megatron.case import _gpt, _layer_spec, _transformer_config
+    from sp_harness.cases.frameworks.megatron.gpt import build_gpt, resolve_layer_spec, transformer_config
     from sp_harness.cases.frameworks.megatron.runtime import cpu_shims, parallel_state
 
     gpt_kwargs = dict(gpt_kwargs or {})
@@ -351,11 +351,11 @@ def megatron_cp_shard(kwargs: Mapping[str, Any], *, edit_model: Callable[[nn.Mod
         if ctx.tp != cp:
             raise Unsupported(f"context_parallel_size={cp}: this run's sequence group has {ctx.tp} ranks")
         parallel_state(1, (ctx.rank,), cp=cp, cp_ranks=ctx.tp_ranks)
-        tconfig = _transformer_config(kwargs, cfg, tp=1, sequence_parallel=False, dtype=cfg.torch_dtype,
+        tconfig = transformer_config(kwargs, cfg, tp=1, sequence_parallel=False, dtype=cfg.torch_dtype,
                                       initialize=True)
         standin = attention() if attention is not None else _attention_class()
-        spec = cp_layer_spec(_layer_spec(tconfig, layer_spec), cp, standin)
-        gpt = _gpt(tconfig, cfg, None, parallel_output=vocab_parallel_loss, gpt_kwargs=gpt_kwargs, layer_spec=spec)
+        spec = cp_layer_spec(resolve_layer_spec(tconfig, layer_spec), cp, standin)
+        gpt = build_gpt(tconfig, cfg, None, parallel_output=vocab_parallel_loss, gpt_kwargs=gpt_kwargs, layer_spec=spec)
         require_cp_attention(gpt, cp, standin)
         gpt._apply(lambda t: t.to(cfg.torch_dtype) if t.is_floating_point() else t)
         if edit_params is not None:

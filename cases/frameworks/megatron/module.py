@@ -37,8 +37,9 @@ from torch import nn
 
 from sp_harness import Batch, Case, Layout, Sharded, Unsupported
 from sp_harness.cases.frameworks.common import require_tp
-from sp_harness.cases.frameworks.megatron.case import COMPAT, MEGATRON_CORE_VERSION, _transformer_config, load_shard
+from sp_harness.cases.frameworks.megatron.case import COMPAT, MEGATRON_CORE_VERSION, load_shard
 from sp_harness.cases.frameworks.megatron.compat import gated_fc1_stride, reference_parallel_state
+from sp_harness.cases.frameworks.megatron.gpt import transformer_config
 from sp_harness.cases.frameworks.megatron.runtime import (
     TRANSPOSED_ORDER,
     cpu_shims,
@@ -127,7 +128,7 @@ def megatron_module_case(name: str, transformer_config_kwargs: Mapping[str, Any]
         reference_parallel_state()  # a one-rank reference process, where the release asks for it (0.15)
         global_memory_buffer()
         torch.manual_seed(cfg.seed)
-        tconfig = _transformer_config(kwargs, cfg, tp=1, sequence_parallel=False, dtype=torch.float64, initialize=True)
+        tconfig = transformer_config(kwargs, cfg, tp=1, sequence_parallel=False, dtype=torch.float64, initialize=True)
         with global_tp_group(ctx.tp_group):  # the reference context's group: one rank
             return first_output(build(tconfig, one_rank_groups(ctx.tp_group)))
 
@@ -142,7 +143,7 @@ def megatron_module_case(name: str, transformer_config_kwargs: Mapping[str, Any]
         cfg = ctx.config
         parallel_state(ctx.tp, transposed_tp_ranks(ctx), order=TRANSPOSED_ORDER)
         groups = harness_groups(ctx)
-        tconfig = _transformer_config(kwargs, cfg, tp=ctx.tp, sequence_parallel=sp, dtype=cfg.torch_dtype,
+        tconfig = transformer_config(kwargs, cfg, tp=ctx.tp, sequence_parallel=sp, dtype=cfg.torch_dtype,
                                       initialize=True)
         module = first_output(build(tconfig, groups))
         module._apply(lambda t: t.to(cfg.torch_dtype) if t.is_floating_point() else t)
