@@ -93,9 +93,11 @@ def table(paths: list[Path]) -> str:
 
 
 def _release_sort(release: str) -> tuple[int, ...]:
-    import re
+    """The one ordering of releases (sp_harness.cases.frameworks.releases.release_key, read by name:
+    the engine names no case module)."""
+    import importlib
 
-    return tuple(int(x) for x in re.findall(r"\d+", release))
+    return importlib.import_module("sp_harness.cases.frameworks.releases").release_key(release)
 
 
 def _distributions(case_name: str) -> tuple[str, ...]:
