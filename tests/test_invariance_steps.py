@@ -142,9 +142,13 @@ SWEEP = {
 """Every built-in framework step and framework step mutant, and what each invariance says of it."""
 
 
-NOT_YET_SWEPT = {"mcore-gpt-cp-step", "mcore-gpt-sp-step-sinks"}
-"""Steps added by issue 62 whose invariances have not been measured yet (their statuses unknown, so
-no SWEEP entry can honestly be written): the next change to this sweep measures and moves them."""
+NOT_YET_SWEPT = {"mcore-gpt-cp-step", "mcore-gpt-sp-step-sinks", "hf-trainer-sp-llama",
+                 "mutant-hf-trainer-sp-accumulation-count-times-sp", "mutant-hf-trainer-sp-count-divided-by-sp",
+                 "mutant-hf-trainer-sp-duplicate-data"}
+"""Steps added by issues 62 and 63 whose invariances have not been measured yet (their statuses
+unknown, so no SWEEP entry can honestly be written): the next change to this sweep measures and
+moves them. The HF Trainer's SP steps refuse the second accumulation the invariances run (DeepSpeed
+has no drop-an-accumulation call), so theirs are expected UNSUPPORTED, still to be measured."""
 
 
 def test_the_sweep_covers_every_framework_step():

@@ -22,6 +22,10 @@ from __future__ import annotations
 import importlib.util
 from dataclasses import dataclass
 
+HF_SP_CASES = ("hf-trainer-sp-llama", "mutant-hf-trainer-sp-count-divided-by-sp", "mutant-hf-trainer-sp-duplicate-data",
+               "mutant-hf-trainer-sp-accumulation-count-times-sp", "release-hf-sp-mean-of-means-times-sp")
+"""The HF Trainer's sequence-parallel cases: accelerate's SP backend is DeepSpeed's Ulysses."""
+
 FRAMEWORK_CASES: dict[str, tuple[str, tuple[str, ...]]] = {
     "megatron.core": ("sp_harness.cases.frameworks.megatron.cases", (
         "mcore-gpt-tp", "mcore-gpt-sp", "mutant-mcore-norm-flag-dropped", "mutant-mcore-row-bias-flag-dropped",
@@ -63,7 +67,7 @@ FRAMEWORK_CASES: dict[str, tuple[str, tuple[str, ...]]] = {
         "mutant-hf-trainer-mean-of-micro-batch-means", "mutant-hf-trainer-4470-training-step",
         "hf-trainer-llama-label-smoothing", "mutant-hf-trainer-label-smoother-per-micro-batch",
         "release-hf-34191-mean-of-micro-batch-means", "release-hf-35207-loss-times-k-and-ranks",
-        "release-hf-46731-label-smoother-per-micro-batch")),
+        "release-hf-46731-label-smoother-per-micro-batch", *HF_SP_CASES)),
 }
 """importable framework module -> (the module registering its built-in cases, their names)."""
 
@@ -86,6 +90,7 @@ ALSO_NEEDED: dict[str, tuple[str, ...]] = {
     # UlyssesSPAttentionHF runs on transformers' models; the Trainer is transformers' own
     "transformers": ("ds-ulysses-hf-llama", "ds-ulysses-hf-qwen2", "mutant-ds-ulysses-hf-local-position-ids",
                      "mutant-ds-ulysses-hf-exchange-detached", *FRAMEWORK_CASES["accelerate"][1]),
+    "deepspeed": HF_SP_CASES,
 }
 """module -> the framework cases that need it besides their framework's own module."""
 

@@ -94,13 +94,14 @@ def outside(ranges: tuple[ReleaseRange, ...]) -> str | None:
 
 
 @functools.cache
-def probe(compat_module: str) -> tuple[str, ...]:
-    """`compat_module.missing()`, asked in a child interpreter (see the module docstring); a child
-    that fails answers why, as one missing item."""
+def probe(compat_module: str, function: str = "missing") -> tuple[str, ...]:
+    """`compat_module.missing()` (or another of its functions that names the gaps of a capability,
+    say the HF Trainer's `sp_missing`), asked in a child interpreter (see the module docstring); a
+    child that fails answers why, as one missing item."""
     # the child sees what this process sees (a user's case folder, a test's fakes), before its own
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [*sys.path, os.environ.get("PYTHONPATH")]))}
     try:
-        done = subprocess.run([sys.executable, "-m", __name__, compat_module], capture_output=True, text=True,
+        done = subprocess.run([sys.executable, "-m", __name__, compat_module, function], capture_output=True, text=True,
                               timeout=PROBE_TIMEOUT_S, check=False, env=env)
     except subprocess.TimeoutExpired:
         return (f"an import of the framework that finishes ({compat_module}'s probe ran past {PROBE_TIMEOUT_S} s)",)
@@ -163,5 +164,5 @@ def release_case(base: Case, *, name: str, bug: ShippedBug, fields: tuple[tuple[
         examples=(Example(fields=fields, note=note),)))
 
 
-if __name__ == "__main__":  # the probe's child: prints missing() as one JSON line
-    print(json.dumps(list(importlib.import_module(sys.argv[1]).missing())))
+if __name__ == "__main__":  # the probe's child: prints missing() (or the function named) as one JSON line
+    print(json.dumps(list(getattr(importlib.import_module(sys.argv[1]), sys.argv[2])())))

@@ -87,12 +87,20 @@ def _register_ulysses_hf(model: nn.Module, *, core: str, sp: int, batch: int, se
     groups; a warm rank process's next job first puts back transformers' own function and
     releases the groups, so every job registers exactly once over the plain attention, as a
     new process would (the references run in processes this never touches)."""
+    reset_ulysses_hf(core)
+    return compat.register_ulysses_hf(model, core=core, sp=sp, batch=batch, seq_len=seq_len)
+
+
+def reset_ulysses_hf(core: str) -> None:
+    """What a new process has before `register_with_transformers` runs: transformers' own
+    `ALL_ATTENTION_FUNCTIONS[core]` (an earlier job's registration replaced it by DeepSpeed's
+    wrapper) and no DeepSpeed SP groups. Also what the HF Trainer's SP path needs before
+    accelerate registers (sp_harness.cases.frameworks.hf.sp)."""
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
     _ORIGINAL_ATTENTION.setdefault(core, ALL_ATTENTION_FUNCTIONS[core])
     ALL_ATTENTION_FUNCTIONS[core] = _ORIGINAL_ATTENTION[core]
     compat.release_sp_groups(compat.sp_groups_module())
-    return compat.register_ulysses_hf(model, core=core, sp=sp, batch=batch, seq_len=seq_len)
 
 
 MODEL_TYPES = ("llama", "qwen2", "mistral")

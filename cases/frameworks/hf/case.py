@@ -41,8 +41,9 @@ as a system under test, judged by the training-step check (`sp-harness check --t
 - float32, bfloat16 and float64 params (no autocast: `bf16=False`, the model is cast). At every
   dtype HF's `ForCausalLMLoss` computes `logits.float()` and the loop sums the reported loss into
   a float32 `torch.tensor(0.0)`: float32 islands the check finds in the traced run and bounds.
-- Not supported: TP / SP > 1 (this integration is the Trainer's DDP over every rank; accelerate's
-  ParallelismConfig SP backend is DeepSpeed's and its CP needs FSDP2 on CUDA: not attempted).
+- SP > 1 (world size / dp): the Trainer over accelerate's ParallelismConfig(sp_backend="deepspeed"),
+  DeepSpeed's Ulysses (sp_harness.cases.frameworks.hf.sp, docs/frameworks/hf-trainer.md); K must be
+  a multiple of SP. Not supported: accelerate's CP (FSDP2 on CUDA), TP.
 """
 
 from __future__ import annotations
@@ -95,6 +96,10 @@ class HFTrainerSetup:
     model's own loss."""
     max_pad: int = 3
     """Each sequence ends in 0..max_pad pad tokens (attention_mask 0, labels -100)."""
+    zero_stage: int = 1
+    """Under SP (world size / dp > 1, the Trainer over DeepSpeed's Ulysses through accelerate's
+    ParallelismConfig): the DeepSpeed config's ZeRO stage, 0, 1 or 2 (3 shards the params, which
+    the check cannot map). Unused at SP 1 (the Trainer's DDP)."""
     label_smoothing: float = 0.0
     """The Trainer's `label_smoothing_factor` (its `LabelSmoother`: epsilon spread uniformly over
     every class, torch's convention), 0 <= x < 1; the reference's loss smooths the same."""
@@ -104,6 +109,8 @@ class HFTrainerSetup:
             raise ValueError(f"HFTrainerSetup.model {self.model!r} is not one of {', '.join(MODELS)}")
         if self.max_pad < 0:
             raise ValueError(f"HFTrainerSetup.max_pad must be >= 0, got {self.max_pad}")
+        if self.zero_stage not in (0, 1, 2):
+            raise ValueError(f"HFTrainerSetup.zero_stage {self.zero_stage} is not one of 0, 1, 2")
         if not 0.0 <= self.label_smoothing < 1.0:
             raise ValueError(f"HFTrainerSetup.label_smoothing {self.label_smoothing}: needs 0 <= x < 1")
 
@@ -161,7 +168,7 @@ def hf_trainer_shard(setup: HFTrainerSetup = HFTrainerSetup()) -> Callable[[nn.M
 
     def shard(reference: nn.Module, ctx: RankContext) -> Sharded:
         step = TrainerStep(reference.get_submodule("lm"), ctx, setup)
-        io = Layout(seq_dim=1, batch_dim=0)
+        io = Layout(seq_dim=1, batch_dim=0, seq_sharded=False)
         return Sharded(module=reference, input_layout=io, output_layout=io, replicated=("*",), train_step=step)
 
     return shard
@@ -185,6 +192,20 @@ def make_batch(setup: HFTrainerSetup):
     return made
 
 
+def _sp_supported(cfg, sp: int, setup: HFTrainerSetup) -> None:
+    """Unsupported, naming why, where the run's SP > 1 cannot go through the Trainer's SP path
+    (accelerate's ParallelismConfig over DeepSpeed's Ulysses: sp_harness.cases.frameworks.hf.sp)."""
+    gaps = releases.probe("sp_harness.cases.frameworks.hf.compat", "sp_missing")
+    if gaps:
+        raise Unsupported(f"the Trainer's sequence parallelism (accelerate's ParallelismConfig, sp_backend "
+                          f"'deepspeed') needs {'; '.join(gaps)}")
+    k = cfg.micro_batches or 1
+    if k % sp:
+        raise Unsupported(f"{k} micro-batches at SP {sp}: DeepSpeed's SP data-loader adapter draws one batch from "
+                          f"each of the SP ranks per round, so an optimizer step's micro-batches (gradient_accumulation"
+                          f"_steps) must be a multiple of SP")
+
+
 def _setup() -> None:
     """Per process: transformers' Trainer (which imports accelerate); not a preload, since its
     import starts a thread, which a fork server must not have. The two models are preloaded."""
@@ -205,10 +226,9 @@ def hf_trainer_case(name: str, setup: HFTrainerSetup = HFTrainerSetup(), **case_
         if not cfg.train_step:
             raise Unsupported("this case checks the transformers Trainer's own training step: run the training-step "
                               "check (--train-step); the side-by-side check would run the engine's step instead")
-        if cfg.world_size != cfg.dp:
-            raise Unsupported(f"the Trainer here is DDP over every rank (dp = world size): this run has TP/SP "
-                              f"{cfg.world_size // cfg.dp} (world size {cfg.world_size}, dp {cfg.dp}); accelerate's "
-                              f"ParallelismConfig SP backend is DeepSpeed's and its CP needs FSDP2 on CUDA")
+        sp = cfg.world_size // cfg.dp
+        if sp > 1:
+            _sp_supported(cfg, sp, setup)
         if cfg.seq_len < 3:
             raise ValueError(f"seq_len {cfg.seq_len}: HF's shifted loss needs at least 3 tokens (a prompt token and "
                              f"two that carry loss)")
@@ -230,7 +250,7 @@ def hf_trainer_case(name: str, setup: HFTrainerSetup = HFTrainerSetup(), **case_
                 build_reference=lambda cfg: build_lm(setup, cfg, torch.float64), make_batch=make_batch(setup),
                 shard=hf_trainer_shard(setup), tokens=shifted_tokens,
                 loss_sum=smoothed_shifted_loss_sum(setup.label_smoothing) if setup.label_smoothing else shifted_loss_sum,
-                input_layout=Layout(seq_dim=1, batch_dim=0), validate=validate, defaults=defaults,
+                input_layout=Layout(seq_dim=1, batch_dim=0, seq_sharded=False), validate=validate, defaults=defaults,
                 train_loss=TrainLoss(ignore_index=IGNORE_INDEX),
                 tags=("transformers", "hf-trainer", "framework", "train-step", *case_fields.pop("tags", ())),
                 **case_fields)

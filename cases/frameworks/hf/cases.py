@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, fields
 
+import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 
 from sp_harness.cases.frameworks.hf.case import HFTrainerSetup, hf_trainer_case, hf_trainer_shard
@@ -86,6 +88,70 @@ class LabelSmootherPerMicroBatch:
             return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
         finally:
             self.label_smoother = smoother
+
+
+class SPTokenMean:
+    """A user's Trainer code for accelerate's sequence parallelism (DeepSpeed Ulysses), done right:
+    the token mean over every valid token of the K micro-batches of every rank, as the Trainer
+    means without SP (`average_tokens_across_devices`). The adapter hands each rank its shard's
+    `shift_labels`, and the Trainer counts no tokens under SP (its count looks for `labels`, which
+    the adapter removed), so the count is taken here: every rank's valid shift_labels over the K
+    micro-steps, gathered (the SP shards of one sequence are disjoint: each token is counted once).
+    Each rank backpropagates its own shard's token-loss sum over that count, x DP (DeepSpeed's
+    engine averages the grads over DP and sums them over SP); the value it returns for the log is
+    the SP group's sum, so the ranks' logged losses average to the token mean."""
+
+    loss_is_scaled_for_ga = True
+
+    def get_batch_samples(self, epoch_iterator, num_batches, device):
+        batches, _ = super().get_batch_samples(epoch_iterator, num_batches, device)
+        local = torch.stack([(b["shift_labels"] != -100).sum() for b in batches]).sum().to(device)
+        return batches, self.accelerator.gather(local).sum()
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        from deepspeed.utils import groups
+
+        labels = inputs.pop("shift_labels")
+        inputs.pop("labels", None)
+        outputs = model(**inputs)
+        local = F.cross_entropy(outputs.logits.float().flatten(0, 1), labels.flatten(), ignore_index=-100,
+                                reduction="sum")
+        group_sum = local.detach().clone()
+        dist.all_reduce(group_sum, group=groups._get_sequence_parallel_group())
+        dp = self.args.world_size // self.get_sp_size()
+        loss = (local + (group_sum - local).detach()) * dp / num_items_in_batch
+        return (loss, outputs) if return_outputs else loss
+
+
+class SPCountDividedBySP(SPTokenMean):
+    """The token count divided by the non-data-parallel size (TP x CP x SP), as the Trainer's own
+    count does, where Ulysses has already sharded the sequence: loss and grads x sp_size."""
+
+    def get_batch_samples(self, epoch_iterator, num_batches, device):
+        batches, count = super().get_batch_samples(epoch_iterator, num_batches, device)
+        return batches, count / self.get_sp_size()
+
+
+class SPDuplicateData(SPTokenMean):
+    """Every SP rank hands the adapter the same batch: each round's SP micro-steps are all the
+    first SP rank's sequences (what the adapter yields when the SP ranks' dataloaders are not
+    sharded over the SP axis), so the others' are never trained on and that one is trained SP times."""
+
+    def get_batch_samples(self, epoch_iterator, num_batches, device):
+        batches, count = super().get_batch_samples(epoch_iterator, num_batches, device)
+        sp = self.get_sp_size()
+        return [batches[i - i % sp] for i in range(len(batches))], count
+
+
+class SPAccumulationCountTimesSP(SPTokenMean):
+    """The accumulation count taken from the SP adapter's length, which is the dataloader's x SP
+    (`UlyssesSPDataLoaderAdapter.__len__`; the Trainer multiplies `len_dataloader` by sp_size):
+    each micro-step's loss divided by SP once more, loss and grads 1 / sp_size of the token mean."""
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        loss, outputs = super().compute_loss(model, inputs, True, num_items_in_batch)
+        loss = loss / self.get_sp_size()
+        return (loss, outputs) if return_outputs else loss
 
 
 def _examples(*more):
@@ -204,3 +270,64 @@ RELEASE_46731 = release_case(
     bug=shown_with(LABEL_SMOOTHER_BUG, MEAN_OF_MEANS_BUG, DOUBLED_LOSS_BUG),
     note="transformers 4.46.0 to 5.14.x: each micro-batch's smoothed token mean, not divided by K; 5.15.0: over "
          "num_items_in_batch; 4.45.x FAILs it too, through #34191")
+
+
+# ---------------------------------------------------------------------------------------------
+# Sequence parallelism: the Trainer over accelerate's ParallelismConfig(sp_size=, sp_backend=
+# "deepspeed") (sp_harness.cases.frameworks.hf.sp), DP 2 x SP 2
+# ---------------------------------------------------------------------------------------------
+
+_SP = (("world_size", 4), ("dp", 2), ("train_step", True), ("micro_batches", 2))
+SP_EXAMPLES = (Example(fields=(*_SP, ("optimizer", "adamw"), ("dtype", "float32")),
+                       note="DP 2 x SP 2 (DeepSpeed Ulysses, ZeRO-1), K=2, the Trainer's own AdamW, float32"),
+               Example(fields=(*_SP, ("optimizer", "adamw"), ("dtype", "bfloat16")),
+                       note="DP 2 x SP 2, K=2, AdamW, bfloat16 (DeepSpeed's bf16 with fp32 masters)"),
+               Example(fields=(*_SP, ("optimizer", "sgd"), ("clip_grad_norm", 0.01), ("dtype", "float32")),
+                       note="DP 2 x SP 2, K=2, SGD with DeepSpeed's clipping active"))
+
+HF_TRAINER_SP = register(hf_trainer_case("hf-trainer-sp-llama", HFTrainerSetup(trainer_class=SPTokenMean),
+                                         isolation=ISOLATION, examples=SP_EXAMPLES))
+"""The Trainer's own SP step with a user's token-mean loss (`SPTokenMean`)."""
+
+
+mutant(HF_TRAINER_SP, name="mutant-hf-trainer-sp-count-divided-by-sp",
+       summary="the token count divided by sp_size although Ulysses already sharded the sequence",
+       bug="num_items_in_batch divided by the non-data-parallel size (TP x CP x SP) where each SP rank holds only "
+           "its own shard's tokens: every rank's loss and grads x sp_size",
+       source="huggingface/transformers#46775 (fixed by PR #46855)",
+       shard=hf_trainer_shard(HFTrainerSetup(trainer_class=SPCountDividedBySP)), train_loss=HF_TRAINER_SP.train_loss, tags=("train-step",),
+       killed_by=("reported loss", "train-step-sp"))
+
+mutant(HF_TRAINER_SP, name="mutant-hf-trainer-sp-duplicate-data",
+       summary="the SP ranks hand the adapter the same batch: one sequence trained SP times, the others never",
+       bug="the SP data-loader adapter yields the first SP rank's batch on every micro-step of a round (the SP ranks' "
+           "dataloaders not sharded over the SP axis): the accumulated grads are of the wrong sequences",
+       source="deepspeedai/DeepSpeed#7484 (UlyssesSPDataLoaderAdapter returning duplicate data)",
+       shard=hf_trainer_shard(HFTrainerSetup(trainer_class=SPDuplicateData)), train_loss=HF_TRAINER_SP.train_loss, tags=("train-step",),
+       killed_by=("reported loss", "train-step-sp"))
+
+mutant(HF_TRAINER_SP, name="mutant-hf-trainer-sp-accumulation-count-times-sp",
+       summary="the accumulation count taken from the SP adapter's length (the dataloader's x sp_size)",
+       bug="each micro-step's loss divided by K x sp_size, where the K micro-steps are the adapter's (its __len__ "
+           "is len(dataloader) x sp_size): loss and grads 1 / sp_size of the token mean",
+       source="verl's SFT trainer counting accumulation steps differently under SP; the adapter's length: "
+              "deepspeed/runtime/sequence_parallel/ulysses_sp.py UlyssesSPDataLoaderAdapter.__len__ (0.19.8)",
+       shard=hf_trainer_shard(HFTrainerSetup(trainer_class=SPAccumulationCountTimesSP)), train_loss=HF_TRAINER_SP.train_loss, tags=("train-step",),
+       killed_by=("reported loss", "train-step-sp"))
+
+SP_LOSS_BUG = ShippedBug(
+    distribution="transformers", first="5.3.0", fixed="5.23.1", stage=STAGE,
+    summary="under accelerate's SP (sp_backend 'deepspeed') the Trainer's own loss is each micro-step's SP-group "
+            "token mean, divided by K and averaged over DP (the mean of micro-batch means, #34191's objective), and "
+            "its grads are sp_size x that loss's (every SP rank backpropagates the whole group's loss, DeepSpeed "
+            "sums the SP ranks' grads): 0.25x the reported loss, 0.5x the grads at DP 2 x SP 2, K=2",
+    source="transformers 5.23.0 integrations/deepspeed.py deepspeed_sp_compute_loss and trainer.py "
+           "(model_accepts_loss_kwargs = False under SP); the accumulation weighting raised in the review of PR #41832")
+"""`first` is the oldest release this integration runs the SP path on (the 5.3 loop); `fixed` the
+release after the newest of the range: no fix is released (a placeholder the release matrix re-checks)."""
+
+RELEASE_SP_LOSS = release_case(
+    HF_TRAINER_LLAMA, name="release-hf-sp-mean-of-means-times-sp", bug=SP_LOSS_BUG,
+    fields=(*_SP, ("optimizer", "adamw"), ("dtype", "float32")),
+    note="the Trainer's own loss under accelerate's SP at DP 2 x SP 2, K=2: 1.339 reported against a token mean of "
+         "5.356, the grads 0.500x")

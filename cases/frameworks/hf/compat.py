@@ -190,6 +190,48 @@ def missing() -> tuple[str, ...]:
     return tuple(gaps)
 
 
+def sp_missing() -> tuple[str, ...]:
+    """What the Trainer's sequence-parallel path (sp_harness.cases.frameworks.hf.sp) needs that
+    the installed transformers, accelerate or DeepSpeed lack: accelerate's ParallelismConfig with an
+    SP backend and its Ulysses handler, the Trainer's SP loss and its dataloader hook, DeepSpeed's
+    Ulysses for HF (`UlyssesSPAttentionHF`, `UlyssesSPDataLoaderAdapter`), and the 5.3-on loop
+    (`_prepare_for_training` is where the Trainer wraps its dataloader in the adapter)."""
+    gaps = list(missing())
+    try:
+        from accelerate.parallelism_config import ParallelismConfig
+        from accelerate.utils import DeepSpeedSequenceParallelConfig  # noqa: F401
+    except ImportError as exc:
+        return (*gaps, f"accelerate's ParallelismConfig and DeepSpeedSequenceParallelConfig ({exc})")
+    if "sp_backend" not in {f.name for f in dataclasses.fields(ParallelismConfig)}:
+        gaps.append("accelerate ParallelismConfig(sp_backend=)")
+    from accelerate import Accelerator
+
+    if not hasattr(Accelerator, "deepspeed_ulysses_dl_adapter"):
+        gaps.append("accelerate.Accelerator.deepspeed_ulysses_dl_adapter")
+    import transformers.integrations.deepspeed as hf_deepspeed
+
+    if not hasattr(hf_deepspeed, "deepspeed_sp_compute_loss"):
+        gaps.append("transformers.integrations.deepspeed.deepspeed_sp_compute_loss")
+    if "parallelism_config" not in {f.name for f in dataclasses.fields(_training_arguments())}:
+        gaps.append("TrainingArguments(parallelism_config=)")
+    if trainer_loop() != RUN_EPOCH:
+        gaps.append("Trainer._prepare_for_training (transformers 5.3 on)")
+    try:
+        from deepspeed.runtime.sequence_parallel.ulysses_sp import (  # noqa: F401
+            UlyssesSPAttentionHF,
+            UlyssesSPDataLoaderAdapter,
+        )
+    except ImportError as exc:
+        gaps.append(f"DeepSpeed's UlyssesSPAttentionHF and UlyssesSPDataLoaderAdapter ({type(exc).__name__}: {exc})")
+    return tuple(gaps)
+
+
+def _training_arguments() -> Any:
+    from transformers import TrainingArguments
+
+    return TrainingArguments
+
+
 _CALLED_KEYWORDS = (("unwrap_model", "keep_torch_compile", "; accelerate 1.3.0 has it"),)
 """accelerate keywords a later Trainer passes that its declared accelerate requirement does not
 guarantee (transformers 4.53 to 5.23, not 4.50, ask for accelerate >= 0.26.0 / 1.1.0 and pass

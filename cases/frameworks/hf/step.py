@@ -43,8 +43,9 @@ from torch import nn
 from sp_harness import RankContext, Unsupported
 from sp_harness.cases.common import known
 from sp_harness.cases.frameworks.hf import compat
+from sp_harness.cases.frameworks.hf import sp as sp_path
 from sp_harness.config.step_protocol import MicroBatch
-from sp_harness.step.optim_ref import ADAMW_BETAS, ADAMW_EPS, WEIGHT_DECAY, make_optimizer
+from sp_harness.step.optim_ref import ADAMW_BETAS, ADAMW_EPS, SGD_MOMENTUM, WEIGHT_DECAY, make_optimizer
 
 
 def launcher_env(ctx: RankContext) -> None:
@@ -105,6 +106,12 @@ class TrainerStep:
         assert config.optimizer is not None and config.lr is not None, "the check resolves optimizer and lr"
         launcher_env(ctx)
         self.loop = compat.trainer_loop()
+        # SP > 1: accelerate's ParallelismConfig over DeepSpeed's Ulysses (sp_harness.cases.frameworks.hf.sp)
+        self.sp = ctx.tp
+        self.ctx = ctx
+        sp_path.reset_process()
+        if self.sp > 1:
+            sp_path.prepare_process(ctx)
         # the pool's own temporary folder (TMPDIR): the Trainer writes nothing there with saving off
         arguments: dict[str, Any] = dict(
             output_dir=tempfile.gettempdir(), per_device_train_batch_size=known(config.batch, "batch"),
@@ -118,9 +125,16 @@ class TrainerStep:
             # the token count of every rank's micro-batches (4.46 on; 5.x's default): a release
             # before it counts none, and its loss is the mean of micro-batch means (#34191)
             arguments["average_tokens_across_devices"] = True
+        if self.sp > 1:
+            arguments.update(sp_path.arguments(ctx, setup.zero_stage))
+            if config.optimizer == "sgd":
+                # under DeepSpeed the Trainer drops `optimizers=` (deepspeed_init sets trainer.optimizer
+                # = None) and builds its own from `optim`: SGD is asked for there, as such a user must
+                arguments.update(optim="sgd", optim_args=f"momentum={SGD_MOMENTUM}", weight_decay=0.0)
         args = TrainingArguments(**arguments)
         # SGD through `optimizers=`, AdamW the Trainer's own (`optim`): each as a user sets it
-        sgd = make_optimizer("sgd", config.lr, lm.parameters()) if config.optimizer == "sgd" else None
+        sgd = (make_optimizer("sgd", config.lr, lm.parameters())
+               if config.optimizer == "sgd" and self.sp == 1 else None)
         cls = trainer_class(setup.trainer_class, config.optimizer)
         reason = _unsupported_here(setup, cls)
         if reason is not None:
@@ -133,7 +147,16 @@ class TrainerStep:
         t.is_in_train = True
         t._train_batch_size = args.train_batch_size
         max_steps = args.max_steps
+        self.feed = sp_path.Feed()
         self.model = self._set_up_split(max_steps) if self.loop == compat.RUN_EPOCH else self._set_up_inline(max_steps)
+        self.deferred: sp_path.DeferredStep | None = None
+        if self.sp > 1:
+            sp_path.check_groups(ctx)
+            self.deferred = sp_path.DeferredStep(t.accelerator.deepspeed_engine_wrapped.engine)
+            from deepspeed.utils import safe_get_full_grad
+
+            # ZeRO's grads live in its partitions: gathered, a copy (the DeepSpeed step's reader)
+            self.grad_of = safe_get_full_grad
         # _inner_training_loop's last lines before the epochs (5.23.0 1647-1653; 4.45.2 2305-2311)
         self.tr_loss = torch.tensor(0.0, device=args.device)
         t._tr_loss = self.tr_loss
@@ -151,8 +174,9 @@ class TrainerStep:
         self.gather = compat.log_gather(t)
         self.learning_rate: float | None = None
         inner = getattr(t.optimizer, "optimizer", t.optimizer)
-        # the torch optimizer over the model's own params, whose state the engine reads
-        self.optimizer = inner
+        # the torch optimizer over the model's own params, whose state the engine reads; under SP
+        # DeepSpeed's (ZeRO partitions, fp32 masters), judged through the float64 shadow instead
+        self.optimizer = inner if self.sp == 1 else None
         self._step_begun = self._position()
 
     def _set_up_split(self, max_steps: int) -> nn.Module:
@@ -160,7 +184,10 @@ class TrainerStep:
         5.23.0 lines 1612-1615)."""
         t = self.trainer
         t._init_training_state(max_steps, max_steps, 1, None, None)
-        model, _ = t._prepare_for_training(max_steps, None, None)
+        # under SP the Trainer wraps its dataloader in DeepSpeed's SP adapter here (5.23.0 line
+        # 1798): the feed is that dataloader, its adapter what the loop iterates
+        model, loader = t._prepare_for_training(max_steps, self.feed if self.sp > 1 else None, None)
+        self.loader = loader
         return model
 
     def _set_up_inline(self, max_steps: int) -> nn.Module:
@@ -222,35 +249,40 @@ class TrainerStep:
 
     def accumulate(self, micro_batches: Sequence[MicroBatch]) -> float:
         t, args = self.trainer, self.trainer.args
-        batches = [{**mb.inputs, "labels": mb.target} for mb in micro_batches]
         self._step_begun = self._position()
-        if len(batches) < args.gradient_accumulation_steps:
+        if self.sp > 1:
+            # this SP rank's dataloader batches; the adapter makes the K micro-steps from them
+            self.feed.put([sp_path.collate(mb, self.sp) for mb in sp_path.mine(micro_batches, self.ctx)])
+            batches: Any = self.loader
+        else:
+            batches = [{**mb.inputs, "labels": mb.target} for mb in micro_batches]
+        if len(micro_batches) < args.gradient_accumulation_steps:
             # fewer than gradient_accumulation_steps micro-batches come only at an epoch's end
             # (its `remainder`): ending the epoch here makes the last one a sync step, as there;
             # transformers 4.45 steps on fewer than K only in an epoch shorter than K
             if self.loop == compat.ACCUMULATE:
                 self.step_index = -1
-                self.steps_in_epoch = len(batches)
+                self.steps_in_epoch = len(micro_batches)
             else:
-                self.steps_in_epoch = self.step_index + 1 + len(batches)
+                self.steps_in_epoch = self.step_index + 1 + len(micro_batches)
         if self.loop == compat.ACCUMULATE:
             self._accumulate_per_batch(batches)
         else:
-            self._accumulate_batch_samples(batches)
+            self._accumulate_batch_samples(iter(batches), len(micro_batches))
         # what the step's log will report (trainer.py 5.23.0 2249-2255, 4.45.2 2897-2903: the
         # ranks' tr_loss gathered and averaged, per step since the last log; 4.x rounds it to 4
         # digits in the log, the check takes it unrounded)
         gathered = self.gather(self.tr_loss.detach().clone())
         return gathered.mean().item() / (t.state.global_step + 1 - t._globalstep_last_logged)
 
-    def _accumulate_batch_samples(self, batches: list[dict]) -> None:
+    def _accumulate_batch_samples(self, epoch_iterator: Any, count: int) -> None:
         """4.46 on: trainer.py 5.23.0 lines 1873-1926 (4.57.1 2618-2693), but `self` -> `t`,
         `step` -> `self.step_index`."""
         from transformers.trainer import DistributedType  # accelerate's, as trainer.py imports it
 
         t, args, model = self.trainer, self.trainer.args, self.model
         device = (args.device,) if compat.batch_samples_take_device() else ()
-        batch_samples, num_items_in_batch = t.get_batch_samples(iter(batches), len(batches), *device)
+        batch_samples, num_items_in_batch = t.get_batch_samples(epoch_iterator, count, *device)
         # 4.57 on; an attribute no earlier release reads
         t.current_gradient_accumulation_steps = len(batch_samples)
         for i, inputs in enumerate(batch_samples):
@@ -317,17 +349,23 @@ class TrainerStep:
         step, and the loop's running sums, which only the step's log resets (`tr_loss -= tr_loss`
         in `_maybe_log_save_evaluate`): kept, the next accumulation would report the dropped
         one's loss plus its own, and run as the next micro-batches of the epoch."""
+        if self.deferred is not None:
+            # ZeRO's reduced partitions have no drop-without-step call a user could make
+            raise Unsupported("a second accumulation from the same params (the invariance checks) under SP: "
+                              "DeepSpeed's engine has no call that drops an accumulated step")
         self.model.zero_grad()
         self.tr_loss.zero_()
         self.step_index, self.total_batched_samples, self.trainer.current_flos, accelerate_step = self._step_begun
         if hasattr(self.trainer.accelerator, "step"):
             self.trainer.accelerator.step = accelerate_step
 
-    def grad_norm(self) -> torch.Tensor:
+    def grad_norm(self) -> torch.Tensor | None:
         """The Trainer's own unclipped norm: `_get_grad_norm` (5.3 on), else the loop's clipping
         call, accelerate's `clip_grad_norm_` over `model.parameters()`, at an infinite max norm
-        (a coefficient of exactly 1), which is what `_get_grad_norm` runs."""
+        (a coefficient of exactly 1), which is what `_get_grad_norm` runs. None under SP."""
         t = self.trainer
+        if self.deferred is not None:
+            return None  # DeepSpeed's engine computes its norm inside its boundary step
         if self.loop == compat.RUN_EPOCH:
             return t._get_grad_norm(self.model)
         return t.accelerator.clip_grad_norm_(self.model.parameters(), float("inf"))
@@ -338,6 +376,8 @@ class TrainerStep:
         # `step` -> `self.step_index`, epoch 0, trial and eval keys None, start_time 0 (the log's
         # throughput figures only)
         grad_norm = None
+        if self.deferred is not None:
+            self.deferred.run()  # accelerate's boundary engine.step(), where the last backward called it
         if self.loop == compat.RUN_EPOCH:
             if args.max_grad_norm > 0:
                 grad_norm = t._clip_grad_norm(model)
@@ -347,6 +387,7 @@ class TrainerStep:
         # the norm the loop logs; where it clips nothing (before 5.3) the log has none, and the
         # step reports the unclipped norm its clipping would compute
         reported = grad_norm if grad_norm is not None else self.grad_norm()
+        assert reported is not None, "the Trainer reports DeepSpeed's norm after its boundary step"
         t.control = t.callback_handler.on_pre_optimizer_step(args, t.state, t.control)
         t.optimizer.step()
         t.control = t.callback_handler.on_optimizer_step(args, t.state, t.control)
