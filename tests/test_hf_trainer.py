@@ -19,6 +19,7 @@ import os
 import pathlib
 import subprocess
 import sys
+import tempfile
 
 import pytest
 from installed import skip_unless_installed
@@ -48,7 +49,10 @@ def _capabilities() -> dict:
     inherit transformers' threads)."""
     code = ("import json; from sp_harness.cases.frameworks.hf import compat as c; print(json.dumps(dict("
             "num_items_in_batch=c.passes_num_items_in_batch(), compute_loss_func=c.takes_compute_loss_func())))")
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600, check=True)
+    # its own TMPDIR, removed after: transformers' import makes torch's inductor cache folder there
+    with tempfile.TemporaryDirectory(prefix="sp-harness-test-") as scratch:
+        done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600, check=True,
+                              env={**os.environ, "TMPDIR": scratch})
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 

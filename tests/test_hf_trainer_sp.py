@@ -14,9 +14,6 @@ SP backend, a DeepSpeed without UlyssesSPDataLoaderAdapter) every case is UNSUPP
 API (`compat.sp_missing`), which the first test asserts instead."""
 
 import functools
-import json
-import subprocess
-import sys
 
 import pytest
 from installed import skip_unless_installed
@@ -25,6 +22,7 @@ skip_unless_installed("transformers", "transformers is not installed (pip instal
 skip_unless_installed("accelerate", "accelerate is not installed (pip install -e '.[hf]')")
 skip_unless_installed("deepspeed", "deepspeed is not installed (pip install -e '.[deepspeed]')")
 
+from sp_harness.cases.frameworks import releases  # noqa: E402
 from sp_harness.config.check_config import CheckConfig  # noqa: E402
 from sp_harness.judge.verdict import FAIL, PASS, UNSUPPORTED  # noqa: E402
 from sp_harness.report.result_text import format_result  # noqa: E402
@@ -34,12 +32,10 @@ TIMEOUT_S = 180.0
 
 
 @functools.cache
-def _sp_gaps() -> list:
-    """What the installed releases lack for the SP path, asked in a child interpreter (this
-    process imports no framework)."""
-    code = "import json; from sp_harness.cases.frameworks.hf import compat; print(json.dumps(compat.sp_missing()))"
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600, check=True)
-    return json.loads(done.stdout.strip().splitlines()[-1])
+def _sp_gaps() -> tuple[str, ...]:
+    """What the installed releases lack for the SP path, asked as the case asks it (a child
+    interpreter: this process imports no framework)."""
+    return releases.probe("sp_harness.cases.frameworks.hf.compat", "sp_missing")
 
 
 def _sp(case: str, **fields) -> CheckConfig:

@@ -30,6 +30,7 @@ import os
 import re
 import subprocess
 import sys
+import tempfile
 from dataclasses import dataclass
 from typing import Any
 
@@ -101,8 +102,11 @@ def probe(compat_module: str, function: str = "missing") -> tuple[str, ...]:
     # the child sees what this process sees (a user's case folder, a test's fakes), before its own
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [*sys.path, os.environ.get("PYTHONPATH")]))}
     try:
-        done = subprocess.run([sys.executable, "-m", __name__, compat_module, function], capture_output=True, text=True,
-                              timeout=PROBE_TIMEOUT_S, check=False, env=env)
+        # its own temporary folder, removed after: importing a framework makes torch's inductor cache
+        # folder (torch._inductor.config: TMPDIR/torchinductor_USER), which must not stay in /tmp
+        with tempfile.TemporaryDirectory(prefix="sp-harness-probe-") as scratch:
+            done = subprocess.run([sys.executable, "-m", __name__, compat_module, function], capture_output=True,
+                                  text=True, timeout=PROBE_TIMEOUT_S, check=False, env={**env, "TMPDIR": scratch})
     except subprocess.TimeoutExpired:
         return (f"an import of the framework that finishes ({compat_module}'s probe ran past {PROBE_TIMEOUT_S} s)",)
     if done.returncode != 0:
