@@ -206,3 +206,21 @@ def pytest_unconfigure(config: pytest.Config) -> None:
         root.rmdir()
     except OSError:  # absent, or still in use
         pass
+
+
+# Child interpreters that tests start to ask a framework something (transformers' Trainer, the
+# traced wrappers) import torch._inductor.config, which makes torch's inductor cache folder in
+# their TMPDIR, /tmp/torchinductor_USER, empty. The release probe (the product's own child) runs in
+# a temporary folder of its own; the tests' children are many, so the session removes that folder
+# once, where it did not exist before the session and is still empty (never a user's cache).
+_INDUCTOR_CACHE = os.path.join(__import__("tempfile").gettempdir(), f"torchinductor_{__import__('getpass').getuser()}")
+_INDUCTOR_CACHE_EXISTED = os.path.exists(_INDUCTOR_CACHE)
+
+
+def pytest_sessionfinish(session) -> None:
+    if hasattr(session.config, "workerinput") or _INDUCTOR_CACHE_EXISTED:
+        return  # an xdist worker (the controller cleans up), or a cache that was there already
+    try:
+        os.rmdir(_INDUCTOR_CACHE)  # only an empty folder: anything cached in it stays
+    except OSError:
+        pass
