@@ -12,7 +12,9 @@ A test left out of the fast tier is deselected, so pytest's summary line counts 
 
 from __future__ import annotations
 
+import getpass
 import os
+import tempfile
 from types import SimpleNamespace
 
 import pytest
@@ -213,7 +215,7 @@ def pytest_unconfigure(config: pytest.Config) -> None:
 # their TMPDIR, /tmp/torchinductor_USER, empty. The release probe (the product's own child) runs in
 # a temporary folder of its own; the tests' children are many, so the session removes that folder
 # once, where it did not exist before the session and is still empty (never a user's cache).
-_INDUCTOR_CACHE = os.path.join(__import__("tempfile").gettempdir(), f"torchinductor_{__import__('getpass').getuser()}")
+_INDUCTOR_CACHE = os.path.join(tempfile.gettempdir(), f"torchinductor_{getpass.getuser()}")
 _INDUCTOR_CACHE_EXISTED = os.path.exists(_INDUCTOR_CACHE)
 
 

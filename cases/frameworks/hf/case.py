@@ -192,7 +192,7 @@ def make_batch(setup: HFTrainerSetup):
     return made
 
 
-def _sp_supported(cfg, sp: int, setup: HFTrainerSetup) -> None:
+def _sp_supported(cfg, sp: int) -> None:
     """Unsupported, naming why, where the run's SP > 1 cannot go through the Trainer's SP path
     (accelerate's ParallelismConfig over DeepSpeed's Ulysses: sp_harness.cases.frameworks.hf.sp)."""
     gaps = releases.probe("sp_harness.cases.frameworks.hf.compat", "sp_missing")
@@ -228,7 +228,7 @@ def hf_trainer_case(name: str, setup: HFTrainerSetup = HFTrainerSetup(), **case_
                               "check (--train-step); the side-by-side check would run the engine's step instead")
         sp = cfg.world_size // cfg.dp
         if sp > 1:
-            _sp_supported(cfg, sp, setup)
+            _sp_supported(cfg, sp)
         if cfg.seq_len < 3:
             raise ValueError(f"seq_len {cfg.seq_len}: HF's shifted loss needs at least 3 tokens (a prompt token and "
                              f"two that carry loss)")

@@ -136,16 +136,22 @@ class DeferredStep:
         self.pending = False
 
 
-def reset_process() -> None:
-    """Every Trainer job, DDP or SP, starts from what a new process has: no accelerate state (an
-    SP job's holds its DeepSpeed plugin and ParallelismConfig) and, where an SP job ran here,
-    transformers' own sdpa and no DeepSpeed SP groups."""
-    import sys
+_LAST_SP = [1]
+"""The SP size of this process's last Trainer job (1: none yet, or the Trainer's DDP)."""
 
+
+def reset_process(sp: int) -> None:
+    """Where this job (SP `sp`) or this process's last one is an SP job, start from what a new
+    process has: no accelerate state (an SP job's holds its DeepSpeed plugin and ParallelismConfig)
+    and, after an SP job, transformers' own sdpa and no DeepSpeed SP groups. DDP jobs after DDP
+    jobs share accelerate's state as they always have."""
+    last, _LAST_SP[0] = _LAST_SP[0], sp
+    if sp == 1 and last == 1:
+        return
     from accelerate.state import AcceleratorState
 
     AcceleratorState._reset_state(reset_partial_state=True)
-    if "deepspeed" in sys.modules:
+    if last > 1:
         from sp_harness.cases.frameworks.deepspeed.hf import reset_ulysses_hf
 
         reset_ulysses_hf("sdpa")

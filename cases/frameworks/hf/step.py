@@ -109,7 +109,7 @@ class TrainerStep:
         # SP > 1: accelerate's ParallelismConfig over DeepSpeed's Ulysses (sp_harness.cases.frameworks.hf.sp)
         self.sp = ctx.tp
         self.ctx = ctx
-        sp_path.reset_process()
+        sp_path.reset_process(self.sp)
         if self.sp > 1:
             sp_path.prepare_process(ctx)
         # the pool's own temporary folder (TMPDIR): the Trainer writes nothing there with saving off
