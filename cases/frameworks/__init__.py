@@ -26,6 +26,10 @@ HF_SP_CASES = ("hf-trainer-sp-llama", "mutant-hf-trainer-sp-count-divided-by-sp"
                "mutant-hf-trainer-sp-accumulation-count-times-sp", "release-hf-sp-mean-of-means-times-sp")
 """The HF Trainer's sequence-parallel cases: accelerate's SP backend is DeepSpeed's Ulysses."""
 
+TRL_SP_CASES = ("trl-sft-sp-llama", "mutant-trl-sft-sp-count-divided-by-sp", "mutant-trl-sft-sp-duplicate-data",
+                "mutant-trl-sft-sp-accumulation-count-times-sp", "release-trl-sft-sp-mean-of-means-times-sp")
+"""TRL's SFTTrainer on the same SP path."""
+
 FRAMEWORK_CASES: dict[str, tuple[str, tuple[str, ...]]] = {
     "megatron.core": ("sp_harness.cases.frameworks.megatron.cases", (
         "mcore-gpt-tp", "mcore-gpt-sp", "mutant-mcore-norm-flag-dropped", "mutant-mcore-row-bias-flag-dropped",
@@ -68,18 +72,19 @@ FRAMEWORK_CASES: dict[str, tuple[str, tuple[str, ...]]] = {
         "hf-trainer-llama-label-smoothing", "mutant-hf-trainer-label-smoother-per-micro-batch",
         "release-hf-34191-mean-of-micro-batch-means", "release-hf-35207-loss-times-k-and-ranks",
         "release-hf-46731-label-smoother-per-micro-batch", *HF_SP_CASES)),
+    "trl": ("sp_harness.cases.frameworks.trl.cases", ("trl-sft-llama", "mutant-trl-sft-prompt-trained", *TRL_SP_CASES)),
 }
 """importable framework module -> (the module registering its built-in cases, their names)."""
 
 EXTRAS: dict[str, str] = {"megatron.core": "megatron", "yunchang": "yunchang", "torchtitan": "torchtitan",
-                          "deepspeed": "deepspeed", "accelerate": "hf"}
+                          "deepspeed": "deepspeed", "accelerate": "hf", "trl": "trl"}
 """framework module -> the pip extra of sp-harness (pyproject.toml) that installs it and every module
 its cases need."""
 
 COMPAT: dict[str, str] = {
     "megatron.core": "sp_harness.cases.frameworks.megatron.compat", "yunchang": "sp_harness.cases.frameworks.yunchang.compat",
     "torchtitan": "sp_harness.cases.frameworks.torchtitan.compat", "deepspeed": "sp_harness.cases.frameworks.deepspeed.compat",
-    "accelerate": "sp_harness.cases.frameworks.hf.compat",
+    "accelerate": "sp_harness.cases.frameworks.hf.compat", "trl": "sp_harness.cases.frameworks.trl.compat",
 }
 """framework module -> its package's `compat` module: the supported releases (`RELEASES`) and the
 APIs the installed one lacks (`missing()`), sp_harness.cases.frameworks.releases."""
@@ -89,8 +94,11 @@ ALSO_NEEDED: dict[str, tuple[str, ...]] = {
     "spmd_types": FRAMEWORK_CASES["torchtitan"][1],
     # UlyssesSPAttentionHF runs on transformers' models; the Trainer is transformers' own
     "transformers": ("ds-ulysses-hf-llama", "ds-ulysses-hf-qwen2", "mutant-ds-ulysses-hf-local-position-ids",
-                     "mutant-ds-ulysses-hf-exchange-detached", *FRAMEWORK_CASES["accelerate"][1]),
-    "deepspeed": HF_SP_CASES,
+                     "mutant-ds-ulysses-hf-exchange-detached", *FRAMEWORK_CASES["accelerate"][1],
+                     *FRAMEWORK_CASES["trl"][1]),
+    # the SFTTrainer runs in the Trainer's loop, over accelerate
+    "accelerate": FRAMEWORK_CASES["trl"][1],
+    "deepspeed": (*HF_SP_CASES, *TRL_SP_CASES),
 }
 """module -> the framework cases that need it besides their framework's own module."""
 

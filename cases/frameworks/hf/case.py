@@ -58,7 +58,7 @@ from torch import nn
 from sp_harness import Batch, Case, Layout, RankContext, Sharded, Unsupported
 from sp_harness.cases.common import GPT_DEFAULTS, known
 from sp_harness.cases.frameworks import releases
-from sp_harness.cases.frameworks.hf.step import TrainerStep, launcher_env
+from sp_harness.cases.frameworks.hf.step import PLAIN_TRAINER, TrainerFlavour, TrainerStep, launcher_env
 from sp_harness.config.step_protocol import TrainLoss
 from sp_harness.reference.gpt import token_loss_sum
 
@@ -163,11 +163,13 @@ def build_lm(setup: HFTrainerSetup, cfg, dtype: torch.dtype) -> CausalLMLogits:
         return CausalLMLogits(model_cls(config).to(dtype))
 
 
-def hf_trainer_shard(setup: HFTrainerSetup = HFTrainerSetup()) -> Callable[[nn.Module, RankContext], Sharded]:
-    """The sharded factory of a `hf_trainer_case`: this rank's copy of the LM with a `TrainerStep`."""
+def hf_trainer_shard(setup: HFTrainerSetup = HFTrainerSetup(),
+                     flavour: TrainerFlavour = PLAIN_TRAINER) -> Callable[[nn.Module, RankContext], Sharded]:
+    """The sharded factory of a `hf_trainer_case`: this rank's copy of the LM with a `TrainerStep`
+    of `flavour`'s Trainer (transformers' own; TRL's SFTTrainer: sp_harness.cases.frameworks.trl)."""
 
     def shard(reference: nn.Module, ctx: RankContext) -> Sharded:
-        step = TrainerStep(reference.get_submodule("lm"), ctx, setup)
+        step = TrainerStep(reference.get_submodule("lm"), ctx, setup, flavour)
         io = Layout(seq_dim=1, batch_dim=0, seq_sharded=False)
         return Sharded(module=reference, input_layout=io, output_layout=io, replicated=("*",), train_step=step)
 
@@ -212,11 +214,13 @@ def _setup() -> None:
     import transformers.trainer  # noqa: F401
 
 
-def hf_trainer_case(name: str, setup: HFTrainerSetup = HFTrainerSetup(), **case_fields: Any) -> Case:
+def hf_trainer_case(name: str, setup: HFTrainerSetup = HFTrainerSetup(), *, flavour: TrainerFlavour = PLAIN_TRAINER,
+                    **case_fields: Any) -> Case:
     """A `Case` checking the transformers Trainer's own training step (`setup`'s model and Trainer
     code) over the run's DP ranks against the same HF model in float64 on one device, under the
     training-step check (`--train-step`; the side-by-side check runs the engine's step, not the
-    Trainer's, and is Unsupported). `case_fields`: any other `Case` field."""
+    Trainer's, and is Unsupported). `flavour`: which Trainer (TRL's SFTTrainer:
+    sp_harness.cases.frameworks.trl.case). `case_fields`: any other `Case` field."""
     case_fields.setdefault("setup", _setup)
     case_fields.setdefault("preload", ("transformers.models.llama.modeling_llama", "transformers.models.qwen2.modeling_qwen2"))
     case_fields.setdefault("isolation", "hf-trainer")
@@ -248,7 +252,7 @@ def hf_trainer_case(name: str, setup: HFTrainerSetup = HFTrainerSetup(), **case_
     return Case(name=name, description=f"transformers {installed['transformers']} Trainer's own training step "
                                        f"({setup.model}, DDP over accelerate {installed['accelerate']})",
                 build_reference=lambda cfg: build_lm(setup, cfg, torch.float64), make_batch=make_batch(setup),
-                shard=hf_trainer_shard(setup), tokens=shifted_tokens,
+                shard=hf_trainer_shard(setup, flavour), tokens=shifted_tokens,
                 loss_sum=smoothed_shifted_loss_sum(setup.label_smoothing) if setup.label_smoothing else shifted_loss_sum,
                 input_layout=Layout(seq_dim=1, batch_dim=0, seq_sharded=False), validate=validate, defaults=defaults,
                 train_loss=TrainLoss(ignore_index=IGNORE_INDEX),

@@ -1,5 +1,8 @@
-"""Stage: step. The HF Trainer's one CPU shim, for its sequence-parallel path (`sp`): a torch
-collective's gloo branch addressed by group rank, as its NCCL branch already is.
+"""Stage: step. The HF Trainer's CPU shims, for its sequence-parallel path (`sp`): two torch
+collectives on gloo made to do what they do on NCCL.
+
+1. `gloo_all_to_all_by_group_rank`: a collective's gloo branch addressed by group rank, as its
+   NCCL branch already is.
 
 - What runs on CUDA: transformers' `deepspeed_sp_compute_loss` (and a user's loss written like it)
   gathers each SP rank's loss with `torch.distributed.nn.functional.all_gather`, whose backward on
@@ -16,6 +19,21 @@ collective's gloo branch addressed by group rank, as its NCCL branch already is.
   members of each one's grad for this rank's slot is then taken by `_AllGather.backward`, unchanged).
 - NCCL and every non-gloo backend take the untouched `all_to_all` branch; the shim changes nothing
   there. Idempotent; applied by the SP step on its rank before the Trainer is built.
+
+2. `gloo_uneven_all_gather`: `dist.all_gather` into outputs of different shapes.
+
+- What runs on CUDA: DeepSpeed's SP data-loader adapter (`UlyssesSPDataLoaderAdapter.refill`)
+  all-gathers every SP rank's batch into outputs sized by each rank's own sequence length (a
+  collator that pads to the longest sequence of its batch, TRL's, gives each rank its own length).
+  ProcessGroupNCCL's `allgather` takes outputs of different sizes: it runs them as one coalesced
+  out-of-place broadcast per rank (torch/csrc/distributed/c10d/ProcessGroupNCCL.cpp, `allgather`
+  and `_broadcast_oop`, "all_gather_v").
+- What goes wrong on CPU: ProcessGroupGloo's `allgather` requires every output the input's shape
+  ("invalid tensor size at index 1 (expected (2, 12), got (2, 10))").
+- The shim: where the group is gloo and the outputs' shapes differ, the same broadcasts NCCL
+  coalesces: member i's tensor broadcast from member i into output i, in member order. Every
+  output holds exactly the tensor its member sent, as on NCCL; equal shapes, async calls and
+  every other backend take torch's own `all_gather`. Idempotent; applied with the first.
 """
 
 from __future__ import annotations
@@ -54,4 +72,27 @@ def gloo_all_to_all_by_group_rank() -> None:
     functional._AlltoAll.forward = staticmethod(_all_to_all_forward)  # type: ignore[method-assign]
 
 
-__all__ = ["gloo_all_to_all_by_group_rank"]
+def _uneven_all_gather(original: Any) -> Any:
+    def all_gather(tensor_list: list[torch.Tensor], tensor: torch.Tensor, group: Any = None, async_op: bool = False):
+        if (async_op or dist.get_backend(group) != dist.Backend.GLOO
+                or len({tuple(t.shape) for t in tensor_list}) == 1):
+            return original(tensor_list, tensor, group=group, async_op=async_op)
+        me = dist.get_rank(group=group)
+        for i, out in enumerate(tensor_list):
+            if i == me:
+                out.copy_(tensor)
+            dist.broadcast(out, i if group is None else dist.get_global_rank(group, i), group=group)
+        return None
+
+    return all_gather
+
+
+def gloo_uneven_all_gather() -> None:
+    """Apply the second shim (module doc), once per process."""
+    if "all_gather" in _APPLIED:
+        return
+    _APPLIED["all_gather"] = dist.all_gather
+    dist.all_gather = _uneven_all_gather(dist.all_gather)  # type: ignore[assignment]
+
+
+__all__ = ["gloo_all_to_all_by_group_rank", "gloo_uneven_all_gather"]

@@ -33,7 +33,7 @@ What the Trainer's own code does on this path (transformers 5.23.0, accelerate 1
   the two touches the grads or the params but the check's read, so the order of every call the
   Trainer, accelerate and DeepSpeed make is unchanged.
 - CPU: DeepSpeed on its CPU accelerator over gloo (sp_harness.cases.frameworks.deepspeed.runtime:
-  its comm backend without the shm op), and the one torch collective shim (`shims`).
+  its comm backend without the shm op), and the torch collective shims (`shims`).
 """
 
 from __future__ import annotations
@@ -159,14 +159,15 @@ def reset_process(sp: int) -> None:
 
 def prepare_process(ctx: RankContext) -> None:
     """This rank's DeepSpeed comm backend over the harness's gloo world and the torch collective
-    shim (`shims`); transformers' own sdpa recorded before accelerate's `prepare` replaces it by
+    shims (`shims`); transformers' own sdpa recorded before accelerate's `prepare` replaces it by
     DeepSpeed's wrapper, so that the next job in this process starts from it (`reset_process`)."""
     from sp_harness.cases.frameworks.deepspeed.hf import reset_ulysses_hf
     from sp_harness.cases.frameworks.deepspeed.runtime import init_distributed
-    from sp_harness.cases.frameworks.hf.shims import gloo_all_to_all_by_group_rank
+    from sp_harness.cases.frameworks.hf.shims import gloo_all_to_all_by_group_rank, gloo_uneven_all_gather
 
     init_distributed()
     gloo_all_to_all_by_group_rank()
+    gloo_uneven_all_gather()
     reset_ulysses_hf("sdpa")
 
 

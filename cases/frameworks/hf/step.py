@@ -35,7 +35,7 @@ import inspect
 import os
 import tempfile
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from torch import nn
@@ -58,13 +58,57 @@ def launcher_env(ctx: RankContext) -> None:
     os.environ.setdefault("OMP_NUM_THREADS", str(torch.get_num_threads()))
 
 
-def trainer_class(user: type | None, optimizer: str) -> type:
-    """The Trainer class a rank builds: the user's (a subclass, or a mixin put before
-    transformers.Trainer), with weight decay on every param where AdamW is the Trainer's own
-    (the engine's AdamW decays biases and norms too; the Trainer exempts them by name)."""
-    from transformers import Trainer
+class TrainerFlavour(Protocol):
+    """Which Trainer a `TrainerStep` runs and what its dataloader yields: the Trainer itself
+    (`PLAIN_TRAINER`) or a library's subclass with its own arguments, dataset preparation and
+    collator (TRL's `SFTTrainer`: sp_harness.cases.frameworks.trl.case). Everything else, the
+    loop, the SP path and the reading of grads, is the Trainer's and the same for every flavour."""
 
-    base = Trainer if user is None else user if issubclass(user, Trainer) else type(user.__name__, (user, Trainer), {})
+    def base(self) -> type:
+        """The Trainer class the user's code (`HFTrainerSetup.trainer_class`) extends."""
+        ...
+
+    def build(self, cls: type, lm: nn.Module, arguments: dict[str, Any], optimizers: tuple, extra: dict[str, Any]) -> Any:
+        """The trainer over `lm`: `cls` (a subclass of `base()`) with `arguments` as the
+        TrainingArguments keywords a user writes, `optimizers=` and the other `extra` keywords."""
+        ...
+
+    def batches(self, trainer: Any, micro_batches: Sequence[MicroBatch], sp: int) -> list[dict[str, Any]]:
+        """What this rank's dataloader yields for `micro_batches` (its own, in order) at SP `sp`."""
+        ...
+
+
+class PlainTrainer:
+    """`transformers.Trainer` over batches a user's collator makes: the engine's padded batch with
+    `labels` under DDP; under SP the collator the SP path needs (`sp.collate`)."""
+
+    def base(self) -> type:
+        from transformers import Trainer
+
+        return Trainer
+
+    def build(self, cls: type, lm: nn.Module, arguments: dict[str, Any], optimizers: tuple, extra: dict[str, Any]) -> Any:
+        from transformers import TrainingArguments
+
+        return cls(model=lm, args=TrainingArguments(**arguments), optimizers=optimizers, **extra)
+
+    def batches(self, trainer: Any, micro_batches: Sequence[MicroBatch], sp: int) -> list[dict[str, Any]]:
+        if sp > 1:
+            return [sp_path.collate(mb, sp) for mb in micro_batches]
+        return [{**mb.inputs, "labels": mb.target} for mb in micro_batches]
+
+
+PLAIN_TRAINER = PlainTrainer()
+
+
+def trainer_class(user: type | None, optimizer: str, base: type | None = None) -> type:
+    """The Trainer class a rank builds: the user's (a subclass, or a mixin put before `base`,
+    transformers.Trainer by default), with weight decay on every param where AdamW is the Trainer's
+    own (the engine's AdamW decays biases and norms too; the Trainer exempts them by name)."""
+    if base is None:
+        from transformers import Trainer as base
+
+    base = base if user is None else user if issubclass(user, base) else type(user.__name__, (user, base), {})
     if optimizer != "adamw":
         return base
 
@@ -99,8 +143,8 @@ def _installed(distribution: str) -> str:
 class TrainerStep:
     """One optimizer step of the installed Trainer's own loop on this rank (a `TrainStep`)."""
 
-    def __init__(self, lm: nn.Module, ctx: RankContext, setup: Any):
-        from transformers import PrinterCallback, TrainingArguments
+    def __init__(self, lm: nn.Module, ctx: RankContext, setup: Any, flavour: TrainerFlavour = PLAIN_TRAINER):
+        from transformers import PrinterCallback
 
         config = ctx.config
         assert config.optimizer is not None and config.lr is not None, "the check resolves optimizer and lr"
@@ -131,16 +175,17 @@ class TrainerStep:
                 # under DeepSpeed the Trainer drops `optimizers=` (deepspeed_init sets trainer.optimizer
                 # = None) and builds its own from `optim`: SGD is asked for there, as such a user must
                 arguments.update(optim="sgd", optim_args=f"momentum={SGD_MOMENTUM}", weight_decay=0.0)
-        args = TrainingArguments(**arguments)
         # SGD through `optimizers=`, AdamW the Trainer's own (`optim`): each as a user sets it
         sgd = (make_optimizer("sgd", config.lr, lm.parameters())
                if config.optimizer == "sgd" and self.sp == 1 else None)
-        cls = trainer_class(setup.trainer_class, config.optimizer)
+        cls = trainer_class(setup.trainer_class, config.optimizer, flavour.base())
         reason = _unsupported_here(setup, cls)
         if reason is not None:
             raise Unsupported(reason)
         extra = {} if setup.compute_loss_func is None else {"compute_loss_func": setup.compute_loss_func}
-        self.trainer = t = cls(model=lm, args=args, optimizers=(sgd, None), **extra)
+        self.flavour = flavour
+        self.trainer = t = flavour.build(cls, lm, arguments, (sgd, None), extra)
+        args = t.args
         t.remove_callback(PrinterCallback)
         # train()'s set-up (trainer.py 5.23.0 line 1481), no dataloader: the engine hands each
         # rank its micro-batches
@@ -252,10 +297,10 @@ class TrainerStep:
         self._step_begun = self._position()
         if self.sp > 1:
             # this SP rank's dataloader batches; the adapter makes the K micro-steps from them
-            self.feed.put([sp_path.collate(mb, self.sp) for mb in sp_path.mine(micro_batches, self.ctx)])
+            self.feed.put(self.flavour.batches(t, sp_path.mine(micro_batches, self.ctx), self.sp))
             batches: Any = self.loader
         else:
-            batches = [{**mb.inputs, "labels": mb.target} for mb in micro_batches]
+            batches = self.flavour.batches(t, micro_batches, 1)
         if len(micro_batches) < args.gradient_accumulation_steps:
             # fewer than gradient_accumulation_steps micro-batches come only at an epoch's end
             # (its `remainder`): ending the epoch here makes the last one a sync step, as there;

@@ -1,0 +1,73 @@
+"""TRL's SFTTrainer (sp_harness.cases.frameworks.trl): its own dataset preparation, collator,
+completion-only labels and fused-LM-head loss inside the transformers Trainer's loop, on real gloo
+ranks, against the same HF model in float64 on one device over the whole global batch.
+
+- DDP (DP 2, K=3, the last micro-batch empty by design): the SFTTrainer's own loss PASSes.
+- accelerate's SP (DP 2 x SP 2, DeepSpeed's Ulysses, ZeRO-1) with a user's token-mean fix over
+  TRL's fused head PASSes in float32 and bfloat16; the SFTTrainer as shipped there hands its loss
+  to the Trainer's SP loss and FAILs at the reported loss (the release case).
+- The SP mutants are killed in test_mutants (battery entry train-step-sp); the prompt-trained one
+  (completion_only_loss off) at train-step-dp."""
+
+import pytest
+from installed import skip_unless_installed
+
+skip_unless_installed("trl", "trl is not installed (pip install -e '.[trl]')")
+skip_unless_installed("deepspeed", "deepspeed is not installed (pip install -e '.[deepspeed]')")
+
+from sp_harness.cases.frameworks import releases  # noqa: E402
+from sp_harness.config.check_config import CheckConfig  # noqa: E402
+from sp_harness.judge.verdict import FAIL, PASS, UNSUPPORTED  # noqa: E402
+from sp_harness.report.result_text import format_result  # noqa: E402
+
+TIMEOUT_S = 180.0
+"""Generous for a loaded runner: TRL's, DeepSpeed's and transformers' imports are the case's setup."""
+
+
+def _sp(case: str, **fields) -> CheckConfig:
+    fields = {"optimizer": "adamw", "dtype": "float32", "steps": 2, **fields}
+    return CheckConfig(case=case, world_size=4, dp=2, train_step=True, micro_batches=2, timeout_s=TIMEOUT_S,
+                       **fields)
+
+
+def _sp_path_or_unsupported(res) -> bool:
+    """True where the installed releases have the Trainer's SP path (the test goes on); else asserts
+    the case says why it cannot run."""
+    if releases.probe("sp_harness.cases.frameworks.hf.compat", "sp_missing"):
+        assert res.verdict == UNSUPPORTED and "sequence parallelism" in res.reason, format_result(res)
+        return False
+    return True
+
+
+@pytest.mark.parametrize("fields", [
+    dict(optimizer="sgd", clip_grad_norm=0.01, dtype="float32"),
+    pytest.param(dict(optimizer="adamw", dtype="bfloat16"),
+                 marks=pytest.mark.exhaustive("the main job checks the SFTTrainer's DDP step in bfloat16"))],
+    ids=["f32-sgd-clip", "bf16-adamw"])
+def test_the_sft_trainers_own_ddp_step_passes(sp_check, fields):
+    res = sp_check(CheckConfig(case="trl-sft-llama", world_size=2, dp=2, train_step=True, micro_batches=3, steps=2,
+                               timeout_s=TIMEOUT_S, **fields))
+    assert res.verdict == PASS, format_result(res)
+    assert {"loss", "grad", "grad_norm", "param"} <= set(res.worst), set(res.worst)
+
+
+@pytest.mark.parametrize("fields", [
+    dict(dtype="float32"), dict(dtype="bfloat16"),
+    pytest.param(dict(optimizer="sgd", clip_grad_norm=0.01),
+                 marks=pytest.mark.exhaustive("the main job checks SGD with DeepSpeed's clipping active"))],
+    ids=["f32-adamw", "bf16-adamw", "f32-sgd-clip"])
+def test_the_sft_trainers_sp_step_with_a_token_mean_fix_passes(sp_check, fields):
+    res = sp_check(_sp("trl-sft-sp-llama", **fields))
+    if not _sp_path_or_unsupported(res):
+        return
+    assert res.verdict == PASS, format_result(res)
+    assert {"loss", "grad", "grad_norm", "param"} <= set(res.worst), set(res.worst)
+
+
+@pytest.mark.exhaustive("the main job checks the release case on the pinned release")
+def test_the_sft_trainer_as_shipped_under_sp_fails_at_the_reported_loss(sp_check):
+    res = sp_check(_sp("release-trl-sft-sp-mean-of-means-times-sp"))
+    if not _sp_path_or_unsupported(res):
+        return
+    assert res.verdict == FAIL and res.first_check == "loss", format_result(res)
+    assert any(f.kind == "grad" for f in res.failures)
