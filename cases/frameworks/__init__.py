@@ -73,11 +73,15 @@ FRAMEWORK_CASES: dict[str, tuple[str, tuple[str, ...]]] = {
         "release-hf-34191-mean-of-micro-batch-means", "release-hf-35207-loss-times-k-and-ranks",
         "release-hf-46731-label-smoother-per-micro-batch", *HF_SP_CASES)),
     "trl": ("sp_harness.cases.frameworks.trl.cases", ("trl-sft-llama", "mutant-trl-sft-prompt-trained", *TRL_SP_CASES)),
+    "verl": ("sp_harness.cases.frameworks.verl.cases", (
+        "verl-sft-sp-llama", "mutant-verl-sp-grads-not-synced-over-sp", "mutant-verl-sp-dp-size-as-world-size",
+        "mutant-verl-sp-ranks-see-different-sequences")),
 }
 """importable framework module -> (the module registering its built-in cases, their names)."""
 
 EXTRAS: dict[str, str] = {"megatron.core": "megatron", "yunchang": "yunchang", "torchtitan": "torchtitan",
-                          "deepspeed": "deepspeed", "accelerate": "hf", "trl": "trl"}
+                          "deepspeed": "deepspeed", "accelerate": "hf", "trl": "trl",
+                          "verl": "verl"}
 """framework module -> the pip extra of sp-harness (pyproject.toml) that installs it and every module
 its cases need."""
 
@@ -85,6 +89,7 @@ COMPAT: dict[str, str] = {
     "megatron.core": "sp_harness.cases.frameworks.megatron.compat", "yunchang": "sp_harness.cases.frameworks.yunchang.compat",
     "torchtitan": "sp_harness.cases.frameworks.torchtitan.compat", "deepspeed": "sp_harness.cases.frameworks.deepspeed.compat",
     "accelerate": "sp_harness.cases.frameworks.hf.compat", "trl": "sp_harness.cases.frameworks.trl.compat",
+    "verl": "sp_harness.cases.frameworks.verl.compat",
 }
 """framework module -> its package's `compat` module: the supported releases (`RELEASES`) and the
 APIs the installed one lacks (`missing()`), sp_harness.cases.frameworks.releases."""
@@ -95,10 +100,13 @@ ALSO_NEEDED: dict[str, tuple[str, ...]] = {
     # UlyssesSPAttentionHF runs on transformers' models; the Trainer is transformers' own
     "transformers": ("ds-ulysses-hf-llama", "ds-ulysses-hf-qwen2", "mutant-ds-ulysses-hf-local-position-ids",
                      "mutant-ds-ulysses-hf-exchange-detached", *FRAMEWORK_CASES["accelerate"][1],
-                     *FRAMEWORK_CASES["trl"][1]),
+                     *FRAMEWORK_CASES["trl"][1], *FRAMEWORK_CASES["verl"][1]),
     # the SFTTrainer runs in the Trainer's loop, over accelerate
     "accelerate": FRAMEWORK_CASES["trl"][1],
     "deepspeed": (*HF_SP_CASES, *TRL_SP_CASES),
+    # verl's engine nests its batches in tensordict and imports ray (verl.protocol)
+    "tensordict": FRAMEWORK_CASES["verl"][1],
+    "ray": FRAMEWORK_CASES["verl"][1],
 }
 """module -> the framework cases that need it besides their framework's own module."""
 
