@@ -30,11 +30,15 @@ def _sp(case: str, **fields) -> CheckConfig:
                        **fields)
 
 
-def _sp_path_or_unsupported(res) -> bool:
-    """True where the installed releases have the Trainer's SP path (the test goes on); else asserts
-    the case says why it cannot run."""
+def _sp_path_or_unsupported(res, *, scaled_loss: bool = False) -> bool:
+    """True where the installed releases have the Trainer's SP path (the test goes on), and for a
+    loss already scaled for accumulation (`scaled_loss`: the user's fix) the Trainer's flag for it;
+    else asserts the case says why it cannot run."""
     if releases.probe("sp_harness.cases.frameworks.hf.compat", "sp_missing"):
         assert res.verdict == UNSUPPORTED and "sequence parallelism" in res.reason, format_result(res)
+        return False
+    if scaled_loss and releases.probe("sp_harness.cases.frameworks.hf.compat", "scaled_loss_missing"):
+        assert res.verdict == UNSUPPORTED and "loss_is_scaled_for_ga" in res.reason, format_result(res)
         return False
     return True
 
@@ -58,7 +62,7 @@ def test_the_sft_trainers_own_ddp_step_passes(sp_check, fields):
     ids=["f32-adamw", "bf16-adamw", "f32-sgd-clip"])
 def test_the_sft_trainers_sp_step_with_a_token_mean_fix_passes(sp_check, fields):
     res = sp_check(_sp("trl-sft-sp-llama", **fields))
-    if not _sp_path_or_unsupported(res):
+    if not _sp_path_or_unsupported(res, scaled_loss=True):
         return
     assert res.verdict == PASS, format_result(res)
     assert {"loss", "grad", "grad_norm", "param"} <= set(res.worst), set(res.worst)

@@ -102,6 +102,19 @@ def takes_compute_loss_func() -> bool:
     return "compute_loss_func" in inspect.signature(_trainer().__init__).parameters
 
 
+def reads_loss_is_scaled_for_ga() -> bool:
+    """Whether `training_step` asks the Trainer's `loss_is_scaled_for_ga` before dividing the loss
+    by the accumulation steps (5.23.0 has it; 5.3.0 has not, and divides wherever the model takes
+    no loss kwargs, which the Trainer sets under SP)."""
+    return hasattr(_trainer(), "loss_is_scaled_for_ga")
+
+
+def scaled_loss_missing() -> tuple[str, ...]:
+    """What a compute_loss that scales its own loss for accumulation (the SP token-mean fixes) needs
+    and the installed Trainer lacks: () or the one API (a `releases.probe` function)."""
+    return () if reads_loss_is_scaled_for_ga() else ("Trainer.loss_is_scaled_for_ga",)
+
+
 def passes_num_items_in_batch() -> bool:
     """Whether the loop hands `training_step` the optimizer step's token count (and the base
     `compute_loss` takes it): where not, a `compute_loss` written for it gets None."""

@@ -92,7 +92,7 @@ def gloo_uneven_all_gather() -> None:
     if "all_gather" in _APPLIED:
         return
     _APPLIED["all_gather"] = dist.all_gather
-    dist.all_gather = _uneven_all_gather(dist.all_gather)  # type: ignore[assignment]
+    dist.all_gather = _uneven_all_gather(dist.all_gather)
 
 
 __all__ = ["gloo_all_to_all_by_group_rank", "gloo_uneven_all_gather"]

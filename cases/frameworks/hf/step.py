@@ -106,8 +106,10 @@ def trainer_class(user: type | None, optimizer: str, base: type | None = None) -
     transformers.Trainer by default), with weight decay on every param where AdamW is the Trainer's
     own (the engine's AdamW decays biases and norms too; the Trainer exempts them by name)."""
     if base is None:
-        from transformers import Trainer as base
+        from transformers import Trainer
 
+        base = Trainer
+    assert base is not None
     base = base if user is None else user if issubclass(user, base) else type(user.__name__, (user, base), {})
     if optimizer != "adamw":
         return base
@@ -126,6 +128,10 @@ def _unsupported_here(setup: Any, cls: Any) -> str | None:
     release = f"transformers {_installed('transformers')}"
     if setup.compute_loss_func is not None and not compat.takes_compute_loss_func():
         return f"HFTrainerSetup(compute_loss_func=) needs Trainer(compute_loss_func=), which {release} lacks"
+    if getattr(cls, "loss_is_scaled_for_ga", None) is True and not compat.reads_loss_is_scaled_for_ga():
+        return (f"{cls.__name__} says its loss is already scaled for accumulation (loss_is_scaled_for_ga = True), "
+                f"which {release}'s Trainer never reads: its training_step divides that loss by "
+                f"gradient_accumulation_steps again wherever the model takes no loss kwargs (under SP, always)")
     overridden = cls.compute_loss is not Trainer.compute_loss
     if (overridden and not compat.passes_num_items_in_batch()
             and "num_items_in_batch" in inspect.signature(cls.compute_loss).parameters):

@@ -124,7 +124,7 @@ class SFTFlavour:
         # the Trainer's own arguments (bf16 only where the SP path asks DeepSpeed for it)
         config = SFTConfig(**{"bf16": False, **arguments}, completion_only_loss=self.setup.completion_only_loss, packing=False,
                            pad_to_multiple_of=sp if sp > 1 else None, dataset_num_proc=None)
-        vocab: int = lm.config.vocab_size  # type: ignore[union-attr]  # an HF PreTrainedModel
+        vocab = int(lm.config.vocab_size)  # type: ignore[union-attr, arg-type]  # an HF PreTrainedModel
         return cls(model=lm, args=config, train_dataset=Dataset.from_list([PLACEHOLDER]),
                    processing_class=tokenizer(vocab), optimizers=optimizers, **extra)
 
