@@ -100,6 +100,14 @@ def test_each_release_case_expects_fail_where_a_bug_its_config_shows_was_shipped
     assert expected == {bug: "FAIL" if bug in failing else "PASS" for bug in ("34191", "35207", "46731")}
 
 
+@pytest.mark.parametrize("release, fails", [("5.1.0", False), ("5.2.0", True), ("5.3.0", True), ("5.5.3", True),
+                                            ("5.5.4", False), ("5.23.0", False)])
+def test_the_grads_divided_twice_case_expects_fail_on_5_2_to_5_5_3(fake_transformers, release, fails):
+    fake_transformers(release)
+    assert cases.RELEASE_GRADS_DIVIDED_TWICE.expect(None) == ("FAIL" if fails else "PASS")
+    assert cases.RELEASE_GRADS_DIVIDED_TWICE.killed_by == ("grads before clipping",)
+
+
 def test_a_bug_shown_with_another_must_be_caught_at_the_same_stage():
     other = ShippedBug(distribution="transformers", first="4.0.0", fixed="4.1.0", stage="grad", summary="s",
                              source="https://example.org/bug")

@@ -28,7 +28,11 @@ skip_unless_installed("transformers", "transformers is not installed (pip instal
 skip_unless_installed("accelerate", "accelerate is not installed (pip install -e '.[hf]')")
 
 from sp_harness.cases import builtin_modules  # noqa: E402
-from sp_harness.cases.frameworks.hf.cases import DOUBLED_LOSS_BUG, MEAN_OF_MEANS_BUG  # noqa: E402
+from sp_harness.cases.frameworks.hf.cases import (  # noqa: E402
+    DOUBLED_LOSS_BUG,
+    GRADS_DIVIDED_TWICE_BUG,
+    MEAN_OF_MEANS_BUG,
+)
 from sp_harness.config.check_config import CheckConfig  # noqa: E402
 from sp_harness.judge.verdict import FAIL, PASS, UNSUPPORTED  # noqa: E402
 from sp_harness.report.result_text import format_result  # noqa: E402
@@ -102,6 +106,8 @@ def _expected(*, needs: str = "", raises: bool = False) -> str:
     if needs and not _capabilities()[needs]:
         return UNSUPPORTED
     if DOUBLED_LOSS_BUG.present() or (not raises and MEAN_OF_MEANS_BUG.present()):
+        return FAIL
+    if GRADS_DIVIDED_TWICE_BUG.present():  # 5.2 to 5.5.3: every grad 1/K, the loss right (K = 3 here)
         return FAIL
     return PASS
 

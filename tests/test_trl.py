@@ -6,8 +6,9 @@ ranks, against the same HF model in float64 on one device over the whole global 
 - accelerate's SP (DP 2 x SP 2, DeepSpeed's Ulysses, ZeRO-1) with a user's token-mean fix over
   TRL's fused head PASSes in float32 and bfloat16; the SFTTrainer as shipped there hands its loss
   to the Trainer's SP loss and FAILs at the reported loss (the release case).
-- The SP mutants are killed in test_mutants (battery entry train-step-sp); the prompt-trained one
-  (completion_only_loss off) at train-step-dp."""
+- The mutants are killed in test_mutants (the count divided by SP at train-step-sp, the prompt
+  trained on at train-step-dp), their correct twins passing there: the fast tier's PASS of both
+  steps; the PASS tests here, with every stage judged, are the full tier's."""
 
 import pytest
 from installed import skip_unless_installed
@@ -43,11 +44,10 @@ def _sp_path_or_unsupported(res, *, scaled_loss: bool = False) -> bool:
     return True
 
 
-@pytest.mark.parametrize("fields", [
-    dict(optimizer="sgd", clip_grad_norm=0.01, dtype="float32"),
-    pytest.param(dict(optimizer="adamw", dtype="bfloat16"),
-                 marks=pytest.mark.exhaustive("the main job checks the SFTTrainer's DDP step in bfloat16"))],
-    ids=["f32-sgd-clip", "bf16-adamw"])
+@pytest.mark.exhaustive("test_mutants runs trl-sft-llama as the prompt-trained mutant's twin (train-step-dp: DP 2, "
+                        "K=3, SGD with clipping, float32); the main job checks that config")
+@pytest.mark.parametrize("fields", [dict(optimizer="sgd", clip_grad_norm=0.01, dtype="float32"),
+                                    dict(optimizer="adamw", dtype="bfloat16")], ids=["f32-sgd-clip", "bf16-adamw"])
 def test_the_sft_trainers_own_ddp_step_passes(sp_check, fields):
     res = sp_check(CheckConfig(case="trl-sft-llama", world_size=2, dp=2, train_step=True, micro_batches=3, steps=2,
                                timeout_s=TIMEOUT_S, **fields))
@@ -55,11 +55,11 @@ def test_the_sft_trainers_own_ddp_step_passes(sp_check, fields):
     assert {"loss", "grad", "grad_norm", "param"} <= set(res.worst), set(res.worst)
 
 
-@pytest.mark.parametrize("fields", [
-    dict(dtype="float32"), dict(dtype="bfloat16"),
-    pytest.param(dict(optimizer="sgd", clip_grad_norm=0.01),
-                 marks=pytest.mark.exhaustive("the main job checks SGD with DeepSpeed's clipping active"))],
-    ids=["f32-adamw", "bf16-adamw", "f32-sgd-clip"])
+@pytest.mark.exhaustive("test_mutants runs trl-sft-sp-llama as the SP mutant's twin (train-step-sp: DP 2 x SP 2, "
+                        "SGD with DeepSpeed's clipping, float32); the main job checks float32 and bfloat16 AdamW")
+@pytest.mark.parametrize("fields", [dict(dtype="float32"), dict(dtype="bfloat16"),
+                                    dict(optimizer="sgd", clip_grad_norm=0.01)],
+                         ids=["f32-adamw", "bf16-adamw", "f32-sgd-clip"])
 def test_the_sft_trainers_sp_step_with_a_token_mean_fix_passes(sp_check, fields):
     res = sp_check(_sp("trl-sft-sp-llama", **fields))
     if not _sp_path_or_unsupported(res, scaled_loss=True):
@@ -68,7 +68,6 @@ def test_the_sft_trainers_sp_step_with_a_token_mean_fix_passes(sp_check, fields)
     assert {"loss", "grad", "grad_norm", "param"} <= set(res.worst), set(res.worst)
 
 
-@pytest.mark.exhaustive("the main job checks the release case on the pinned release")
 def test_the_sft_trainer_as_shipped_under_sp_fails_at_the_reported_loss(sp_check):
     res = sp_check(_sp("release-trl-sft-sp-mean-of-means-times-sp"))
     if not _sp_path_or_unsupported(res):

@@ -26,8 +26,7 @@ HF_SP_CASES = ("hf-trainer-sp-llama", "mutant-hf-trainer-sp-count-divided-by-sp"
                "mutant-hf-trainer-sp-accumulation-count-times-sp", "release-hf-sp-mean-of-means-times-sp")
 """The HF Trainer's sequence-parallel cases: accelerate's SP backend is DeepSpeed's Ulysses."""
 
-TRL_SP_CASES = ("trl-sft-sp-llama", "mutant-trl-sft-sp-count-divided-by-sp", "mutant-trl-sft-sp-duplicate-data",
-                "mutant-trl-sft-sp-accumulation-count-times-sp", "release-trl-sft-sp-mean-of-means-times-sp")
+TRL_SP_CASES = ("trl-sft-sp-llama", "mutant-trl-sft-sp-count-divided-by-sp", "release-trl-sft-sp-mean-of-means-times-sp")
 """TRL's SFTTrainer on the same SP path."""
 
 FRAMEWORK_CASES: dict[str, tuple[str, tuple[str, ...]]] = {
@@ -71,7 +70,7 @@ FRAMEWORK_CASES: dict[str, tuple[str, tuple[str, ...]]] = {
         "mutant-hf-trainer-mean-of-micro-batch-means", "mutant-hf-trainer-4470-training-step",
         "hf-trainer-llama-label-smoothing", "mutant-hf-trainer-label-smoother-per-micro-batch",
         "release-hf-34191-mean-of-micro-batch-means", "release-hf-35207-loss-times-k-and-ranks",
-        "release-hf-46731-label-smoother-per-micro-batch", *HF_SP_CASES)),
+        "release-hf-46731-label-smoother-per-micro-batch", "release-hf-5x-grads-divided-by-k-twice", *HF_SP_CASES)),
     "trl": ("sp_harness.cases.frameworks.trl.cases", ("trl-sft-llama", "mutant-trl-sft-prompt-trained", *TRL_SP_CASES)),
     "verl": ("sp_harness.cases.frameworks.verl.cases", (
         "verl-sft-sp-llama", "mutant-verl-sp-grads-not-synced-over-sp", "mutant-verl-sp-dp-size-as-world-size",

@@ -246,7 +246,18 @@ LABEL_SMOOTHER_BUG = ShippedBug(
     summary="compute_loss calls the LabelSmoother without num_items_in_batch: with label_smoothing_factor > 0 each "
             "micro-batch's smoothed loss is its own token mean, which the Trainer no longer divides by K",
     source="https://github.com/huggingface/transformers/issues/46731")
-SHIPPED = (MEAN_OF_MEANS_BUG, DOUBLED_LOSS_BUG, LABEL_SMOOTHER_BUG)
+GRADS_DIVIDED_TWICE_BUG = ShippedBug(
+    distribution="transformers", first="5.2.0", fixed="5.5.4", stage="grads before clipping",
+    summary="gradient accumulation divides the grads by K twice: the Trainer hands accelerate "
+            "GradientAccumulationPlugin(num_steps=K), so accelerate's backward divides a loss already normalised over "
+            "the K micro-batches' tokens by K again (DDP; DeepSpeed is exempt). The reported loss is right, every grad "
+            "is 1/K of it",
+    source="transformers 5.2.0 to 5.5.3 trainer.py create_accelerator_and_postprocess (grad_acc_kwargs['num_steps'] = "
+           "gradient_accumulation_steps); 5.5.4 sets it to 1, 'to avoid any double-division'; found by this release "
+           "matrix on 5.3.0")
+"""Bisected from the wheels: 5.0.0 and 5.1.0 leave num_steps unset (accelerate's 1), 5.2.0 to 5.5.3 set
+it to K, 5.5.4 on set it to 1; measured on 5.3.0 (grads 0.333x at K = 3, loss right)."""
+SHIPPED = (MEAN_OF_MEANS_BUG, DOUBLED_LOSS_BUG, LABEL_SMOOTHER_BUG, GRADS_DIVIDED_TWICE_BUG)
 """The Trainer's shipped accumulation bugs the release cases catch, oldest first."""
 
 _DP2_K3 = (("world_size", 2), ("dp", 2), ("train_step", True), ("micro_batches", 3), ("optimizer", "sgd"),
@@ -265,6 +276,10 @@ RELEASE_35207 = release_case(
     bug=shown_with(DOUBLED_LOSS_BUG, MEAN_OF_MEANS_BUG),
     note="transformers 4.47.0: 21.65 reported against a token mean of 5.40 (each micro-batch's mean x W, summed, the "
          "empty one's NaN filtered as the running sum again); 4.47.1: fixed; 4.45.x FAILs it too, through #34191")
+RELEASE_GRADS_DIVIDED_TWICE = release_case(
+    HF_TRAINER_LLAMA, name="release-hf-5x-grads-divided-by-k-twice", fields=_DP2_K3, bug=GRADS_DIVIDED_TWICE_BUG,
+    note="transformers 5.2.0 to 5.5.3: every grad 1/K (0.333x at K = 3) with the reported loss right; 5.5.4 on: "
+         "fixed. On those releases the three accumulation release cases above FAIL at the grads through it too")
 RELEASE_46731 = release_case(
     HF_TRAINER_SMOOTHING, name="release-hf-46731-label-smoother-per-micro-batch", fields=_DP2_K3,
     bug=shown_with(LABEL_SMOOTHER_BUG, MEAN_OF_MEANS_BUG, DOUBLED_LOSS_BUG),

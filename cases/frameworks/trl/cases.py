@@ -2,7 +2,9 @@
 and accelerate are installed; the SP ones need DeepSpeed too): its own step under DDP, its step
 under accelerate's SP with a user's token-mean fix over TRL's fused LM head, the SP bugs as that
 user's code could carry them, and the release case of what the SFTTrainer does under SP as shipped
-(the Trainer's SP loss)."""
+(the Trainer's SP loss). Of the Trainer's SP mutants, the count divided by SP (#46775) is run
+here too, through TRL's Trainer; duplicate SP data and the accumulation count x SP are the
+Trainer's SP path's own, unchanged by TRL (sp_harness.cases.frameworks.hf.cases)."""
 
 from __future__ import annotations
 
@@ -11,9 +13,7 @@ import torch.distributed as dist
 from sp_harness.cases.frameworks.hf.cases import (
     SP_EXAMPLES,
     SP_LOSS_BUG,
-    SPAccumulationCountTimesSP,
     SPCountDividedBySP,
-    SPDuplicateData,
     SPTokenMean,
 )
 from sp_harness.cases.frameworks.releases import release_case
@@ -71,22 +71,6 @@ mutant(TRL_SFT_SP, name="mutant-trl-sft-sp-count-divided-by-sp",
            "its own shard's tokens: every rank's loss and grads x sp_size",
        source="huggingface/transformers#46775 (fixed by PR #46855), under TRL's SFTTrainer",
        shard=sft_trainer_case("trl-sp-count", SFTSetup(trainer_class=_sft(SPCountDividedBySP))).shard,
-       train_loss=TRL_SFT_SP.train_loss, tags=("train-step",), killed_by=("reported loss", "train-step-sp"))
-
-mutant(TRL_SFT_SP, name="mutant-trl-sft-sp-duplicate-data",
-       summary="the SP ranks hand the adapter the same batch: one sequence trained SP times, the others never",
-       bug="the SP data-loader adapter yields the first SP rank's batch on every micro-step of a round: the "
-           "accumulated grads are of the wrong sequences",
-       source="deepspeedai/DeepSpeed#7484 (UlyssesSPDataLoaderAdapter returning duplicate data), under TRL's SFTTrainer",
-       shard=sft_trainer_case("trl-sp-dup", SFTSetup(trainer_class=_sft(SPDuplicateData))).shard,
-       train_loss=TRL_SFT_SP.train_loss, tags=("train-step",), killed_by=("reported loss", "train-step-sp"))
-
-mutant(TRL_SFT_SP, name="mutant-trl-sft-sp-accumulation-count-times-sp",
-       summary="the accumulation count taken from the SP adapter's length (the dataloader's x sp_size)",
-       bug="each micro-step's loss divided by K x sp_size: loss and grads 1 / sp_size of the token mean",
-       source="verl's SFT trainer counting accumulation steps differently under SP; DeepSpeed 0.19.8 "
-              "UlyssesSPDataLoaderAdapter.__len__, under TRL's SFTTrainer",
-       shard=sft_trainer_case("trl-sp-acc", SFTSetup(trainer_class=_sft(SPAccumulationCountTimesSP))).shard,
        train_loss=TRL_SFT_SP.train_loss, tags=("train-step",), killed_by=("reported loss", "train-step-sp"))
 
 mutant(TRL_SFT, name="mutant-trl-sft-prompt-trained",
