@@ -53,9 +53,14 @@ def _schedule_by_file(config: pytest.Config) -> bool:
 FRAMEWORK_FILES = {"test_megatron_core.py": "megatron.core", "test_megatron_step.py": "megatron.core",
                    "test_deepspeed.py": "deepspeed", "test_deepspeed_step.py": "deepspeed",
                    "test_torchtitan.py": "torchtitan", "test_torchtitan_step.py": "torchtitan",
-                   "test_yunchang.py": "yunchang", "test_hf_trainer.py": "accelerate"}
+                   "test_yunchang.py": "yunchang", "test_hf_trainer.py": "accelerate",
+                   "test_hf_trainer_sp.py": "accelerate", "test_trl.py": "trl", "test_verl.py": "verl"}
 """Test files by the framework whose rank processes they run (sp_harness.cases.frameworks'
 `FRAMEWORK_CASES` keys)."""
+
+SHARED_SCOPE = {"trl": "accelerate"}
+"""Frameworks whose cases share another's rank processes (`Case.isolation`): TRL's SFTTrainer runs
+in the Trainer's pools ('hf-trainer'), so its tests go to the Trainer's worker and reuse them."""
 
 
 def scope_of(nodeid: str) -> str:
@@ -66,14 +71,15 @@ def scope_of(nodeid: str) -> str:
     path, _, rest = nodeid.partition("::")
     name = path.rsplit("/", 1)[-1]
     if name in FRAMEWORK_FILES:
-        return "framework:" + FRAMEWORK_FILES[name]
+        framework = FRAMEWORK_FILES[name]
+        return "framework:" + SHARED_SCOPE.get(framework, framework)
     if name == "test_mutants.py" and rest.endswith("]") and "[" in rest:
         from sp_harness.cases.frameworks import FRAMEWORK_CASES
 
         mutant = rest[rest.index("[") + 1:-1]
         for framework, (_, names) in FRAMEWORK_CASES.items():
             if mutant in names:
-                return "framework:" + framework
+                return "framework:" + SHARED_SCOPE.get(framework, framework)
     return path
 
 

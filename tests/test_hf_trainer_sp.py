@@ -13,7 +13,6 @@ Where the installed releases lack the SP path (transformers before 5.3, an accel
 SP backend, a DeepSpeed without UlyssesSPDataLoaderAdapter) every case is UNSUPPORTED naming the
 API (`compat.sp_missing`), which the first test asserts instead."""
 
-import functools
 
 import pytest
 from installed import skip_unless_installed
@@ -22,51 +21,24 @@ skip_unless_installed("transformers", "transformers is not installed (pip instal
 skip_unless_installed("accelerate", "accelerate is not installed (pip install -e '.[hf]')")
 skip_unless_installed("deepspeed", "deepspeed is not installed (pip install -e '.[deepspeed]')")
 
-from sp_harness.cases.frameworks import releases  # noqa: E402
+from hf_sp_path import TIMEOUT_S, runs_here, sp_config  # noqa: E402
+
 from sp_harness.config.check_config import CheckConfig  # noqa: E402
 from sp_harness.judge.verdict import FAIL, PASS, UNSUPPORTED  # noqa: E402
 from sp_harness.report.result_text import format_result  # noqa: E402
-
-TIMEOUT_S = 180.0
-"""Generous for a loaded runner: DeepSpeed's and transformers' imports are the case's setup."""
-
-
-@functools.cache
-def _sp_gaps() -> tuple[str, ...]:
-    """What the installed releases lack for the SP path, asked as the case asks it (a child
-    interpreter: this process imports no framework)."""
-    return releases.probe("sp_harness.cases.frameworks.hf.compat", "sp_missing")
-
-
-def _sp(case: str, **fields) -> CheckConfig:
-    fields = {"optimizer": "adamw", "dtype": "float32", "steps": 2, **fields}
-    return CheckConfig(case=case, world_size=4, dp=2, train_step=True, micro_batches=2, timeout_s=TIMEOUT_S,
-                       **fields)
-
-
-def _needs_sp_path(res, *, scaled_loss: bool = False) -> bool:
-    """Asserts the UNSUPPORTED verdict where the installed releases lack the SP path (or, for a
-    user's loss already scaled for accumulation, `scaled_loss`, the Trainer's flag for it: 5.3.0
-    divides such a loss by K again); True where they have it (the test goes on)."""
-    if _sp_gaps():
-        assert res.verdict == UNSUPPORTED and "sequence parallelism" in res.reason, format_result(res)
-        return False
-    if scaled_loss and releases.probe("sp_harness.cases.frameworks.hf.compat", "scaled_loss_missing"):
-        assert res.verdict == UNSUPPORTED and "loss_is_scaled_for_ga" in res.reason, format_result(res)
-        return False
-    return True
 
 
 @pytest.mark.parametrize("fields", [
     pytest.param(dict(dtype="float32"), marks=pytest.mark.exhaustive(
         "test_mutants runs hf-trainer-sp-llama as the SP mutants' twin (train-step-sp: float32, SGD with clipping)")),
-    dict(dtype="bfloat16"),
+    pytest.param(dict(dtype="bfloat16"), marks=pytest.mark.exhaustive(
+        "the main job checks hf-trainer-sp-llama's bfloat16 example (DeepSpeed's bf16, fp32 masters)")),
     pytest.param(dict(optimizer="sgd", clip_grad_norm=0.01),
                  marks=pytest.mark.exhaustive("the main job checks SGD with DeepSpeed's clipping active"))],
     ids=["f32-adamw", "bf16-adamw", "f32-sgd-clip"])
 def test_the_trainers_sp_step_with_a_token_mean_loss_passes(sp_check, fields):
-    res = sp_check(_sp("hf-trainer-sp-llama", **fields))
-    if not _needs_sp_path(res, scaled_loss=True):
+    res = sp_check(sp_config("hf-trainer-sp-llama", **fields))
+    if not runs_here(res, scaled_loss=True):
         return
     assert res.verdict == PASS, format_result(res)
     # every stage was judged: the reported loss, the grads, the norm, the update (DeepSpeed's
@@ -75,8 +47,8 @@ def test_the_trainers_sp_step_with_a_token_mean_loss_passes(sp_check, fields):
 
 
 def test_the_trainers_own_sp_loss_fails_at_the_reported_loss(sp_check):
-    res = sp_check(_sp("release-hf-sp-mean-of-means-times-sp"))
-    if not _needs_sp_path(res):
+    res = sp_check(sp_config("release-hf-sp-mean-of-means-times-sp"))
+    if not runs_here(res):
         return
     assert res.verdict == FAIL and res.first_check == "loss", format_result(res)
     assert any(f.kind == "grad" for f in res.failures)
@@ -86,8 +58,8 @@ def test_the_trainers_own_sp_loss_fails_at_the_reported_loss(sp_check):
 @pytest.mark.parametrize("mutant", ["mutant-hf-trainer-sp-count-divided-by-sp", "mutant-hf-trainer-sp-duplicate-data",
                                     "mutant-hf-trainer-sp-accumulation-count-times-sp"])
 def test_the_sp_bugs_fail_at_the_reported_loss_and_the_grads(sp_check, mutant):
-    res = sp_check(_sp(mutant))
-    if not _needs_sp_path(res, scaled_loss=True):
+    res = sp_check(sp_config(mutant))
+    if not runs_here(res, scaled_loss=True):
         return
     assert res.verdict == FAIL and res.first_check == "loss", format_result(res)
     assert any(f.kind == "grad" for f in res.failures)

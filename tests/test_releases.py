@@ -160,7 +160,8 @@ def test_the_releases_command_refuses_a_missing_record_file(tmp_path):
 
 
 @pytest.mark.parametrize("name", ["release-hf-34191-mean-of-micro-batch-means", "release-hf-35207-loss-times-k-and-ranks",
-                                  "release-hf-46731-label-smoother-per-micro-batch", "mcore-gpt-cp-step"])
+                                  "release-hf-46731-label-smoother-per-micro-batch", "release-hf-5x-grads-divided-by-k-twice",
+                                  "mcore-gpt-cp-step"])
 def test_the_pinned_releases_are_the_fixed_ones(name):
     """On what the default suite pins, every release case expects PASS at its examples (its bug is
     fixed there) and pins the stage that catches it where it is not; the main job and the release
@@ -175,3 +176,14 @@ def test_the_pinned_releases_are_the_fixed_ones(name):
     assert {expected_verdict(ex.config(name)) for ex in case.examples} == {"PASS"}
     if "release" in case.tags:
         assert case.killed_by and case.killed_by[0]
+
+
+def test_api_gaps_names_each_missing_module_name_and_keyword():
+    from sp_harness.cases.frameworks.releases import api_gaps
+
+    gaps, modules = api_gaps([("json", "dumps", ("indent",)), ("json", "nope", ()), ("json", "dumps", ("zzz",)),
+                              ("sp_harness_no_such_module", "a", ())])
+    assert gaps == ["json.nope", "json.dumps(zzz=)",
+                    "sp_harness_no_such_module (its import raised ModuleNotFoundError: "
+                    "No module named 'sp_harness_no_such_module')"], gaps
+    assert modules["json"] is not None and modules["sp_harness_no_such_module"] is None

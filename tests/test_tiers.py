@@ -23,7 +23,7 @@ from sp_harness.suites.battery import BATTERY, mutant_names
 
 FRAMEWORK_TESTS = {"megatron.core": "test_megatron_core.py", "yunchang": "test_yunchang.py",
                    "torchtitan": "test_torchtitan.py", "deepspeed": "test_deepspeed.py",
-                   "accelerate": "test_hf_trainer.py"}
+                   "accelerate": "test_hf_trainer.py", "trl": "test_trl.py", "verl": "test_verl.py"}
 """Each framework's integration tests (its examples/ case file on real ranks)."""
 
 

@@ -16,32 +16,11 @@ from installed import skip_unless_installed
 skip_unless_installed("trl", "trl is not installed (pip install -e '.[trl]')")
 skip_unless_installed("deepspeed", "deepspeed is not installed (pip install -e '.[deepspeed]')")
 
-from sp_harness.cases.frameworks import releases  # noqa: E402
+from hf_sp_path import TIMEOUT_S, runs_here, sp_config  # noqa: E402
+
 from sp_harness.config.check_config import CheckConfig  # noqa: E402
-from sp_harness.judge.verdict import FAIL, PASS, UNSUPPORTED  # noqa: E402
+from sp_harness.judge.verdict import FAIL, PASS  # noqa: E402
 from sp_harness.report.result_text import format_result  # noqa: E402
-
-TIMEOUT_S = 180.0
-"""Generous for a loaded runner: TRL's, DeepSpeed's and transformers' imports are the case's setup."""
-
-
-def _sp(case: str, **fields) -> CheckConfig:
-    fields = {"optimizer": "adamw", "dtype": "float32", "steps": 2, **fields}
-    return CheckConfig(case=case, world_size=4, dp=2, train_step=True, micro_batches=2, timeout_s=TIMEOUT_S,
-                       **fields)
-
-
-def _sp_path_or_unsupported(res, *, scaled_loss: bool = False) -> bool:
-    """True where the installed releases have the Trainer's SP path (the test goes on), and for a
-    loss already scaled for accumulation (`scaled_loss`: the user's fix) the Trainer's flag for it;
-    else asserts the case says why it cannot run."""
-    if releases.probe("sp_harness.cases.frameworks.hf.compat", "sp_missing"):
-        assert res.verdict == UNSUPPORTED and "sequence parallelism" in res.reason, format_result(res)
-        return False
-    if scaled_loss and releases.probe("sp_harness.cases.frameworks.hf.compat", "scaled_loss_missing"):
-        assert res.verdict == UNSUPPORTED and "loss_is_scaled_for_ga" in res.reason, format_result(res)
-        return False
-    return True
 
 
 @pytest.mark.exhaustive("test_mutants runs trl-sft-llama as the prompt-trained mutant's twin (train-step-dp: DP 2, "
@@ -61,16 +40,16 @@ def test_the_sft_trainers_own_ddp_step_passes(sp_check, fields):
                                     dict(optimizer="sgd", clip_grad_norm=0.01)],
                          ids=["f32-adamw", "bf16-adamw", "f32-sgd-clip"])
 def test_the_sft_trainers_sp_step_with_a_token_mean_fix_passes(sp_check, fields):
-    res = sp_check(_sp("trl-sft-sp-llama", **fields))
-    if not _sp_path_or_unsupported(res, scaled_loss=True):
+    res = sp_check(sp_config("trl-sft-sp-llama", **fields))
+    if not runs_here(res, scaled_loss=True):
         return
     assert res.verdict == PASS, format_result(res)
     assert {"loss", "grad", "grad_norm", "param"} <= set(res.worst), set(res.worst)
 
 
 def test_the_sft_trainer_as_shipped_under_sp_fails_at_the_reported_loss(sp_check):
-    res = sp_check(_sp("release-trl-sft-sp-mean-of-means-times-sp"))
-    if not _sp_path_or_unsupported(res):
+    res = sp_check(sp_config("release-trl-sft-sp-mean-of-means-times-sp"))
+    if not runs_here(res):
         return
     assert res.verdict == FAIL and res.first_check == "loss", format_result(res)
     assert any(f.kind == "grad" for f in res.failures)

@@ -25,12 +25,14 @@ import dataclasses
 import functools
 import importlib
 import importlib.metadata
+import inspect
 import json
 import os
 import re
 import subprocess
 import sys
 import tempfile
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -113,6 +115,38 @@ def probe(compat_module: str, function: str = "missing") -> tuple[str, ...]:
         tail = (done.stderr.strip().splitlines() or ["no output"])[-1]
         return (f"an import of the framework that works (it raised here: {tail})",)
     return tuple(json.loads(done.stdout.strip().splitlines()[-1]))
+
+
+def api_gaps(apis: Sequence[tuple[str, str, tuple[str, ...]]]) -> tuple[list[str], dict[str, Any]]:
+    """The gaps of `apis`, each (module, name, keyword parameters it must take), on the installed
+    release: a module whose import raises, a name it lacks, or a signature without those keywords
+    (or unreadable), one item each as a user would look it up; and the modules imported (None
+    where the import raised), for a compat's further questions of them. A `missing()` helper."""
+    gaps: list[str] = []
+    modules: dict[str, Any] = {}
+    for module, name, params in apis:
+        if module not in modules:
+            try:
+                modules[module] = importlib.import_module(module)
+            except Exception as exc:  # a broken install raises whatever it raises
+                modules[module] = None
+                gaps.append(f"{module} (its import raised {type(exc).__name__}: {exc})")
+        if modules[module] is not None and _lacks(modules[module], name, params):
+            gaps.append(f"{module}.{name}" + (f"({', '.join(p + '=' for p in params)})" if params else ""))
+    return gaps, modules
+
+
+def _lacks(owner: Any, name: str, params: tuple[str, ...]) -> bool:
+    value = getattr(owner, name, None)
+    if value is None:
+        return True
+    if not params:
+        return False
+    try:
+        have = inspect.signature(value).parameters
+    except (TypeError, ValueError):
+        return True  # a signature that cannot be read cannot be shown to take them
+    return not set(params) <= set(have)
 
 
 def require(compat_module: str, what: str) -> None:

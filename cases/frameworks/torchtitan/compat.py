@@ -22,10 +22,8 @@ installs with torch 2.13.0 on Python 3.11; what the integration drives exists on
 from __future__ import annotations
 
 import importlib
-import inspect
-from typing import Any
 
-from sp_harness.cases.frameworks.releases import ReleaseRange
+from sp_harness.cases.frameworks.releases import ReleaseRange, api_gaps
 
 RELEASES: tuple[ReleaseRange, ...] = (
     ReleaseRange(distribution="torchtitan", oldest="0.3.0", newest="0.3.0",
@@ -78,19 +76,6 @@ TRAINER_STEP = ("train_step", "forward_backward_step", "post_dataloading_process
 """The `Trainer` methods the step case binds (torchtitan_step)."""
 
 
-def _lacks(owner: Any, name: str, params: tuple[str, ...]) -> bool:
-    value = getattr(owner, name, None)
-    if value is None:
-        return True
-    if not params:
-        return False
-    try:
-        have = inspect.signature(value).parameters
-    except (TypeError, ValueError):
-        return True
-    return not set(params) <= set(have)
-
-
 def missing() -> tuple[str, ...]:
     """Each API this integration needs that the installed release lacks, named as a user would
     look it up."""
@@ -101,17 +86,7 @@ def missing() -> tuple[str, ...]:
         importlib.import_module("torchtitan")
     except Exception as exc:  # a broken install raises whatever it raises
         return (f"an import of torchtitan that works (it raised {type(exc).__name__}: {exc})",)
-    gaps: list[str] = []
-    modules: dict[str, Any] = {}
-    for module, name, params in APIS:
-        if module not in modules:
-            try:
-                modules[module] = importlib.import_module(module)
-            except Exception as exc:  # a broken install raises whatever it raises
-                modules[module] = None
-                gaps.append(f"{module} (its import raised {type(exc).__name__}: {exc})")
-        if modules[module] is not None and _lacks(modules[module], name, params):
-            gaps.append(f"{module}.{name}" + (f"({', '.join(p + '=' for p in params)})" if params else ""))
+    gaps, modules = api_gaps(APIS)
     trainer = getattr(modules.get("torchtitan.trainer"), "Trainer", None)
     if trainer is not None:
         gaps += [f"torchtitan.trainer.Trainer.{m}" for m in TRAINER_STEP if not hasattr(trainer, m)]

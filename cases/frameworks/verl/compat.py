@@ -27,11 +27,7 @@ The range is the one release verified here, verl 0.9.1, on the project's transfo
 
 from __future__ import annotations
 
-import importlib
-import inspect
-from typing import Any
-
-from sp_harness.cases.frameworks.releases import ReleaseRange
+from sp_harness.cases.frameworks.releases import ReleaseRange, api_gaps
 
 RELEASES: tuple[ReleaseRange, ...] = (
     ReleaseRange(distribution="verl", oldest="0.9.1", newest="0.9.1",
@@ -68,19 +64,6 @@ ENGINE_METHODS = ("initialize", "train_mode", "optimizer_zero_grad", "forward_ba
 """`FSDPEngineWithLMHead`'s methods the step (and the mutants' engine overrides) call."""
 
 
-def _lacks(module: Any, name: str, params: tuple[str, ...]) -> bool:
-    found = getattr(module, name, None)
-    if found is None:
-        return True
-    if not params:
-        return False
-    try:
-        taken = inspect.signature(found).parameters
-    except (TypeError, ValueError):
-        return False
-    return not all(p in taken for p in params)
-
-
 def missing() -> tuple[str, ...]:
     """Each API this integration needs that the installed verl lacks, named as a user would look
     it up (the platform is set first, as the step sets it: the engine module reads it at import)."""
@@ -90,17 +73,7 @@ def missing() -> tuple[str, ...]:
         shims.cpu_shims()
     except Exception as exc:  # a broken install raises whatever it raises
         return (f"an import of verl that works (it raised {type(exc).__name__}: {exc})",)
-    gaps: list[str] = []
-    modules: dict[str, Any] = {}
-    for module, name, params in (*APIS, ("verl.workers.engine.fsdp.transformer_impl", "FSDPEngineWithLMHead", ())):
-        if module not in modules:
-            try:
-                modules[module] = importlib.import_module(module)
-            except Exception as exc:  # a broken install raises whatever it raises
-                modules[module] = None
-                gaps.append(f"{module} (its import raised {type(exc).__name__}: {exc})")
-        if modules[module] is not None and _lacks(modules[module], name, params):
-            gaps.append(f"{module}.{name}" + (f"({', '.join(p + '=' for p in params)})" if params else ""))
+    gaps, modules = api_gaps((*APIS, ("verl.workers.engine.fsdp.transformer_impl", "FSDPEngineWithLMHead", ())))
     engine = getattr(modules.get("verl.workers.engine.fsdp.transformer_impl"), "FSDPEngineWithLMHead", None)
     if engine is not None:
         gaps += [f"FSDPEngineWithLMHead.{m}" for m in ENGINE_METHODS if not hasattr(engine, m)]
