@@ -131,24 +131,28 @@ class SFTFlavour:
     def batches(self, trainer: Any, micro_batches: Sequence[MicroBatch], sp: int) -> list[dict[str, Any]]:
         from datasets import Dataset
 
-        out = []
-        for micro_batch in micro_batches:
-            examples = rows(micro_batch)
-            prepared = trainer._prepare_dataset(Dataset.from_list(examples), trainer.processing_class, trainer.args,
-                                                False, None, "train")
-            # the preparation drops the rows with no completion token (its last filter); the
-            # engine's masks make such rows on purpose (an empty micro-batch, a rank without
-            # tokens), so each comes back as the fully masked row it was: it carries no loss and
-            # changes no other row's logits, and every rank keeps its K micro-steps
-            kept = [prepared[i] for i in range(len(prepared))]  # in order: the filter keeps it
-            made = []
-            for e in examples:
-                if kept and kept[0]["input_ids"] == e["input_ids"]:
-                    made.append(kept.pop(0))
-                else:
-                    made.append({"input_ids": e["input_ids"], "labels": [IGNORE_INDEX] * len(e["input_ids"])})
-            assert not kept, "the preparation only drops rows (max_length truncates none of the engine's)"
-            out.append(trainer.data_collator(made))
+        # one preparation per step (its maps are per row, its filter keeps the order), cut back
+        # into the micro-batches after
+        per_batch = [rows(micro_batch) for micro_batch in micro_batches]
+        examples = [e for batch in per_batch for e in batch]
+        prepared = trainer._prepare_dataset(Dataset.from_list(examples), trainer.processing_class, trainer.args,
+                                            False, None, "train")
+        # the preparation drops the rows with no completion token (its last filter); the engine's
+        # masks make such rows on purpose (an empty micro-batch, a rank without tokens), so each
+        # comes back as the fully masked row it was: it carries no loss and changes no other
+        # row's logits, and every rank keeps its K micro-steps
+        kept, i, made = prepared.to_list(), 0, []
+        for e in examples:
+            if i < len(kept) and kept[i]["input_ids"] == e["input_ids"]:
+                made.append(kept[i])
+                i += 1
+            else:
+                made.append({"input_ids": e["input_ids"], "labels": [IGNORE_INDEX] * len(e["input_ids"])})
+        assert i == len(kept), "the preparation only drops rows (max_length truncates none of the engine's)"
+        out, start = [], 0
+        for batch in per_batch:
+            out.append(trainer.data_collator(made[start:start + len(batch)]))
+            start += len(batch)
         return out
 
 
