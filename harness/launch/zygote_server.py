@@ -48,12 +48,31 @@ single-threaded, tested), and they run on the kernel family of the zygote's envi
 is its ranks' (the environment keys the zygote). An import that initialises CUDA fails the
 zygote, and the pool starts its ranks as fresh interpreters."""
 
-SCALAR_TENSOR_OPS = frozenset({"aten::lift_fresh", "aten::detach_", "detach_", "aten::empty", "aten::to"})
-"""The ops a preload may dispatch (above): a tensor made from a Python scalar."""
+SCALAR_TENSOR_OPS = frozenset({"aten::lift_fresh", "aten::detach_", "detach_", "aten::empty", "aten::to",
+                               "aten::expm1", "aten::log", "aten::clamp_min", "aten::item", "aten::_local_scalar_dense"})
+"""The ops a preload may dispatch (above): a tensor made from a Python scalar, and tensordict's
+(which verl imports) inverse softplus of its bias, computed at import on that one-element tensor
+(tensordict.nn.utils): one element is never a parallel region."""
+
+ARROW_JEMALLOC_ENV = ("JE_ARROW_MALLOC_CONF", "background_thread:false")
+"""pyarrow's bundled jemalloc starts a background purging thread when its library loads (the HF
+Trainer imports datasets, which imports pyarrow), and a fork server must not hold a thread: the
+zygote turns that thread off (a user's own setting of the variable stands). It only decides when
+freed pages go back to the OS, never a value; forked ranks inherit it."""
+
+
+def _threads() -> int | None:
+    """This process's OS thread count (Linux /proc), None where it cannot be read."""
+    try:
+        with open("/proc/self/status") as f:
+            return next(int(line.split()[1]) for line in f if line.startswith("Threads:"))
+    except (OSError, StopIteration, ValueError):
+        return None
 
 
 def _preload() -> None:
     """What every rank (and companion) would otherwise import itself; no op is run (module docstring)."""
+    os.environ.setdefault(*ARROW_JEMALLOC_ENV)  # before any import loads pyarrow's library
     import torch
     import torch._dynamo  # noqa: F401  (a module's first construction imports it: seconds)
     import torch.distributed  # noqa: F401
@@ -64,7 +83,14 @@ def _preload() -> None:
     from sp_harness.config.registry import all_cases
 
     all_cases()
+    # before the case's preload: numpy's OpenBLAS threads (stopped at each fork, module doc) are
+    # counted here, so only a thread the case's imports start is the case's
+    before = _threads()
     load_preload(filter(None, os.environ.get(PRELOAD_ENV, "").split(",")))
+    after = _threads()
+    if before is not None and after is not None and after > before:
+        raise RuntimeError(f"{PRELOAD_ENV}={os.environ.get(PRELOAD_ENV)!r} started {after - before} thread(s): a "
+                           f"fork would copy a lock another thread holds")
     if torch.cuda.is_initialized():
         raise RuntimeError(f"{PRELOAD_ENV}={os.environ.get(PRELOAD_ENV)!r} initialised CUDA: a forked rank "
                            f"could not use it")

@@ -208,9 +208,13 @@ def _sp_supported(cfg, sp: int) -> None:
                           f"_steps) must be a multiple of SP")
 
 
+PRELOAD = ("transformers.models.llama.modeling_llama", "transformers.models.qwen2.modeling_qwen2", "transformers.trainer")
+"""The two models and the Trainer (which imports accelerate, datasets and pyarrow: pyarrow's
+jemalloc thread is off in a fork server, zygote_server.ARROW_JEMALLOC_ENV)."""
+
+
 def _setup() -> None:
-    """Per process: transformers' Trainer (which imports accelerate); not a preload, since its
-    import starts a thread, which a fork server must not have. The two models are preloaded."""
+    """Per process where no fork server preloaded it (a GPU pool's ranks): the Trainer."""
     import transformers.trainer  # noqa: F401
 
 
@@ -222,7 +226,7 @@ def hf_trainer_case(name: str, setup: HFTrainerSetup = HFTrainerSetup(), *, flav
     Trainer's, and is Unsupported). `flavour`: which Trainer (TRL's SFTTrainer:
     sp_harness.cases.frameworks.trl.case). `case_fields`: any other `Case` field."""
     case_fields.setdefault("setup", _setup)
-    case_fields.setdefault("preload", ("transformers.models.llama.modeling_llama", "transformers.models.qwen2.modeling_qwen2"))
+    case_fields.setdefault("preload", PRELOAD)
     case_fields.setdefault("isolation", "hf-trainer")
 
     def validate(cfg) -> None:

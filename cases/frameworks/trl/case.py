@@ -157,7 +157,8 @@ class SFTFlavour:
 
 
 def _setup() -> None:
-    """Per process: transformers' Trainer and TRL's (not a preload: importing them starts threads)."""
+    """Per process where no fork server preloaded them (a GPU pool's ranks, or a pool the plain
+    Trainer's case started first: the two share 'hf-trainer' pools): the Trainer and TRL."""
     import transformers.trainer  # noqa: F401
     import trl  # noqa: F401
 
@@ -175,7 +176,7 @@ def sft_trainer_case(name: str, setup: SFTSetup = SFTSetup(), **case_fields: Any
         base.validate(cfg)
 
     installed = {d: releases.installed_release(d) or "(not installed)" for d in ("trl", "transformers")}
-    return dataclasses.replace(base, validate=validate, setup=_setup,
+    return dataclasses.replace(base, validate=validate, setup=_setup, preload=(*base.preload, "trl"),
                                description=f"TRL {installed['trl']} SFTTrainer's own training step ({setup.model}, "
                                            f"transformers {installed['transformers']}'s loop)")
 

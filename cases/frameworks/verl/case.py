@@ -42,6 +42,7 @@ from torch import nn
 from sp_harness import Case, Layout, RankContext, Sharded, Unsupported
 from sp_harness.cases.common import GPT_DEFAULTS
 from sp_harness.cases.frameworks import releases
+from sp_harness.cases.frameworks.verl.shims import PRELOAD
 from sp_harness.config.step_protocol import MicroBatch, TrainLoss
 
 IGNORE_INDEX = -100
@@ -96,7 +97,8 @@ def verl_sft_shard(setup: VerlSFTSetup = VerlSFTSetup()) -> Callable[[nn.Module,
 
 
 def _setup() -> None:
-    """Per process: verl's CPU platform before its engine module reads it, then the engine."""
+    """Per process: the shims (module doc), the platform before verl's engine module reads it, then
+    the engine (no-ops where the fork server preloaded them, `PRELOAD`)."""
     from sp_harness.cases.frameworks.verl import shims
 
     shims.cpu_shims()
@@ -117,6 +119,7 @@ def verl_sft_case(name: str, setup: VerlSFTSetup = VerlSFTSetup(), **case_fields
 
     hf = HFTrainerSetup(model=setup.model, max_pad=setup.max_pad)
     case_fields.setdefault("setup", _setup)
+    case_fields.setdefault("preload", PRELOAD)
     case_fields.setdefault("isolation", ISOLATION)
 
     def validate(cfg) -> None:

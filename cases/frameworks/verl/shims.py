@@ -212,6 +212,20 @@ def no_trl_value_head_patch() -> None:
     _APPLIED.add("trl")
 
 
+def platform_where_cpu() -> None:
+    """Item 1 where CUDA is absent: the first of `PRELOAD`, before verl's engine module is imported."""
+    if on_cpu():
+        use_cpu_platform()
+
+
+PRELOAD = ("transformers.models.llama.modeling_llama", f"{__name__}:platform_where_cpu",
+           "verl.workers.engine.fsdp.transformer_impl")
+"""A verl case's `Case.preload`: the model, verl's platform (item 1), then its FSDP engine (which
+imports the Trainer and pyarrow: pyarrow's jemalloc thread is off in a fork server,
+zygote_server.ARROW_JEMALLOC_ENV); once by the fork server on CPU. Items 2-4 stay the case's
+per-process setup: they patch a module every rank then holds (cheap after the preload)."""
+
+
 def on_cpu() -> bool:
     """Whether this rank runs verl on the CPU (a CPU-only torch): items 1-3 apply only then."""
     return not torch.cuda.is_available()
@@ -233,5 +247,5 @@ def cpu_shims() -> None:
     no_trl_value_head_patch()
 
 
-__all__ = ["ATTENTION", "attention_name", "cpu_shims", "no_trl_value_head_patch", "on_cpu", "register_attention", "stand_in_flash_kernel",
+__all__ = ["ATTENTION", "PRELOAD", "platform_where_cpu", "attention_name", "cpu_shims", "no_trl_value_head_patch", "on_cpu", "register_attention", "stand_in_flash_kernel",
            "use_cpu_platform", "varlen_attention"]
