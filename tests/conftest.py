@@ -123,8 +123,24 @@ def _compile_bytecode(config: pytest.Config) -> None:
         compileall.compile_dir(str(folder), quiet=1, workers=1)
 
 
+PROBE_CACHE_KEY = pytest.StashKey[str]()
+"""The folder this session made for the release probes' answers (removed at its end)."""
+
+
+def _share_probe_answers(config: pytest.Config) -> None:
+    """The session's processes (its workers, the CLIs and nested runs its tests start) share the
+    release probes' answers (sp_harness.cases.frameworks.releases.PROBE_CACHE_ENV): one folder,
+    made by the controller before any worker starts, unless one is set already (a nested run)."""
+    from sp_harness.cases.frameworks.releases import PROBE_CACHE_ENV
+
+    if hasattr(config, "workerinput") or os.environ.get(PROBE_CACHE_ENV):
+        return
+    config.stash[PROBE_CACHE_KEY] = os.environ[PROBE_CACHE_ENV] = tempfile.mkdtemp(prefix="sp-harness-probes-")
+
+
 def pytest_configure(config: pytest.Config) -> None:
     _compile_bytecode(config)
+    _share_probe_answers(config)
     config.stash[BY_SCOPE_KEY] = _schedule_by_file(config)
     config.addinivalue_line("markers", "exhaustive(why): runs in the full tier only; `why` names what the fast "
                                        "tier runs instead (the same check, case, mutant or framework, smaller)")
@@ -189,7 +205,7 @@ if os.environ.get("SP_TEST_POOL_LOG"):  # measurement only: every pool start of 
 
 
 def pytest_unconfigure(config: pytest.Config) -> None:
-    """The suite leaves nothing in /tmp: this session's `tmp_path` directory (the workers' are inside
+    """The suite leaves nothing in /tmp: the probes' folder it made, this session's `tmp_path` directory (the workers' are inside
     the controller's) is removed, then pytest's per-user root once nothing else is in it.
 
     Not `tmp_path_retention_policy = "none"`: pytest then leaves the session's directory unlocked,
@@ -199,6 +215,12 @@ def pytest_unconfigure(config: pytest.Config) -> None:
         return
     import getpass
     import shutil
+
+    from sp_harness.cases.frameworks.releases import PROBE_CACHE_ENV
+
+    if PROBE_CACHE_KEY in config.stash:
+        shutil.rmtree(config.stash[PROBE_CACHE_KEY], ignore_errors=True)
+        os.environ.pop(PROBE_CACHE_ENV, None)
     import tempfile
     from pathlib import Path
 

@@ -18,6 +18,7 @@ from test_optional_frameworks import Hidden
 
 from sp_harness.cases.frameworks import COMPAT, FRAMEWORK_CASES, installed, unavailable
 from sp_harness.cases.frameworks.releases import (
+    PROBE_CACHE_ENV,
     ReleaseRange,
     ShippedBug,
     installed_release,
@@ -89,6 +90,36 @@ def test_a_missing_api_is_unsupported_naming_it(tmp_path, monkeypatch):
         require("spfake_compat", "my-case")
     assert probe("spfake_broken") == ("an import of the framework that works (it raised here: "
                                       "RuntimeError: broken on import)",)
+
+
+def test_a_runs_processes_share_a_probes_answer_where_a_folder_is_named(tmp_path, monkeypatch):
+    """PROBE_CACHE_ENV: a second process (here the same one, its per-process cache cleared) is
+    answered from the folder, without a child; without the folder, or with another import path
+    (a fake of the framework), the child is asked."""
+    (tmp_path / "spfake_counted.py").write_text(
+        "import os\n"
+        "def missing():\n"
+        "    with open(os.environ['SPFAKE_CALLS'], 'a') as f:\n        f.write('x')\n"
+        "    return ('spfake.api',)\n")
+    calls = tmp_path / "calls"
+    monkeypatch.setenv("SPFAKE_CALLS", str(calls))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setenv(PROBE_CACHE_ENV, str(tmp_path / "answers"))
+    (tmp_path / "answers").mkdir()
+
+    def asked() -> tuple[tuple[str, ...], int]:
+        probe.cache_clear()
+        answer = probe("spfake_counted")
+        return answer, len(calls.read_text())
+
+    assert asked() == (("spfake.api",), 1)
+    assert asked() == (("spfake.api",), 1)  # from the folder
+    assert [p.suffix for p in (tmp_path / "answers").iterdir()] == [".json"]  # no half-written file left
+    monkeypatch.syspath_prepend(str(tmp_path / "elsewhere"))
+    assert asked() == (("spfake.api",), 2)  # another import path: asked afresh
+    monkeypatch.delenv(PROBE_CACHE_ENV)
+    assert asked() == (("spfake.api",), 3)
+    probe.cache_clear()
 
 
 @pytest.mark.parametrize("framework", sorted(COMPAT))

@@ -13,7 +13,8 @@ package asks `compat` for a capability.
 2. The APIs there? `missing()` imports the framework. The driver asks it in a child interpreter
    (`probe`), once per framework per process, so that no framework is imported into the driver
    (whose memory and threads the rank processes' fork server must not inherit) and a release
-   whose import crashes is a reason, not a crash.
+   whose import crashes is a reason, not a crash. Where `PROBE_CACHE_ENV` names a folder, the
+   processes of one run (a test session's workers and the CLIs its tests start) share answers.
 
 Either answer is the case's `Unsupported` (`require`), raised from the case's `validate`: before
 any rank starts, naming the API or the release and the range, exit 0, never FAIL.
@@ -23,11 +24,13 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import hashlib
 import importlib
 import importlib.metadata
 import inspect
 import json
 import os
+import pathlib
 import re
 import subprocess
 import sys
@@ -42,6 +45,14 @@ from sp_harness.config.registry import register
 PROBE_TIMEOUT_S = 600
 """A cold import of DeepSpeed or megatron-core on a loaded 2-core machine has taken over a minute;
 the probe is one import, so ten minutes means the install is broken, not slow."""
+
+PROBE_CACHE_ENV = "SP_HARNESS_PROBE_CACHE"
+"""A folder where `probe` keeps its answers for other processes (this project's test session sets
+one for its run and removes it after): each answer costs an import of the framework in a child
+(2-12 s), and a run's processes ask the same questions of the same install (the suite's two
+workers asked 8 of its 17 twice). An answer is keyed by the interpreter, the question and the
+child's import path, so a test's fake on that path is asked afresh; a timeout is not kept.
+Unset, as for users: once per process."""
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -103,6 +114,12 @@ def probe(compat_module: str, function: str = "missing") -> tuple[str, ...]:
     child that fails answers why, as one missing item."""
     # the child sees what this process sees (a user's case folder, a test's fakes), before its own
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [*sys.path, os.environ.get("PYTHONPATH")]))}
+    kept = _kept_answer(compat_module, function, env["PYTHONPATH"])
+    if kept is not None and kept.exists():
+        try:
+            return tuple(json.loads(kept.read_text()))
+        except (OSError, ValueError):  # another process is writing it, or it was removed meanwhile
+            pass
     try:
         # its own temporary folder, removed after: importing a framework makes torch's inductor cache
         # folder (torch._inductor.config: TMPDIR/torchinductor_USER), which must not stay in /tmp
@@ -113,8 +130,26 @@ def probe(compat_module: str, function: str = "missing") -> tuple[str, ...]:
         return (f"an import of the framework that finishes ({compat_module}'s probe ran past {PROBE_TIMEOUT_S} s)",)
     if done.returncode != 0:
         tail = (done.stderr.strip().splitlines() or ["no output"])[-1]
-        return (f"an import of the framework that works (it raised here: {tail})",)
-    return tuple(json.loads(done.stdout.strip().splitlines()[-1]))
+        answer: tuple[str, ...] = (f"an import of the framework that works (it raised here: {tail})",)
+    else:
+        answer = tuple(json.loads(done.stdout.strip().splitlines()[-1]))
+    if kept is not None:
+        try:  # written whole, then renamed: a reader sees the answer or nothing
+            scratch_file = kept.with_suffix(f".{os.getpid()}.tmp")
+            scratch_file.write_text(json.dumps(answer))
+            os.replace(scratch_file, kept)
+        except OSError:  # the folder went away (its session ended): only the sharing is lost
+            pass
+    return answer
+
+
+def _kept_answer(compat_module: str, function: str, child_path: str) -> pathlib.Path | None:
+    """Where `PROBE_CACHE_ENV`'s folder keeps this question's answer; None where no folder is set."""
+    folder = os.environ.get(PROBE_CACHE_ENV)
+    if not folder:
+        return None
+    key = hashlib.sha256(json.dumps([sys.executable, compat_module, function, child_path]).encode()).hexdigest()
+    return pathlib.Path(folder) / f"{key[:32]}.json"
 
 
 def api_gaps(apis: Sequence[tuple[str, str, tuple[str, ...]]]) -> tuple[list[str], dict[str, Any]]:
