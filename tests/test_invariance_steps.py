@@ -1,8 +1,10 @@
 """The two invariance checks (accumulation-invariance, degree-invariance) over the frameworks' own
-training steps: megatron-core's schedule, DeepSpeed's engine (ZeRO 0-3, CPU offload), torchtitan's
-trainer step and the HF Trainer. A correct step PASSes both where they apply; where one cannot
-apply the check says n/a with the reason (DeepSpeed fixes its micro-batch count at initialize, a
-case built for one TP degree cannot run on one rank), never FAIL; each framework mutant FAILs
+training steps: megatron-core's schedule (CP and attention sinks too), DeepSpeed's engine (ZeRO
+0-3, CPU offload), torchtitan's trainer step, the HF Trainer and TRL's SFTTrainer (DDP and
+accelerate's SP) and verl's Ulysses SFT step. A correct step PASSes both where they apply; where
+one cannot apply the check says n/a with the reason (DeepSpeed fixes its micro-batch count at
+initialize, a case built for one TP degree cannot run on one rank), never FAIL, and a step that
+crashes only in the check's own one-rank twin is an ERROR of the twin; each framework mutant FAILs
 exactly the invariance its bug class breaks (docs/case-api.md: accumulation sees per-micro-batch
 normalisation and local counts, degree sees local counts and degree factors, neither sees a
 clip-norm bug or a bug every degree shares). The engine's own steps' pins are in
@@ -141,19 +143,35 @@ SWEEP = {
     "trl-sft-llama": (4, 4, "sgd", "pass", "pass"),
     # the prompt trained on is a different token set, each normalised right: no invariance moves
     "mutant-trl-sft-prompt-trained": (4, 4, "sgd", "pass", "pass"),
+    # CP 2 has no one-rank twin (its sequence group would be one rank)
+    "mcore-gpt-cp-step": (4, 2, "sgd", "pass", "n/a"),
+    "mcore-gpt-sp-step-sinks": (2, 1, "sgd", "pass", "pass"),
+    # the SP steps below at K = 2 (the SP adapter draws a multiple of SP micro-batches); the HF
+    # Trainer's and the SFTTrainer's under SP cannot drop the first accumulation, and each SP bug
+    # there is a factor or a token set the one-rank run does not share
+    "hf-trainer-sp-llama": (4, 2, "sgd", "n/a", "pass"),
+    "mutant-hf-trainer-sp-accumulation-count-times-sp": (4, 2, "sgd", "n/a", "fail"),
+    "mutant-hf-trainer-sp-count-divided-by-sp": (4, 2, "sgd", "n/a", "fail"),
+    "mutant-hf-trainer-sp-duplicate-data": (4, 2, "sgd", "n/a", "fail"),
+    "trl-sft-sp-llama": (4, 2, "sgd", "n/a", "pass"),
+    "mutant-trl-sft-sp-count-divided-by-sp": (4, 2, "sgd", "n/a", "fail"),
+    "verl-sft-sp-llama": (4, 2, "sgd", "pass", "pass"),
+    # each rank keeps its own shard's grad: K = 1 packs other tokens into each shard than K = 2
+    "mutant-verl-sp-grads-not-synced-over-sp": (4, 2, "sgd", "fail", "fail"),
+    "mutant-verl-sp-dp-size-as-world-size": (4, 2, "sgd", "pass", "fail"),  # x SP at every K
+    "mutant-verl-sp-ranks-see-different-sequences": (4, 2, "sgd", "fail", "fail"),
 }
 """Every built-in framework step and framework step mutant, and what each invariance says of it."""
 
+SP_STEPS = {name for name in SWEEP if "-sp-" in name and ("hf-trainer" in name or "trl" in name or "verl" in name)}
+"""The post-training SP steps (issue 63): K = 2, a multiple of SP."""
 
-NOT_YET_SWEPT = {"mcore-gpt-cp-step", "mcore-gpt-sp-step-sinks", "hf-trainer-sp-llama",
-                 "mutant-hf-trainer-sp-accumulation-count-times-sp", "mutant-hf-trainer-sp-count-divided-by-sp",
-                 "mutant-hf-trainer-sp-duplicate-data", "trl-sft-sp-llama", "mutant-trl-sft-sp-count-divided-by-sp", "verl-sft-sp-llama",
-                 "mutant-verl-sp-grads-not-synced-over-sp", "mutant-verl-sp-dp-size-as-world-size",
-                 "mutant-verl-sp-ranks-see-different-sequences"}
-"""Steps added by issues 62 and 63 whose invariances have not been measured yet (their statuses
-unknown, so no SWEEP entry can honestly be written): the next change to this sweep measures and
-moves them. The HF Trainer's (and TRL's SFTTrainer's) SP steps refuse the second accumulation the invariances run (DeepSpeed
-has no drop-an-accumulation call), so theirs are expected UNSUPPORTED, still to be measured."""
+NOT_APPLICABLE_BECAUSE = {
+    **{name: FIXED_K for name in SWEEP if name.startswith(("ds-", "mutant-ds-"))},
+    **{name: "no call that drops an accumulated step" for name in SP_STEPS if "verl" not in name},
+    "mcore-gpt-cp-step": "sequence group is world_size / dp = 1",
+}
+"""What each n/a of the sweep names: why that invariance cannot apply to that step."""
 
 
 def test_the_sweep_covers_every_framework_step():
@@ -161,7 +179,29 @@ def test_the_sweep_covers_every_framework_step():
     # a release case is its base's step at the config that shows a release's bug: its base is swept
     steps = {name for module in here for name in FRAMEWORK_CASES[module][1]
              if get_case(name).train_loss is not None and "release" not in get_case(name).tags}
-    assert steps - NOT_YET_SWEPT == {name for name in SWEEP if _framework(name) in here}, sorted(steps ^ set(SWEEP))
+    assert steps == {name for name in SWEEP if _framework(name) in here}, sorted(steps ^ set(SWEEP))
+    assert {name for name, (*_, acc, deg) in SWEEP.items() if "n/a" in (acc, deg)} == set(NOT_APPLICABLE_BECAUSE)
+
+
+def test_the_trainers_sp_step_is_compared_with_its_one_rank_run(sp_pool):
+    # the one-rank twin takes the Trainer's DDP path (no SP adapter, no shift_labels): the user
+    # code reads either; the x sp_size token count (#46775) shows against it without a reference
+    for case, expected in [("hf-trainer-sp-llama", "pass"), ("mutant-hf-trainer-sp-count-divided-by-sp", "fail")]:
+        outcome = _invariances(sp_pool, case, ("degree-invariance",), world_size=4, dp=2,
+                               micro_batches=2)["degree-invariance"]
+        assert outcome.status == expected, (case, outcome.detail)
+    assert outcome.detail.startswith("reported loss"), outcome.detail
+
+
+def test_a_step_that_runs_only_on_its_parallel_path_is_an_error_of_the_twin_not_a_fail(sp_pool):
+    # the README's SP example reads the adapter's shift_labels, which one rank is never handed:
+    # the check could not compare, so ERROR naming the twin, never FAIL of a correct step
+    _needs("accelerate")
+    config = CheckConfig(case=os.path.join(ROOT, "examples", "hf_trainer_sp_step.py") + ":SP", train_step=True,
+                         world_size=4, dp=2, micro_batches=2, dtype="float32", optimizer="sgd", timeout_s=TIMEOUT_S)
+    outcome = run_check(get_check("degree-invariance"), config, sp_pool)
+    assert outcome.status == "error" and outcome.caught_by == "twin", outcome.detail
+    assert "crashed on one rank" in outcome.detail and "shift_labels" in outcome.detail, outcome.detail
 
 
 @pytest.mark.exhaustive("the fast tier runs the HF Trainer's step and its mean-of-means mutant through "
@@ -170,8 +210,9 @@ def test_the_sweep_covers_every_framework_step():
 @pytest.mark.parametrize("case", sorted(SWEEP))
 def test_every_framework_step_and_mutant_through_both_invariances(sp_pool, case):
     world_size, dp, optimizer, *expected = SWEEP[case]
-    outcomes = _invariances(sp_pool, case, world_size=world_size, dp=dp, optimizer=optimizer)
+    more = {"micro_batches": 2} if case in SP_STEPS else {}
+    outcomes = _invariances(sp_pool, case, world_size=world_size, dp=dp, optimizer=optimizer, **more)
     assert _statuses(outcomes) == expected, _details(outcomes)
-    for name, outcome in outcomes.items():
+    for outcome in outcomes.values():
         if outcome.status == "n/a":
-            assert name == "accumulation-invariance" and FIXED_K in outcome.detail, outcome.detail
+            assert NOT_APPLICABLE_BECAUSE[case] in outcome.detail, outcome.detail

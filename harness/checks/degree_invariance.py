@@ -5,11 +5,19 @@ skips a group's grad sync fails here, without a reference model to trust."""
 
 from __future__ import annotations
 
-from sp_harness.checks.invariance import InvarianceCheck, InvarianceFigures, compare, prepared, run_variant
+from sp_harness.checks.invariance import (
+    InvarianceCheck,
+    InvarianceFigures,
+    TwinCrashed,
+    compare,
+    prepared,
+    run_variant,
+)
 from sp_harness.checks.invariance_rank import InvariancePayload
 from sp_harness.config.case import Case
 from sp_harness.config.check_config import CheckConfig
 from sp_harness.config.shards import chunk_sizes
+from sp_harness.launch.failure import RankFailure
 from sp_harness.launch.runner import Runner
 
 
@@ -28,8 +36,15 @@ class DegreeInvariance(InvarianceCheck):
         if isinstance(one, str):
             return f"one rank: {one}"
         many = run_variant(runner, InvariancePayload(config=ready), label)
-        single = run_variant(runner, InvariancePayload(config=one, mask_mesh=(ready.dp, ready.tp, tuple(shards))),
-                             label + " on 1 rank")
+        try:
+            single = run_variant(runner, InvariancePayload(config=one, mask_mesh=(ready.dp, ready.tp, tuple(shards))),
+                                 label + " on 1 rank")
+        except RankFailure as exc:
+            if exc.in_setup or all(e.is_unsupported for e in exc.errors):
+                raise  # the check's usual n/a or setup error
+            raise TwinCrashed(f"the step ran at dp={ready.dp} x tp={ready.tp} and crashed on one rank, the check's "
+                              f"twin of it: {exc.one_line()} (a step written only for its parallel path, say one "
+                              f"that reads an SP adapter's inputs, cannot be compared with one rank)") from exc
         return compare(many.micro, single.micro, f"dp={ready.dp} x tp={ready.tp}", "1 rank")
 
 

@@ -58,6 +58,11 @@ def compare(left: Variant, right: Variant, left_name: str, right_name: str) -> I
     return out
 
 
+class TwinCrashed(Exception):
+    """The check's own counterpart of the run (degree invariance's one-rank twin) crashed where the
+    case's step on its own mesh ran: the check could not compare (ERROR), no defect is shown."""
+
+
 def prepared(case: Case, config: CheckConfig) -> CheckConfig | str:
     """The resolved train-step config, or why it is UNSUPPORTED; ValueError for a setup error."""
     config = case.resolve(config.replace(train_step=True, steps=1))
@@ -80,7 +85,8 @@ def run_variant(runner: Runner, payload: InvariancePayload, label: str) -> Invar
 
 class InvarianceCheck:
     """What both invariance checks share: n/a without a declared step, the config resolved as
-    the training-step check resolves it (one step), a crash as a fail, the figures rendered.
+    the training-step check resolves it (one step), a crash of the case's step as a fail (of the
+    check's own twin of it, an error: `TwinCrashed`), the figures rendered.
     A subclass names itself and says how it runs and compares its two variants."""
 
     name: str
@@ -119,6 +125,8 @@ class InvarianceCheck:
                                repro=ready.repro())
             return Outcome(check=self.name, status="fail", caught_by="crash", detail=exc.one_line(),
                            repro=ready.repro())
+        except TwinCrashed as exc:
+            return Outcome(check=self.name, status="error", caught_by="twin", detail=str(exc), repro=ready.repro())
         if isinstance(figures, str):
             return Outcome(check=self.name, status="n/a", detail=figures)
         if figures.failures:

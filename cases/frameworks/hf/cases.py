@@ -90,6 +90,35 @@ class LabelSmootherPerMicroBatch:
             self.label_smoother = smoother
 
 
+def sp_labels(inputs: dict) -> torch.Tensor:
+    """The labels an SP rank's loss reads, popped from `inputs`: the adapter's `shift_labels` (its
+    shard of labels[..., 1:], -100 padded); where there is no SP (one rank, or SP 1: the Trainer's
+    DDP path, which the degree-invariance check compares the SP run with) the whole sequence's
+    labels shifted the same way, so the same user code runs on both paths."""
+    labels = inputs.pop("labels", None)
+    if "shift_labels" in inputs:
+        return inputs.pop("shift_labels")
+    assert labels is not None, "the Trainer's DDP path hands the collator's labels"
+    return F.pad(labels[..., 1:], (0, 1), value=-100)
+
+
+def _valid_labels(batch: dict) -> torch.Tensor:
+    """How many of a micro-batch's labels carry loss, as `sp_labels` shifts them (it leaves `batch` whole)."""
+    if "shift_labels" in batch:
+        return (batch["shift_labels"] != -100).sum()
+    return (batch["labels"][..., 1:] != -100).sum()
+
+
+def sp_group_sum(trainer, local: torch.Tensor) -> torch.Tensor:
+    """`local`'s sum over the rank's SP group (the value the ranks log), detached; itself at SP 1."""
+    total = local.detach().clone()
+    if trainer.get_sp_size() > 1:
+        from deepspeed.utils import groups
+
+        dist.all_reduce(total, group=groups._get_sequence_parallel_group())
+    return total
+
+
 class SPTokenMean:
     """A user's Trainer code for accelerate's sequence parallelism (DeepSpeed Ulysses), done right:
     the token mean over every valid token of the K micro-batches of every rank, as the Trainer
@@ -99,25 +128,22 @@ class SPTokenMean:
     micro-steps, gathered (the SP shards of one sequence are disjoint: each token is counted once).
     Each rank backpropagates its own shard's token-loss sum over that count, x DP (DeepSpeed's
     engine averages the grads over DP and sums them over SP); the value it returns for the log is
-    the SP group's sum, so the ranks' logged losses average to the token mean."""
+    the SP group's sum, so the ranks' logged losses average to the token mean. At SP 1 (no
+    adapter) the same code is the DDP token mean (`sp_labels`)."""
 
     loss_is_scaled_for_ga = True
 
     def get_batch_samples(self, epoch_iterator, num_batches, device):
         batches, _ = super().get_batch_samples(epoch_iterator, num_batches, device)
-        local = torch.stack([(b["shift_labels"] != -100).sum() for b in batches]).sum().to(device)
+        local = torch.stack([_valid_labels(b) for b in batches]).sum().to(device)
         return batches, self.accelerator.gather(local).sum()
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
-        from deepspeed.utils import groups
-
-        labels = inputs.pop("shift_labels")
-        inputs.pop("labels", None)
+        labels = sp_labels(inputs)
         outputs = model(**inputs)
         local = F.cross_entropy(outputs.logits.float().flatten(0, 1), labels.flatten(), ignore_index=-100,
                                 reduction="sum")
-        group_sum = local.detach().clone()
-        dist.all_reduce(group_sum, group=groups._get_sequence_parallel_group())
+        group_sum = sp_group_sum(self, local)
         dp = self.args.world_size // self.get_sp_size()
         loss = (local + (group_sum - local).detach()) * dp / num_items_in_batch
         return (loss, outputs) if return_outputs else loss

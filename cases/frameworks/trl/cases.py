@@ -8,13 +8,13 @@ Trainer's SP path's own, unchanged by TRL (sp_harness.cases.frameworks.hf.cases)
 
 from __future__ import annotations
 
-import torch.distributed as dist
-
 from sp_harness.cases.frameworks.hf.cases import (
     SP_EXAMPLES,
     SP_LOSS_BUG,
     SPCountDividedBySP,
     SPTokenMean,
+    sp_group_sum,
+    sp_labels,
 )
 from sp_harness.cases.frameworks.releases import release_case
 from sp_harness.cases.frameworks.trl.case import SFTSetup, sft_trainer_case
@@ -32,14 +32,10 @@ class SFTSPTokenMean(SPTokenMean):
     log-probabilities, zero where the label is -100), which the SFTTrainer's loss sums too."""
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
-        from deepspeed.utils import groups
-
-        labels = inputs.pop("shift_labels")
-        inputs.pop("labels", None)
+        labels = sp_labels(inputs)
         outputs = model(**inputs, shift_labels=labels, fused_lm_head=True)
         local = -outputs.log_probs.float().sum()
-        group_sum = local.detach().clone()
-        dist.all_reduce(group_sum, group=groups._get_sequence_parallel_group())
+        group_sum = sp_group_sum(self, local)
         dp = self.args.world_size // self.get_sp_size()
         loss = (local + (group_sum - local).detach()) * dp / num_items_in_batch
         return (loss, outputs) if return_outputs else loss

@@ -19,9 +19,13 @@ from sp_harness.config.step_protocol import MicroBatch
 class GradSyncWithoutSP:
     """An engine whose FSDP2 mesh is the DP axis alone: the grad reduce-scatter runs over the DP
     ranks and never over the SP ranks of a replica, so each rank keeps the grad of its own
-    sequence shard (VeOmni's DDP wrapped over `dp_group`, which Ulysses leaves out of)."""
+    sequence shard (VeOmni's DDP wrapped over `dp_group`, which Ulysses leaves out of). Without SP
+    (one rank: the degree-invariance check's twin) verl builds no Ulysses mesh and there is no SP
+    rank to leave out: the engine's own."""
 
     def _build_fsdp_module(self, module):
+        if self.ulysses_device_mesh is None:
+            return super()._build_fsdp_module(module)
         whole = self.device_mesh
         self.device_mesh = self.ulysses_device_mesh["dp"]
         try:
