@@ -108,6 +108,9 @@ def _bf16_scaled(sp_pool, shape: str, d: float, size: str = "default"):
         set_scale(sp_pool, None)
 
 
+@pytest.mark.exhaustive("the fast tier pins the same bf16 grad bound at the default size (8% off caught by its "
+                        "derived degrees of freedom, 4% recorded as the coherent scale); this figure, issue 23's "
+                        "training-size target, moves only with a tolerance change, before which the full tier runs")
 def test_a_bf16_grad_one_point_two_percent_off_is_caught_at_the_training_like_size(sp_pool):
     """bfloat16, one rank's fc1 weight grad x 1.012 at hidden 256, 512 tokens: the piece is a
     plain sum (its terms do not cancel, its members err about 1 u), so the perturbed reference's
