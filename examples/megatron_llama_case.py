@@ -22,7 +22,9 @@ LLAMA = megatron_case("mcore-llama-sp-tp2", CONFIG, tp=2, gpt_kwargs=GPT)
 def qk_norm_spec(tconfig):  # a layer spec of the user's: megatron's local spec with RMSNorm on queries and keys
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
-    return get_gpt_layer_local_spec(normalization=tconfig.normalization, qk_layernorm=True)
+    return get_gpt_layer_local_spec(normalization=tconfig.normalization, qk_layernorm=tconfig.qk_layernorm)
 
 
-LLAMA_QK_NORM = megatron_case("mcore-llama-qk-norm-sp-tp2", CONFIG, tp=2, gpt_kwargs=GPT, layer_spec=qk_norm_spec)
+# the config says qk_layernorm too: megatron-core 0.17+ refuses a spec's q/k norms the config does not enable
+LLAMA_QK_NORM = megatron_case("mcore-llama-qk-norm-sp-tp2", {**CONFIG, "qk_layernorm": True}, tp=2, gpt_kwargs=GPT,
+                              layer_spec=qk_norm_spec)

@@ -160,14 +160,28 @@ def test_the_load_balanced_order_is_megatrons_get_batch_on_this_cp_rank():
     import torch
     from megatron.core.utils import get_batch_on_this_cp_rank
 
+    from sp_harness.cases.frameworks.megatron.compat import cp_batch_arguments
     from sp_harness.cases.frameworks.megatron.cp import cp_order
 
     seq, cp = 24, 3
     order = cp_order(seq, (seq // cp,) * cp)
     assert sorted(order.tolist()) == list(range(seq))
+
+    class Group:  # a CP group of `cp` ranks: 0.15-0.16 ask the group, 0.17 on torch.distributed of it
+        def __init__(self, rank: int) -> None:
+            self._rank = rank
+
+        def size(self) -> int:
+            return cp
+
+        def rank(self) -> int:
+            return self._rank
+
     for rank in range(cp):
-        # without a group it asks megatron's parallel_state for the CP size and rank (every release)
-        with mock.patch("megatron.core.parallel_state.get_context_parallel_world_size", return_value=cp), \
-                mock.patch("megatron.core.parallel_state.get_context_parallel_rank", return_value=rank):
-            cut = get_batch_on_this_cp_rank({"tokens": torch.arange(seq)[None]})["tokens"][0]
+        # called with the arguments the case calls it with (the CP group by name)
+        with mock.patch("megatron.core.parallel_state.get_context_parallel_group", return_value=Group(rank)), \
+                mock.patch("torch.distributed.is_initialized", return_value=True), \
+                mock.patch("torch.distributed.get_world_size", return_value=cp), \
+                mock.patch("torch.distributed.get_rank", return_value=rank):
+            cut = get_batch_on_this_cp_rank({"tokens": torch.arange(seq)[None]}, **cp_batch_arguments())["tokens"][0]
         assert cut.tolist() == order[rank * (seq // cp):(rank + 1) * (seq // cp)].tolist()

@@ -5,9 +5,10 @@ Everything else in the package asks this module, never a version string. Importi
 framework code; `missing()` does (the driver asks it in a child interpreter: `releases.require`
 from each case's `validate`).
 
-What differs across 0.15.0 to 0.16.1 in what the integration calls (read in each release's
-source; the framework's tests and release cases run on 0.15.0, 0.15.3 and 0.16.1:
-docs/frameworks/megatron-core.md, "Releases"):
+What differs across 0.15.0 to 0.19.2 in what the integration calls (read in each release's
+source; the framework's tests and release cases run on 0.15.0, 0.15.3 and 0.16.1 under Python
+3.11, and on 0.17.0, 0.18.2 and 0.19.2 under Python 3.12: docs/frameworks/megatron-core.md,
+"Releases"):
 
 - No weight-decay exemption: `get_megatron_optimizer(config_overrides={})` from 0.16.0; in 0.15.x
   `no_weight_decay_cond=` answering False for every param (`every_param_decayed`).
@@ -19,6 +20,13 @@ docs/frameworks/megatron-core.md, "Releases"):
 - The TP=1 reference in its own one-rank process: 0.15.x's `RowParallelLinear.forward` asserts
   megatron's global TP group is set up whatever groups it was built with; 0.16 on, not
   (`reference_parallel_state`).
+- CP's batch split: `get_batch_on_this_cp_rank` takes the CP group by name in every release, but
+  without it 0.15-0.16 read parallel_state's CP group and 0.17 on the whole world; 0.17 on also
+  require `is_hybrid_cp` (`cp_batch_arguments`: the group, and False).
+- The DDP grad sync: 0.17 on ask `torch.cuda.current_stream()` to wait for CUDA-graph events in
+  `start_grad_sync` (a CPU shim: runtime.cpu_shims, item 7).
+- A layer spec's q/k norms: 0.17 on refuse them where the config's `qk_layernorm` is off (a user's
+  config error there, named by megatron; 0.16 built them anyway).
 - Unchanged over the range (asked by `missing()`): explicit process groups end to end
   (`GPTModel(pg_collection=)`, `DistributedDataParallel(pg_collection=)`,
   `finalize_model_grads(model, num_tokens=, pg_collection=)`, `ProcessGroupCollection` with the
@@ -38,11 +46,11 @@ Outside the range (`RELEASES`' note says it to a user):
   initialized" building the reference); 0.13 and older take no groups at all (their layers read
   megatron's global ones, the twin's, at every forward and backward). 0.14.0, the newest of them,
   is UNSUPPORTED naming the range.
-- 0.17.0 and newer require Python >= 3.12 (cp312 wheels only): they are not verified here, where
-  the test environments are Python 3.11. A user gets 0.19.x in a Python 3.12 environment
-  (`python3.12 -m venv ENV`, then `ENV/bin/pip install torch==2.13.0 megatron-core==0.19.2` in one
-  call: PyPI's Linux torch is the CUDA build); the cases say UNSUPPORTED there (out of range)
-  until 0.19.x is verified and the range widened to it.
+
+0.17.0 and newer require Python >= 3.12 (cp312 wheels only), where the default suite's environment
+is Python 3.11: a user gets them in a Python 3.12 environment (with pyenv, `PYENV_VERSION=3.12.1
+python3.12 -m venv ENV`, then `ENV/bin/pip install torch==2.13.0 megatron-core==0.19.2` in one call:
+PyPI's Linux torch for 3.12 is the CUDA build, which runs on the CPU as the CPU build does).
 """
 
 from __future__ import annotations
@@ -57,8 +65,8 @@ import torch
 from sp_harness.cases.frameworks.releases import ReleaseRange
 
 RELEASES: tuple[ReleaseRange, ...] = (
-    ReleaseRange(distribution="megatron-core", oldest="0.15.0", newest="0.16.1",
-                 note="0.17+ need Python 3.12: a python3.12 venv installs 0.19.x, not verified here; "
+    ReleaseRange(distribution="megatron-core", oldest="0.15.0", newest="0.19.2",
+                 note="0.17+ need Python 3.12 (a python3.12 venv: docs/frameworks/megatron-core.md); "
                       "0.14 and older read megatron's global groups where the TP=1 reference needs its own"),
 )
 """Supported releases, both ends included: each end's framework tests and release cases pass
@@ -204,5 +212,20 @@ def every_param_decayed() -> dict[str, Any]:
     return {"no_weight_decay_cond": lambda name, param: False}
 
 
-__all__ = ["RELEASES", "every_param_decayed", "gated_fc1_stride", "initialise_sinks", "missing",
+def cp_batch_arguments() -> dict[str, Any]:
+    """`get_batch_on_this_cp_rank`'s keywords beyond the batch: the CP group by name (0.15-0.16
+    fall back to parallel_state's CP group without it, 0.17 on to the whole world), and from 0.17
+    `is_hybrid_cp=False` (required there: megatron's plain load-balanced split, no hybrid CP)."""
+    from megatron.core import parallel_state
+    from megatron.core.utils import get_batch_on_this_cp_rank
+
+    arguments: dict[str, Any] = {}
+    if _takes(get_batch_on_this_cp_rank, "cp_group"):
+        arguments["cp_group"] = parallel_state.get_context_parallel_group()
+    if _takes(get_batch_on_this_cp_rank, "is_hybrid_cp"):
+        arguments["is_hybrid_cp"] = False
+    return arguments
+
+
+__all__ = ["RELEASES", "cp_batch_arguments", "every_param_decayed", "gated_fc1_stride", "initialise_sinks", "missing",
            "reference_parallel_state"]

@@ -306,10 +306,11 @@ def cp_batch(inputs: dict[str, Any], ctx) -> dict[str, Any]:
     runtime.cpu_index)."""
     from megatron.core.utils import get_batch_on_this_cp_rank
 
+    from sp_harness.cases.frameworks.megatron.compat import cp_batch_arguments
     from sp_harness.cases.frameworks.megatron.runtime import cpu_index
 
     with cpu_index():
-        return get_batch_on_this_cp_rank(dict(inputs))
+        return get_batch_on_this_cp_rank(dict(inputs), **cp_batch_arguments())
 
 
 def require_cp_attention(model: nn.Module, cp: int, standin) -> None:

@@ -40,6 +40,10 @@ def cpu_shims() -> None:
        index (CP rank r's chunks r and 2CP-1-r) pinned on the host and moves it with `.cuda()`;
        megatron's own function runs under `cpu_index` (the index made on the CPU, unpinned), every
        module that imported it given the wrapped one. The same index selects the same rows.
+    7. The DDP grad sync's stream wait: from 0.17 `start_grad_sync` asks
+       `torch.cuda.current_stream()` to wait for the events a local CUDA-graph replay leaves on
+       params (none exist without CUDA graphs). On the CPU ops run in program order, so the
+       stand-in stream's waits have nothing to wait for; the grads reduced are the same.
     """
     global _SHIMMED
     if _SHIMMED or torch.cuda.is_available():
@@ -93,7 +97,21 @@ def cpu_shims() -> None:
     if not hasattr(moe_utils, "te_general_gemm"):
         moe_utils.te_general_gemm = None  # the name its non-TE branch tests
     _cp_rope_index_on_cpu()
+    torch.cuda.current_stream = lambda device=None: _HOST_ORDER  # type: ignore[assignment,return-value]
     _SHIMMED = True
+
+
+class _HostOrder:
+    """torch.cuda's current stream on the CPU (shim 7): the host runs ops in program order."""
+
+    def wait_event(self, event) -> None:
+        pass
+
+    def wait_stream(self, stream) -> None:
+        pass
+
+
+_HOST_ORDER = _HostOrder()
 
 
 class _IndexOnCPU(TorchFunctionMode):
