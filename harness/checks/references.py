@@ -288,6 +288,13 @@ class References:
                 step = reference_pass(model, case, batch, member_dtype, backward=backward)
         else:
             step = reference_pass(model, case, batch, torch.float64, noise=self.alt_noise, backward=backward)
+            if not self.alt_noise.within_range and not bool(torch.isfinite(step.loss).all()):
+                # the noise pushed a sentinel (a mask's finfo.min) past the range: this pass again,
+                # and every later one of this check, with perturbed values kept finite
+                self.alt_noise.within_range = True
+                self.anchor(which, full)
+                model.zero_grad(set_to_none=True)
+                step = reference_pass(model, case, batch, torch.float64, noise=self.alt_noise, backward=backward)
         grads = {n: p.grad for n, p in model.named_parameters()}
         return RefResult(step=step, grads=grads,
                          grad_noise=piece_noise(terms, pieces, grads) if terms is not None else {})
