@@ -122,6 +122,9 @@ def test_a_runs_processes_share_a_probes_answer_where_a_folder_is_named(tmp_path
     probe.cache_clear()
 
 
+@pytest.mark.exhaustive("the fast tier runs every framework's cases, whose validate asks the same release range and "
+                        "the same probe (releases.require) and is UNSUPPORTED where either fails, which their tests, "
+                        "expecting PASS, would report; this names the API directly, at one probe (3-16 s) each")
 @pytest.mark.parametrize("framework", sorted(COMPAT))
 def test_every_integration_is_in_range_here_and_lacks_nothing(framework):
     """What the default suite installs is in every declared range, and each `missing()` finds
