@@ -205,8 +205,9 @@ if os.environ.get("SP_TEST_POOL_LOG"):  # measurement only: every pool start of 
 
 
 def pytest_unconfigure(config: pytest.Config) -> None:
-    """The suite leaves nothing in /tmp: the probes' folder it made, this session's `tmp_path` directory (the workers' are inside
-    the controller's) is removed, then pytest's per-user root once nothing else is in it.
+    """The suite leaves nothing in /tmp: the probes' folder it made and this session's `tmp_path`
+    directory (the workers' are inside the controller's) are removed, then pytest's per-user root
+    once nothing else is in it.
 
     Not `tmp_path_retention_policy = "none"`: pytest then leaves the session's directory unlocked,
     and any other pytest session ending meanwhile (the nested runs some tests start) deletes it
@@ -215,14 +216,14 @@ def pytest_unconfigure(config: pytest.Config) -> None:
         return
     import getpass
     import shutil
+    import tempfile
+    from pathlib import Path
 
     from sp_harness.cases.frameworks.releases import PROBE_CACHE_ENV
 
     if PROBE_CACHE_KEY in config.stash:
         shutil.rmtree(config.stash[PROBE_CACHE_KEY], ignore_errors=True)
         os.environ.pop(PROBE_CACHE_ENV, None)
-    import tempfile
-    from pathlib import Path
 
     factory = getattr(config, "_tmp_path_factory", None)  # pytest's own; None under -p no:tmpdir
     basetemp = getattr(factory, "_basetemp", None)  # None where no test asked for a tmp_path

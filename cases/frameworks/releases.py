@@ -115,10 +115,10 @@ def probe(compat_module: str, function: str = "missing") -> tuple[str, ...]:
     # the child sees what this process sees (a user's case folder, a test's fakes), before its own
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [*sys.path, os.environ.get("PYTHONPATH")]))}
     kept = _kept_answer(compat_module, function, env["PYTHONPATH"])
-    if kept is not None and kept.exists():
+    if kept is not None:
         try:
             return tuple(json.loads(kept.read_text()))
-        except (OSError, ValueError):  # another process is writing it, or it was removed meanwhile
+        except (OSError, ValueError):  # not asked yet in this run (or its folder is gone): ask the child
             pass
     try:
         # its own temporary folder, removed after: importing a framework makes torch's inductor cache

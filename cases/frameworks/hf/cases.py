@@ -102,13 +102,6 @@ def sp_labels(inputs: dict) -> torch.Tensor:
     return F.pad(labels[..., 1:], (0, 1), value=-100)
 
 
-def _valid_labels(batch: dict) -> torch.Tensor:
-    """How many of a micro-batch's labels carry loss, as `sp_labels` shifts them (it leaves `batch` whole)."""
-    if "shift_labels" in batch:
-        return (batch["shift_labels"] != -100).sum()
-    return (batch["labels"][..., 1:] != -100).sum()
-
-
 def sp_group_sum(trainer, local: torch.Tensor) -> torch.Tensor:
     """`local`'s sum over the rank's SP group (the value the ranks log), detached; itself at SP 1."""
     total = local.detach().clone()
@@ -135,7 +128,7 @@ class SPTokenMean:
 
     def get_batch_samples(self, epoch_iterator, num_batches, device):
         batches, _ = super().get_batch_samples(epoch_iterator, num_batches, device)
-        local = torch.stack([_valid_labels(b) for b in batches]).sum().to(device)
+        local = torch.stack([(sp_labels(dict(b)) != -100).sum() for b in batches]).sum().to(device)  # b stays whole
         return batches, self.accelerator.gather(local).sum()
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
