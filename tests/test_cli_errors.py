@@ -8,14 +8,9 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-def _run(*argv: str, cwd: str = ROOT) -> subprocess.CompletedProcess:
-    env = dict(os.environ)
-    env.pop("SP_HARNESS_MAX_WORLD_SIZE", None)
-    return subprocess.run([sys.executable, "-m", "sp_harness.cli", *argv], cwd=cwd, env=env, capture_output=True,
-                          text=True, timeout=300)
 
 
 # One interpreter runs every usage error of the table in turn, as `python -m sp_harness.cli` would
@@ -83,10 +78,34 @@ USAGE_ERRORS = [
 ]
 
 
-def test_usage_errors_exit_2_with_one_line_before_any_rank():
-    procs = _run_each([argv for argv, _ in USAGE_ERRORS])
+# The file's other runs go to the same interpreter, after the table: two more usage errors (their
+# folders from tmp_path_factory), then the two that start ranks, last, so every usage error is
+# asked of an interpreter where no rank has started. Each was a process of its own (3-7 s each);
+# exit codes from a real process: a setup crash's 3 in test_verdicts and test_isolation, Ctrl-C's
+# and SIGTERM's in test_engine and test_converge.
+FAIL_ARGV = ["check", "--case", "mutant-sp-local-positions", "--world-size", "2", "--no-compare-comm"]
+UNSUPPORTED_ARGV = ["check", "--case", "dtensor-gpt", "--world-size", "3"]
+
+
+@pytest.fixture(scope="module")
+def batch(tmp_path_factory):
+    """{name: (folder, CompletedProcess)} for the table (`usage`, one per row) and the file's other
+    runs, from one interpreter."""
+    folder = tmp_path_factory.mktemp("cli")
+    (folder / "out").mkdir()
+    named = {"cannot-fit": ["converge", "--seq-len", "300000", "--out", str(folder / "out" / "run")],
+             "json-directory": ["check", "--case", "seed-mlp", "--json", str(folder)],
+             "no-record-file": ["releases", "--table", str(folder / "none.jsonl")],
+             "fail": FAIL_ARGV, "unsupported": UNSUPPORTED_ARGV}
+    procs = _run_each([argv for argv, _ in USAGE_ERRORS] + list(named.values()))
+    usage, rest = procs[:len(USAGE_ERRORS)], procs[len(USAGE_ERRORS):]
+    return folder, {"usage": usage, **dict(zip(named, rest, strict=True))}
+
+
+def test_usage_errors_exit_2_with_one_line_before_any_rank(batch):
+    _, runs = batch
     failures = []
-    for (argv, needles), proc in zip(USAGE_ERRORS, procs, strict=True):
+    for (argv, needles), proc in zip(USAGE_ERRORS, runs["usage"], strict=True):
         try:
             _one_line_usage_error(proc, *needles)
         except AssertionError as exc:
@@ -94,24 +113,41 @@ def test_usage_errors_exit_2_with_one_line_before_any_rank():
     assert not failures, "\n".join(failures)
 
 
-def test_a_converge_that_cannot_fit_is_a_usage_error_leaving_no_report(tmp_path):
-    _one_line_usage_error(_run("converge", "--seq-len", "300000", "--out", str(tmp_path / "out")),
-                          "needs at least", "this machine has")
-    assert not any((tmp_path / "out").glob("*"))
+def test_a_converge_that_cannot_fit_is_a_usage_error_leaving_no_report(batch):
+    folder, runs = batch
+    _one_line_usage_error(runs["cannot-fit"], "needs at least", "this machine has")
+    assert not any((folder / "out").glob("*"))
 
 
-def test_a_directory_as_json_output_is_a_usage_error(tmp_path):
-    _one_line_usage_error(_run("check", "--case", "seed-mlp", "--json", str(tmp_path)), str(tmp_path))
+def test_a_directory_as_json_output_is_a_usage_error(batch):
+    folder, runs = batch
+    _one_line_usage_error(runs["json-directory"], str(folder))
 
 
-def test_a_fail_verdict_exits_1_and_an_upstream_pin_is_still_a_fail():
-    proc = _run("check", "--case", "mutant-sp-local-positions", "--world-size", "2", "--no-compare-comm")
+def test_the_releases_command_refuses_a_missing_record_file(batch):
+    folder, runs = batch
+    proc = runs["no-record-file"]
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert proc.stderr.strip() == (f"sp-harness: error: --table: no such record file {folder / 'none.jsonl'} "
+                                   "(sp-harness releases --out FILE writes one)")
+
+
+def _ran(batch, argv: list[str]) -> subprocess.CompletedProcess:
+    """The batch's run of `argv` (written out in each test: tests/test_tiers reads a test's
+    literals for the cases it exercises)."""
+    runs = [proc for proc in batch[1].values() if isinstance(proc, subprocess.CompletedProcess) and proc.args == argv]
+    assert runs, f"the batch ran no {argv} (FAIL_ARGV, UNSUPPORTED_ARGV)"
+    return runs[0]
+
+
+def test_a_fail_verdict_exits_1_and_an_upstream_pin_is_still_a_fail(batch):
+    proc = _ran(batch, ["check", "--case", "mutant-sp-local-positions", "--world-size", "2", "--no-compare-comm"])
     assert proc.returncode == 1, proc.stdout + proc.stderr
     assert "FAIL" in proc.stdout and "repro: sp-harness check" in proc.stdout
 
 
-def test_unsupported_exits_0():
-    proc = _run("check", "--case", "dtensor-gpt", "--world-size", "3")
+def test_unsupported_exits_0(batch):
+    proc = _ran(batch, ["check", "--case", "dtensor-gpt", "--world-size", "3"])
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "UNSUPPORTED" in proc.stdout
 

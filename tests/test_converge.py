@@ -72,9 +72,13 @@ def test_golden_round_trip_through_the_cli(tmp_path, capsys):
     assert code == 0, text
     doc = json.loads(golden.read_text())
     assert doc["metrics"]["loss"]["spread"] == [0.0] * 4  # deterministic CPU: repeats agree exactly
-    code, text = _cli(["converge", *common, "--golden", str(golden), "--out", str(tmp_path / "ok")], capsys)
+    # a run of the golden's length, stored, re-gated later against the golden (a published --out,
+    # through its symlink: test_two_runs_at_once_into_one_out_leave_two_intact_reports): one of
+    # the golden's own repeats, a converge run directory (a fresh run is its bit-identical twin,
+    # spread 0 above; `converge --golden` judges with the same `evaluate`, below)
+    code, text = _cli(["gate", str(tmp_path / "work" / "repeat0"), "--golden", str(golden)], capsys)
     assert code == 0, text
-    # a shorter run gates the golden's common prefix, and says so in words
+    # a fresh, shorter run gates the golden's common prefix, and says so in words
     code, text = _cli(["converge", *common[:1], "2", *common[2:], "--golden", str(golden), "--out",
                        str(tmp_path / "short")], capsys)
     assert code == 0, text
@@ -83,10 +87,6 @@ def test_golden_round_trip_through_the_cli(tmp_path, capsys):
     code, text = _cli(["converge", *common, "--lr", "0.02", "--golden", str(golden), "--out", str(tmp_path / "off")],
                       capsys)
     assert code == 1 and "golden" in text
-    # a stored report re-gated later against the golden (`gate` as a process of its own: in
-    # test_two_runs_at_once_into_one_out_leave_two_intact_reports)
-    code, text = _cli(["gate", str(tmp_path / "ok"), "--golden", str(golden)], capsys)
-    assert code == 0, text
 
 
 def test_torchrun_entry_runs_on_the_env_world(tmp_path):
@@ -145,7 +145,7 @@ def test_repro_line_repeats_a_non_default_run_bit_for_bit(sp_pool, tmp_path, cap
         assert [r.grad_norm for r in repeated[name]] == [r.grad_norm for r in runs[name]], name
 
 
-def test_two_runs_at_once_into_one_out_leave_two_intact_reports(tmp_path):
+def test_two_runs_at_once_into_one_out_leave_two_intact_reports(tmp_path, capsys):
     # issue 21: each run writes its own directory, --out is pointed at a run only when complete
     out = tmp_path / "latest"
     out.mkdir()  # an earlier layout's report, with a file this run will not write
@@ -168,9 +168,10 @@ def test_two_runs_at_once_into_one_out_leave_two_intact_reports(tmp_path):
     assert seeds == {0, 1}
     assert out.is_symlink() and out.resolve() in [r.resolve() for r in runs]
     assert not (out / "stale.png").exists()
-    gate = subprocess.run([sys.executable, "-m", "sp_harness.cli", "gate", str(out)], cwd=ROOT, capture_output=True,
-                          text=True, timeout=120)
-    assert gate.returncode == 0, gate.stdout + gate.stderr
+    # the published report re-gated through the symlink (in this process: an interpreter of its
+    # own paid 3-5 s of imports; the exit status of real processes is asserted above)
+    code, text = _cli(["gate", str(out)], capsys)
+    assert code == 0, text
 
 
 def test_converge_takes_the_cases_own_defaults_where_not_told():

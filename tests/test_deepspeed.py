@@ -47,6 +47,8 @@ def test_four_heads_over_sp4_pass_at_bfloat16_in_seq_first_layout(sp_check):
     assert res.verdict == PASS, res.reason + res.error
 
 
+@pytest.mark.exhaustive("the fast tier runs ds-ulysses-f64 (DistributedAttention in float64, the grad sum written "
+                        "out) on 2 ranks by name below")
 def test_float64_with_the_grad_sum_written_out_passes(sp_check):
     res = sp_check(_config("DS_ULYSSES_F64", world_size=2, dtype="float64"))
     assert res.verdict == PASS, res.reason + res.error

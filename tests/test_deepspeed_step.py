@@ -51,7 +51,10 @@ def _expect(res, case: str, fields: dict) -> None:
 @pytest.mark.parametrize("case, fields", [
     ("ds-ulysses-step", dict(world_size=2, dtype="float32", optimizer="sgd", clip_grad_norm=CLIP)),
     ("ds-ulysses-step-zero1", dict(world_size=4, dp=2, dtype="bfloat16", optimizer="adamw", clip_grad_norm=CLIP)),
-    ("ds-ulysses-step-offload", dict(world_size=4, dp=2, dtype="float32", optimizer="sgd", clip_grad_norm=CLIP)),
+    pytest.param("ds-ulysses-step-offload", dict(world_size=4, dp=2, dtype="float32", optimizer="sgd",
+                                                 clip_grad_norm=CLIP), marks=pytest.mark.exhaustive(
+        "test_mutants runs ds-ulysses-step-offload on this config (DP 2 x SP 2, K = 3, float32, SGD with clipping "
+        "active) as the twin of mutant-ds-step-offload-drops-middle (battery entry train-step)")),
 ], ids=["zero0-sp2-f32-sgd", "zero1-dp2xsp2-bf16-adamw", "zero2-offload-dp2xsp2-f32-sgd"])
 def test_the_engine_step_passes_every_stage(sp_check, case, fields):
     res = sp_check(_train(case, **fields))
@@ -80,8 +83,11 @@ def test_more_engine_configurations_pass(sp_check, case, fields):
 
 
 @pytest.mark.parametrize("mutant, fields", [
-    ("mutant-ds-step-offload-drops-middle", dict(world_size=2)),
-    ("mutant-ds-step-offload-multi-backward-keeps-last", dict(world_size=2)),
+    pytest.param("mutant-ds-step-offload-drops-middle", dict(world_size=2), marks=pytest.mark.exhaustive(
+        "test_mutants kills it at its pinned grads before clipping (DP 2 x SP 2, K = 3)")),
+    pytest.param("mutant-ds-step-offload-multi-backward-keeps-last", dict(world_size=2), marks=pytest.mark.exhaustive(
+        "test_mutants kills it at its pinned grads before clipping (DP 2 x SP 2, K = 3)")),
+    # fast tier too: the 1/K grad factor is asserted only here
     ("mutant-ds-step-loss-scaled-by-gas-twice", dict(world_size=4, dp=2)),
 ])
 def test_deepspeeds_step_bugs_fail_at_the_grads(sp_check, mutant, fields):

@@ -15,6 +15,8 @@ def test_marker_runs_the_users_case(sp_result):
     assert sp_result.verdict == "PASS", sp_result.reason
 
 
+@pytest.mark.exhaustive("the fast tier runs MY_MLP on 2 ranks through the marker above, and `sp-harness check` on a "
+                        "case file given by a relative path in test_user_project's test_cli_runs_builtin_and_user_cases")
 def test_cli_on_the_users_file():
     out = subprocess.run([sys.executable, "-m", "sp_harness.cli", "check", "--case", "examples/my_case.py:MY_MLP",
                           "--world-size", "2"], cwd=ROOT, capture_output=True, text=True, timeout=120,

@@ -187,8 +187,9 @@ def test_the_trainers_sp_step_is_compared_with_its_one_rank_run(sp_pool):
     # the one-rank twin takes the Trainer's DDP path (no SP adapter, no shift_labels): the user
     # code reads either; the x sp_size token count (#46775) shows against it without a reference
     for case, expected in [("hf-trainer-sp-llama", "pass"), ("mutant-hf-trainer-sp-count-divided-by-sp", "fail")]:
-        outcome = _invariances(sp_pool, case, ("degree-invariance",), world_size=4, dp=2,
-                               micro_batches=2)["degree-invariance"]
+        # two steps, as the SP path's other tests (hf_sp_path.sp_config): the count shows at the first
+        outcome = _invariances(sp_pool, case, ("degree-invariance",), world_size=4, dp=2, micro_batches=2,
+                               steps=2)["degree-invariance"]
         assert outcome.status == expected, (case, outcome.detail)
     assert outcome.detail.startswith("reported loss"), outcome.detail
 

@@ -1,6 +1,6 @@
 """No verdict depends on what ran before it: a case from a user's file runs in rank processes no
 other case used, a case's setup runs once per process outside the job's timeout (its failure is a
-setup error, exit 2), and a timeout kills each rank's whole process tree. Real gloo ranks."""
+setup error, exit 3), and a timeout kills each rank's whole process tree. Real gloo ranks."""
 
 import os
 import subprocess
@@ -29,7 +29,8 @@ def manager():
 
 
 @pytest.mark.parametrize("order", [("PATCHING", "TWIN"), pytest.param(("TWIN", "PATCHING"), marks=pytest.mark.exhaustive(
-    "the fast tier runs the patcher first here, and both orders through the plugin below"))])
+    "the fast tier runs the patcher first here, and both orders through the plugin in test_user_project's "
+    "test_users_pytest_runs_its_case_and_ours"))])
 def test_a_patching_mutant_and_its_twin_get_their_standalone_verdicts_on_one_manager(manager, order):
     verdicts = {name: _run(manager, name).verdict for name in order}
     assert verdicts == {"PATCHING": "FAIL", "TWIN": "PASS"}
@@ -41,14 +42,17 @@ def test_cases_declared_shared_do_share_processes(manager):
     assert _run(manager, "TWIN_SHARED").verdict == "FAIL"
 
 
+@pytest.mark.exhaustive("the fast tier runs the same sequence through the plugin in the user's pytest run of "
+                        "test_user_project's test_users_pytest_runs_its_case_and_ours (its test_user_isolation.py)")
 def test_through_the_plugin_each_case_gets_its_standalone_verdict(tmp_path):
     (tmp_path / "test_scratch.py").write_text(textwrap.dedent(f"""
         from sp_harness import CheckConfig
 
         def test_both(sp_check):
+            # the twin after the patcher, and the patcher after the twin
             got = [sp_check(CheckConfig(case="{CASES}:" + n, world_size=2)).verdict
-                   for n in ("PATCHING", "TWIN", "PATCHING", "TWIN")]
-            assert got == ["FAIL", "PASS", "FAIL", "PASS"], got
+                   for n in ("PATCHING", "TWIN", "PATCHING")]
+            assert got == ["FAIL", "PASS", "FAIL"], got
         """))
     out = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:xdist", "-p", "no:cacheprovider",
                           "test_scratch.py"], cwd=tmp_path, capture_output=True, text=True, timeout=600)
@@ -74,13 +78,39 @@ def test_setup_runs_once_per_process_outside_the_jobs_timeout(tmp_path, monkeypa
 
 
 def test_a_failing_setup_is_the_verdict_error_exit_3(tmp_path):
-    # Case.setup raising: the check could not run, which is no verdict on the code (not a FAIL)
+    # Case.setup raising: the check could not run, which is no verdict on the code (not a FAIL);
+    # and a CLI whose ranks crashed leaves no process nor file behind (a passing one:
+    # test_engine's test_cli_leaves_no_process_nor_file_behind)
+    tag = f"cli-setup-{os.getpid()}-{time.time_ns()}"
+    scratch = tmp_path / "tmp"
+    scratch.mkdir()
     out = subprocess.run([sys.executable, "-m", "sp_harness.cli", "check", "--case", f"{CASES}:SETUP_FAILS",
-                          "--world-size", "2"], capture_output=True, text=True, timeout=600, cwd=tmp_path)
+                          "--world-size", "2"], capture_output=True, text=True, timeout=600, cwd=tmp_path,
+                         env=dict(os.environ, SP_HARNESS_TEST_TAG=tag, TMPDIR=str(scratch)))
     assert out.returncode == 3, out.stdout + out.stderr
     lines = [line for line in out.stdout.splitlines() if line.startswith("ERROR: ")]
     assert len(lines) == 1 and "SETUP_FAILS" in lines[0] and "setup" in lines[0], out.stdout
     assert not [line for line in out.stdout.splitlines() if line.startswith("FAIL")], out.stdout
+    assert not list(scratch.iterdir()), f"left behind: {list(scratch.iterdir())}"
+    time.sleep(0.5)
+    assert _tagged_processes(f"SP_HARNESS_TEST_TAG={tag}") == [], "rank processes outlived the CLI"
+
+
+def _tagged_processes(tag: str) -> list[int]:
+    """Live processes whose environment carries `tag` (rank processes inherit the driver's env)."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/environ", "rb") as f:
+                if tag.encode() in f.read():
+                    with open(f"/proc/{entry}/stat") as st:
+                        if st.read().rsplit(")", 1)[1].split()[0] != "Z":
+                            found.append(int(entry))
+        except OSError:
+            continue
+    return found
 
 
 def _alive(pid: int) -> bool:

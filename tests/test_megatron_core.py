@@ -71,6 +71,9 @@ def test_converge_trains_megatron_sp_in_lockstep_with_its_tp_twin_and_the_refere
     assert set(runs) == {"ref", "tp", "sp"}  # megatron TP=1, TP 2, TP 2 + SP
 
 
+@pytest.mark.exhaustive("test_converge's unsynced-norm run fails converge by step 2 naming the norm (the same "
+                        "lockstep judgement), megatron's converge runs above, and test_mutants kills "
+                        "mutant-mcore-norm-flag-dropped at the grads")
 def test_converge_fails_megatron_norm_flag_dropped_naming_the_norm(sp_pool, tmp_path):
     from sp_harness.suites.converge import ConvergeOptions, converge
 

@@ -6,10 +6,12 @@ reference processes inherit (the finding of a rank dying at warm-up was only vis
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import subprocess
 import sys
+import textwrap
 from pathlib import Path
 
 import pytest
@@ -83,17 +85,39 @@ class Hidden:
         (folder / "site" / "sitecustomize.py").write_text(HIDER.format(missing=missing, broken=broken))
         self.runs = 0
 
-    def run(self, *args: str) -> tuple[subprocess.CompletedProcess, list[str]]:
-        """The command's result and the processes it started."""
+    def run(self, *args: str, python: bool = False) -> tuple[subprocess.CompletedProcess, list[str]]:
+        """The command's result and the processes it started (`python`: `args` are a script and
+        its arguments, not sp-harness's)."""
         self.runs += 1
         started = self.folder / f"started-{self.runs}"
         started.touch()
         env = {k: v for k, v in os.environ.items() if k != "HIDDEN_ROOT_PID"}
         env.update(HIDDEN_STARTED=str(started), PYTHONPATH=os.pathsep.join(
             [str(self.folder / "site"), *filter(None, [os.environ.get("PYTHONPATH")])]))
-        res = subprocess.run([sys.executable, "-m", "sp_harness.cli", *args], env=env, capture_output=True,
-                             text=True, timeout=600)
+        command = ["-c", *args] if python else ["-m", "sp_harness.cli", *args]
+        res = subprocess.run([sys.executable, *command], env=env, capture_output=True, text=True, timeout=600)
         return res, started.read_text().split()
+
+    def run_each(self, *argvs: list[str]) -> tuple[list[subprocess.CompletedProcess], list[str]]:
+        """Commands that start no rank, run one after another in one hidden process (each pays an
+        interpreter and torch's import otherwise): their results, each with its own output (the
+        process's own stderr added to each), and the processes they started."""
+        script = textwrap.dedent("""
+            import contextlib, io, json, sys
+            from sp_harness.cli import main
+            got = []
+            for argv in json.loads(sys.argv[1]):
+                out, err = io.StringIO(), io.StringIO()
+                with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+                    code = main(argv)
+                got.append((code, out.getvalue(), err.getvalue()))
+            print(json.dumps(got))
+            """)
+        res, started = self.run(script, json.dumps(argvs), python=True)
+        assert res.returncode == 0, res.stdout + res.stderr[-3000:]
+        got = json.loads(res.stdout.strip().splitlines()[-1])
+        return [subprocess.CompletedProcess(argv, code, out, err + res.stderr)
+                for argv, (code, out, err) in zip(argvs, got, strict=True)], started
 
 
 def _listed(res: subprocess.CompletedProcess) -> dict[str, str]:
@@ -101,10 +125,13 @@ def _listed(res: subprocess.CompletedProcess) -> dict[str, str]:
     return {line.split()[0]: " ".join(line.split()[1:]) for line in res.stdout.splitlines() if line.strip()}
 
 
-def _unsupported(hidden: Hidden, case: str, line: str, *flags: str) -> None:
+def _unsupported(hidden: Hidden, case: str, line: str, *flags: str,
+                 res: subprocess.CompletedProcess | None = None, started: list[str] | None = None) -> None:
     """A check of `case` says `line` and exits as a declared UNSUPPORTED does (EXIT_OK: not a
-    failure), with no process started."""
-    res, started = hidden.run("check", "--case", case, *flags)
+    failure), with no process started (`res` and `started`: its result and the processes of the
+    run it was part of, where it ran already)."""
+    if res is None:
+        res, started = hidden.run("check", "--case", case, *flags)
     assert f"UNSUPPORTED: {line}" in res.stdout.splitlines(), res.stdout + res.stderr[-3000:]
     assert res.returncode == EXIT_OK, res.stdout + res.stderr[-3000:]
     assert started == [], f"a check of {case} started processes {started}"
@@ -122,7 +149,7 @@ def test_without_transformers_and_with_megatron_broken_every_other_case_runs(tmp
     # looked up every case (LookupError: ... 'ds-ulysses-hf-llama' ... registered no such case);
     # a megatron package whose import raises broke the same lookup by raising through find_spec
     hidden = Hidden(tmp_path, missing=("transformers",), broken=("megatron",))
-    res, _ = hidden.run("list")
+    (res, checked), started = hidden.run_each(["list"], ["check", "--case", "ds-ulysses-hf-llama"])
     listed = _listed(res)
     no_transformers = "needs transformers, which is not installed"
     assert listed["ds-ulysses-hf-llama"] == f"case unavailable: {no_transformers} (pip install 'sp-harness[deepspeed]')"
@@ -134,7 +161,8 @@ def test_without_transformers_and_with_megatron_broken_every_other_case_runs(tmp
     assert not [name for name in runnable if "unavailable" in listed[name]], listed
 
     _unsupported(hidden, "ds-ulysses-hf-llama",
-                 f"case ds-ulysses-hf-llama {no_transformers} (pip install 'sp-harness[deepspeed]')")
+                 f"case ds-ulysses-hf-llama {no_transformers} (pip install 'sp-harness[deepspeed]')",
+                 res=checked, started=started)
     _passes(hidden, "megatron-gpt-sp", "--world-size", "2", "--no-compare-comm")
 
 

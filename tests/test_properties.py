@@ -26,7 +26,10 @@ def _judge(sp_check, config):
     return res
 
 
-@pytest.mark.parametrize("case", ["megatron-gpt-sp", "megatron-gpt-tp"])
+@pytest.mark.parametrize("case", ["megatron-gpt-sp", pytest.param("megatron-gpt-tp", marks=pytest.mark.exhaustive(
+    "the fast tier draws megatron-gpt-sp's configs here (the same model, strategy and reference; TP plus the "
+    "sequence split); megatron-gpt-tp passes as test_mutants' twin (even, dp2xtp2) and in test_other_kernels "
+    "(float32 under reorder-tf32)"))])
 @given(data=st.data())
 def test_megatron_cases_match_reference(sp_check, sp_max_world_size, case, data):
     config = data.draw(gpt_configs(case, max_world_size=sp_max_world_size,

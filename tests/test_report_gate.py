@@ -18,7 +18,7 @@ from sp_harness.record.records import (
     write_records,
     write_run_dir,
 )
-from sp_harness.report.html import report_from_dir, write_plots, write_report
+from sp_harness.report.html import report_from_dir, write_report
 
 LR = 1e-2
 NUM_STEPS = 12
@@ -316,25 +316,35 @@ def test_report_of_correct_runs(tmp_path):
     assert "0 (bit-identical)" in text
 
 
-def test_report_from_dir_of_broken_sp(tmp_path):
+def test_report_from_dir_of_broken_sp(tmp_path, monkeypatch):
+    from sp_harness.report import html
+
     runs = make_runs(broken=True)
     write_run_dir(tmp_path / "run", runs, meta())
+    # the plots alone (write_plots, which the report calls first): what it returns and that it
+    # writes those PNGs and nothing else (rendered once here, not again for a test of its own)
+    plotted = []
+
+    def spy(out_dir, *args, **kwargs):
+        before = set(out_dir.iterdir())
+        pngs = write_plots(out_dir, *args, **kwargs)
+        plotted.append((pngs, set(out_dir.iterdir()) - before))
+        return pngs
+
+    write_plots = html.write_plots
+    monkeypatch.setattr(html, "write_plots", spy)
     gate, html_path = report_from_dir(tmp_path / "run")
     assert gate.verdict == FAIL and html_path == tmp_path / "run" / "report.html"
+    ((pngs, written),) = plotted
+    assert sorted(p.name for p in pngs.values()) == ["drift.png", "gradnorm.png", "lockstep.png", "loss.png",
+                                                     "schedule.png"]
+    assert sorted(p.name for p in written) == sorted(p.name for p in pngs.values())
     text, summary, md = _check_common(tmp_path / "run", runs, "FAIL")
     assert summary["first_failing_step"] == 1
     assert summary["first_failing_param"] == "blocks.0.norm1.weight"
     assert summary["first_failing_metric"] == "max_replica_drift"
     assert summary["reasons"] == gate.reasons
     assert "blocks.0.norm1.weight" in text and "blocks.0.norm1.weight" in md
-
-
-def test_plots_only(tmp_path):
-    runs = make_runs(broken=True)
-    pngs = write_plots(tmp_path, runs, meta(), evaluate(runs, dtype="float32"))
-    assert sorted(p.name for p in pngs.values()) == ["drift.png", "gradnorm.png", "lockstep.png", "loss.png",
-                                                     "schedule.png"]
-    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(p.name for p in pngs.values())
 
 
 def test_drift_legend_names_every_drifting_param_up_to_its_limit_and_counts_the_rest():

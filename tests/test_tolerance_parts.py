@@ -47,13 +47,16 @@ def test_adamw_bound_catches_a_scaled_update():
     assert not chk.ok
 
 
-def test_optimizer_bounds_hold_over_random_magnitudes_and_a_cancelling_momentum():
+@pytest.mark.parametrize("seeds", [range(8), pytest.param(range(8, 24), marks=pytest.mark.exhaustive(
+    "the fast tier runs seeds 0-7 of the same draw: both optimizers, every dtype, coherent and random grads, "
+    "the cancelling momentum (odd seeds)"))], ids=["seeds0-7", "seeds8-23"])
+def test_optimizer_bounds_hold_over_random_magnitudes_and_a_cancelling_momentum(seeds):
     # params 1e-3..10, grads 1e-6..10, lr 1e-4..1e-1, coherent and random grads, and an AdamW
     # step whose grad cancels the momentum (m' = 0): the bound's derivation, not one point
     worst = 0.0
     for opt_name in ("adamw", "sgd"):
         for dtype in (torch.bfloat16, torch.float32, torch.float64):
-            for seed in range(24):
+            for seed in seeds:
                 gen = torch.Generator().manual_seed(seed)
                 p_scale, g_scale, lr = (10 ** float(torch.empty(1).uniform_(lo, hi, generator=gen))
                                         for lo, hi in ((-3, 1), (-6, 1), (-4, -1)))
@@ -302,7 +305,10 @@ def _max_ratio_demo():
 
 def test_small_piece_quantiles_are_the_integral_and_only_one_or_two_elements_widen():
     demo = _max_ratio_demo()
-    grid = torch.linspace(0, 12, 100_001, dtype=torch.float64)
+    # h = 1e-3 is converged: 12_001 and 100_001 points put each quantile the same distance from
+    # the table (4.5e-5, 2.0e-4, 3.3e-4 relative, to two digits), and a grid under torch's
+    # parallel grain (32768) runs its ops on one thread
+    grid = torch.linspace(0, 12, 12_001, dtype=torch.float64)
     for n, q in SMALL_PIECE_QUANTILE:
         assert abs(demo.quantile(n, 1e-5, grid) / q - 1) < 2e-3, n
     assert max_abs_factor(1) == pytest.approx(MISMATCH * 252.3)

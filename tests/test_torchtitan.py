@@ -38,7 +38,10 @@ def _config(name: str, example: str = EXAMPLE, **fields) -> CheckConfig:
     pytest.param("LLAMA3_SP_TP4", 4, 1, "float32", marks=pytest.mark.exhaustive(
         "the fast tier runs TP 2, and 4 ranks as DP 2 x TP 2")),
     ("LLAMA3_SP_TP2", 2, 1, "bfloat16"),
-    ("LLAMA3_SP_TP2", 4, 2, "float32"),  # DP 2 x TP 2: torchtitan's own FSDP2 (apply_fsdp_to_decoder)
+    # DP 2 x TP 2: torchtitan's own FSDP2 (apply_fsdp_to_decoder)
+    pytest.param("LLAMA3_SP_TP2", 4, 2, "float32", marks=pytest.mark.exhaustive(
+        "test_mutants runs titan-llama3-sp (the same model and plan) at DP 2 x TP 2 under its FSDP2 in float64, the "
+        "twin of mutant-titan-fsdp-grads-summed-over-dp (battery entry dp2xtp2)")),
 ])
 def test_llama3_sequence_parallel_passes(sp_check, name, world_size, dp, dtype):
     res = sp_check(_config(name, world_size=world_size, dp=dp, dtype=dtype))
@@ -57,6 +60,8 @@ def test_float64_passes_with_ropes_float32_island_on_both_sides(sp_check):
     assert any("rope" in i.module and i.dtype == "float32" for i in res.islands), res.islands
 
 
+@pytest.mark.exhaustive("test_mutants kills mutant-titan-embedding-partial-as-replicate (the same plan edit on "
+                        "titan-llama3-sp) at the forward, TP 2")
 def test_vocab_parallel_embedding_partial_declared_replicate_fails_at_forward(sp_check):
     res = sp_check(_config("EMBEDDING_PARTIAL_AS_REPLICATE", world_size=2, dtype="float32", steps=1))
     assert res.verdict == FAIL and res.first_check == "forward", res.reason + res.error
@@ -361,21 +366,21 @@ def test_a_release_outside_the_range_is_unsupported_before_any_rank(monkeypatch)
         case.validate(cfg)
 
 
-def test_missing_names_each_api_the_release_lacks():
-    # compat.missing() asks for what the integration calls (hasattr, inspect.signature): in a
-    # child interpreter (the driver's probe imports no framework either), with two APIs taken away
-    # as an older release lacks them, it names those two and nothing else
-    import subprocess
-    import sys
+def test_missing_names_each_api_the_release_lacks(monkeypatch):
+    # compat.missing() asks for what the integration calls (hasattr, inspect.signature): with two
+    # APIs taken away as an older release lacks them, it names those two and nothing else. In this
+    # process, as test_yunchang's twin of this test: this file's other tests import torchtitan here
+    # already, and its import starts no thread (a child interpreter cost 7 s of torch's import)
+    from sp_harness.cases.frameworks.torchtitan import compat
+    from sp_harness.cases.frameworks.torchtitan.case import cpu_shims
 
-    child = ("from sp_harness.cases.frameworks.torchtitan import compat, case\n"
-             "case.cpu_shims()\n"
-             "import torchtitan.models.llama3.sharding as s, torchtitan.distributed.utils as u\n"
-             "assert compat.missing() == (), compat.missing()\n"
-             "del s.set_llama3_sharding_config, u.set_spmd_backend\n"
-             "print(list(compat.missing()))\n")
-    done = subprocess.run([sys.executable, "-c", child], capture_output=True, text=True, timeout=600, check=False)
-    assert done.returncode == 0, done.stderr[-2000:]
-    assert done.stdout.strip().splitlines()[-1] == str([
+    cpu_shims()
+    import torchtitan.distributed.utils as u  # after the CPU shim (no triton here)
+    import torchtitan.models.llama3.sharding as s
+
+    assert compat.missing() == (), compat.missing()
+    monkeypatch.delattr(s, "set_llama3_sharding_config")
+    monkeypatch.delattr(u, "set_spmd_backend")
+    assert list(compat.missing()) == [
         "torchtitan.models.llama3.sharding.set_llama3_sharding_config(enable_sp=)",
-        "torchtitan.distributed.utils.set_spmd_backend"])
+        "torchtitan.distributed.utils.set_spmd_backend"]

@@ -26,12 +26,17 @@ def _config(name: str, **fields) -> CheckConfig:
 
 
 @pytest.mark.parametrize("world_size,dp,dtype,optimizer", [
-    (2, 1, "float32", "sgd"),
-    (4, 2, "bfloat16", "adamw"),  # DP 2 x TP 2: torchtitan's FSDP2, its grad division off
+    pytest.param(2, 1, "float32", "sgd", marks=pytest.mark.exhaustive(
+        "test_mutants runs titan-llama3-sp-step (the same step) at DP 2 x TP 2 in float32 with SGD and clipping "
+        "active, K = 3, as the twin of its three step mutants (battery entry train-step-f32)")),
+    # DP 2 x TP 2: torchtitan's FSDP2, its grad division off
+    pytest.param(4, 2, "bfloat16", "adamw", marks=pytest.mark.exhaustive(
+        "the fast tier runs bfloat16 AdamW at TP 2 here, and DP 2 x TP 2 (its FSDP2) in float32 as the step "
+        "mutants' twin (titan-llama3-sp-step, battery entry train-step-f32)")),
     pytest.param(4, 2, "float32", "sgd", marks=pytest.mark.exhaustive(
-        "the fast tier runs DP 2 x TP 2 with AdamW in bfloat16 and SGD at TP 2")),
-    pytest.param(2, 1, "bfloat16", "adamw", marks=pytest.mark.exhaustive(
-        "the fast tier runs bfloat16 at DP 2 x TP 2")),
+        "test_mutants runs titan-llama3-sp-step on this config as the twin of its three step mutants "
+        "(battery entry train-step-f32)")),
+    (2, 1, "bfloat16", "adamw"),
 ])
 def test_torchtitan_trainer_step_passes(sp_check, world_size, dp, dtype, optimizer):
     res = sp_check(_config("LLAMA3_SP_STEP", world_size=world_size, dp=dp, dtype=dtype, optimizer=optimizer))

@@ -5,8 +5,6 @@ killed at their pinned stages in tests/test_mutants.py (battery entry "train-ste
 
 import dataclasses
 import json
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -27,7 +25,11 @@ def _train(case, **fields):
 
 
 @pytest.mark.parametrize("case, fields", [
-    ("megatron-gpt-sp", dict(world_size=4, dp=2, optimizer="sgd", clip_grad_norm=0.01)),
+    pytest.param("megatron-gpt-sp", dict(world_size=4, dp=2, optimizer="sgd", clip_grad_norm=0.01),
+                 marks=pytest.mark.exhaustive(
+                     "test_mutants passes megatron-gpt-sp on this very config (the train-step entry: 2 x 2, K = 3, "
+                     "SGD, clipping, float64) as the twin of its train-step mutants; every stage and the clip "
+                     "coefficient are asserted judged below on ring-gpt's SGD step with clipping")),
     ("megatron-gpt-sp", dict(world_size=4, dp=2, optimizer="adamw", dtype="float32")),
     ("megatron-gpt-sp", dict(world_size=4, dp=2, optimizer="sgd", dtype="bfloat16", clip_grad_norm=0.01)),
     ("ring-gpt", dict(world_size=4, dp=2, optimizer="sgd", dtype="float32", clip_grad_norm=0.01)),
@@ -85,12 +87,18 @@ def test_masks_make_the_counts_differ():
     assert not any(bool(v[2:, 6:].any()) for v in valid)
 
 
-def test_a_case_without_a_step_is_a_one_line_setup_error(tmp_path):
-    proc = subprocess.run([sys.executable, "-m", "sp_harness.cli", "check", "--case", "seed-mlp", "--train-step"],
-                          capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 2, proc.stdout + proc.stderr
-    lines = [line for line in proc.stderr.splitlines() if line.strip()]
-    assert len(lines) == 1 and "seed-mlp declares no training step" in lines[0], proc.stderr
+def test_a_case_without_a_step_is_a_one_line_setup_error(capsys, monkeypatch):
+    from sp_harness import cli
+
+    # `main` in this process, as `python -m sp_harness.cli` runs it (test_cli_errors runs the
+    # usage errors through an interpreter of its own, its exit status included), less its
+    # SIGINT/SIGTERM handlers, which are pytest's process's to keep
+    monkeypatch.setattr(cli.signal, "signal", lambda *_: None)
+    code = cli.main(["check", "--case", "seed-mlp", "--train-step"])
+    out, err = capsys.readouterr()
+    assert code == 2, out + err
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert len(lines) == 1 and "seed-mlp declares no training step" in lines[0], err
     assert "megatron-gpt-sp" in lines[0]
 
 
@@ -135,8 +143,13 @@ def _invariance(sp_pool, name, case, dtype="float64"):
     return run_check(get_check(name), config, sp_pool)
 
 
-@pytest.mark.parametrize("dtype", ["float64", "float32", "bfloat16"])
-@pytest.mark.parametrize("case", ["megatron-gpt-sp", "ring-gpt"])
+@pytest.mark.parametrize("case, dtype", [
+    pytest.param("megatron-gpt-sp", "float64", marks=pytest.mark.exhaustive(
+        "the fast tier runs both invariances in float64 on megatron-gpt-sp's step with only its clip norm wrong "
+        "(mutant-train-clip-missing-param, -norm-avg-shards: loss and grads the correct step's, unclipped here) "
+        "and asserts both pass, below")),
+    ("megatron-gpt-sp", "float32"), ("megatron-gpt-sp", "bfloat16"),
+    ("ring-gpt", "float64"), ("ring-gpt", "float32"), ("ring-gpt", "bfloat16")])
 def test_correct_steps_are_invariant(sp_pool, case, dtype):
     for name in ("accumulation-invariance", "degree-invariance"):
         outcome = _invariance(sp_pool, name, case, dtype)
@@ -150,11 +163,18 @@ def test_invariance_checks_fail_on_the_mutants_they_exist_for(sp_pool, mutant):
     assert got == INVARIANCE_KILLS[mutant]
 
 
+@pytest.mark.exhaustive("test_mutants passes megatron-gpt-sp through this lockstep check at 2 ranks (the twin of "
+                        "mutant-sp-clip-norm-counts-replicas, entry lockstep); the mutant's fail is the next test")
+def test_converge_passes_the_correct_case(sp_pool):
+    from sp_harness.checks import get_check, run_check
+
+    assert run_check(get_check("lockstep"), CheckConfig(case="megatron-gpt-sp", world_size=2), sp_pool).status == "pass"
+
+
 def test_converge_trains_the_case_s_own_step(sp_pool):
     from sp_harness.checks import get_check, run_check
 
     lockstep = get_check("lockstep")
-    assert run_check(lockstep, CheckConfig(case="megatron-gpt-sp", world_size=2), sp_pool).status == "pass"
     # the norm's averaged shards are only in the case's own step: the lockstep gate sees its
     # grad norm, so the convergence run trains that step and records what it reports
     outcome = run_check(lockstep, CheckConfig(case="mutant-train-norm-avg-shards", world_size=2), sp_pool)

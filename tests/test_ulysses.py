@@ -56,7 +56,7 @@ def _expected_rows(config: CheckConfig) -> dict[tuple[str, str, str], tuple[int,
     dict(world_size=1),  # a group of one: no collective at all
 ], ids=["even", "uneven", "empty-rank0", "dp2xsp2", "single"])
 def test_collectives_per_step_are_exactly_the_design(sp_check, fields):
-    config = _resolved(**fields)
+    config = _resolved(steps=1, **fields)  # one step's collectives, as in test_usp
     res = sp_check(config)
     assert res.verdict == "PASS", res.reason
     got = {(r.phase, r.kind, r.group): (r.count, r.bytes) for r in res.comm}
@@ -64,8 +64,9 @@ def test_collectives_per_step_are_exactly_the_design(sp_check, fields):
 
 
 def test_loss_normalisation_and_label_shift_with_an_empty_rank(sp_check):
-    # rank 1 holds no tokens and no targets; ranks 0 and 2 meet at no boundary of their own
-    config = _resolved(world_size=3, seq_shards=(4, 0, 3))
+    # rank 1 holds no tokens and no targets; ranks 0 and 2 meet at no boundary of their own; the
+    # loss is judged at the first step, before any grad: one step shows it
+    config = _resolved(world_size=3, seq_shards=(4, 0, 3), steps=1)
     ok = sp_check(config)
     assert ok.verdict == "PASS", ok.reason
     for mutant in ("mutant-ulysses-loss-mean-per-rank", "mutant-ulysses-label-shift-per-shard"):
@@ -110,7 +111,7 @@ def test_a_bf16_config_whose_backward_amplifies_rounding_300_fold_withholds_what
 def test_mean_of_means_is_right_on_even_shards(sp_check):
     # the loss mutant differs only where shards differ: a check that it is the split, not the
     # mutant's arithmetic, that the harness catches
-    res = sp_check(_resolved(world_size=2).replace(case="mutant-ulysses-loss-mean-per-rank"))
+    res = sp_check(_resolved(world_size=2, steps=1).replace(case="mutant-ulysses-loss-mean-per-rank"))
     assert res.verdict == "PASS", res.reason
 
 

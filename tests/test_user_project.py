@@ -143,8 +143,30 @@ FILES = {
         @pytest.mark.sp_case("seed-mlp", world_size=2)
         def test_builtin_case(sp_result):
             assert sp_result.verdict == "PASS", sp_result.reason + sp_result.error
+
+
+        # a project of its own below this one, its root not the current directory nor on any
+        # path: found by its pyproject.toml, in the ranks too
+        @pytest.mark.sp_case("nested/myproj/cases/sp_cases.py:NESTED", world_size=2)
+        def test_nested_projects_case(sp_result):
+            assert sp_result.verdict == "PASS", sp_result.reason + sp_result.error
+        """,
+    # test_isolation's claim, on this run's interpreter: through the plugin each case gets its
+    # standalone verdict, whatever ran before it (a mutant patching torch in its ranks, its twin)
+    "test_user_isolation.py": """
+        from sp_harness import CheckConfig
+
+        CASES = ISOLATION_CASES
+
+
+        def test_each_case_gets_its_standalone_verdict(sp_check):
+            # the twin after the patcher, and the patcher after the twin
+            got = [sp_check(CheckConfig(case=f"{CASES}:{name}", world_size=2)).verdict
+                   for name in ("PATCHING", "TWIN", "PATCHING")]
+            assert got == ["FAIL", "PASS", "FAIL"], got
         """,
 }
+ISOLATION_CASES = os.path.join(os.path.dirname(os.path.abspath(__file__)), "isolation_cases.py")
 
 
 @pytest.fixture(scope="module")
@@ -153,7 +175,7 @@ def project(tmp_path_factory):
     for name, text in FILES.items():
         path = root / name
         path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(textwrap.dedent(text).lstrip())
+        path.write_text(textwrap.dedent(text).lstrip().replace("ISOLATION_CASES", repr(ISOLATION_CASES)))
     return root
 
 
@@ -179,25 +201,53 @@ def test_cli_runs_builtin_and_user_cases_inside_the_project(project, case):
 
 
 def test_users_pytest_runs_its_case_and_ours(project):
-    # and a case whose shard() raises is pytest's error (the check could not run), not a failure
+    # and its nested project's case, importing a sibling package through that project's root
+    # (no PYTHONPATH); test_isolation's cases each get their standalone verdict; and a case whose
+    # shard() raises is pytest's error (the check could not run), not a failure
     out = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:randomly", "-p", "no:cacheprovider",
-                          "test_user_sp.py", "test_user_error.py"], cwd=project, capture_output=True, text=True,
-                         timeout=300, env=_env())
+                          "test_user_sp.py", "test_user_isolation.py", "test_user_error.py"], cwd=project,
+                         capture_output=True, text=True, timeout=300, env=_env())
     assert out.returncode == 1, out.stdout + out.stderr
-    assert "3 passed, 1 error" in out.stdout, out.stdout
+    assert "5 passed, 1 error" in out.stdout, out.stdout
     assert "ERROR at setup of test_erroring_case" in out.stdout and "my shard() is broken" in out.stdout
+
+
+@pytest.fixture(scope="module")
+def usage_errors(project) -> dict[str, tuple[int, str]]:
+    """What `sp-harness check` returns and writes to stderr for each broken case file, all in one
+    process (each pays an interpreter and torch's import otherwise) that must write nothing
+    else to its stderr: {case: (exit code, stderr)}."""
+    import json
+
+    script = textwrap.dedent("""
+        import contextlib, io, json, sys
+        from sp_harness.cli import main
+        out = {}
+        for case in json.loads(sys.argv[1]):
+            err = io.StringIO()
+            with contextlib.redirect_stderr(err):
+                out[case] = (main(["check", "--case", case, "--world-size", "2"]), err.getvalue())
+        print(json.dumps(out))
+        """)
+    cases = ["spchecks/broken_syntax.py:X", "spchecks/missing_import.py:X", "nested/myproj/cases/missing_sibling.py:X"]
+    run = subprocess.run([sys.executable, "-c", script, json.dumps(cases)], cwd=project, capture_output=True,
+                         text=True, timeout=180, env=_env(PYTHONPATH=str(project / "src")))
+    assert run.returncode == 0 and run.stderr == "", run.stdout + run.stderr
+    return {case: tuple(got) for case, got in json.loads(run.stdout.strip().splitlines()[-1]).items()}
 
 
 @pytest.mark.parametrize("file, error", [("broken_syntax.py", "SyntaxError"),
                                          ("missing_import.py", "ModuleNotFoundError")])
-def test_broken_case_file_is_a_one_line_usage_error(project, file, error):
-    out = _cli(project, "check", "--case", f"spchecks/{file}:X", "--world-size", "2")
-    assert out.returncode == 2, out.stdout + out.stderr
-    lines = out.stderr.strip().splitlines()
-    assert len(lines) == 1 and "Traceback" not in out.stderr, out.stderr
+def test_broken_case_file_is_a_one_line_usage_error(usage_errors, file, error):
+    code, stderr = usage_errors[f"spchecks/{file}:X"]
+    assert code == 2, stderr
+    lines = stderr.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in stderr, stderr
     assert f"case file spchecks/{file} could not be loaded: {error}" in lines[0]
 
 
+@pytest.mark.exhaustive("the fast tier runs the nested project's case, imports through its root found by its "
+                        "pyproject.toml, through the user's pytest: test_users_pytest_runs_its_case_and_ours")
 def test_case_file_imports_its_projects_sibling_packages_from_another_directory(project, tmp_path):
     # run from elsewhere, without PYTHONPATH: the project root comes from its pyproject.toml
     out = subprocess.run([sys.executable, "-m", "sp_harness.cli", "check", "--case",
@@ -207,8 +257,9 @@ def test_case_file_imports_its_projects_sibling_packages_from_another_directory(
     assert "PASS" in out.stdout
 
 
-def test_failed_import_says_what_was_importable(project):
-    out = _cli(project, "check", "--case", "nested/myproj/cases/missing_sibling.py:X", "--world-size", "2")
-    assert out.returncode == 2, out.stdout + out.stderr
-    line = out.stderr.strip()
+def test_failed_import_says_what_was_importable(project, usage_errors):
+    code, stderr = usage_errors["nested/myproj/cases/missing_sibling.py:X"]
+    assert code == 2, stderr
+    line = stderr.strip()
+    assert len(line.splitlines()) == 1, stderr
     assert "ModuleNotFoundError" in line and str(project / "nested") in line and "PYTHONPATH" in line, line

@@ -122,8 +122,12 @@ def test_collectives_per_step_are_exactly_the_design(sp_check, fields):
 
 @pytest.mark.parametrize("fields", [
     dict(world_size=2),
-    dict(world_size=3, seq_len=10),
-    dict(world_size=4),
+    pytest.param(dict(world_size=3, seq_len=10), marks=pytest.mark.exhaustive(
+        "the fast tier passes this config for one step in test_collectives_per_step_are_exactly_the_design[3x1], "
+        "and three steps at 2 and 4 ranks here")),
+    pytest.param(dict(world_size=4), marks=pytest.mark.exhaustive(
+        "the fast tier passes this config for one step in test_collectives_per_step_are_exactly_the_design[2x2], "
+        "and three steps of the same 2 x 2 mesh here (ws4-mqa-noncausal-uneven, ws4-more-ranks-than-heads)")),
     dict(world_size=4, num_kv_heads=1, causal=False, seq_len=9),
     dict(world_size=4, num_heads=1, hidden=8, num_kv_heads=1),  # heads 1/0 over the Ulysses pair
 ], ids=["ws2-1x2", "ws3-uneven-3x1", "ws4-2x2", "ws4-mqa-noncausal-uneven", "ws4-more-ranks-than-heads"])
@@ -159,11 +163,18 @@ def test_usp_configs_get_their_expected_verdict(sp_check, sp_max_world_size, dat
     assert res.verdict == want, f"expected {want}, got {res.verdict}: {res.reason}\nrepro: {res.config.repro()}"
 
 
+@pytest.mark.exhaustive("the fast tier kills mutant-usp-ring-low-groups at the forward at 4 ranks (2 x 2) in "
+                        "test_mutants (its pinned entry, 2x2); the PASS where U or R is 1 is the next test")
 def test_ring_low_groups_mutant_is_killed_where_u_and_r_are_both_above_1(sp_check):
     from sp_harness.cases.usp.mutants import RING_LOW_GROUPS
 
     res = sp_check(_resolved(world_size=4, steps=1).replace(case=RING_LOW_GROUPS.name))
     assert res.verdict == "FAIL" and res.first_check == "forward", format_result(res)
+
+
+def test_ring_low_groups_mutant_is_the_correct_case_where_u_or_r_is_1(sp_check):
+    from sp_harness.cases.usp.mutants import RING_LOW_GROUPS
+
     # where U or R is 1 the two layouts coincide: the mutant is the correct case there
     assert sp_check(_resolved(world_size=2, steps=1).replace(case=RING_LOW_GROUPS.name)).verdict == "PASS"
 

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 
 import pytest
@@ -52,18 +51,23 @@ def test_a_hang_or_desync_in_setup_stays_the_codes_own(kind):
     assert not RankFailure("case x", [RankError(rank=0, kind=kind, phase="shard()")], timeout_s=5).in_setup
 
 
-def test_cli_error_verdict_its_exit_code_json_and_the_skipped_checks(tmp_path):
+def test_cli_error_verdict_its_exit_code_json_and_the_skipped_checks(tmp_path, capsys):
+    # the CLI's parser and command in this process (its ranks on this worker's default pools): a
+    # fresh interpreter paid 3-5 s of imports; the exit status of a real process whose setup
+    # crashed (3, ERROR) is test_isolation's test_a_failing_setup_is_the_verdict_error_exit_3
     out_json = tmp_path / "verdict.json"
-    proc = subprocess.run([sys.executable, "-m", "sp_harness.cli", "check", "--case", f"{FAULTY}:RAISING",
-                           "--world-size", "2", "--also", "lockstep", "--json", str(out_json)],
-                          cwd=ROOT, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == EXIT_ERROR, proc.stdout + proc.stderr
-    error_lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("ERROR: ")]
-    assert len(error_lines) == 1, proc.stdout
+    args = build_parser().parse_args(["check", "--case", os.path.join(ROOT, FAULTY) + ":RAISING", "--world-size", "2",
+                                      "--also", "lockstep", "--json", str(out_json)])
+    capsys.readouterr()
+    code = args.func(args)
+    stdout = capsys.readouterr().out
+    assert code == EXIT_ERROR, stdout
+    error_lines = [ln for ln in stdout.splitlines() if ln.startswith("ERROR: ")]
+    assert len(error_lines) == 1, stdout
     assert "rank 1 raised RuntimeError while setting up (shard()): boom on purpose in rank 1" in error_lines[0]
-    assert "FAIL" not in proc.stdout
+    assert "FAIL" not in stdout
     # the checks asked for after it are named as skipped, with why, in the text and the JSON
-    assert "lockstep: skipped: the side-by-side check did not pass (ERROR)" in proc.stdout, proc.stdout
+    assert "lockstep: skipped: the side-by-side check did not pass (ERROR)" in stdout, stdout
     doc = json.loads(out_json.read_text())
     rows = {o["check"]: o for o in doc["outcomes"]}
     assert rows["side-by-side"]["status"] == "error" and rows["side-by-side"]["figures"]["verdict"] == "ERROR"

@@ -2,7 +2,8 @@
 FSDPEngineWithLMHead (FSDP2 over the world, ulysses_sequence_parallel_size 2) at DP 2 x SP 2 on real
 gloo ranks, against the same HF model in float64 on one device over the whole global batch.
 
-- verl's step PASSes every stage in float32 and bfloat16 (SGD with clipping active: the full tier).
+- verl's step PASSes every stage in bfloat16 and float32 (float32 and SGD with clipping active: the
+  full tier here, float32 with SGD the fast tier's mutant twin).
 - The grad sync that leaves the SP ranks out (VeOmni#1059) FAILs at the grads, its first reported
   loss still right; the other SP mutants (the full tier here; test_mutants kills each at its pin,
   battery entry train-step) FAIL at the reported loss.
@@ -32,9 +33,10 @@ def _sp(case: str, **fields) -> CheckConfig:
 
 
 @pytest.mark.parametrize("fields", [
-    dict(dtype="float32"),
-    pytest.param(dict(dtype="bfloat16"), marks=pytest.mark.exhaustive(
-        "the main job checks verl's step in bfloat16 (its examples); the fast tier runs float32 here")),
+    pytest.param(dict(dtype="float32"), marks=pytest.mark.exhaustive(
+        "test_mutants runs verl-sft-sp-llama at DP 2 x SP 2 in float32 (SGD with clipping active, K=3) as the twin "
+        "of its three mutants (battery entry train-step); the fast tier runs AdamW in bfloat16 here")),
+    dict(dtype="bfloat16"),
     pytest.param(dict(optimizer="sgd", clip_grad_norm=0.01),
                  marks=pytest.mark.exhaustive("the battery's train-step entry runs SGD with clipping active, K=3"))],
     ids=["f32-adamw", "bf16-adamw", "f32-sgd-clip"])
@@ -45,6 +47,8 @@ def test_verls_sft_step_with_ulysses_passes(sp_check, fields):
     assert {"loss", "grad", "grad_norm", "param"} <= set(res.worst), set(res.worst)
 
 
+@pytest.mark.exhaustive("test_mutants kills mutant-verl-sp-grads-not-synced-over-sp at its pinned grads before "
+                        "clipping (battery entry train-step, DP 2 x SP 2): its reported loss passed before them")
 def test_a_grad_sync_without_the_sp_ranks_fails_at_the_grads(sp_check):
     res = sp_check(_sp("mutant-verl-sp-grads-not-synced-over-sp", steps=1))
     assert res.verdict == FAIL and res.first_check == "grad", format_result(res)

@@ -156,7 +156,10 @@ def test_placement_is_yunchangs_extract_function():
     (2, 1, "float64", "reorder"),  # a ring of 2; yunchang's float32 merge declared as an island
     (2, 1, "bfloat16", "off"),  # flash-attn's own dtype
     (4, 1, "float64", "off"),  # ulysses 2 x ring 2
-    (4, 2, "bfloat16", "off"),  # DP 2 x ring 2, grads averaged over DP
+    # DP 2 x ring 2, grads averaged over DP
+    pytest.param(4, 2, "bfloat16", "off", marks=pytest.mark.exhaustive(
+        "test_mutants runs yc-usp at DP 2 x ring 2 in float64 as the twin of mutant-yc-groups-across-dp-replicas "
+        "(battery entry dp2xtp2); the fast tier runs bfloat16 here on a ring of 2")),
 ])
 def test_usp_passes(sp_check, world_size, dp, dtype, adversary):
     res = sp_check(_builtin(world_size=world_size, dp=dp, dtype=dtype, adversary=adversary))

@@ -78,15 +78,17 @@ def _default_zygote_in_use(sp_pool):
     sp_pool.run(1, health_check, None, timeout_s=120, label="hold")
 
 
-@pytest.mark.parametrize("forkserver", ["1", "0"], ids=["forked", "subprocess"])
-def test_a_pool_job_runs_on_either_start_path(forkserver, monkeypatch):
+# the fresh interpreters' path on one rank (each such rank and its companion pay torch's import;
+# ranks of either path meet through the same store), the forked path on two
+@pytest.mark.parametrize("forkserver, world_size", [("1", 2), ("0", 1)], ids=["forked", "subprocess"])
+def test_a_pool_job_runs_on_either_start_path(forkserver, world_size, monkeypatch):
     if forkserver == "0":
         monkeypatch.setenv(zygote_registry.ENV_VAR, "0")
     else:  # the default: on Linux, forked
         monkeypatch.delenv(zygote_registry.ENV_VAR, raising=False)
-    pool = RankPool(2)
+    pool = RankPool(world_size)
     try:
-        assert pool.run(health_check, None, timeout_s=120, label="path") == [2, 2]
+        assert pool.run(health_check, None, timeout_s=120, label="path") == [world_size] * world_size
         got = pool.run(_how_started, None, timeout_s=60, label="path")
         kinds = {type(p).__name__ for p in pool._procs}
         scratch = pool.scratch_dir
@@ -178,7 +180,10 @@ def _every_preload() -> str:
     return ",".join(dict.fromkeys(entries))
 
 
-@pytest.mark.parametrize("preload", [False, True], ids=["built-in", "every-framework-preload"])
+@pytest.mark.parametrize("preload", [False, pytest.param(True, marks=pytest.mark.exhaustive(
+    "the fast tier runs every case's preload at once through zygote_server._preload, whose own check fails on a "
+    "thread an import starts, in test_the_preload_dispatches_no_op_and_..., and a zygote's single thread at [built-in]"))],
+    ids=["built-in", "every-framework-preload"])
 def test_the_zygote_is_single_threaded_when_it_forks(preload):
     env = ((PRELOAD_ENV, _every_preload()),) if preload else ()
     pool = RankPool(1, PoolOptions(env=env))
@@ -194,41 +199,36 @@ def test_the_zygote_is_single_threaded_when_it_forks(preload):
         pool.close()
 
 
-def test_the_preload_dispatches_no_op(tmp_path):
-    # the profiler records every dispatched op; a zygote's import, with what every CPU pool's
-    # zygote imports (RANK_PRELOAD), must record none
+def test_the_preload_dispatches_no_op_and_the_frameworks_make_scalar_tensors_at_most(tmp_path):
+    # the profiler records every dispatched op. A zygote's import, with what every CPU pool's
+    # zygote imports (RANK_PRELOAD), must record none; then every case's preload at once (one
+    # process: the first's modules are imported, each "module:function" a no-op again): beyond a
+    # tensor made from a Python scalar at a module's top level (zygote_server.PRELOAD_ENV), an op
+    # could run a parallel region in the fork server. _preload itself raises (exit 1 here) where
+    # an import starts a thread, as it would fail a zygote (the zygote's own single thread, before
+    # any case's preload, is test_the_zygote_is_single_threaded_when_it_forks[built-in])
     script = textwrap.dedent("""
+        import os, sys
         from torch.autograd.profiler import profile
-        from sp_harness.launch.zygote_server import _preload
-        with profile() as prof:
-            _preload()
-        print(sorted({e.name for e in prof.function_events}))
+        from sp_harness.launch.zygote_server import PRELOAD_ENV, _preload
+        for entries in sys.argv[1:]:
+            os.environ[PRELOAD_ENV] = entries
+            with profile() as prof:
+                _preload()
+            print("ops:", sorted({e.name for e in prof.function_events}), flush=True)
         """)
     import sp_harness.checks  # noqa: F401  (adds its modules to RANK_PRELOAD)
 
     assert RANK_PRELOAD
-    run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300,
-                         env=dict(os.environ, TMPDIR=str(tmp_path), **{PRELOAD_ENV: ",".join(RANK_PRELOAD)}))
-    assert run.returncode == 0, run.stderr
-    assert run.stdout.strip().splitlines()[-1] == "[]"
-
-
-def test_the_frameworks_preloads_make_scalar_tensors_at_most(tmp_path):
-    # every case's preload at once; beyond a tensor made from a Python scalar at a module's top
-    # level (zygote_server.PRELOAD_ENV), an op could run a parallel region in the fork server
-    script = textwrap.dedent("""
-        from torch.autograd.profiler import profile
-        from sp_harness.launch.zygote_server import _preload
-        with profile() as prof:
-            _preload()
-        print(sorted({e.name for e in prof.function_events}))
-        """)
     entries = _every_preload()
     assert "torchtitan" in entries and "megatron" in entries and "deepspeed" in entries, entries
-    run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300,
-                         env=dict(os.environ, TMPDIR=str(tmp_path), **{PRELOAD_ENV: entries}))
+    run = subprocess.run([sys.executable, "-c", script, ",".join(RANK_PRELOAD), entries], capture_output=True,
+                         text=True, timeout=300, env=dict(os.environ, TMPDIR=str(tmp_path)))
     assert run.returncode == 0, run.stderr
-    ops = set(eval(run.stdout.strip().splitlines()[-1]))  # a printed list of op names
+    # (an import may print to stdout: deepspeed's accelerator warning)
+    built_in, frameworks = [line[len("ops: "):] for line in run.stdout.splitlines() if line.startswith("ops: ")]
+    assert built_in == "[]", run.stdout
+    ops = set(eval(frameworks))  # a printed list of op names
     assert ops and ops <= SCALAR_TENSOR_OPS, sorted(ops - SCALAR_TENSOR_OPS)
 
 
@@ -288,7 +288,11 @@ DRIVER = """
     """
 
 
-@pytest.mark.parametrize("how", ["close", pytest.param("kill", marks=pytest.mark.exhaustive(
+@pytest.mark.parametrize("how", [pytest.param("close", marks=pytest.mark.exhaustive(
+    "the fast tier ends a driver that closes its pools (at exit) in test_engine's test_cli_leaves_no_process_nor_"
+    "file_behind, which finds none of its processes (the zygote, ranks, companions: all carry its environment) nor "
+    "folders, and test_xdist_workers_close_their_pools_before_they_report_finished finds close() removes them")),
+    pytest.param("kill", marks=pytest.mark.exhaustive(
     "the fast tier SIGKILLs the driver in [thread-kill]: the same kill and checks, with its zygote started "
     "from a thread, where only its pipe's EOF ends it (a main-thread start adds the death signal)")),
     "thread-kill"])
