@@ -10,6 +10,7 @@ import textwrap
 import time
 
 import pytest
+from processes import tagged_processes
 
 from sp_harness.config.check_config import CheckConfig
 from sp_harness.judge.verdict import ERROR, FAIL, PASS, UNSUPPORTED
@@ -323,22 +324,6 @@ def _ranks(driver: int) -> tuple[list[int], list[int]]:
     return ranks, servers
 
 
-def _tagged_processes(tag: str) -> list[int]:
-    """Live processes whose environment carries `tag` (rank processes inherit the driver's env)."""
-    found = []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/environ", "rb") as f:
-                if tag.encode() in f.read():
-                    with open(f"/proc/{entry}/stat") as st:
-                        if st.read().split()[2] != "Z":
-                            found.append(int(entry))
-        except OSError:
-            continue
-    return found
-
 
 def test_cli_leaves_no_process_nor_file_behind(tmp_path):
     # a passing CLI process (it pays an interpreter, torch and a zygote; a failing one's exit 1 is
@@ -358,7 +343,7 @@ def test_cli_leaves_no_process_nor_file_behind(tmp_path):
     assert "PASS" in ok.stdout and (tmp_path / "v.json").exists()
     assert not list(scratch.iterdir()), f"left behind: {list(scratch.iterdir())}"
     time.sleep(0.5)
-    assert _tagged_processes(tag) == [], "rank processes outlived the CLI"
+    assert tagged_processes(tag) == [], "rank processes outlived the CLI"
 
 
 def _interrupt_mid_run(sig, tmp_path, *, times: int = 1, after_s: float = 1.0):

@@ -9,6 +9,7 @@ import textwrap
 import time
 
 import pytest
+from processes import tagged_processes
 
 from sp_harness import CheckConfig
 from sp_harness.checks.side_by_side import check
@@ -93,24 +94,8 @@ def test_a_failing_setup_is_the_verdict_error_exit_3(tmp_path):
     assert not [line for line in out.stdout.splitlines() if line.startswith("FAIL")], out.stdout
     assert not list(scratch.iterdir()), f"left behind: {list(scratch.iterdir())}"
     time.sleep(0.5)
-    assert _tagged_processes(f"SP_HARNESS_TEST_TAG={tag}") == [], "rank processes outlived the CLI"
+    assert tagged_processes(f"SP_HARNESS_TEST_TAG={tag}") == [], "rank processes outlived the CLI"
 
-
-def _tagged_processes(tag: str) -> list[int]:
-    """Live processes whose environment carries `tag` (rank processes inherit the driver's env)."""
-    found = []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/environ", "rb") as f:
-                if tag.encode() in f.read():
-                    with open(f"/proc/{entry}/stat") as st:
-                        if st.read().rsplit(")", 1)[1].split()[0] != "Z":
-                            found.append(int(entry))
-        except OSError:
-            continue
-    return found
 
 
 def _alive(pid: int) -> bool:
