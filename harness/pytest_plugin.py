@@ -59,7 +59,7 @@ def option(config: pytest.Config, name: str):
 
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "sp_case(case, **fields): run this sp-harness case; the test gets `sp_result`")
-    from sp_harness.config.check_config import set_session_timeout
+    from sp_harness.config.timeouts import set_session_timeout
 
     # every check a test runs (the battery's too) resolves its timeout from here, unless it sets one
     set_session_timeout(option(config, "sp_timeout"))

@@ -99,6 +99,11 @@ def test_torchrun_entry_runs_on_the_env_world(tmp_path):
                                            "TMPDIR": str(tmp_path)})  # torchrun's torchelastic_* logs
     assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
     assert json.loads((tmp_path / "out" / "summary.json").read_text())["verdict"] == "PASS"
+    # rank 0 alone reports and publishes: one gate line, one run directory (a rank that took
+    # itself for the leader before the group existed published its own, and printed its own)
+    assert run.stdout.count("gate: PASS") == 1, run.stdout[-2000:]
+    from sp_harness.record.outdir import runs_root
+    assert len(list(runs_root(tmp_path / "out").iterdir())) == 1
 
 
 def test_users_float_case_trains_without_baseline_or_floor(sp_pool, tmp_path):

@@ -149,7 +149,7 @@ def test_a_correct_check_slower_than_the_old_flat_timeout_passes(sp_check, monke
     # no timeout from the suite or the environment: the default, as a user's `sp-harness check`
     # gets it. Each step takes 27 s in 4.5 s pieces between collectives (progress_cases.SLOW),
     # as a realistic size's layers do: 81 s, past the old flat 30 s, with progress throughout
-    monkeypatch.setattr("sp_harness.config.check_config._session_timeout_s", None)
+    monkeypatch.setattr("sp_harness.config.timeouts._session_timeout_s", None)
     monkeypatch.delenv("SP_HARNESS_TIMEOUT", raising=False)
     res = sp_check(CheckConfig(case=f"{CASES}:SLOW", world_size=2))
     assert res.config.timeout_s == DEFAULT_TIMEOUT_S

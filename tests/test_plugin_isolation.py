@@ -1,6 +1,6 @@
 """With sp-harness merely installed, an unrelated project's tests run as if it were not: hypothesis
 keeps its own default profile, no SP_HARNESS_* variable appears, and a profile of the project's
-own named like ours (`ci`) is its own (issue 21, deliverable 7)."""
+own named like ours (`ci`) is its own (issue 21, deliverable 7), and torch is not imported."""
 
 import os
 import subprocess
@@ -19,6 +19,11 @@ SCRATCH_TEST = textwrap.dedent('''
 
     def test_no_sp_harness_environment():
         assert not [k for k in os.environ if k.startswith("SP_HARNESS")]
+
+    def test_torch_is_not_imported_for_them():
+        # about 2 s of every pytest run in a project that never uses sp-harness's fixtures
+        import sys
+        assert "torch" not in sys.modules
 
     def test_own_profile_named_ci_is_its_own():
         assert settings.get_profile("ci").max_examples == 7
@@ -40,4 +45,4 @@ def test_plugin_changes_nothing_in_an_unrelated_project(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(tmp_path)],
                           cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert "5 passed" in proc.stdout, proc.stdout  # the plugin's loading among them
+    assert "6 passed" in proc.stdout, proc.stdout  # the plugin's loading among them

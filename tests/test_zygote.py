@@ -24,15 +24,18 @@ from sp_harness.launch.zygote_server import PRELOAD_ENV, SCALAR_TENSOR_OPS
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the fork server is Linux's")
 
 
-def _how_started(_payload: object) -> tuple[int, str, str, str]:
-    """(parent pid, the companion's kind, TMPDIR, the temp dir Python resolves) on a rank."""
+def _how_started(_payload: object) -> tuple[int, str, str, str, str]:
+    """(parent pid, the companion's kind, TMPDIR, the temp dir Python resolves, inductor's cache
+    folder) on a rank."""
     import tempfile
+
+    from torch._inductor.runtime.cache_dir_utils import cache_dir
 
     from sp_harness.launch import companion
 
     spare = companion._SPARE
     return (os.getppid(), type(spare.proc).__name__ if spare else "", os.environ["TMPDIR"],
-            tempfile.gettempdir())
+            tempfile.gettempdir(), cache_dir())
 
 
 def _capability(_payload: object) -> str:
@@ -86,6 +89,11 @@ def test_a_pool_job_runs_on_either_start_path(forkserver, world_size, monkeypatc
         monkeypatch.setenv(zygote_registry.ENV_VAR, "0")
     else:  # the default: on Linux, forked
         monkeypatch.delenv(zygote_registry.ENV_VAR, raising=False)
+    # what torch itself writes into the driver's environment at `import torch._dynamo` (a torch
+    # optimizer's first step): neither the ranks' inductor cache nor a zygote key of its own
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", default_cache_dir())
+    zygotes = len(zygote_registry._REGISTRY)
     pool = RankPool(world_size)
     try:
         assert pool.run(health_check, None, timeout_s=120, label="path") == [world_size] * world_size
@@ -99,11 +107,13 @@ def test_a_pool_job_runs_on_either_start_path(forkserver, world_size, monkeypatc
         # forked by the zygote, each with a forked companion
         assert kinds == {"RankProcess"} and os.getpid() not in parents
         assert {g[1] for g in got} == {"ForkedChild"}
+        assert len(zygote_registry._REGISTRY) == zygotes  # forked from the warm one
     else:
         assert kinds == {"Popen"} and parents == {os.getpid()}
         assert {g[1] for g in got} == {"Popen"}
     # temp files of either go to the pool's folder, removed with it
     assert {g[2] for g in got} == {g[3] for g in got} == {scratch}
+    assert all(g[4].startswith(scratch + os.sep) for g in got), got
 
 
 def test_the_kernel_family_follows_each_pools_environment():

@@ -87,6 +87,9 @@ def _idle_where(error: RankError, watch: DesyncWatch) -> str:
     return where
 
 
+INDUCTOR_CACHE_ENV = "TORCHINDUCTOR_CACHE_DIR"
+
+
 class RankPool:
     """`world_size` rank processes with a live default process group, serving jobs."""
 
@@ -145,7 +148,7 @@ class RankPool:
         # the ranks' (and their reference processes') temporary files go into the pool's own folder,
         # removed by close(): a framework that makes temp dirs at import (wandb, under torchtitan)
         # and a rank killed before its own cleanup leave nothing in the machine's /tmp
-        env = dict(os.environ, SP_HARNESS_AUTHKEY=authkey.hex(), TMPDIR=folder, **dict(self.options.env))
+        env = dict(_inherited_environ(), SP_HARNESS_AUTHKEY=authkey.hex(), TMPDIR=folder, **dict(self.options.env))
         try:
             # ranks forked from a process that has imported torch (sp_harness.launch.zygote):
             # milliseconds each, where a fresh interpreter takes seconds
@@ -289,3 +292,26 @@ class RankPool:
         if self._remove_tmpdir is not None:
             self._remove_tmpdir()  # runs once; detaches the at-exit hook
         self._tmpdir, self._remove_tmpdir = None, None
+
+
+def _inherited_environ() -> dict[str, str]:
+    """This process's environment as its ranks inherit it, less what torch wrote into it itself.
+
+    torch's inductor writes its default cache folder into os.environ at first use
+    (torch._inductor.runtime.cache_dir_utils.cache_dir; `import torch._dynamo` is enough, and a
+    torch optimizer's first step imports it). Inherited, that value would put the ranks' compiled
+    kernels in the driver's /tmp/torchinductor_USER instead of their pool's own TMPDIR, override a
+    case's own cache (torchtitan's FlexAttention `use_inductor_cache` only sets a default), and,
+    appearing between two pools, key a second zygote for the same ranks. A value other than
+    torch's default (a user's own) is inherited."""
+    env = dict(os.environ)
+    value = env.get(INDUCTOR_CACHE_ENV)
+    if value is not None:
+        try:
+            from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+        except ImportError:  # another torch's layout: inherit it, as before
+            return env
+        if os.path.abspath(value) == os.path.abspath(default_cache_dir()):
+            del env[INDUCTOR_CACHE_ENV]
+    return env
+

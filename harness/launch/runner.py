@@ -80,9 +80,16 @@ class WithProgress:
 
 
 def is_leader() -> bool:
-    """Whether this process reports: always outside torchrun, rank 0 under it."""
+    """Whether this process reports: always outside torchrun, rank 0 under it. Under torchrun
+    the rank is read from the environment torchrun set, not from the process group: a command
+    asks before its first job, which is what starts the group (a rank that asked the group
+    then would answer True on every rank, and every rank would write and publish a report)."""
+    import os
+
     import torch.distributed as dist
 
+    if under_torchrun():
+        return os.environ.get("RANK", "0") == "0"
     return not dist.is_initialized() or dist.get_rank() == 0
 
 

@@ -23,8 +23,6 @@ import shlex
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-import torch.distributed as dist
-
 from sp_harness.config.converge_options import ConvergeOptions, repro_line
 from sp_harness.config.flags import add_flags, from_args
 from sp_harness.config.registry import get_case
@@ -40,12 +38,13 @@ def converge(opts: ConvergeOptions, runner: Runner, out_dir: str | os.PathLike, 
     """Train reference, baseline and case in lockstep, write records, gate, write the report.
     Returns (gate result, report.html path, records by run)."""
     from sp_harness.judge.golden import load_golden
+    from sp_harness.launch.runner import is_leader
     from sp_harness.record.environment import run_environment
     from sp_harness.record.records import make_meta, write_run_dir
     from sp_harness.report.html import write_report
 
     out = Path(out_dir)
-    writer = not dist.is_initialized() or dist.get_rank() == 0  # under torchrun every rank gets here
+    writer = is_leader()  # under torchrun every rank gets here
     if writer:
         out.mkdir(parents=True, exist_ok=True)
     golden_doc = load_golden(golden) if golden else None
