@@ -92,8 +92,11 @@ def test_a_pool_job_runs_on_either_start_path(forkserver, world_size, monkeypatc
     # what torch itself writes into the driver's environment at `import torch._dynamo` (a torch
     # optimizer's first step): neither the ranks' inductor cache nor a zygote key of its own
     from torch._inductor.runtime.cache_dir_utils import default_cache_dir
-    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", default_cache_dir())
+    monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
+    before = RankPool(1)  # this environment's zygote, as it was before torch wrote the folder
+    before.run(health_check, None, timeout_s=120, label="before")
     zygotes = len(zygote_registry._REGISTRY)
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", default_cache_dir())
     pool = RankPool(world_size)
     try:
         assert pool.run(health_check, None, timeout_s=120, label="path") == [world_size] * world_size
@@ -102,12 +105,13 @@ def test_a_pool_job_runs_on_either_start_path(forkserver, world_size, monkeypatc
         scratch = pool.scratch_dir
     finally:
         pool.close()
+        before.close()
     parents = {g[0] for g in got}
     if forkserver == "1":
         # forked by the zygote, each with a forked companion
         assert kinds == {"RankProcess"} and os.getpid() not in parents
         assert {g[1] for g in got} == {"ForkedChild"}
-        assert len(zygote_registry._REGISTRY) == zygotes  # forked from the warm one
+        assert len(zygote_registry._REGISTRY) == zygotes  # forked from the one `before` started
     else:
         assert kinds == {"Popen"} and parents == {os.getpid()}
         assert {g[1] for g in got} == {"Popen"}
