@@ -203,6 +203,26 @@ if os.environ.get("SP_TEST_POOL_LOG"):  # measurement only: every pool start of 
 
     _pool.RankPool.start = _logged_start
 
+    from sp_harness.launch import zygote_registry as _registry
+
+    _first_env: dict[str, str] = {}
+
+    class _LoggedZygote(_registry.Zygote):
+        """Each fork server started (its start is waited for in the pool's start, logged above),
+        and the variables in which its environment differs from this process's first one's: a
+        variable that drifts in the driver starts fork servers for the same ranks again."""
+
+        def __init__(self, env):
+            super().__init__(env)
+            if not _first_env:
+                _first_env.update(env)
+            diff = sorted(k for k in set(env) | set(_first_env) if env.get(k) != _first_env.get(k))
+            with open(os.environ["SP_TEST_POOL_LOG"], "a") as f:
+                f.write(f"zygote {os.getpid()} {os.environ.get('PYTEST_CURRENT_TEST', '?').split(' ')[0]}\t"
+                        f"{','.join(diff)}\n")
+
+    _registry.Zygote = _LoggedZygote
+
 
 def pytest_unconfigure(config: pytest.Config) -> None:
     """The suite leaves nothing in /tmp: the probes' folder it made and this session's `tmp_path`
