@@ -222,18 +222,24 @@ class ShippedBug:
         release = installed_release(self.distribution)
         return release is not None and release_key(self.first) <= release_key(release) < release_key(self.fixed)
 
+    def stage_here(self) -> str:
+        """Where the check catches its release case on the installed release: `stage` (a case
+        whose config shows other bugs too says which is caught first there)."""
+        return self.stage
+
 
 def release_case(base: Case, *, name: str, bug: ShippedBug, fields: tuple[tuple[str, Any], ...], note: str) -> Case:
     """A release case: correct case `base` on the config (`fields`) that shows `bug`, registered
-    under `name`, whose expected verdict follows the installed release: FAIL (at `bug.stage`,
-    its `killed_by`) where the release has the bug, PASS where it is fixed. The main job checks
-    it on the pinned release; the release matrix on each (`sp-harness releases`)."""
+    under `name`, whose expected verdict follows the installed release: FAIL where the release has
+    the bug, PASS where it is fixed. Its `killed_by` is `bug.stage_here()`, read here, at
+    registration: the stage the installed release's bug is caught at. The main job checks it on
+    the pinned release; the release matrix on each (`sp-harness releases`)."""
     if not name.startswith("release-"):
         raise ValueError(f"release case names start with 'release-', got {name!r}")
     return register(dataclasses.replace(
         base, name=name, description=f"RELEASE {bug.distribution} {bug.first} to before {bug.fixed}: {bug.summary}",
         models_bug=bug.summary, source=bug.source, tags=tuple(dict.fromkeys((*base.tags, "release"))),
-        killed_by=(bug.stage,), expect=lambda config: "FAIL" if bug.present() else "PASS",
+        killed_by=(bug.stage_here(),), expect=lambda config: "FAIL" if bug.present() else "PASS",
         examples=(Example(fields=fields, note=note),)))
 
 

@@ -223,22 +223,32 @@ SMOOTHER_PER_MICRO_BATCH = mutant(HF_TRAINER_SMOOTHING, name="mutant-hf-trainer-
 
 @dataclass(kw_only=True, frozen=True)
 class ShownWith(ShippedBug):
-    """A `ShippedBug` as its release case's config shows it: that config also FAILs, at the same
-    stage, on the releases of the other bugs it shows (`also`), so its expected verdict is FAIL
-    wherever any of them is present (the engine's uneven micro-batches show every one of the
-    Trainer's accumulation bugs: no config shows one and hides another)."""
+    """A `ShippedBug` as its release case's config shows it: that config also FAILs on the releases
+    of the other bugs it shows (`also`), so its expected verdict is FAIL wherever any of them is
+    present (the engine's uneven micro-batches show every one of the Trainer's accumulation bugs:
+    no config shows one and hides another), at the stage of whichever the check judges first."""
 
     also: tuple[ShippedBug, ...] = ()
-    """The other bugs (same distribution, same stage) the case's config shows."""
+    """The other bugs (same distribution) the case's config shows."""
 
     def __post_init__(self) -> None:
         for bug in self.also:
-            if (bug.distribution, bug.stage) != (self.distribution, self.stage):
-                raise ValueError(f"{self.source}: a bug shown with it must be of {self.distribution} at {self.stage}, "
-                                 f"got {bug.distribution} at {bug.stage} ({bug.source})")
+            if bug.distribution != self.distribution:
+                raise ValueError(f"{self.source}: a bug shown with it must be of {self.distribution}, "
+                                 f"got {bug.distribution} ({bug.source})")
 
     def present(self) -> bool:
         return super().present() or any(bug.present() for bug in self.also)
+
+    def stage_here(self) -> str:
+        """The stage of the first present bug in the order the training-step check judges its
+        stages (`stage` where none is present): on 4.47.0 the grads-divided-twice case FAILs at
+        the reported loss, through #35207, before its own bug's grads are judged."""
+        from sp_harness.checks.train_step import STAGE_LABEL
+
+        order = list(STAGE_LABEL.values())
+        present = [b.stage for b in (self, *self.also) if ShippedBug.present(b)]
+        return min(present, key=order.index) if present else self.stage
 
 
 def shown_with(bug: ShippedBug, *also: ShippedBug) -> ShownWith:
@@ -296,9 +306,11 @@ RELEASE_35207 = release_case(
     note="transformers 4.47.0: 21.65 reported against a token mean of 5.40 (each micro-batch's mean x W, summed, the "
          "empty one's NaN filtered as the running sum again); 4.47.1: fixed; 4.45.x FAILs it too, through #34191")
 RELEASE_GRADS_DIVIDED_TWICE = release_case(
-    HF_TRAINER_LLAMA, name="release-hf-5x-grads-divided-by-k-twice", fields=_DP2_K3, bug=GRADS_DIVIDED_TWICE_BUG,
+    HF_TRAINER_LLAMA, name="release-hf-5x-grads-divided-by-k-twice", fields=_DP2_K3,
+    bug=shown_with(GRADS_DIVIDED_TWICE_BUG, MEAN_OF_MEANS_BUG, DOUBLED_LOSS_BUG),
     note="transformers 5.2.0 to 5.5.3: every grad 1/K (0.333x at K = 3) with the reported loss right; 5.5.4 on: "
-         "fixed. On those releases the three accumulation release cases above FAIL at the grads through it too")
+         "fixed. On those releases the three accumulation release cases above FAIL at the grads through it too; "
+         "4.45.x and 4.47.0 FAIL it at the reported loss, through #34191 and #35207")
 RELEASE_46731 = release_case(
     HF_TRAINER_SMOOTHING, name="release-hf-46731-label-smoother-per-micro-batch", fields=_DP2_K3,
     bug=shown_with(LABEL_SMOOTHER_BUG, MEAN_OF_MEANS_BUG, DOUBLED_LOSS_BUG),
