@@ -295,25 +295,34 @@ _DP2_K3 = (("world_size", 2), ("dp", 2), ("train_step", True), ("micro_batches",
 clipping active: every one of these bugs moves the reported loss (and the grads) by a multiple of
 its bound."""
 
+SHOWN_34191 = shown_with(MEAN_OF_MEANS_BUG, DOUBLED_LOSS_BUG, GRADS_DIVIDED_TWICE_BUG)
+SHOWN_35207 = shown_with(DOUBLED_LOSS_BUG, MEAN_OF_MEANS_BUG, GRADS_DIVIDED_TWICE_BUG)
+SHOWN_GRADS_DIVIDED_TWICE = shown_with(GRADS_DIVIDED_TWICE_BUG, MEAN_OF_MEANS_BUG, DOUBLED_LOSS_BUG)
+SHOWN_46731 = shown_with(LABEL_SMOOTHER_BUG, MEAN_OF_MEANS_BUG, DOUBLED_LOSS_BUG, GRADS_DIVIDED_TWICE_BUG)
+"""Each release case's bug with the others its config shows (`_DP2_K3` shows every one of them but
+the label smoother's, which needs `HF_TRAINER_SMOOTHING`'s smoothing)."""
+
 RELEASE_34191 = release_case(
     HF_TRAINER_LLAMA, name="release-hf-34191-mean-of-micro-batch-means", fields=_DP2_K3,
-    bug=shown_with(MEAN_OF_MEANS_BUG, DOUBLED_LOSS_BUG),
+    bug=SHOWN_34191,
     note="transformers 4.45.x: the mean of micro-batch means (3.609 reported against a token mean of 5.402); "
-         "4.46.0 on: the token mean over every micro-batch of every rank; 4.47.0 FAILs it too, through #35207")
+         "4.46.0 on: the token mean over every micro-batch of every rank; 4.47.0 FAILs it too, through #35207, and "
+         "5.2.0 to 5.5.3 at the grads, through the grads divided by K twice")
 RELEASE_35207 = release_case(
     HF_TRAINER_LLAMA, name="release-hf-35207-loss-times-k-and-ranks", fields=_DP2_K3,
-    bug=shown_with(DOUBLED_LOSS_BUG, MEAN_OF_MEANS_BUG),
+    bug=SHOWN_35207,
     note="transformers 4.47.0: 21.65 reported against a token mean of 5.40 (each micro-batch's mean x W, summed, the "
-         "empty one's NaN filtered as the running sum again); 4.47.1: fixed; 4.45.x FAILs it too, through #34191")
+         "empty one's NaN filtered as the running sum again); 4.47.1: fixed; 4.45.x FAILs it too, through #34191, and "
+         "5.2.0 to 5.5.3 at the grads, through the grads divided by K twice")
 RELEASE_GRADS_DIVIDED_TWICE = release_case(
     HF_TRAINER_LLAMA, name="release-hf-5x-grads-divided-by-k-twice", fields=_DP2_K3,
-    bug=shown_with(GRADS_DIVIDED_TWICE_BUG, MEAN_OF_MEANS_BUG, DOUBLED_LOSS_BUG),
+    bug=SHOWN_GRADS_DIVIDED_TWICE,
     note="transformers 5.2.0 to 5.5.3: every grad 1/K (0.333x at K = 3) with the reported loss right; 5.5.4 on: "
-         "fixed. On those releases the three accumulation release cases above FAIL at the grads through it too; "
-         "4.45.x and 4.47.0 FAIL it at the reported loss, through #34191 and #35207")
+         "fixed. On those releases the two release cases above FAIL at the grads through it too; 4.45.x and 4.47.0 "
+         "FAIL this one at the reported loss, through #34191 and #35207")
 RELEASE_46731 = release_case(
     HF_TRAINER_SMOOTHING, name="release-hf-46731-label-smoother-per-micro-batch", fields=_DP2_K3,
-    bug=shown_with(LABEL_SMOOTHER_BUG, MEAN_OF_MEANS_BUG, DOUBLED_LOSS_BUG),
+    bug=SHOWN_46731,
     note="transformers 4.46.0 to 5.14.x: each micro-batch's smoothed token mean, not divided by K; 5.15.0: over "
          "num_items_in_batch; 4.45.x FAILs it too, through #34191")
 
