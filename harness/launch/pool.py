@@ -314,4 +314,3 @@ def _inherited_environ() -> dict[str, str]:
         if os.path.abspath(value) == os.path.abspath(default_cache_dir()):
             del env[INDUCTOR_CACHE_ENV]
     return env
-
