@@ -69,3 +69,17 @@ def test_an_accumulation_not_a_multiple_of_sp_is_unsupported(sp_check):
                                timeout_s=TIMEOUT_S))
     assert res.verdict == UNSUPPORTED, format_result(res)
     assert "multiple of SP" in res.reason or "sequence parallelism" in res.reason, res.reason
+
+
+def test_a_ddp_trainer_job_after_an_sp_job_in_the_same_ranks_runs_the_trainers_ddp_step(sp_check):
+    # accelerate leaves ACCELERATE_USE_DEEPSPEED set after an SP job: the next DDP job in the same
+    # rank processes built a DeepSpeed plugin from it and ran DeepSpeed's engine instead of the
+    # Trainer's DDP step (an ERROR now: the DDP step asserts it is not DeepSpeed's)
+    sp = sp_check(CheckConfig(case="hf-trainer-sp-llama", world_size=2, train_step=True, micro_batches=2, steps=1,
+                              timeout_s=TIMEOUT_S))
+    if not runs_here(sp):
+        return
+    assert sp.verdict == PASS, format_result(sp)
+    res = sp_check(CheckConfig(case="hf-trainer-llama", world_size=2, dp=2, train_step=True, micro_batches=2,
+                               steps=1, timeout_s=TIMEOUT_S))
+    assert res.verdict == PASS, format_result(res)

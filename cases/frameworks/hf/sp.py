@@ -136,6 +136,9 @@ class DeferredStep:
         self.pending = False
 
 
+ACCELERATE_USE_DEEPSPEED = "ACCELERATE_USE_DEEPSPEED"
+"""accelerate's switch to DeepSpeed, which `reset_process` clears for a DDP job."""
+
 _LAST_SP = [1]
 """The SP size of this process's last Trainer job (1: none yet, or the Trainer's DDP)."""
 
@@ -144,8 +147,18 @@ def reset_process(sp: int) -> None:
     """Where this job (SP `sp`) or this process's last one is an SP job, start from what a new
     process has: no accelerate state (an SP job's holds its DeepSpeed plugin and ParallelismConfig)
     and, after an SP job, transformers' own sdpa and no DeepSpeed SP groups. DDP jobs after DDP
-    jobs share accelerate's state as they always have."""
+    jobs share accelerate's state as they always have.
+
+    A DDP job also starts without ACCELERATE_USE_DEEPSPEED: accelerate's `Accelerator` sets it
+    whenever it is given a DeepSpeed plugin (accelerator.py 1.12.0 line 368) and nothing unsets it,
+    so an SP job left it for the next job, whose `TrainingArguments` then built a DeepSpeed plugin
+    of their own (training_args.py 5.23.0 line 1716): the DDP case ran DeepSpeed's engine, not the
+    Trainer's DDP step (and crashed in it once a DeepSpeed job had released its SP groups)."""
+    import os
+
     last, _LAST_SP[0] = _LAST_SP[0], sp
+    if sp == 1:
+        os.environ.pop(ACCELERATE_USE_DEEPSPEED, None)
     if sp == 1 and last == 1:
         return
     from accelerate.state import AcceleratorState

@@ -201,6 +201,8 @@ class TrainerStep:
         self.feed = sp_path.Feed()
         self.model = self._set_up_split(max_steps) if self.loop == compat.RUN_EPOCH else self._set_up_inline(max_steps)
         self.deferred: sp_path.DeferredStep | None = None
+        # SP 1 is the Trainer's DDP step, never DeepSpeed's engine (sp_path.reset_process)
+        assert self.sp > 1 or not getattr(t, "is_deepspeed_enabled", False), "the DDP Trainer step runs DeepSpeed"
         if self.sp > 1:
             sp_path.check_groups(ctx)
             self.deferred = sp_path.DeferredStep(t.accelerator.deepspeed_engine_wrapped.engine)
