@@ -117,7 +117,8 @@ def test_on_a_release_with_7967_the_offload_path_is_right_where_the_bug_does_not
 @pytest.mark.parametrize("case", ["release-ds-7967-offload-ga3-drops-middle",
                                   "release-ds-7981-offload-multi-backward-keeps-last",
                                   "release-ds-8317-seq-first-output-layout", "release-ds-6774-output-a2a-uneven-path",
-                                  "release-ds-7649-stage0-clip-slim-mpu", "release-ds-7509-zero2-ga-accumulator"])
+                                  "release-ds-7649-stage0-clip-slim-mpu", "release-ds-7509-zero2-ga-accumulator",
+                                  "release-ds-7837-stage0-bf16-loss-scale", "release-ds-stage0-bf16-adamw-init-step"])
 def test_each_release_case_fails_at_its_stage_where_the_release_has_the_bug_and_passes_where_fixed(sp_check, case):
     # what `sp-harness releases` runs (the main job on the pinned release, the matrix on the others)
     from sp_harness.config.registry import get_case

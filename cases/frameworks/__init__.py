@@ -64,7 +64,8 @@ FRAMEWORK_CASES: dict[str, tuple[str, tuple[str, ...]]] = {
         "mutant-ds-ulysses-hf-exchange-detached", "release-ds-7967-offload-ga3-drops-middle",
         "release-ds-7981-offload-multi-backward-keeps-last", "release-ds-8317-seq-first-output-layout",
         "release-ds-6774-output-a2a-uneven-path", "release-ds-7649-stage0-clip-slim-mpu",
-        "release-ds-7509-zero2-ga-accumulator")),
+        "release-ds-7509-zero2-ga-accumulator",
+        "release-ds-7837-stage0-bf16-loss-scale", "release-ds-stage0-bf16-adamw-init-step")),
     "accelerate": ("sp_harness.cases.frameworks.hf.cases", (
         "hf-trainer-llama", "hf-trainer-qwen2", "hf-trainer-llama-user-loss",
         "mutant-hf-trainer-mean-of-micro-batch-means", "mutant-hf-trainer-4470-training-step",

@@ -207,8 +207,9 @@ class ShippedBug:
     """The distribution that shipped it, e.g. 'transformers'."""
     first: str
     """The oldest release of the supported range that has it (the bug may be older)."""
-    fixed: str
-    """The first release without it."""
+    fixed: str | None
+    """The first release without it; None where no release of the declared range fixes it yet
+    (the newest release checked ships it)."""
     stage: str
     """Where the check catches it on a release that has it (`Outcome.caught_by`: 'grad',
     'reported loss', 'grad norm', ...)."""
@@ -220,12 +221,49 @@ class ShippedBug:
     def present(self) -> bool:
         """Whether the installed release has it (False where the distribution is not installed)."""
         release = installed_release(self.distribution)
-        return release is not None and release_key(self.first) <= release_key(release) < release_key(self.fixed)
+        if release is None or release_key(release) < release_key(self.first):
+            return False
+        return self.fixed is None or release_key(release) < release_key(self.fixed)
 
     def stage_here(self) -> str:
         """Where the check catches its release case on the installed release: `stage` (a case
         whose config shows other bugs too says which is caught first there)."""
         return self.stage
+
+
+@dataclass(kw_only=True, frozen=True)
+class ShownWith(ShippedBug):
+    """A `ShippedBug` as its release case's config shows it: that config also FAILs on the releases
+    of the other bugs it shows (`also`), so its expected verdict is FAIL wherever any of them is
+    present (the engine's uneven micro-batches show every one of the HF Trainer's accumulation bugs:
+    no config shows one and hides another), at the stage of whichever the check judges first."""
+
+    also: tuple[ShippedBug, ...] = ()
+    """The other bugs (same distribution) the case's config shows."""
+
+    def __post_init__(self) -> None:
+        for bug in self.also:
+            if bug.distribution != self.distribution:
+                raise ValueError(f"{self.source}: a bug shown with it must be of {self.distribution}, "
+                                 f"got {bug.distribution} ({bug.source})")
+
+    def present(self) -> bool:
+        return super().present() or any(bug.present() for bug in self.also)
+
+    def stage_here(self) -> str:
+        """The stage of the first present bug in the order the training-step check judges its
+        stages (`stage` where none is present): on 4.47.0 the grads-divided-twice case FAILs at
+        the reported loss, through #35207, before its own bug's grads are judged."""
+        from sp_harness.checks.train_step import STAGE_LABEL
+
+        order = list(STAGE_LABEL.values())
+        present = [b.stage for b in (self, *self.also) if ShippedBug.present(b)]
+        return min(present, key=order.index) if present else self.stage
+
+
+def shown_with(bug: ShippedBug, *also: ShippedBug) -> ShownWith:
+    """`bug`, expected to FAIL its release case also where any of `also` is present."""
+    return ShownWith(**{f.name: getattr(bug, f.name) for f in dataclasses.fields(ShippedBug)}, also=also)
 
 
 def release_case(base: Case, *, name: str, bug: ShippedBug, fields: tuple[tuple[str, Any], ...], note: str) -> Case:
@@ -237,7 +275,9 @@ def release_case(base: Case, *, name: str, bug: ShippedBug, fields: tuple[tuple[
     if not name.startswith("release-"):
         raise ValueError(f"release case names start with 'release-', got {name!r}")
     return register(dataclasses.replace(
-        base, name=name, description=f"RELEASE {bug.distribution} {bug.first} to before {bug.fixed}: {bug.summary}",
+        base, name=name, description=f"RELEASE {bug.distribution} {bug.first} to "
+                                  f"{'now (no release fixes it yet)' if bug.fixed is None else f'before {bug.fixed}'}: "
+                                  f"{bug.summary}",
         models_bug=bug.summary, source=bug.source, tags=tuple(dict.fromkeys((*base.tags, "release"))),
         killed_by=(bug.stage_here(),), expect=lambda config: "FAIL" if bug.present() else "PASS",
         examples=(Example(fields=fields, note=note),)))

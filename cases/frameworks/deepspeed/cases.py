@@ -10,7 +10,7 @@ loss divided by the accumulation steps twice."""
 from sp_harness.cases.frameworks.deepspeed.case import detached, sdpa_attention, ulysses_case, ulysses_shard
 from sp_harness.cases.frameworks.deepspeed.hf import hf_ulysses_case
 from sp_harness.cases.frameworks.deepspeed.step import DeepSpeedStepConfig, ds_step_case, ds_step_shard
-from sp_harness.cases.frameworks.releases import ShippedBug, release_case
+from sp_harness.cases.frameworks.releases import ShippedBug, release_case, shown_with
 from sp_harness.cases.frameworks.token_loss import TokenLoss
 from sp_harness.config.case import Example
 from sp_harness.config.registry import mutant, register
@@ -282,3 +282,31 @@ BUG_7509 = ShippedBug(
     source="deepspeedai/DeepSpeed#7665 (the condition fixed in 0.18.3; introduced by #7509 in 0.17.6)")
 RELEASE_7509 = release_case(DS_STEP_ZERO2, name="release-ds-7509-zero2-ga-accumulator", bug=BUG_7509,
                             fields=_ONE_STEP, note="ZeRO-2, no offload, K 3: the plainest accumulation there is")
+
+BUG_7837 = ShippedBug(
+    distribution="deepspeed", first="0.17.6", fixed="0.18.6", stage="grad norm",
+    summary="ZeRO stage 0 in bfloat16 (#7515's native bf16 DDP: FP16_UnfusedOptimizer): the wrapper keeps fp16's "
+            "dynamic loss scale (65536) although engine.backward never scales a bf16 loss, so its step divides the "
+            "grads and the reported norm by it, and _take_model_step skips zero_grad, so grads accumulate across "
+            "steps",
+    source="deepspeedai/DeepSpeed#7837 (fixed by #7839 in 0.18.6)")
+RELEASE_7837 = release_case(DS_STEP, name="release-ds-7837-stage0-bf16-loss-scale", bug=BUG_7837,
+                            fields=(("world_size", 2), ("dtype", "bfloat16"), ("train_step", True),
+                                    ("micro_batches", 3), ("optimizer", "sgd"), ("steps", 2)),
+                            note="stage 0, bfloat16, SGD (which the init step below leaves exact), two steps")
+
+BUG_INIT_STEP = ShippedBug(
+    distribution="deepspeed", first="0.17.6", fixed=None, stage="update given the grads",
+    summary="ZeRO stage 0 in bfloat16 wraps the client optimizer in FP16_UnfusedOptimizer, whose constructor "
+            "steps it once with zero grads (initialize_optimizer_states): torch's AdamW counts that step, so "
+            "every real step t takes step t+1's bias correction (the first update 0.744x AdamW's, measured: the "
+            "state's step reads 2 after the first engine.step) and one extra weight decay; SGD is unaffected. "
+            "Before 0.17.6 bf16 stage 0 took BF16_Optimizer, which does not step",
+    source="deepspeedai/DeepSpeed#5104 (the same init step, removed from ZeRO 1-3; FP16_UnfusedOptimizer still has "
+           "it in 0.19.8, the newest release)")
+SHOWN_INIT_STEP = shown_with(BUG_INIT_STEP, BUG_7837)
+"""The init step as its config (bfloat16 stage 0) shows it: with #7837 too on 0.17.6 to 0.18.5."""
+RELEASE_INIT_STEP = release_case(DS_STEP, name="release-ds-stage0-bf16-adamw-init-step", bug=SHOWN_INIT_STEP,
+                                 fields=(("world_size", 2), ("dtype", "bfloat16"), ("train_step", True),
+                                         ("micro_batches", 3), ("optimizer", "adamw"), ("steps", 1)),
+                                 note="stage 0, bfloat16, the client torch AdamW, one step")

@@ -7,14 +7,14 @@ release: FAIL where it shipped one of those bugs (`SHIPPED`), PASS where it is f
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
-
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
 from sp_harness.cases.frameworks.hf.case import HFTrainerSetup, hf_trainer_case, hf_trainer_shard
-from sp_harness.cases.frameworks.releases import ShippedBug, release_case
+
+# ShownWith and shown_with moved to releases (DeepSpeed's release cases show bugs together too)
+from sp_harness.cases.frameworks.releases import ShippedBug, ShownWith, release_case, shown_with  # noqa: F401
 from sp_harness.config.case import Example
 from sp_harness.config.registry import mutant, register
 
@@ -219,41 +219,6 @@ SMOOTHER_PER_MICRO_BATCH = mutant(HF_TRAINER_SMOOTHING, name="mutant-hf-trainer-
        source="huggingface/transformers#46731 (LabelSmoother ignores num_items_in_batch), fixed by PR #47261",
        shard=hf_trainer_shard(HFTrainerSetup(label_smoothing=0.1, trainer_class=LabelSmootherPerMicroBatch)),
        train_loss=HF_TRAINER_SMOOTHING.train_loss, tags=("train-step",), killed_by=("reported loss", "train-step-dp"))
-
-
-@dataclass(kw_only=True, frozen=True)
-class ShownWith(ShippedBug):
-    """A `ShippedBug` as its release case's config shows it: that config also FAILs on the releases
-    of the other bugs it shows (`also`), so its expected verdict is FAIL wherever any of them is
-    present (the engine's uneven micro-batches show every one of the Trainer's accumulation bugs:
-    no config shows one and hides another), at the stage of whichever the check judges first."""
-
-    also: tuple[ShippedBug, ...] = ()
-    """The other bugs (same distribution) the case's config shows."""
-
-    def __post_init__(self) -> None:
-        for bug in self.also:
-            if bug.distribution != self.distribution:
-                raise ValueError(f"{self.source}: a bug shown with it must be of {self.distribution}, "
-                                 f"got {bug.distribution} ({bug.source})")
-
-    def present(self) -> bool:
-        return super().present() or any(bug.present() for bug in self.also)
-
-    def stage_here(self) -> str:
-        """The stage of the first present bug in the order the training-step check judges its
-        stages (`stage` where none is present): on 4.47.0 the grads-divided-twice case FAILs at
-        the reported loss, through #35207, before its own bug's grads are judged."""
-        from sp_harness.checks.train_step import STAGE_LABEL
-
-        order = list(STAGE_LABEL.values())
-        present = [b.stage for b in (self, *self.also) if ShippedBug.present(b)]
-        return min(present, key=order.index) if present else self.stage
-
-
-def shown_with(bug: ShippedBug, *also: ShippedBug) -> ShownWith:
-    """`bug`, expected to FAIL its release case also where any of `also` is present."""
-    return ShownWith(**{f.name: getattr(bug, f.name) for f in fields(ShippedBug)}, also=also)
 
 
 STAGE = "reported loss"
