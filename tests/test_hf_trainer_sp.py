@@ -71,6 +71,8 @@ def test_an_accumulation_not_a_multiple_of_sp_is_unsupported(sp_check):
     assert "multiple of SP" in res.reason or "sequence parallelism" in res.reason, res.reason
 
 
+@pytest.mark.exhaustive("an SP job then a DDP job in the same ranks (18 s); in the fast tier TrainerStep's own assert "
+                        "ERRORs any DDP job that runs DeepSpeed's engine")
 def test_a_ddp_trainer_job_after_an_sp_job_in_the_same_ranks_runs_the_trainers_ddp_step(sp_check):
     # accelerate leaves ACCELERATE_USE_DEEPSPEED set after an SP job: the next DDP job in the same
     # rank processes built a DeepSpeed plugin from it and ran DeepSpeed's engine instead of the
