@@ -75,6 +75,9 @@ def test_a_shipped_bug_is_present_only_on_its_releases(fakes):
     assert bug.present()
     assert not ShippedBug(**{**bug.__dict__, "first": "4.45.0", "fixed": "4.47.0"}).present()
     assert not ShippedBug(**{**bug.__dict__, "distribution": "spfake-not-installed"}).present()
+    # no release fixes it yet: present from `first` on
+    assert ShippedBug(**{**bug.__dict__, "first": "4.45.0", "fixed": None}).present()
+    assert not ShippedBug(**{**bug.__dict__, "first": "4.48.0", "fixed": None}).present()
 
 
 def test_a_missing_api_is_unsupported_naming_it(tmp_path, monkeypatch):

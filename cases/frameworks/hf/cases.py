@@ -336,15 +336,15 @@ mutant(HF_TRAINER_SP, name="mutant-hf-trainer-sp-accumulation-count-times-sp",
        killed_by=("reported loss", "train-step-sp"))
 
 SP_LOSS_BUG = ShippedBug(
-    distribution="transformers", first="5.3.0", fixed="5.23.1", stage=STAGE,
+    distribution="transformers", first="5.3.0", fixed=None, stage=STAGE,
     summary="under accelerate's SP (sp_backend 'deepspeed') the Trainer's own loss is each micro-step's SP-group "
             "token mean, divided by K and averaged over DP (the mean of micro-batch means, #34191's objective), and "
             "its grads are sp_size x that loss's (every SP rank backpropagates the whole group's loss, DeepSpeed "
             "sums the SP ranks' grads): 0.25x the reported loss, 0.5x the grads at DP 2 x SP 2, K=2",
     source="transformers 5.23.0 integrations/deepspeed.py deepspeed_sp_compute_loss and trainer.py "
            "(model_accepts_loss_kwargs = False under SP); the accumulation weighting raised in the review of PR #41832")
-"""`first` is the oldest release this integration runs the SP path on (the 5.3 loop); `fixed` the
-release after the newest of the range: no fix is released (a placeholder the release matrix re-checks)."""
+"""`first` is the oldest release this integration runs the SP path on (the 5.3 loop); `fixed` None:
+no fix is released (the release matrix re-checks when one ships)."""
 
 RELEASE_SP_LOSS = release_case(
     HF_TRAINER_LLAMA, name="release-hf-sp-mean-of-means-times-sp", bug=SP_LOSS_BUG,

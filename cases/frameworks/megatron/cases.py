@@ -236,9 +236,9 @@ MCORE_GPT_CP_STEP = register(megatron_train_case(
 
 # every release from the range's oldest (compat.RELEASES: 0.15.0) to the newest (0.19.2, read in its wheel)
 # divides the legacy 3-tuple loss by each CP rank's own count (schedules.forward_step_calc_loss); the fix (PR
-# #7513) is unmerged: `fixed` is the release after the newest, a placeholder the release matrix re-checks
+# #7513) is unmerged: `fixed` is None, which the release matrix re-checks when a release ships
 BUG_7452_F9 = ShippedBug(
-    distribution="megatron-core", first="0.15.0", fixed="0.19.3", stage="grads before clipping",
+    distribution="megatron-core", first="0.15.0", fixed=None, stage="grads before clipping",
     summary="context parallelism, calculate_per_token_loss=False: each CP rank's loss sum divided by its own "
             "valid-token count, the grads then averaged over DP x CP, so uneven counts across CP ranks change "
             "the objective (0.500x the grads at CP 2 when one rank holds every valid token)",
@@ -256,10 +256,10 @@ MCORE_GPT_SP_STEP_SINKS = register(megatron_train_case(
     "mcore-gpt-sp-step-sinks", SINKS, layer_spec=flagged_attention_sinks(), isolation=ISOLATION,
     examples=(Example(fields=SINKS_STEP, note="megatron's own step, learnable attention sinks flagged tensor-parallel "
                                               "as PR #7530 does: the control of release-mcore-7452-f8-sinks-clip-norm"),)))
-# unfixed in every release to the newest (0.19.2's DotProductAttention, read in its wheel): `fixed` is the
-# release after it, a placeholder that the release matrix re-checks when one ships
+# unfixed in every release to the newest (0.19.2's DotProductAttention, read in its wheel): `fixed` is None,
+# which the release matrix re-checks when a release ships
 BUG_7452_F8 = ShippedBug(
-    distribution="megatron-core", first="0.15.0", fixed="0.19.3", stage="grad norm",
+    distribution="megatron-core", first="0.15.0", fixed=None, stage="grad norm",
     summary="learnable attention sinks (softmax_type='learnable'): softmax_offset is head-sharded over TP but not "
             "flagged tensor_model_parallel, so the clip norm counts TP rank 0's sinks alone",
     source="https://github.com/NVIDIA/Megatron-LM/issues/7452 (finding 8; fix proposed in PR #7530)")
