@@ -43,6 +43,13 @@ source; measured where the docs say so, docs/frameworks/deepspeed.md "Releases")
   boundary flag is set on `engine.optimizer` unguarded: AttributeError on None). The side-by-side
   cases hand every engine a never-stepped SGD(lr=0) (`case.grad_sync_of`), which stage 0 holds
   unwrapped: the reduction, `buffered_allreduce_fallback`, is the same.
+- Where a param's accumulated grad lives under `BF16_Optimizer` (stage 0 in bfloat16 before
+  0.17.6, ZeRO-1 with fp32 grad accumulation): in its fp32 buffer, `param._hp_grad`, while
+  `param.grad` keeps the last micro-batch's bf16 staging grad (cleared before each backward).
+  `safe_get_full_grad` reads that buffer first from 0.19.8 (read in the sdists of 0.16.0 to
+  0.19.8); before it, it returns `param.grad` whenever it is set: the last micro-batch alone
+  (0.16.0, stage 0 bf16 at K 3: every grad 0, the engine's last micro-batch being empty). `full_grad` reads what the optimizer applies, as the newer
+  `safe_get_full_grad` does.
 - Unchanged over the range (asked by `missing()`): `deepspeed.initialize(model=, optimizer=,
   config=, mpu=)`, `engine.backward / step / set_gradient_accumulation_boundary /
   get_global_grad_norm / allreduce_gradients`, `deepspeed.utils.safe_get_full_grad`,
@@ -342,7 +349,22 @@ SLIM_MPU = _SlimMpu()
 """The one SP-groups mpu of a 0.16.x rank process (as `parallel_state_sp` is one module)."""
 
 
+def full_grad(param: Any) -> Any:
+    """`param`'s whole grad as DeepSpeed's optimizer will apply it: `safe_get_full_grad`, but
+    `BF16_Optimizer`'s fp32 accumulation first where it keeps one, which the releases before
+    0.19.8 read after the bf16 staging grad (see above). That buffer, `param._hp_grad`, is the
+    param's whole grad (a view of the flat fp32 grads every rank all-reduces), read as is:
+    0.16.0's `get_full_hp_grad` raises on it ("The size of tensor a (32) must match the size of
+    tensor b (2048)", measured)."""
+    from deepspeed.utils import safe_get_full_grad
+
+    hp = getattr(param, "_hp_grad", None)
+    if hp is not None and hp.numel() == param.numel():
+        return hp.view(param.shape)
+    return safe_get_full_grad(param)
+
+
 __all__ = ["DIM_ZERO_EXCHANGE", "MODULE_EXCHANGE", "NUM_KV_HEADS", "OPTIONAL", "RELEASES", "SLIM_MPU", "ULYSSES_HF",
            "ZERO_TORCH_BACKWARD",
-           "distributed_attention", "gqa_without_num_kv_heads", "lacking", "lacks", "missing", "register_ulysses_hf",
+           "distributed_attention", "full_grad", "gqa_without_num_kv_heads", "lacking", "lacks", "missing", "register_ulysses_hf",
            "release_sp_groups", "reset_process_wide_kv_heads", "sp_groups_module", "unsupported_without"]

@@ -27,7 +27,8 @@ Each optimizer step is what a DeepSpeed user writes:
   micro-batch of every rank (one all-reduce before the first forward). It logs
   `sum(loss_sums) / N` all-reduced.
 - grads before clipping: `deepspeed.utils.safe_get_full_grad(p)` (stage 0: `p.grad` itself;
-  ZeRO 1/2: the partition gathered over DP, a copy). Norm: `engine.get_global_grad_norm()` after
+  ZeRO 1/2: the partition gathered over DP, a copy; `BF16_Optimizer`'s fp32 accumulation, which
+  releases before 0.19.8 read after the staging grad: `compat.full_grad`). Norm: `engine.get_global_grad_norm()` after
   the boundary `engine.step()`. Stage 0 in float32 steps the client optimizer unwrapped and
   reports no norm (None), so there the user computes it with DeepSpeed's own
   `runtime.utils.clip_grad_norm_` (the function `engine.clip_fp32_gradients` clips with, same
@@ -68,6 +69,7 @@ from torch import nn
 
 from sp_harness import Case, Sharded, Unsupported
 from sp_harness.cases.common import known
+from sp_harness.cases.frameworks.deepspeed import compat
 from sp_harness.cases.frameworks.deepspeed.case import sdpa_attention, ulysses_case, ulysses_shard
 from sp_harness.config.rank_context import RankContext
 from sp_harness.config.step_protocol import MicroBatch, TrainLoss
@@ -223,9 +225,7 @@ class DeepSpeedTrainStep:
             group["lr"] = lr
 
     def grad_of(self, param: torch.Tensor) -> torch.Tensor | None:
-        from deepspeed.utils import safe_get_full_grad
-
-        return safe_get_full_grad(param)
+        return compat.full_grad(param)
 
     def grad_norm(self) -> float | None:
         if not self.unwrapped:
