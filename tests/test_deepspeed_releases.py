@@ -133,3 +133,16 @@ def test_each_release_case_fails_at_its_stage_where_the_release_has_the_bug_and_
 
         labels = train_step.STAGE_LABEL if config.train_step else side_by_side.KIND_LABEL
         assert labels.get(res.first_check, res.first_check) == registered.killed_by[0], (res.first_check, res.reason)
+
+
+def test_the_grad_read_is_bf16_optimizers_accumulation_where_it_keeps_one():
+    # before 0.19.8 safe_get_full_grad returned param.grad first: under BF16_Optimizer the last
+    # micro-batch's bf16 staging grad, not the fp32 accumulation the optimizer applies
+    import torch
+
+    p = torch.nn.Parameter(torch.ones(2, 3, dtype=torch.bfloat16))
+    p.grad = torch.zeros_like(p)
+    p._hp_grad = torch.arange(6, dtype=torch.float32)
+    assert torch.equal(compat.full_grad(p), torch.arange(6, dtype=torch.float32).view(2, 3))
+    del p._hp_grad
+    assert compat.full_grad(p) is p.grad
