@@ -15,9 +15,9 @@ skip_unless_installed("deepspeed", "DeepSpeed is not installed (pip install -e '
 from sp_harness.cases.frameworks.deepspeed.cases import (  # noqa: E402  (registers)
     BUG_7509,
     BUG_7649,
-    BUG_7837,
     BUG_7967,
     BUG_7981,
+    SHOWN_7837,
     SHOWN_INIT_STEP,
 )
 from sp_harness.checks.train_step import STAGE_LABEL  # noqa: E402
@@ -43,8 +43,8 @@ def shipped(case: str, fields: dict):
         bugs[case] = BUG_7649  # stage 0 float32 clips with clip_grad_norm_(mpu=the slim mpu)
     if case == "ds-ulysses-step" and fields["dtype"] == "bfloat16":
         # stage 0 bfloat16 wraps the client optimizer in FP16_UnfusedOptimizer: its init step shows in
-        # AdamW's update (SGD's is exact), #7837's loss scale in any
-        bugs[case] = SHOWN_INIT_STEP if fields["optimizer"] == "adamw" else BUG_7837
+        # AdamW's update (SGD's is exact), #7837's loss scale and #7649's missing mpu API in any
+        bugs[case] = SHOWN_INIT_STEP if fields["optimizer"] == "adamw" else SHOWN_7837
     bug = bugs.get(case)
     return bug if bug is not None and bug.present() else None
 

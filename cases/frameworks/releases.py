@@ -256,7 +256,7 @@ class ShownWith(ShippedBug):
         the reported loss, through #35207, before its own bug's grads are judged."""
         from sp_harness.checks.train_step import STAGE_LABEL
 
-        order = list(STAGE_LABEL.values())
+        order = ["crash", *STAGE_LABEL.values()]  # a crash stops the run before any stage is judged
         present = [b.stage for b in (self, *self.also) if ShippedBug.present(b)]
         return min(present, key=order.index) if present else self.stage
 

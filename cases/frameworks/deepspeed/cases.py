@@ -266,9 +266,10 @@ RELEASE_6774 = release_case(DS_ULYSSES, name="release-ds-6774-output-a2a-uneven-
 
 BUG_7649 = ShippedBug(
     distribution="deepspeed", first="0.17.0", fixed="0.18.2", stage="crash",
-    summary="ZeRO stage 0 in float32 with gradient_clipping and DeepSpeed's own Ulysses mpu (parallel_state_sp): "
-            "engine.step's clip_fp32_gradients calls clip_grad_norm_(mpu=...), which asks the slim mpu for "
-            "get_model_parallel_rank, which it lacks: AttributeError at the first clipped step",
+    summary="ZeRO stage 0 with DeepSpeed's own Ulysses mpu (parallel_state_sp), which lacks get_model_parallel_*: "
+            "in float32 with gradient_clipping engine.step's clip_fp32_gradients calls clip_grad_norm_(mpu=...), "
+            "which asks it for get_model_parallel_rank; in bfloat16 (0.17.6 on) FP16_UnfusedOptimizer's overflow "
+            "check all-reduces over its get_model_parallel_group: AttributeError at the first step",
     source="deepspeedai/DeepSpeed#7649 (the slim mpu's get_model_parallel_* API, added for save_checkpoint; 0.18.2)")
 RELEASE_7649 = release_case(DS_STEP, name="release-ds-7649-stage0-clip-slim-mpu", bug=BUG_7649, fields=_ONE_STEP,
                             note="stage 0, float32, clipping active: DeepSpeed clips with its own clip_grad_norm_")
@@ -290,7 +291,9 @@ BUG_7837 = ShippedBug(
             "grads and the reported norm by it, and _take_model_step skips zero_grad, so grads accumulate across "
             "steps",
     source="deepspeedai/DeepSpeed#7837 (fixed by #7839 in 0.18.6)")
-RELEASE_7837 = release_case(DS_STEP, name="release-ds-7837-stage0-bf16-loss-scale", bug=BUG_7837,
+SHOWN_7837 = shown_with(BUG_7837, BUG_7649)
+"""#7837 as its config (bfloat16 stage 0) shows it: a crash through #7649's missing API before 0.18.2."""
+RELEASE_7837 = release_case(DS_STEP, name="release-ds-7837-stage0-bf16-loss-scale", bug=SHOWN_7837,
                             fields=(("world_size", 2), ("dtype", "bfloat16"), ("train_step", True),
                                     ("micro_batches", 3), ("optimizer", "sgd"), ("steps", 2)),
                             note="stage 0, bfloat16, SGD (which the init step below leaves exact), two steps")
@@ -304,8 +307,9 @@ BUG_INIT_STEP = ShippedBug(
             "Before 0.17.6 bf16 stage 0 took BF16_Optimizer, which does not step",
     source="deepspeedai/DeepSpeed#5104 (the same init step, removed from ZeRO 1-3; FP16_UnfusedOptimizer still has "
            "it in 0.19.8, the newest release)")
-SHOWN_INIT_STEP = shown_with(BUG_INIT_STEP, BUG_7837)
-"""The init step as its config (bfloat16 stage 0) shows it: with #7837 too on 0.17.6 to 0.18.5."""
+SHOWN_INIT_STEP = shown_with(BUG_INIT_STEP, BUG_7837, BUG_7649)
+"""The init step as its config (bfloat16 stage 0) shows it: with #7837 too on 0.17.6 to 0.18.5, a
+crash through #7649's missing API before 0.18.2."""
 RELEASE_INIT_STEP = release_case(DS_STEP, name="release-ds-stage0-bf16-adamw-init-step", bug=SHOWN_INIT_STEP,
                                  fields=(("world_size", 2), ("dtype", "bfloat16"), ("train_step", True),
                                          ("micro_batches", 3), ("optimizer", "adamw"), ("steps", 1)),
