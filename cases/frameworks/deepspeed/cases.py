@@ -285,14 +285,15 @@ RELEASE_7509 = release_case(DS_STEP_ZERO2, name="release-ds-7509-zero2-ga-accumu
                             fields=_ONE_STEP, note="ZeRO-2, no offload, K 3: the plainest accumulation there is")
 
 BUG_7837 = ShippedBug(
-    distribution="deepspeed", first="0.17.6", fixed="0.18.6", stage="grad norm",
+    distribution="deepspeed", first="0.17.6", fixed="0.18.6", stage="update given the grads",
     summary="ZeRO stage 0 in bfloat16 (#7515's native bf16 DDP: FP16_UnfusedOptimizer): the wrapper keeps fp16's "
             "dynamic loss scale (65536) although engine.backward never scales a bf16 loss, so its step divides the "
-            "grads and the reported norm by it, and _take_model_step skips zero_grad, so grads accumulate across "
-            "steps",
+            "grads it applies by it, and _take_model_step skips zero_grad, so grads accumulate across steps "
+            "(measured on 0.18.5: SGD's first update 174x its bound off the one its grads give)",
     source="deepspeedai/DeepSpeed#7837 (fixed by #7839 in 0.18.6)")
 SHOWN_7837 = shown_with(BUG_7837, BUG_7649)
-"""#7837 as its config (bfloat16 stage 0) shows it: a crash through #7649's missing API before 0.18.2."""
+"""#7837 as its config (bfloat16 stage 0) shows it: a crash through #7649's missing API before 0.18.2
+(measured on 0.17.6)."""
 RELEASE_7837 = release_case(DS_STEP, name="release-ds-7837-stage0-bf16-loss-scale", bug=SHOWN_7837,
                             fields=(("world_size", 2), ("dtype", "bfloat16"), ("train_step", True),
                                     ("micro_batches", 3), ("optimizer", "sgd"), ("steps", 2)),
