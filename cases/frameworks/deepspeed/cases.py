@@ -284,6 +284,9 @@ BUG_7509 = ShippedBug(
 RELEASE_7509 = release_case(DS_STEP_ZERO2, name="release-ds-7509-zero2-ga-accumulator", bug=BUG_7509,
                             fields=_ONE_STEP, note="ZeRO-2, no offload, K 3: the plainest accumulation there is")
 
+_BF16_STAGE0 = (("world_size", 2), ("dtype", "bfloat16"), ("train_step", True), ("micro_batches", 3))
+"""SP 2, K 3, no clipping: the stage-0 bfloat16 cases' config, their optimizer and steps added."""
+
 BUG_7837 = ShippedBug(
     distribution="deepspeed", first="0.17.6", fixed="0.18.6", stage="update given the grads",
     summary="ZeRO stage 0 in bfloat16 (#7515's native bf16 DDP: FP16_UnfusedOptimizer): the wrapper keeps fp16's "
@@ -295,8 +298,7 @@ SHOWN_7837 = shown_with(BUG_7837, BUG_7649)
 """#7837 as its config (bfloat16 stage 0) shows it: a crash through #7649's missing API before 0.18.2
 (measured on 0.17.6)."""
 RELEASE_7837 = release_case(DS_STEP, name="release-ds-7837-stage0-bf16-loss-scale", bug=SHOWN_7837,
-                            fields=(("world_size", 2), ("dtype", "bfloat16"), ("train_step", True),
-                                    ("micro_batches", 3), ("optimizer", "sgd"), ("steps", 2)),
+                            fields=(*_BF16_STAGE0, ("optimizer", "sgd"), ("steps", 2)),
                             note="stage 0, bfloat16, SGD (which the init step below leaves exact), two steps")
 
 BUG_INIT_STEP = ShippedBug(
@@ -312,6 +314,5 @@ SHOWN_INIT_STEP = shown_with(BUG_INIT_STEP, BUG_7837, BUG_7649)
 """The init step as its config (bfloat16 stage 0) shows it: with #7837 too on 0.17.6 to 0.18.5, a
 crash through #7649's missing API before 0.18.2."""
 RELEASE_INIT_STEP = release_case(DS_STEP, name="release-ds-stage0-bf16-adamw-init-step", bug=SHOWN_INIT_STEP,
-                                 fields=(("world_size", 2), ("dtype", "bfloat16"), ("train_step", True),
-                                         ("micro_batches", 3), ("optimizer", "adamw"), ("steps", 1)),
+                                 fields=(*_BF16_STAGE0, ("optimizer", "adamw"), ("steps", 1)),
                                  note="stage 0, bfloat16, the client torch AdamW, one step")

@@ -48,8 +48,8 @@ source; measured where the docs say so, docs/frameworks/deepspeed.md "Releases")
   `param.grad` keeps the last micro-batch's bf16 staging grad (cleared before each backward).
   `safe_get_full_grad` reads that buffer first from 0.19.8 (read in the sdists of 0.16.0 to
   0.19.8); before it, it returns `param.grad` whenever it is set: the last micro-batch alone
-  (0.16.0, stage 0 bf16 at K 3: every grad 0, the engine's last micro-batch being empty). `full_grad` reads what the optimizer applies, as the newer
-  `safe_get_full_grad` does.
+  (0.16.0, stage 0 bf16 at K 3: every grad 0, the engine's last micro-batch being empty).
+  `full_grad` reads what the optimizer applies, as the newer `safe_get_full_grad` does.
 - Unchanged over the range (asked by `missing()`): `deepspeed.initialize(model=, optimizer=,
   config=, mpu=)`, `engine.backward / step / set_gradient_accumulation_boundary /
   get_global_grad_norm / allreduce_gradients`, `deepspeed.utils.safe_get_full_grad`,
@@ -366,5 +366,5 @@ def full_grad(param: Any) -> Any:
 
 __all__ = ["DIM_ZERO_EXCHANGE", "MODULE_EXCHANGE", "NUM_KV_HEADS", "OPTIONAL", "RELEASES", "SLIM_MPU", "ULYSSES_HF",
            "ZERO_TORCH_BACKWARD",
-           "distributed_attention", "full_grad", "gqa_without_num_kv_heads", "lacking", "lacks", "missing", "register_ulysses_hf",
-           "release_sp_groups", "reset_process_wide_kv_heads", "sp_groups_module", "unsupported_without"]
+           "distributed_attention", "full_grad", "gqa_without_num_kv_heads", "lacking", "lacks", "missing",
+           "register_ulysses_hf", "release_sp_groups", "reset_process_wide_kv_heads", "sp_groups_module", "unsupported_without"]

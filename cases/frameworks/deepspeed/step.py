@@ -28,8 +28,8 @@ Each optimizer step is what a DeepSpeed user writes:
   `sum(loss_sums) / N` all-reduced.
 - grads before clipping: `deepspeed.utils.safe_get_full_grad(p)` (stage 0: `p.grad` itself;
   ZeRO 1/2: the partition gathered over DP, a copy; `BF16_Optimizer`'s fp32 accumulation, which
-  releases before 0.19.8 read after the staging grad: `compat.full_grad`). Norm: `engine.get_global_grad_norm()` after
-  the boundary `engine.step()`. Stage 0 in float32 steps the client optimizer unwrapped and
+  releases before 0.19.8 read after the staging grad: `compat.full_grad`). Norm:
+  `engine.get_global_grad_norm()` after the boundary `engine.step()`. Stage 0 in float32 steps the client optimizer unwrapped and
   reports no norm (None), so there the user computes it with DeepSpeed's own
   `runtime.utils.clip_grad_norm_` (the function `engine.clip_fp32_gradients` clips with, same
   `mpu`) at `max_norm=inf`, which multiplies every grad by exactly 1.

@@ -38,6 +38,7 @@ What the Trainer's own code does on this path (transformers 5.23.0, accelerate 1
 
 from __future__ import annotations
 
+import os
 from collections import deque
 from collections.abc import Iterator, Sequence
 from typing import Any
@@ -154,8 +155,6 @@ def reset_process(sp: int) -> None:
     so an SP job left it for the next job, whose `TrainingArguments` then built a DeepSpeed plugin
     of their own (training_args.py 5.23.0 line 1716): the DDP case ran DeepSpeed's engine, not the
     Trainer's DDP step (and crashed in it once a DeepSpeed job had released its SP groups)."""
-    import os
-
     last, _LAST_SP[0] = _LAST_SP[0], sp
     if sp == 1:
         os.environ.pop(ACCELERATE_USE_DEEPSPEED, None)
